@@ -1,0 +1,27 @@
+# Quick start on a fresh machine (Python 3.11 only):  make demo   |   make test
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch must be installed first: an unpinned resolve could pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.ucp-dcp-installed
+
+.PHONY: demo test setup inspect clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis

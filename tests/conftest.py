@@ -1,0 +1,14 @@
+import os
+import sys
+
+from hypothesis import HealthCheck, settings
+
+# Make `tests/` helpers importable from worker processes started by the dist harness.
+sys.path.insert(0, os.path.dirname(__file__))
+
+settings.register_profile(
+    "ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

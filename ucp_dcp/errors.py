@@ -1,0 +1,159 @@
+"""User-facing errors.
+
+Inside ``dcp.save``/``dcp.load`` DCP catches every planner exception, pickles it to the
+coordinator and raises a ``CheckpointException`` (a ``BaseException``) whose ``failures`` map
+rank -> (exception, traceback). Every error here therefore survives a pickle round trip with its
+structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors` turn the wrapper
+back into a plain ``UCPError`` for callers who prefer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "UCPError",
+    "AmbiguousLayoutError",
+    "CoverageError",
+    "ShapeMismatchError",
+    "MissingAtomsError",
+    "ParamGroupError",
+    "CatalogVersionError",
+    "PatternError",
+    "ReplicaMismatchError",
+    "ChecksumError",
+    "UnsupportedTorchError",
+    "first_ucp_error",
+    "raise_first_ucp_error",
+    "ucp_errors",
+]
+
+
+def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "UCPError":
+    err = cls.__new__(cls)
+    UCPError.__init__(err, message, **fields)
+    return err
+
+
+class UCPError(Exception):
+    """Base class of every ucp_dcp failure.
+
+    ``atom`` names the logical tensor involved (when there is one); ``saved``/``wanted`` describe
+    what the checkpoint holds and what the caller asked for; ``hint`` says what to do.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        atom: str | None = None,
+        saved: Any = None,
+        wanted: Any = None,
+        hint: str | None = None,
+    ) -> None:
+        self.message = message
+        self.atom = atom
+        self.saved = saved
+        self.wanted = wanted
+        self.hint = hint
+        text = message
+        if hint and hint not in message:
+            text = f"{message}\n  hint: {hint}"
+        super().__init__(text)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"atom": self.atom, "saved": self.saved, "wanted": self.wanted, "hint": self.hint}
+
+    def __reduce__(self):  # keyword-only fields do not survive Exception's default pickling
+        return (_rebuild, (type(self), self.message, self._fields()))
+
+
+class AmbiguousLayoutError(UCPError):
+    """Save cannot decide what the logical tensor is: two live keys for one atom, a ``Partial``
+    placement, or a value shared by name whose contents differ across ranks."""
+
+
+class ReplicaMismatchError(AmbiguousLayoutError):
+    """Replicas of one atom (same name on several ranks) hold different values at save."""
+
+
+class CoverageError(UCPError):
+    """The saved chunks of an atom do not cover a wanted box exactly once."""
+
+
+class ShapeMismatchError(UCPError):
+    """The saved logical shape of an atom differs from the wanted one (and no pattern maps them)."""
+
+
+class MissingAtomsError(UCPError):
+    """Atoms wanted by the target state dict are absent from the checkpoint."""
+
+
+class ParamGroupError(UCPError):
+    """Optimizer hyperparameters that must agree within a target param group do not."""
+
+
+class CatalogVersionError(UCPError):
+    """The checkpoint's catalog was written by an incompatible (newer) ucp_dcp."""
+
+
+class PatternError(UCPError):
+    """A declared pattern rule is malformed, matches nothing, or conflicts with another rule."""
+
+
+class ChecksumError(UCPError):
+    """Bytes read from storage do not match the checksum recorded at save."""
+
+
+class UnsupportedTorchError(UCPError, ImportError):
+    """The installed torch is outside the range ucp_dcp is tested with."""
+
+
+def first_ucp_error(exc: BaseException) -> UCPError | None:
+    """Return the first ``UCPError`` carried by ``exc`` (itself, a DCP ``CheckpointException``'s
+    per-rank failures in rank order, or the ``__cause__``/``__context__`` chain)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UCPError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for rank in sorted(failures):
+                item = failures[rank]
+                inner = item[0] if isinstance(item, tuple) else item
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        for nxt in (e.__cause__, e.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+    return None
+
+
+def raise_first_ucp_error(exc: BaseException) -> None:
+    """Re-raise the first ``UCPError`` inside ``exc`` as a plain exception; else re-raise ``exc``."""
+    err = first_ucp_error(exc)
+    if err is None:
+        raise exc
+    raise err from exc
+
+
+@contextlib.contextmanager
+def ucp_errors() -> Iterator[None]:
+    """Context manager: ``with ucp_errors(): dcp.load(...)`` raises a ``UCPError`` instead of DCP's
+    ``CheckpointException`` whenever some rank failed with one."""
+    try:
+        yield
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        err = first_ucp_error(exc)
+        if err is None:
+            raise
+        raise err from exc

@@ -1,0 +1,163 @@
+"""How a value is laid out at save or load: a mesh and one placement per mesh dim.
+
+A ``Layout`` is a plain, hashable description (no process group, no tensors) so that it can be
+recorded in the catalog, compared by the plan cache, and fed to the pure fragment math. It is
+derived from a DTensor's ``device_mesh``/``placements``; plain tensors have ``Layout.replicated()``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .errors import AmbiguousLayoutError
+
+__all__ = ["Placement", "Layout", "MeshInfo"]
+
+_PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One mesh dim's placement, decoupled from DTensor classes."""
+
+    kind: str
+    """``"R"`` replicate, ``"S"`` shard, ``"SS"`` strided shard, ``"P"`` partial."""
+    dim: int = -1
+    """Tensor dim sharded by ``S``/``SS``; -1 otherwise."""
+    split_factor: int = 1
+    """``_StridedShard.split_factor`` for ``SS``; 1 otherwise."""
+    reduce_op: str = ""
+    """Reduction of a ``Partial`` placement (only to name it in errors)."""
+
+    @staticmethod
+    def from_torch(p: Any) -> "Placement":
+        if isinstance(p, _StridedShard):  # check first: _StridedShard is not a Shard subclass today,
+            return Placement("SS", int(p.dim), int(p.split_factor))  # but be explicit about order
+        if isinstance(p, Shard):
+            return Placement("S", int(p.dim))
+        if isinstance(p, Replicate):
+            return Placement("R")
+        if isinstance(p, Partial):
+            return Placement("P", reduce_op=str(p.reduce_op))
+        raise AmbiguousLayoutError(f"unsupported DTensor placement {p!r}")
+
+    def encode(self) -> str:
+        if self.kind == "R":
+            return "R"
+        if self.kind == "S":
+            return f"S({self.dim})"
+        if self.kind == "SS":
+            return f"SS({self.dim},{self.split_factor})"
+        return f"P({self.reduce_op})"
+
+    @staticmethod
+    def decode(text: str) -> "Placement":
+        m = _PLACEMENT_RE.match(text)
+        if not m:
+            raise ValueError(f"bad placement code {text!r}")
+        if text == "R":
+            return Placement("R")
+        if m.group(2) is not None:
+            return Placement("S", int(m.group(2)))
+        if m.group(3) is not None:
+            return Placement("SS", int(m.group(3)), int(m.group(4)))
+        return Placement("P", reduce_op=m.group(5))
+
+    def __str__(self) -> str:
+        return self.encode()
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A device mesh as recorded in the catalog."""
+
+    shape: tuple[int, ...]
+    """Mesh shape, e.g. ``(2, 2)``."""
+    dim_names: tuple[str, ...] | None
+    """``mesh_dim_names`` or None."""
+    ranks: tuple[int, ...]
+    """Global ranks of the mesh in row-major order (``mesh.mesh.flatten()``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dim_names": list(self.dim_names) if self.dim_names is not None else None,
+            "ranks": list(self.ranks),
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "MeshInfo":
+        names = d.get("dim_names")
+        return MeshInfo(tuple(d["shape"]), tuple(names) if names is not None else None, tuple(d["ranks"]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Mesh shape + placements of one value; ``mesh_shape == ()`` means a plain (replicated) value."""
+
+    mesh_shape: tuple[int, ...]
+    """Shape of the device mesh the value lives on (empty for plain tensors)."""
+    placements: tuple[Placement, ...]
+    """One placement per mesh dim, applied left to right like DTensor does."""
+    mesh_dim_names: tuple[str, ...] | None = None
+    """Mesh dim names, kept for the catalog and error messages."""
+
+    @staticmethod
+    def replicated() -> "Layout":
+        return Layout((), ())
+
+    @staticmethod
+    def from_dtensor(t: DTensor) -> "Layout":
+        mesh = t.device_mesh
+        return Layout(
+            tuple(int(s) for s in mesh.shape),
+            tuple(Placement.from_torch(p) for p in t.placements),
+            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        )
+
+    @property
+    def is_plain(self) -> bool:
+        return not self.mesh_shape
+
+    def partial_dims(self) -> list[int]:
+        return [i for i, p in enumerate(self.placements) if p.kind == "P"]
+
+    def encode_placements(self) -> list[str]:
+        return [p.encode() for p in self.placements]
+
+    def describe(self) -> str:
+        if self.is_plain:
+            return "plain tensor"
+        names = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
+        dims = ",".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
+        return f"mesh({dims}) [{', '.join(self.encode_placements())}]"
+
+
+def mesh_info(t: DTensor) -> MeshInfo:
+    mesh = t.device_mesh
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks)
+
+
+def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:
+    """This rank's coordinate in ``t``'s mesh, or None if the rank is not part of it."""
+    coord = t.device_mesh.get_coordinate()
+    return None if coord is None else tuple(int(c) for c in coord)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt

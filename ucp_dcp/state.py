@@ -1,0 +1,151 @@
+"""From a user state dict to named entries (one per leaf), shared by the save and load planners.
+
+Flattening is DCP's own (``flatten_state_dict``), so keys and mappings match what the default
+planner would produce. Two UCP-specific steps happen around it:
+
+* optimizer containers are found and their entries are named after their parameter;
+* nested ``param_groups`` lists (keyed by list index in DCP, which differs per pipeline stage) become
+  per-parameter hyperparameter entries ``<optim>.param_groups.<param>.<hp>`` -- the same names that
+  ``flatten_optimizer_state_dict`` uses, so both forms load into each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+
+from .errors import AmbiguousLayoutError, ParamGroupError
+from .naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
+
+__all__ = ["Entry", "GroupTarget", "GROUP_ONLY_KEYS", "collect_entries"]
+
+GROUP_ONLY_KEYS = ("params", "param_names")
+"""Param-group keys that describe membership, not hyperparameters."""
+
+
+@dataclass
+class Entry:
+    """One leaf of the state dict."""
+
+    key: str
+    """DCP's flattened key of the live state dict."""
+    atom: AtomName
+    """Canonical name parts."""
+    value: Any
+    """The live value: DTensor, tensor or any picklable object."""
+    path: Path = ()
+    """DCP's (raw) flatten path of the live state dict, for writing loaded objects back."""
+
+    @property
+    def name(self) -> str:
+        return self.atom.name
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value, torch.Tensor)
+
+
+@dataclass
+class GroupTarget:
+    """A nested ``param_groups[i]`` dict of a target optimizer state dict, filled at load."""
+
+    group: dict[str, Any]
+    """The user's group dict (updated in place)."""
+    prefix: Path
+    """Canonical path of the optimizer container."""
+    index: int
+    """Position in the ``param_groups`` list (fallback name for stock-DCP checkpoints)."""
+    params: list[str]
+    """Canonical parameter names of the group."""
+    hyperparams: list[str] = field(default_factory=list)
+    """Keys of the group to load (everything but membership keys)."""
+
+    def atom(self, param: str, hp: str) -> str:
+        return ".".join([*map(str, self.prefix), "param_groups", param, hp])
+
+    def legacy_atom(self, hp: str) -> str:
+        return ".".join([*map(str, self.prefix), "param_groups", str(self.index), hp])
+
+
+def _replace_at(d: Mapping[str, Any], path: Path, fn) -> dict[str, Any]:
+    """Copy of ``d`` with the value at ``path`` replaced by ``fn(value)``; ``d`` is not mutated."""
+    new = dict(d)
+    if not path:
+        return fn(new)
+    key = next(k for k in d if str(k) == path[0])
+    new[key] = _replace_at(d[key], path[1:], fn)
+    return new
+
+
+def _per_param_groups(groups: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        hps = {k: v for k, v in g.items() if k not in GROUP_ONLY_KEYS}
+        for p in g["params"]:
+            if str(p) in out:
+                raise ParamGroupError(f"parameter '{p}' appears in two optimizer param groups", atom=str(p))
+            out[str(p)] = hps
+    return out
+
+
+def _check_supported(key: str, value: Any) -> None:
+    if isinstance(value, ShardedTensor):
+        raise AmbiguousLayoutError(
+            f"'{key}' is a ShardedTensor (FSDP1 SHARDED_STATE_DICT); ucp_dcp handles DTensor layouts",
+            atom=key,
+            hint="use FSDP2 (fully_shard) or FSDP1 with a DeviceMesh so state dicts hold DTensors",
+        )
+
+
+def collect_entries(
+    state_dict: Mapping[str, Any], rules: NameRules, *, for_load: bool
+) -> tuple[list[Entry], dict[str, Path], list[GroupTarget]]:
+    """Flatten ``state_dict`` into entries.
+
+    Returns the entries, DCP-style mappings (atom name -> canonical path, for the catalog and
+    ``dcp_to_torch_save``) and, at load, the nested param groups to fill.
+    """
+    containers = find_optimizer_containers(state_dict)
+    groups: list[GroupTarget] = []
+    work: Mapping[str, Any] = state_dict
+    for cpath, form in containers.items():
+        if form != OptimizerForm.NESTED:
+            continue
+        if for_load:
+            prefix = rules.canonical_path(cpath)
+            opt = _get(state_dict, cpath)
+            for i, g in enumerate(opt["param_groups"]):
+                params = [str(rules.canonical_elem(str(p))) for p in g["params"]]
+                hps = [k for k in g if k not in GROUP_ONLY_KEYS]
+                groups.append(GroupTarget(g, prefix, i, params, hps))
+            work = _replace_at(work, cpath, lambda o: {k: v for k, v in o.items() if k != "param_groups"})
+        else:
+            work = _replace_at(
+                work, cpath, lambda o: {**o, "param_groups": _per_param_groups(o["param_groups"])}
+            )
+    flat, raw_paths = flatten_state_dict(work)
+    entries: list[Entry] = []
+    mappings: dict[str, Path] = {}
+    for key, value in flat.items():
+        _check_supported(key, value)
+        atom = parse_path(raw_paths[key], containers, rules)
+        entries.append(Entry(key, atom, value, raw_paths[key]))
+        mappings.setdefault(atom.name, atom.path)
+    return entries, mappings, groups
+
+
+def _get(d: Mapping[str, Any], path: Path) -> Any:
+    for p in path:
+        d = d[next(k for k in d if str(k) == p)]
+    return d
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The memory a value's fragments live in."""
+    return value._local_tensor if isinstance(value, DTensor) else value
