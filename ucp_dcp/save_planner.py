@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 from torch.distributed.tensor import DTensor
 
 from . import catalog as cat_mod
+from .dedup import balanced_dedup
 from .digests import value_digest
 from .errors import AmbiguousLayoutError, CoverageError, ReplicaMismatchError
 from .fragments import Fragment, layout_fragments
@@ -217,6 +218,11 @@ class UCPSavePlanner(DefaultSavePlanner):
             logger.warning("%s", err)
             return
         raise err
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self.dedup_save_to_lowest_rank:
+            return super()._dedup_save_plans(all_plans)
+        return balanced_dedup(all_plans)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         local_cats, mappings, plans = [], {}, []

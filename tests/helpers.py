@@ -1,0 +1,49 @@
+"""Small shared helpers for the tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ucp_dcp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "recipes"))
+
+
+def ucp_failure(exc: BaseException) -> ucp_dcp.UCPError:
+    """The UCPError inside a DCP CheckpointException (asserting there is one)."""
+    assert isinstance(exc, CheckpointException), f"expected CheckpointException, got {type(exc)}: {exc}"
+    err = ucp_dcp.first_ucp_error(exc)
+    assert err is not None, f"no UCPError in failures: {exc}"
+    return err
+
+
+def expect_ucp_error(fn, cls=ucp_dcp.UCPError) -> ucp_dcp.UCPError:
+    try:
+        fn()
+    except CheckpointException as e:
+        err = ucp_failure(e)
+        assert isinstance(err, cls), f"expected {cls.__name__}, got {type(err).__name__}: {err}"
+        return err
+    raise AssertionError(f"expected {cls.__name__}, nothing was raised")
+
+
+def tensors_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def env_without_ucp() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
