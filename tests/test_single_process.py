@@ -323,3 +323,18 @@ def test_untested_torch_fails_at_import():
     env = dict(os.environ, UCP_DCP_ALLOW_UNTESTED_TORCH="1")
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "tested with torch" in out.stderr
+
+
+def test_fsspec_storage(tmp_path):
+    m, opt = _trained()
+    msd, osd = get_state_dict(m, opt)
+    url = f"file://{tmp_path}/ck"
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=url, planner=UCPSavePlanner())
+    m2, opt2 = _fresh()
+    msd2, osd2 = get_state_dict(m2, opt2)
+    sd = {"model": msd2, "optim": osd2}
+    dcp.load(sd, checkpoint_id=url, planner=UCPLoadPlanner())
+    set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _assert_same_training_state(m, opt, m2, opt2)
+    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", url, "--json"], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["ucp_catalog"], out.stderr

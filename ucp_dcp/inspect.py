@@ -20,7 +20,7 @@ __all__ = ["summarize", "format_summary", "read_metadata"]
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """``.metadata`` of a checkpoint folder (local path or fsspec URL)."""
     if "://" in str(path):
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(str(path)).read_metadata()
     return FileSystemReader(path).read_metadata()
