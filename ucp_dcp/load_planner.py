@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,15 +22,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict
-from torch.distributed.tensor import DTensor
 
 from .catalog import read_catalog
 from .coverage import ChunkIndex, exact_cover_problem
 from .errors import CoverageError, MissingAtomsError, ParamGroupError, ShapeMismatchError, UCPError
-from .fragments import Box, Fragment, layout_fragments
-from .layout import Layout, dtensor_coordinate
-from .naming import NameRules
-from .state import Entry, GroupTarget, collect_entries, local_tensor
+from .fragments import Box
+from .naming import AtomName, NameRules, OptimizerForm
+from .patterns import Patterns, Rule, rule_from_json
+from .renumber import IndexMap
+from .replicas import check_rules_and_ownership, zero_like
+from .resolve import Resolved, Resolver
+from .state import Entry, GroupTarget
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -42,53 +45,80 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
 
     Args:
+        patterns: pattern rules for the *target* layout; the rules recorded in the checkpoint's
+            catalog apply automatically, these add to them.
+        strict: a declared rule that matches neither a saved nor a target name is an error.
+        stage_map, expert_map: this rank's local->global layer / expert numbering.
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
             :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
         name_rules: wrapper segments stripped from names (must match the ones used at save).
     """
 
-    def __init__(self, *, allow_partial_load: bool = False, name_rules: NameRules | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        patterns: Sequence[Rule] = (),
+        strict: bool = True,
+        stage_map: IndexMap | None = None,
+        expert_map: IndexMap | None = None,
+        allow_partial_load: bool = False,
+        name_rules: NameRules | None = None,
+    ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
         self.name_rules = name_rules or NameRules()
+        self.rules = tuple(patterns)
+        Patterns(self.rules)
+        self.strict = strict
+        self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
         self.missing_atoms: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = {"name_rules", "allow_partial_load", "flatten_state_dict", "flatten_sharded_tensors"}
+        keep = {"name_rules", "rules", "strict", "maps", "allow_partial_load", "flatten_state_dict",
+                "flatten_sharded_tensors"}
         return {k: v for k, v in self.__dict__.items() if k in keep} | {"missing_atoms": []}
 
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
+        if metadata is None:
+            raise UCPError("no checkpoint metadata to plan against")
         _init_state_dict(state_dict)
         self.original_state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        entries, _, groups = collect_entries(state_dict, self.name_rules, for_load=True)
-        self._targets: dict[str, Entry] = {e.key: e for e in entries}
-        self._groups: list[GroupTarget] = groups
-        self.state_dict = {e.key: e.value for e in entries}
-        self.mappings = {e.key: e.path for e in entries}
+        self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
+        saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
+        self._patterns = Patterns(self.rules, strict=self.strict).merged(saved_rules)
+        self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
+        resolved, self._groups = self._resolver.resolve_state_dict(state_dict, for_load=True)
+        self._targets: dict[str, Resolved] = {r.entry.key: r for r in resolved}
+        self.state_dict = {r.entry.key: r.value for r in resolved}
+        self.mappings = {r.entry.key: r.entry.path for r in resolved}
 
     # -- planning --------------------------------------------------------------------------------
 
     def create_local_plan(self) -> LoadPlan:
-        md = self.metadata
-        if md is None:
-            raise UCPError("no checkpoint metadata to plan against")
-        read_catalog(md.planner_data)  # refuses catalogs from a newer ucp_dcp before any read
-        saved = _SavedIndex(md, self.name_rules)
-        self._frags: dict[str, list[Fragment]] = {}
+        saved = _SavedIndex(self.metadata, self.name_rules)
         self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._zero: list[Resolved] = []
         self.missing_atoms = []
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
-        for e in self._targets.values():
+        for r in self._targets.values():
+            if not r.present:
+                continue
+            if r.reduce is not None and r.reduce.op == "sum" and not self.is_coordinator:
+                self._zero.append(r)  # the coordinator takes the total; the next save sums right
+                continue
             try:
-                reads.extend(self._plan_entry(e, saved))
+                reads.extend(self._plan_entry(r, saved))
             except UCPError as err:
                 problems.append(err)
         for g in self._groups:
-            reads.extend(self._plan_group(g, saved))
+            try:
+                reads.extend(self._plan_group(g, saved))
+            except UCPError as err:
+                problems.append(err)
         if self.missing_atoms and not self.allow_partial_load:
             problems.insert(0, _missing_error(self.missing_atoms, saved))
         elif self.missing_atoms:
@@ -96,82 +126,87 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                            len(self.missing_atoms), ", ".join(self.missing_atoms[:10]))
         if problems:
             raise _combine(problems)
-        return LoadPlan(reads)
+        self._patterns.note_names(_saved_names(self.metadata, self._catalog))
+        return LoadPlan(reads, planner_data={
+            "used": sorted(self._patterns.used),
+            "claims": [c for r in self._targets.values() for c in r.index_claims],
+            "map_totals": {m.key: m.total for m in self.maps},
+        })
 
-    def _plan_entry(self, e: Entry, saved: "_SavedIndex") -> list[ReadItem]:
-        skey = saved.lookup(e.name)
-        if skey is None:
-            self.missing_atoms.append(e.name)
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        pds = [p.planner_data or {} for p in global_plan]
+        check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at load")
+        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+
+    def _plan_entry(self, r: Resolved, saved: "_SavedIndex") -> list[ReadItem]:
+        e = r.entry
+        names = list(r.atoms)[:1] if r.fanout else list(r.atoms)
+        keys = {}
+        for name in names:
+            skey = saved.lookup(name)
+            if skey is None:
+                self.missing_atoms.append(name)
+            else:
+                keys[name] = skey
+        if len(keys) < len(names):
             return []
-        smd = saved.md.state_dict_metadata[skey]
         if not e.is_tensor:
-            if not isinstance(smd, BytesStorageMetadata):
+            (name, skey), = keys.items()
+            if not isinstance(saved.md.state_dict_metadata[skey], BytesStorageMetadata):
+                smd = saved.md.state_dict_metadata[skey]
                 raise ShapeMismatchError(
-                    f"atom '{e.name}' was saved as a tensor of shape {tuple(smd.size)} but the target "
+                    f"atom '{name}' was saved as a tensor of shape {tuple(smd.size)} but the target "
                     f"holds a {type(e.value).__name__}",
-                    atom=e.name, saved=tuple(smd.size), wanted=type(e.value).__name__,
+                    atom=name, saved=tuple(smd.size), wanted=type(e.value).__name__,
                     hint="put a tensor in the target state dict for this key",
                 )
             self._sinks[e.key] = lambda v, path=e.path: set_element(self.original_state_dict, path, v)
             return [_bytes_read(e.key, skey)]
-        if not isinstance(smd, TensorStorageMetadata):
-            raise ShapeMismatchError(
-                f"atom '{e.name}' was saved as a non-tensor object but the target holds a tensor of shape "
-                f"{tuple(e.value.shape)}",
-                atom=e.name, saved="object", wanted=tuple(e.value.shape),
-                hint="put the same kind of value in the target state dict as was saved",
-            )
-        want = tuple(int(s) for s in e.value.shape)
-        have = tuple(int(s) for s in smd.size)
-        if want != have:
-            raise ShapeMismatchError(
-                f"atom '{e.name}': saved shape {have}, wanted shape {want}. {_likely_cause(have, want, e.value)}",
-                atom=e.name, saved=have, wanted=want,
-                hint="load into a model built with the saved configuration, or declare a pattern "
-                "(padding/fusion) that maps the two shapes",
-            )
-        if isinstance(e.value, DTensor):
-            coord = dtensor_coordinate(e.value)
-            if coord is None:
-                return []
-            frags = layout_fragments(e.name, want, Layout.from_dtensor(e.value), coord)
-        else:
-            frags = layout_fragments(e.name, want, Layout.replicated(), ())
-        self._frags[e.key] = frags
-        index = saved.chunks(skey)
+        for name, skey in keys.items():
+            _check_tensor(name, saved.md.state_dict_metadata[skey], r)
         reads = []
-        for i, f in enumerate(frags):
+        for i, f in enumerate(r.fragments):
+            if f.atom not in keys:
+                continue
+            skey = keys[f.atom]
+            index = saved.chunks(skey)
             pieces = index.overlaps(f.box)
             problem = exact_cover_problem(f.box, [ov for _, ov in pieces])
             if problem:
+                have = tuple(saved.md.state_dict_metadata[skey].size)
                 raise CoverageError(
-                    f"atom '{e.name}' (saved shape {have}, wanted shape {want}): wanted box {f.box} is "
-                    f"not covered exactly once by the saved chunks: {problem}",
-                    atom=e.name, saved=have, wanted=str(f.box),
+                    f"atom '{f.atom}' (saved shape {have}, wanted shape {tuple(r.atoms[f.atom]['shape'])}): "
+                    f"wanted box {f.box} is not covered exactly once by the saved chunks: {problem}",
+                    atom=f.atom, saved=have, wanted=str(f.box),
                     hint="the checkpoint is incomplete or was written by a planner that mislabels "
                     "non-contiguous shards (stock DCP with _StridedShard); re-save it with UCPSavePlanner",
                 )
             for ci, ov in pieces:
                 chunk = index.boxes[ci]
-                reads.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(e.key, f.box.offsets, i),
-                        dest_offsets=torch.Size(ov.shift(f.box.offsets).offsets),
-                        storage_index=MetadataIndex(skey, chunk.offsets, ci),
-                        storage_offsets=torch.Size(ov.shift(chunk.offsets).offsets),
-                        lengths=torch.Size(ov.sizes),
-                    )
-                )
+                reads.append(ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(e.key, f.box.offsets, i),
+                    dest_offsets=torch.Size(ov.shift(f.box.offsets).offsets),
+                    storage_index=MetadataIndex(skey, chunk.offsets, ci),
+                    storage_offsets=torch.Size(ov.shift(chunk.offsets).offsets),
+                    lengths=torch.Size(ov.sizes),
+                ))
         return reads
+
+    def _group_atom(self, g: GroupTarget, param: str, hp: str) -> str:
+        """The atom holding hyperparameter ``hp`` of ``param`` (after tie and fused resolution)."""
+        name = AtomName(tuple(g.prefix) + ("param_groups",), param, (hp,), "param_group", form=OptimizerForm.NESTED)
+        r = self._resolver.resolve(Entry(name.name, name, None, name.path))
+        return next(iter(r.atoms))
 
     def _plan_group(self, g: GroupTarget, saved: "_SavedIndex") -> list[ReadItem]:
         reads = []
         for hp in g.hyperparams:
             sink_key = f"{_GROUP_SINK}:{id(g)}:{hp}"
-            found = {p: saved.lookup(g.atom(p, hp)) for p in g.params}
+            atoms = {p: self._group_atom(g, p, hp) for p in g.params}
+            found = {p: saved.lookup(a) for p, a in atoms.items()}
             if g.params and all(k is not None for k in found.values()):
-                collector = _GroupCollector(g, hp, len(g.params))
+                collector = _GroupCollector(g, hp, len(g.params), atoms)
                 for p, skey in found.items():
                     key = f"{sink_key}:{p}"
                     self._sinks[key] = lambda v, p=p, c=collector: c.add(p, v)
@@ -183,22 +218,62 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 self._sinks[sink_key] = lambda v, g=g, hp=hp: g.group.__setitem__(hp, v)
                 reads.append(_bytes_read(sink_key, legacy))
                 continue
-            self.missing_atoms.extend(g.atom(p, hp) for p, k in found.items() if k is None)
+            self.missing_atoms.extend(atoms[p] for p, k in found.items() if k is None)
         return reads
 
     # -- data ------------------------------------------------------------------------------------
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # the load is validated on every rank: now it is safe to touch the target
+        with torch.no_grad():
+            for r in self._targets.values():
+                for box in r.fills:
+                    region = r.local
+                    for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+                        region = region.narrow(d, o, n)
+                    region.fill_(r.fill_value)
+            for r in self._zero:
+                if isinstance(r.value, torch.Tensor):
+                    r.local.zero_()
+                else:
+                    set_element(self.original_state_dict, r.entry.path, zero_like(r.value))
+        return new_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._sinks[read_item.dest_index.fqn](torch.load(value, weights_only=False))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        e = self._targets[read_item.dest_index.fqn]
-        f = self._frags[e.key][read_item.dest_index.index]
-        region = f.view(local_tensor(e.value))
+        r = self._targets[read_item.dest_index.fqn]
+        region = r.fragments[read_item.dest_index.index].view(r.local)
         return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def _check_tensor(name: str, smd: Any, r: Resolved) -> None:
+    want = tuple(r.atoms[name]["shape"])
+    if not isinstance(smd, TensorStorageMetadata):
+        raise ShapeMismatchError(
+            f"atom '{name}' was saved as a non-tensor object but the target holds a tensor of shape {want}",
+            atom=name, saved="object", wanted=want,
+            hint="put the same kind of value in the target state dict as was saved",
+        )
+    have = tuple(int(s) for s in smd.size)
+    if want != have:
+        raise ShapeMismatchError(
+            f"atom '{name}': saved shape {have}, wanted shape {want}. {_likely_cause(have, want, r.value)}",
+            atom=name, saved=have, wanted=want,
+            hint="load into a model built with the saved configuration, or declare a pattern "
+            "(Padded/Fused) that maps the two shapes",
+        )
+
+
+def _saved_names(md: Metadata, catalog: dict[str, Any] | None) -> set[str]:
+    names = set(md.state_dict_metadata)
+    for name, rec in (catalog or {}).get("atoms", {}).items():
+        names.update(x for x in (rec.get("param"), rec.get("live")) if x)
+    return names
 
 
 class _SavedIndex:
@@ -239,8 +314,8 @@ class _GroupCollector:
     """Gathers one hyperparameter of one target param group from its parameters' entries; sets it
     when all have arrived, refusing values that disagree."""
 
-    def __init__(self, g: GroupTarget, hp: str, expected: int) -> None:
-        self.g, self.hp, self.expected = g, hp, expected
+    def __init__(self, g: GroupTarget, hp: str, expected: int, atoms: dict[str, str]) -> None:
+        self.g, self.hp, self.expected, self.atoms = g, hp, expected, atoms
         self.values: dict[str, Any] = {}
 
     def add(self, param: str, value: Any) -> None:
@@ -254,7 +329,7 @@ class _GroupCollector:
                 raise ParamGroupError(
                     f"param group {self.g.index} of '{'.'.join(map(str, self.g.prefix))}': "
                     f"'{self.hp}' is {v0!r} for '{p0}' but {v!r} for '{p}' in the checkpoint",
-                    atom=self.g.atom(p, self.hp), saved={p0: v0, p: v}, wanted=f"one value for group {self.g.index}",
+                    atom=self.atoms[p], saved={p0: v0, p: v}, wanted=f"one value for group {self.g.index}",
                     hint="group the target optimizer's parameters the way they were grouped at save "
                     "(same hyperparameters per group)",
                 )

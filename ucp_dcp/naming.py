@@ -124,6 +124,8 @@ class AtomName:
     """``"model"`` (weights, buffers, other entries), ``"optim_state"`` or ``"param_group"``."""
     path: Path = field(default=(), compare=False)
     """Canonical DCP path (wrapper segments removed), used for the flatten mapping."""
+    form: str = field(default="", compare=False)
+    """Optimizer form (``nested``/``flat``) or empty for model entries; needed to rebuild ``path``."""
 
     @property
     def name(self) -> str:
@@ -133,40 +135,39 @@ class AtomName:
         parts.extend(map(str, self.suffix))
         return ".".join(parts)
 
+    def renamed(self, param: str) -> "AtomName":
+        """The same entry of another parameter (tied alias -> canonical, fused -> part)."""
+        if param == self.param:
+            return self
+        if self.form == OptimizerForm.FLAT:
+            path = tuple(self.prefix[:-1]) + (".".join([str(self.prefix[-1]), param, *map(str, self.suffix)]),)
+        else:
+            path = tuple(self.prefix) + ((param,) if param else ()) + tuple(self.suffix)
+        return AtomName(self.prefix, param, self.suffix, self.kind, path, self.form)
 
-def parse_path(path: Sequence[PathElem], containers: Mapping[Path, str], rules: NameRules) -> AtomName:
-    """Canonical :class:`AtomName` of one DCP flatten path."""
+
+def parse_path(path: Sequence[PathElem], containers: Mapping[Path, str]) -> AtomName:
+    """:class:`AtomName` of one canonical DCP flatten path; ``containers`` are the canonical paths
+    of the optimizer state dicts inside the state dict."""
     path = tuple(path)
     for cpath, form in containers.items():
         n = len(cpath)
         if path[:n] != cpath or len(path) <= n:
             continue
         rest = path[n:]
-        head = tuple(rules.canonical_path(cpath))
         if form == OptimizerForm.NESTED:
-            if rest[0] == "state" and len(rest) >= 3:
-                param = str(rules.canonical_elem(rest[1]))
-                suffix = tuple(rest[2:])
-                return AtomName(head + ("state",), param, suffix, "optim_state", head + ("state", param) + suffix)
-            if rest[0] == "param_groups" and len(rest) >= 3:
-                param = str(rules.canonical_elem(rest[1]))
-                suffix = tuple(rest[2:])
-                return AtomName(
-                    head + ("param_groups",), param, suffix, "param_group", head + ("param_groups", param) + suffix
-                )
+            for head, kind in (("state", "optim_state"), ("param_groups", "param_group")):
+                if rest[0] == head and len(rest) >= 3:
+                    prefix = cpath + (head,)
+                    return AtomName(prefix, str(rest[1]), tuple(rest[2:]), kind, path, form)
         else:
             key = str(rest[0])
             for marker, kind in (("state.", "optim_state"), ("param_groups.", "param_group")):
                 if key.startswith(marker) and len(rest) == 1:
-                    body = key[len(marker):]
-                    fqn, _, last = body.rpartition(".")
-                    if not fqn:
-                        break
-                    param = str(rules.canonical_elem(fqn))
-                    canon = f"{marker}{param}.{last}"
-                    return AtomName(head + (marker[:-1],), param, (last,), kind, head + (canon,))
+                    fqn, _, last = key[len(marker):].rpartition(".")
+                    if fqn:
+                        return AtomName(cpath + (marker[:-1],), fqn, (last,), kind, path, form)
         break
-    canon = rules.canonical_path(path)
-    if len(canon) <= 1:
-        return AtomName((), ".".join(map(str, canon)), (), "model", canon)
-    return AtomName((canon[0],), ".".join(map(str, canon[1:])), (), "model", canon)
+    if len(path) <= 1:
+        return AtomName((), ".".join(map(str, path)), (), "model", path)
+    return AtomName((path[0],), ".".join(map(str, path[1:])), (), "model", path)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-from collections import defaultdict
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
@@ -29,11 +31,14 @@ from torch.distributed.tensor import DTensor
 from . import catalog as cat_mod
 from .dedup import balanced_dedup
 from .digests import value_digest
-from .errors import AmbiguousLayoutError, CoverageError, ReplicaMismatchError
-from .fragments import Fragment, layout_fragments
-from .layout import Layout, dtensor_coordinate, dtype_name, mesh_info
+from .errors import AmbiguousLayoutError, CoverageError, PatternError
+from .fragments import Fragment
+from .layout import Layout
 from .naming import NameRules
-from .state import Entry, collect_entries, local_tensor
+from .patterns import Patterns, Rule
+from .renumber import IndexMap
+from .replicas import check_digests, check_rules_and_ownership, reduce_values
+from .resolve import Resolved, Resolver
 
 __all__ = ["UCPSavePlanner"]
 
@@ -46,10 +51,15 @@ class UCPSavePlanner(DefaultSavePlanner):
     """Save planner that stores parallelism-independent atoms.
 
     Args:
+        patterns: pattern rules (:mod:`ucp_dcp.patterns`) for layouts DTensor cannot describe.
+        strict: a declared rule that matches nothing on any rank is an error.
+        stage_map, expert_map: this rank's local->global layer / expert numbering
+            (:mod:`ucp_dcp.renumber`), for stage-local or expert-local module names.
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
-        name_rules: wrapper segments stripped from names (default: compile, activation
-            checkpointing, FSDP1 and DDP wrappers).
+        name_rules: wrapper segments stripped from names.
+        process_group: the group passed to ``dcp.save``; only needed for
+            ``Replicated(check="average")`` on plain (non-DTensor) values. Default: the world.
         dedup_save_to_lowest_rank, enable_plan_caching: as in ``DefaultSavePlanner``; with plan
             caching on, a changed *layout* (not only changed boxes) invalidates the cached plan.
     """
@@ -57,8 +67,13 @@ class UCPSavePlanner(DefaultSavePlanner):
     def __init__(
         self,
         *,
+        patterns: Sequence[Rule] = (),
+        strict: bool = True,
+        stage_map: IndexMap | None = None,
+        expert_map: IndexMap | None = None,
         check_replicas: str = "error",
         name_rules: NameRules | None = None,
+        process_group: Any = None,
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = False,
     ) -> None:
@@ -72,111 +87,135 @@ class UCPSavePlanner(DefaultSavePlanner):
             raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
         self.name_rules = name_rules or NameRules()
+        self.rules = tuple(patterns)
+        Patterns(self.rules)  # validate regexes now, not mid-save
+        self.strict = strict
+        self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
+        self.process_group = process_group
 
     def __getstate__(self) -> dict[str, Any]:
-        # async_save's process mode pickles the planner: ship configuration, never tensors
-        keep = {"check_replicas", "name_rules", "dedup_save_to_lowest_rank", "_enable_plan_caching",
-                "_cached_plans_key", "flatten_state_dict", "flatten_sharded_tensors"}
-        return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}}
+        # async_save's process mode pickles the planner: ship configuration, never tensors or groups
+        keep = {"check_replicas", "name_rules", "rules", "strict", "maps", "dedup_save_to_lowest_rank",
+                "_enable_plan_caching", "_cached_plans_key", "flatten_state_dict", "flatten_sharded_tensors"}
+        return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}, "process_group": None}
 
     # -- local -------------------------------------------------------------------------------------
 
     def set_up_planner(
-        self,
-        state_dict: STATE_DICT_TYPE,
-        storage_meta: StorageMeta | None = None,
-        is_coordinator: bool = False,
+        self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
-        entries, mappings, _ = collect_entries(state_dict, self.name_rules, for_load=False)
-        by_atom: dict[str, Entry] = {}
-        for e in entries:
-            other = by_atom.get(e.name)
-            if other is not None:
+        self._patterns = Patterns(self.rules, strict=self.strict)
+        self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
+        resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
+        owner: dict[str, Resolved] = {}
+        self._resolved: list[Resolved] = []
+        self._ties: list[tuple[Resolved, Resolved]] = []
+        for r in resolved:
+            if not r.present:
+                continue
+            if isinstance(r.value, DTensor) and Layout.from_dtensor(r.value).partial_dims():
                 raise AmbiguousLayoutError(
-                    f"atom '{e.name}' is produced by two live keys: '{other.key}' and '{e.key}'",
-                    atom=e.name,
-                    hint="the keys differ only by wrapper segments; save one of them "
-                    "(or pass name_rules that keep the segment that distinguishes them)",
+                    f"atom '{r.name}' has a Partial placement ({Layout.from_dtensor(r.value).describe()}); its "
+                    "logical value is a pending reduction, not a tensor",
+                    atom=r.name, saved=Layout.from_dtensor(r.value).describe(),
+                    hint="redistribute to Replicate/Shard (e.g. `.redistribute(placements=...)`) before saving",
                 )
-            if isinstance(e.value, DTensor):
-                layout = Layout.from_dtensor(e.value)
-                if layout.partial_dims():
-                    raise AmbiguousLayoutError(
-                        f"atom '{e.name}' has a Partial placement ({layout.describe()}); its logical "
-                        "value is a pending reduction, not a tensor",
-                        atom=e.name,
-                        saved=layout.describe(),
-                        hint="redistribute to Replicate/Shard (e.g. `.redistribute(placements=...)`) before saving",
-                    )
-            by_atom[e.name] = e
-        self._entries = by_atom
-        self.mappings = mappings
-        self.state_dict = {name: e.value for name, e in by_atom.items()}
+            clash = next((owner[a] for a in r.atoms if a in owner), None)
+            if clash is not None:
+                if r.tied and clash.tied:  # a second copy of a tied parameter on this rank: compare, save once
+                    self._ties.append((clash, r))
+                    continue
+                raise AmbiguousLayoutError(
+                    f"atom '{next(a for a in r.atoms if a in owner)}' is produced by two live keys: "
+                    f"'{clash.entry.key}' and '{r.entry.key}'",
+                    atom=next(a for a in r.atoms if a in owner),
+                    hint="the keys differ only by wrapper segments (or two rules map them to one atom); save "
+                    "one of them, declare them Tied, or pass name_rules that keep the distinguishing segment",
+                )
+            for a in r.atoms:
+                owner[a] = r
+            self._resolved.append(r)
+        self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()}
+        self.state_dict = {r.name: r.value for r in self._resolved}
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
-        self._pieces: dict[tuple[str, tuple[int, ...]], tuple[Entry, Fragment | None]] = {}
+        self._pieces: dict[tuple[str, tuple[int, ...] | None], tuple[Resolved, Fragment | None]] = {}
         local_cat = cat_mod.local_catalog()
         digests: dict[str, int] = {}
-        for name, e in self._entries.items():
-            rec: dict[str, Any] = {"kind": e.atom.kind, "param": e.atom.param}
-            if not e.is_tensor:
-                items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
-                rec.update(value="object", pattern="object")
+        reduce_vals: dict[str, Any] = {}
+        for r in self._resolved:
+            for name, rec in r.atoms.items():
+                rec = dict(rec)
+                if "layout" in rec:
+                    rec["layout"] = {"mesh": cat_mod.intern(local_cat["meshes"], rec["layout"]["mesh"]),
+                                     "placements": rec["layout"]["placements"]}
                 local_cat["atoms"][name] = rec
-                self._digest(digests, name, e.value)
+            if r.reduce is not None:
+                for name in r.atoms:
+                    reduce_vals[name] = r.value.detach().cpu().clone() if isinstance(r.value, torch.Tensor) else r.value
                 continue
-            value = e.value
-            if isinstance(value, DTensor):
-                coord = dtensor_coordinate(value)
-                if coord is None:  # this rank is not part of the value's mesh
-                    continue
-                layout = Layout.from_dtensor(value)
-                mesh_idx = cat_mod.intern(local_cat["meshes"], mesh_info(value).to_json())
-                rec["layout"] = {"mesh": mesh_idx, "placements": layout.encode_placements()}
-                rec["pattern"] = "dtensor"
-                item_type = WriteItemType.SHARD
-            else:
-                coord, layout = (), Layout.replicated()
-                rec["pattern"] = "plain"
-                item_type = WriteItemType.TENSOR
-                self._digest(digests, name, value)
-            shape = tuple(int(s) for s in value.shape)
-            rec.update(value="tensor", shape=list(shape), dtype=dtype_name(value.dtype))
-            local_cat["atoms"][name] = rec
-            props = TensorProperties.create_from_tensor(local_tensor(value))
-            frags: list[Fragment | None]
-            if value.numel() == 0:  # keep empty atoms visible in the metadata: one empty chunk
-                frags = [None]
-            else:
-                frags = list(layout_fragments(name, shape, layout, coord))
-            for f in frags:
-                offsets = f.box.offsets if f is not None else (0,) * len(shape)
-                sizes = f.box.sizes if f is not None else shape
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(name, offsets),
-                        type=item_type,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                            properties=props,
-                            size=torch.Size(shape),
-                        ),
-                    )
-                )
-                self._pieces[(name, tuple(offsets))] = (e, f)
+            if not isinstance(r.value, torch.Tensor):
+                for name in r.atoms:
+                    items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
+                    self._pieces[(name, None)] = (r, None)
+                    self._digest(digests, name, r.value)
+                continue
+            items.extend(self._tensor_items(r))
+            if not isinstance(r.value, DTensor):
+                if r.replicated is None or r.replicated.check in ("error", "warn"):
+                    for name in r.atoms:
+                        self._digest(digests, name, r.value)
+            elif r.tied or (r.replicated is not None and r.replicated.check in ("error", "warn")):
+                for f in r.fragments:
+                    digests[_frag_key(f)] = value_digest(f.view(r.local))
+        mismatch = self._local_tie_mismatches()
+        self._warn_keys = {k for r in self._resolved if r.replicated is not None and r.replicated.check == "warn"
+                           for k in r.atoms}
         plan = SavePlan(
-            items, planner_data={"mappings": self.mappings, "catalog": local_cat, "digests": digests}
+            items,
+            planner_data={
+                "mappings": self.mappings, "catalog": local_cat, "digests": digests, "reduce": reduce_vals,
+                "local_mismatch": mismatch, "used": sorted(self._patterns.used),
+                "claims": [c for r in self._resolved for c in r.index_claims],
+                "map_totals": {m.key: m.total for m in self.maps},
+                "used_maps": sorted(self._resolver.used_maps), "coordinator": self.is_coordinator,
+                "warn_keys": sorted(self._warn_keys),
+            },
         )
         self.plan = plan
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             if cached is not None and _same_local_plan(plan, cached):
                 logger.info("UCP: local plan and layout unchanged; reusing the cached global plan")
-                return SavePlan([], usable=False, planner_data={"digests": digests})
+                small = {k: v for k, v in plan.planner_data.items() if k not in ("mappings", "catalog")}
+                return SavePlan([], usable=False, planner_data=small)
             self._pending_local_plan = plan
         return plan
+
+    def _tensor_items(self, r: Resolved) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(r.local)
+        item_type = WriteItemType.SHARD if isinstance(r.value, DTensor) else WriteItemType.TENSOR
+        pieces: list[tuple[str, Fragment | None]] = [(f.atom, f) for f in r.fragments]
+        if r.value.numel() == 0:  # keep empty atoms visible in the metadata: one empty chunk each
+            pieces = [(name, None) for name in r.atoms]
+        items = []
+        for name, f in pieces:
+            shape = tuple(r.atoms[name]["shape"])
+            offsets = f.box.offsets if f is not None else (0,) * len(shape)
+            sizes = f.box.sizes if f is not None else shape
+            items.append(WriteItem(
+                index=MetadataIndex(name, offsets),
+                type=item_type,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=props,
+                    size=torch.Size(shape),
+                ),
+            ))
+            self._pieces[(name, tuple(offsets))] = (r, f)
+        return items
 
     def _digest(self, digests: dict[str, int], name: str, value: Any) -> None:
         if self.check_replicas == "off":
@@ -185,39 +224,40 @@ class UCPSavePlanner(DefaultSavePlanner):
         if d is not None:
             digests[name] = d
 
+    def _local_tie_mismatches(self) -> list[str]:
+        bad = []
+        for kept, dup in self._ties:
+            if isinstance(kept.value, torch.Tensor):
+                same = {_frag_key(f): value_digest(f.view(kept.local)) for f in kept.fragments} == {
+                    _frag_key(f): value_digest(f.view(dup.local)) for f in dup.fragments}
+            else:
+                same = value_digest(kept.value) == value_digest(dup.value)
+            if not same:
+                bad.append(kept.name)
+        return bad
+
     # -- coordinator -------------------------------------------------------------------------------
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        self._check_replicas(all_plans)
+        pds = [p.planner_data or {} for p in all_plans]
+        check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at save")
+        warn = {k for pd in pds for k in pd.get("warn_keys") or ()}
+        check_digests(pds, self.check_replicas, warn_keys=warn)
+        self._reduced = self._reduce(pds)
         return super().create_global_plan(all_plans)
 
-    def _check_replicas(self, all_plans: list[SavePlan]) -> None:
-        if self.check_replicas == "off":
-            return
-        seen: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-        for rank, plan in enumerate(all_plans):
-            for name, d in ((plan.planner_data or {}).get("digests") or {}).items():
-                seen[name][d].append(rank)
-        bad = {name: by_digest for name, by_digest in seen.items() if len(by_digest) > 1}
-        if not bad:
-            return
-        lines = []
-        for name, by_digest in sorted(bad.items())[:10]:
-            groups = "; ".join(f"ranks {ranks}" for ranks in by_digest.values())
-            lines.append(f"  {name}: {len(by_digest)} different values ({groups})")
-        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-        first = sorted(bad)[0]
-        err = ReplicaMismatchError(
-            f"{len(bad)} value(s) saved under a shared name differ across ranks; DCP would keep one "
-            f"rank's copy and silently drop the others:\n" + "\n".join(lines) + more,
-            atom=first,
-            hint="give per-rank values distinct names (e.g. a rank suffix), make them DTensors, or "
-            "declare how to reduce them; pass check_replicas='warn' to save anyway",
-        )
-        if self.check_replicas == "warn":
-            logger.warning("%s", err)
-            return
-        raise err
+    def _reduce(self, pds: list[dict[str, Any]]) -> dict[str, Any]:
+        values: dict[str, list[Any]] = {}
+        for pd in pds:
+            for name, v in (pd.get("reduce") or {}).items():
+                values.setdefault(name, []).append(v)
+        out = {}
+        for name, vals in values.items():
+            rule = self._patterns.reduce(name)
+            if rule is None:  # matched on another rank only: rules are the same everywhere
+                raise PatternError(f"atom '{name}' is reduced on some ranks but no rule matches it here", atom=name)
+            out[name] = reduce_values(rule.op, vals, name)
+        return out
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         if self.dedup_save_to_lowest_rank:
@@ -226,12 +266,18 @@ class UCPSavePlanner(DefaultSavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         local_cats, mappings, plans = [], {}, []
+        coordinator = next((i for i, p in enumerate(all_plans) if (p.planner_data or {}).get("coordinator")), 0)
         for p in all_plans:
             pd = p.planner_data or {}
             local_cats.append(pd.get("catalog"))
             mappings.update(pd.get("mappings") or {})
             plans.append(dataclasses.replace(p, planner_data=None))
+        # reduced values are written once, by the coordinator, which holds the reduction
+        reduced_items = [_reduced_item(name, v) for name, v in sorted(self._reduced.items())]
+        plans[coordinator] = dataclasses.replace(plans[coordinator], items=[*plans[coordinator].items, *reduced_items])
         catalog = cat_mod.merge_local_catalogs(local_cats, writer=_writer_info())
+        catalog["rules"] = self._patterns.to_json()
+        catalog["maps"] = sorted({m.key for m in self.maps})
         global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(plans))
         planner_data: dict[str, Any] = dict(mappings)
         planner_data[cat_mod.CATALOG_KEY] = catalog
@@ -240,23 +286,91 @@ class UCPSavePlanner(DefaultSavePlanner):
         if errors:
             raise CoverageError(
                 "saved chunks do not tile their atoms: " + "; ".join(errors)[:1000],
-                hint="some rank holds an unexpected layout for these atoms; this is a bug if the "
-                "values are DTensors, please report it with the layouts from the message",
+                hint="some rank holds an unexpected layout for these atoms (or a pattern rule describes it "
+                "wrongly); check the layouts and rules named in the message",
             )
         return global_plan, metadata
 
-    # -- data ----------------------------------------------------------------------------------------
+    # -- all ranks, after the global plan succeeded ----------------------------------------------------
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self._averaged = self._average_replicas()
+        return plan
+
+    def _average_replicas(self) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+        todo = sorted((r for r in self._resolved if r.replicated is not None and r.replicated.check == "average"),
+                      key=lambda r: r.name)
+        if not todo:
+            return {}
+        if threading.current_thread() is not threading.main_thread():
+            raise PatternError(
+                "Replicated(check='average') needs collectives and cannot run inside async_save's "
+                f"background thread (atom '{todo[0].name}')", atom=todo[0].name,
+                hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
+            )
+        out = {}
+        for r in todo:
+            mean = r.local.detach().clone().double()
+            if isinstance(r.value, DTensor):
+                layout = Layout.from_dtensor(r.value)
+                dims = [i for i, p in enumerate(layout.placements) if p.kind == "R"]
+                n = 1
+                for d in dims:
+                    dist.all_reduce(mean, group=r.value.device_mesh.get_group(d))
+                    n *= layout.mesh_shape[d]
+            else:
+                group = self.process_group or dist.group.WORLD
+                dist.all_reduce(mean, group=group)
+                n = dist.get_world_size(group)
+            mean = (mean / n).to(r.local.dtype)
+            for f in r.fragments:
+                out[(f.atom, f.box.offsets)] = f.view(mean).clone()
+        return out
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         name = write_item.index.fqn
+        reduced = getattr(self, "_reduced", {})
+        if name in reduced:
+            return _as_data(reduced[name], write_item)
         if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self._entries[name].value, buf)
-            return buf
-        e, f = self._pieces[(name, tuple(write_item.index.offset))]
+            r, _ = self._pieces[(name, None)]
+            return _as_data(r.value, write_item)
+        offsets = tuple(write_item.index.offset)
+        r, f = self._pieces[(name, offsets)]
         if f is None:
-            return torch.empty(tuple(e.value.shape), dtype=e.value.dtype)
-        return f.view(local_tensor(e.value)).detach()
+            return torch.empty(tuple(r.atoms[name]["shape"]), dtype=r.local.dtype)
+        averaged = getattr(self, "_averaged", {}).get((name, offsets))
+        if averaged is not None:
+            return averaged
+        return f.view(r.local).detach()
+
+
+def _as_data(value: Any, item: WriteItem) -> torch.Tensor | io.BytesIO:
+    if item.type != WriteItemType.BYTE_IO:
+        return value
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf
+
+
+def _reduced_item(name: str, value: Any) -> WriteItem:
+    if not isinstance(value, torch.Tensor):
+        return WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO)
+    zeros = (0,) * value.ndim
+    return WriteItem(
+        index=MetadataIndex(name, zeros),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=value.shape),
+            properties=TensorProperties.create_from_tensor(value),
+            size=value.shape,
+        ),
+    )
+
+
+def _frag_key(f: Fragment) -> str:
+    return f"{f.atom}@{list(f.box.offsets)}/{list(f.box.sizes)}"
 
 
 def _same_local_plan(plan: SavePlan, cached: SavePlan) -> bool:
@@ -265,7 +379,7 @@ def _same_local_plan(plan: SavePlan, cached: SavePlan) -> bool:
     if not _compare_save_plans(plan, cached):
         return False
     mine, theirs = plan.planner_data or {}, cached.planner_data or {}
-    return mine.get("catalog") == theirs.get("catalog") and mine.get("mappings") == theirs.get("mappings")
+    return all(mine.get(k) == theirs.get(k) for k in ("catalog", "mappings", "claims", "coordinator"))
 
 
 def _writer_info() -> dict[str, str]:

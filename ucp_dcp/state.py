@@ -11,7 +11,7 @@ planner would produce. Two UCP-specific steps happen around it:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,24 +104,32 @@ def _check_supported(key: str, value: Any) -> None:
 
 
 def collect_entries(
-    state_dict: Mapping[str, Any], rules: NameRules, *, for_load: bool
-) -> tuple[list[Entry], dict[str, Path], list[GroupTarget]]:
-    """Flatten ``state_dict`` into entries.
+    state_dict: Mapping[str, Any],
+    rules: NameRules,
+    *,
+    for_load: bool,
+    rewrite: Callable[[Path], Path] | None = None,
+) -> tuple[list[Entry], list[GroupTarget]]:
+    """Flatten ``state_dict`` into entries named by canonical atoms.
 
-    Returns the entries, DCP-style mappings (atom name -> canonical path, for the catalog and
-    ``dcp_to_torch_save``) and, at load, the nested param groups to fill.
+    ``rewrite`` maps a canonical path to its global form (pipeline/expert renumbering). At load,
+    nested param groups are returned separately (they are filled from per-parameter entries).
     """
+    rw = rewrite or (lambda p: p)
     containers = find_optimizer_containers(state_dict)
+    canon_containers = {rw(rules.canonical_path(c)): form for c, form in containers.items()}
     groups: list[GroupTarget] = []
     work: Mapping[str, Any] = state_dict
     for cpath, form in containers.items():
         if form != OptimizerForm.NESTED:
             continue
         if for_load:
-            prefix = rules.canonical_path(cpath)
+            canon = rules.canonical_path(cpath)
+            prefix = rw(canon)
             opt = _get(state_dict, cpath)
             for i, g in enumerate(opt["param_groups"]):
-                params = [str(rules.canonical_elem(str(p))) for p in g["params"]]
+                # a parameter's global name: rewrite a representative path through the group
+                params = [str(rw(canon + ("param_groups", rules.canonical_elem(str(p)), "_"))[-2]) for p in g["params"]]
                 hps = [k for k in g if k not in GROUP_ONLY_KEYS]
                 groups.append(GroupTarget(g, prefix, i, params, hps))
             work = _replace_at(work, cpath, lambda o: {k: v for k, v in o.items() if k != "param_groups"})
@@ -131,13 +139,11 @@ def collect_entries(
             )
     flat, raw_paths = flatten_state_dict(work)
     entries: list[Entry] = []
-    mappings: dict[str, Path] = {}
     for key, value in flat.items():
         _check_supported(key, value)
-        atom = parse_path(raw_paths[key], containers, rules)
+        atom = parse_path(rw(rules.canonical_path(raw_paths[key])), canon_containers)
         entries.append(Entry(key, atom, value, raw_paths[key]))
-        mappings.setdefault(atom.name, atom.path)
-    return entries, mappings, groups
+    return entries, groups
 
 
 def _get(d: Mapping[str, Any], path: Path) -> Any:

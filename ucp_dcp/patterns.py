@@ -1,0 +1,252 @@
+"""Pattern rules: declared layouts that DTensor placements cannot describe.
+
+Rules are matched with ``re.fullmatch`` against canonical *parameter* names (wrappers stripped,
+pipeline layers and experts renumbered), so one rule covers a weight and all of its optimizer
+state; :class:`Reduce` rules match full atom names instead (they concern single values such as
+``train_state.ntokens_seen``). Every rule is recorded in the checkpoint's catalog, so a load
+applies the saved rules automatically; rules passed at load add to them.
+
+Strict mode (default): a rule that matches nothing is an error, judged on the union over all
+ranks at save and on saved + target names at load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .errors import PatternError
+
+__all__ = ["Fused", "Padded", "Replicated", "Reduce", "Tied", "Patterns", "Rule", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "mean", "max", "equal")
+REPLICA_CHECKS = ("error", "warn", "average", "off")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A parameter holding several logical parameters side by side along ``dim``.
+
+    ``parts`` are ``(name template, logical size)``; templates may use the pattern's groups
+    (``r"\\1.wq.weight"``). ``blocks`` says how the parts interleave: ``1`` plain concatenation
+    ``[A; B]``; an int ``n``: ``n`` blocks ``[A_0; B_0; A_1; B_1; ...]`` (group-major QKV, one block
+    per KV head); a mesh dim name such as ``"tp"``: one block per rank of that mesh dim
+    (Megatron's per-rank ``[q_r; k_r; v_r]``), 1 when the value is not sharded over it.
+    """
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    parts: tuple[tuple[str, int], ...]
+    """``(atom name template, size along dim)`` per sub-parameter, in layout order."""
+    dim: int = 0
+    """The fused dim."""
+    blocks: int | str = 1
+    """Number of interleaved blocks, or the mesh dim whose size gives it."""
+    kind: ClassVar[str] = "fused"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple((str(t), int(n)) for t, n in self.parts))
+        if len(self.parts) < 2:
+            raise PatternError(f"fused rule {self.pattern!r} needs at least two parts, got {self.parts}")
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A dim padded beyond its logical ``size`` (e.g. vocabulary padded to a multiple of TP x 128).
+    Atoms store the logical size; load fills the padding of any padded size."""
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    size: int
+    """Logical size of the padded dim."""
+    dim: int = 0
+    """The padded dim."""
+    fill: float = 0.0
+    """Value written into the padding of model tensors at load."""
+    state_fill: float = 0.0
+    """Value written into the padding of optimizer state at load."""
+    kind: ClassVar[str] = "padded"
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Values replicated over some mesh dims (TP-replicated norms and row-parallel biases): saved
+    once; ``check`` what to do if the replicas differ at save: ``"error"``, ``"warn"``, ``"average"``
+    (save their mean, like DeepSpeed's params-to-average) or ``"off"``."""
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    check: str = "error"
+    """``error`` | ``warn`` | ``average`` | ``off``."""
+    kind: ClassVar[str] = "replicated"
+
+    def __post_init__(self) -> None:
+        if self.check not in REPLICA_CHECKS:
+            raise PatternError(f"replicated rule {self.pattern!r}: check must be one of {REPLICA_CHECKS}")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """A per-rank scalar/object (a token counter each rank keeps) reduced across ranks at save.
+
+    On load, ``sum`` gives the total to the coordinator rank and 0 to the others (so the next save
+    sums right); ``mean``/``max``/``equal`` give every rank the value. ``equal`` refuses to save
+    values that differ.
+    """
+
+    pattern: str
+    """Regex, full match against the atom name (e.g. ``r"train_state\\.ntokens_seen"``)."""
+    op: str = "sum"
+    """``sum`` | ``mean`` | ``max`` | ``equal``."""
+    kind: ClassVar[str] = "reduce"
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise PatternError(f"reduce rule {self.pattern!r}: op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+
+@dataclass(frozen=True)
+class Tied:
+    """Parameters that are one logical tensor (input embedding and output head on the first and
+    last pipeline stage): saved once under ``param``, loaded into every alias; save checks that
+    the copies agree."""
+
+    param: str
+    """Canonical parameter name of the tied atom."""
+    aliases: tuple[str, ...]
+    """Regexes (full match) of parameter names that are copies of it."""
+    kind: ClassVar[str] = "tied"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+
+    @property
+    def pattern(self) -> str:
+        return "|".join([re.escape(self.param), *self.aliases])
+
+
+Rule = Fused | Padded | Replicated | Reduce | Tied
+_KINDS: dict[str, type] = {c.kind: c for c in (Fused, Padded, Replicated, Reduce, Tied)}
+
+
+def rule_to_json(rule: Rule) -> dict[str, Any]:
+    d: dict[str, Any] = {"kind": rule.kind}
+    for k, v in rule.__dict__.items():
+        d[k] = [list(p) for p in v] if k == "parts" else (list(v) if isinstance(v, tuple) else v)
+    return d
+
+
+def rule_from_json(d: dict[str, Any]) -> Rule:
+    d = dict(d)
+    cls = _KINDS.get(d.pop("kind", None))
+    if cls is None:
+        raise PatternError(f"unknown rule kind in catalog: {d}")
+    if "parts" in d:
+        d["parts"] = tuple(tuple(p) for p in d["parts"])
+    if "aliases" in d:
+        d["aliases"] = tuple(d["aliases"])
+    return cls(**d)
+
+
+def describe(rule: Rule) -> str:
+    if isinstance(rule, Tied):
+        return f"tied({rule.param!r} <- {list(rule.aliases)})"
+    return f"{rule.kind}({rule.pattern!r})"
+
+
+@dataclass
+class Patterns:
+    """A set of rules with strictness; tracks which rules matched (for the strict check)."""
+
+    rules: Sequence[Rule] = ()
+    """The rules, in declaration order."""
+    strict: bool = True
+    """A declared rule that matches nothing is an error."""
+    used: set[int] = field(default_factory=set)
+    """Indices of rules that matched some name (this rank)."""
+
+    def __post_init__(self) -> None:
+        self.rules = tuple(self.rules)
+        self._re: list[re.Pattern[str]] = []
+        for r in self.rules:
+            if not isinstance(r, tuple(_KINDS.values())):
+                raise PatternError(f"not a pattern rule: {r!r}")
+            try:
+                self._re.append(re.compile(r.pattern))
+            except re.error as e:
+                raise PatternError(f"rule {describe(r)}: bad regex ({e})") from None
+
+    def merged(self, other: Iterable[Rule]) -> "Patterns":
+        """These rules plus ``other`` (duplicates dropped); strictness applies to ours only."""
+        extra = [r for r in other if r not in self.rules]
+        merged = Patterns([*self.rules, *extra], strict=self.strict)
+        merged._declared = len(self.rules)
+        return merged
+
+    @property
+    def declared(self) -> range:
+        return range(getattr(self, "_declared", len(self.rules)))
+
+    def _matches(self, kind: str | tuple[str, ...], name: str) -> list[tuple[int, re.Match[str]]]:
+        kinds = (kind,) if isinstance(kind, str) else kind
+        out = []
+        for i, (r, rx) in enumerate(zip(self.rules, self._re)):
+            if r.kind in kinds:
+                m = rx.fullmatch(name)
+                if m:
+                    out.append((i, m))
+        return out
+
+    def _one(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[Rule, re.Match[str]] | None:
+        hits = self._matches(kind, name)
+        if len(hits) > 1:
+            rules = ", ".join(describe(self.rules[i]) for i, _ in hits)
+            raise PatternError(
+                f"{what} '{name}' matches conflicting rules: {rules}",
+                atom=name,
+                hint="make the patterns disjoint; one layout rule per parameter",
+            )
+        if not hits:
+            return None
+        self.used.add(hits[0][0])
+        return self.rules[hits[0][0]], hits[0][1]
+
+    def tie(self, param: str) -> str:
+        """The canonical name of a tied parameter (``param`` itself if it is not tied)."""
+        hit = self._one("tied", param, "parameter")
+        return hit[0].param if hit else param
+
+    def tensor_rule(self, param: str) -> tuple[Fused | Padded, re.Match[str]] | None:
+        return self._one(("fused", "padded"), param, "parameter")  # type: ignore[return-value]
+
+    def replicated(self, param: str) -> Replicated | None:
+        hit = self._one("replicated", param, "parameter")
+        return hit[0] if hit else None  # type: ignore[return-value]
+
+    def reduce(self, atom: str) -> Reduce | None:
+        hit = self._one("reduce", atom, "atom")
+        return hit[0] if hit else None  # type: ignore[return-value]
+
+    def note_names(self, names: Iterable[str]) -> None:
+        """Mark rules matching any of ``names`` as used (names seen only in a saved catalog)."""
+        for name in names:
+            for i, rx in enumerate(self._re):
+                if rx.fullmatch(name):
+                    self.used.add(i)
+
+    def check_used(self, used: set[int], where: str) -> None:
+        """Strict mode: every declared rule must have matched somewhere."""
+        if not self.strict:
+            return
+        unused = [self.rules[i] for i in self.declared if i not in used]
+        if unused:
+            raise PatternError(
+                f"{len(unused)} declared rule(s) matched no name {where}: " + ", ".join(describe(r) for r in unused),
+                hint="fix the regex (it must match the whole canonical parameter name, e.g. "
+                r"'layers\.\d+\.attn\.wqkv\.weight'), or pass strict=False",
+            )
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [rule_to_json(r) for r in self.rules]
