@@ -3,8 +3,9 @@ import sys
 
 from hypothesis import HealthCheck, settings
 
-# Make `tests/` helpers importable from worker processes started by the dist harness.
+# Make `tests/` helpers and the recipes (model, trainer) importable here and in worker processes.
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,

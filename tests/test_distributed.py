@@ -16,9 +16,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dist as D
+import torch.nn as nn
 import ucp_dcp
+from elastic_resume import ucp_options
 from helpers import ucp_failure
-from toy_llm import ModelConfig, build_model, build_optimizer, full_state, train_step
+from parallel import Topology, build_job, build_trainer, logical_state, train_step
+from toy_llm import ModelConfig
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -51,29 +56,30 @@ def _sd(model, opt):
 
 
 def _matrix_worker(rank, world, root):
+    """The recipe model (fused QKV/SwiGLU, padded tied vocab, MoE) trained one step at every layout."""
     cfg = ModelConfig()
-    subs = {lay: _sub(*lay) for lay in LAYOUTS}
+    jobs = {lay: build_job(Topology(dp=lay[0], tp=lay[1]), list(range(lay[0] * lay[1]))) for lay in LAYOUTS}
     oracles, failures, checked = {}, [], 0
     for lay in LAYOUTS:
-        group, mesh, n = subs[lay]
-        if rank < n:
-            model = build_model(cfg, mesh, seed=0)
-            opt = build_optimizer(model)
-            train_step(model, opt, mesh, 1)
-            dcp.save(_sd(model, opt), checkpoint_id=f"{root}/{lay}", planner=UCPSavePlanner(), process_group=group)
-            oracle = full_state(model, opt)
+        job = jobs[lay]
+        if job.member:
+            tr = build_trainer(cfg, job, seed=0)
+            train_step(tr)
+            dcp.save(tr.state_dict(), checkpoint_id=f"{root}/{lay}", process_group=job.group,
+                     planner=UCPSavePlanner(**ucp_options(cfg, tr)))
+            oracle = logical_state(tr)
             if rank == 0:
                 oracles[lay] = oracle
         dist.barrier()
     for src, dst in itertools.product(LAYOUTS, LAYOUTS):
-        group, mesh, n = subs[dst]
-        if rank < n:
-            model = build_model(cfg, mesh, seed=1)
-            opt = build_optimizer(model)
-            sd = _sd(model, opt)
-            dcp.load(sd, checkpoint_id=f"{root}/{src}", planner=UCPLoadPlanner(), process_group=group)
-            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            loaded = full_state(model, opt)
+        job = jobs[dst]
+        if job.member:
+            tr = build_trainer(cfg, job, seed=1)
+            sd = tr.state_dict()
+            dcp.load(sd, checkpoint_id=f"{root}/{src}", process_group=job.group,
+                     planner=UCPLoadPlanner(**ucp_options(cfg, tr)))
+            tr.load_state_dict(sd)
+            loaded = logical_state(tr)
             if rank == 0:
                 bad = _compare(oracles[src], loaded)
                 checked += 1
@@ -177,30 +183,57 @@ def test_noncontiguous_strided_layouts_both_directions():
 
 # -- interop, caching, async, errors -----------------------------------------------------------------
 
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 10, bias=False)
+        self.down = nn.Linear(10, 6, bias=False)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def _net(mesh, seed):
+    torch.manual_seed(seed)
+    m = _Net()
+    parallelize_module(m, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    if seed == 0:
+        m(torch.randn(3, 6)).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def _net_state(m, opt):
+    out = {}
+    for n, p in m.named_parameters():
+        out[n] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        for k, v in opt.state.get(p, {}).items():
+            out[f"{n}/{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
 def _misc_worker(rank, world, root):
     out = {}
-    cfg = ModelConfig()
-    g2, mesh2, _ = _sub(2, 1)
     g3, mesh3, _ = _sub(3, 1)
     g22, mesh22, _ = _sub(2, 2)
 
     # stock-DCP checkpoint of an FSDP2+TP model (nested optimizer form) loaded by ours at dp=3
-    model = build_model(cfg, mesh22, seed=0)
-    opt = build_optimizer(model)
-    train_step(model, opt, mesh22, 1)
+    model, opt = _net(mesh22, 0)
     dcp.save(_sd(model, opt), checkpoint_id=f"{root}/stock", planner=DefaultSavePlanner())
-    oracle = full_state(model, opt)
+    oracle = _net_state(model, opt)
     # async_save (thread mode) with our planner, then load at dp=3
     fut = dcp.async_save(_sd(model, opt), checkpoint_id=f"{root}/async", planner=UCPSavePlanner())
     fut.result()
     for name in ("stock", "async"):
         if rank < 3:
-            m3 = build_model(cfg, mesh3, seed=1)
-            o3 = build_optimizer(m3)
+            m3, o3 = _net(mesh3, 1)
             sd = _sd(m3, o3)
             dcp.load(sd, checkpoint_id=f"{root}/{name}", planner=UCPLoadPlanner(), process_group=g3)
             set_state_dict(m3, o3, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            loaded = full_state(m3, o3)
+            loaded = _net_state(m3, o3)
             if rank == 0:
                 out[name] = _compare(oracle, loaded)
         dist.barrier()
