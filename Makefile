@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test setup inspect clean
+.PHONY: demo test reconfig setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the whole reconfiguration set (13 save -> load transitions, up to 8 ranks), fresh processes per job
+reconfig: $(STAMP)
+	$(BIN)/python recipes/reconfig.py
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

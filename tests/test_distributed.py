@@ -306,3 +306,70 @@ def test_interop_async_caching_and_save_errors():
         assert c[i][1] == [{"mesh": 0, "placements": ["S(0)"]}]
         assert c[i][2] == (full + i).tolist() and c[i][3] == i, "cached plans must still write current values"
     assert c[3] == "ReplicaMismatchError", "replica check must run even when the plan is cached"
+
+
+# -- rules that need several ranks: reductions, replica checks and averaging ----------------------------
+
+def _rules_worker(rank, world, root):
+    from ucp_dcp.patterns import Reduce, Replicated
+    from ucp_dcp.renumber import stage_map
+
+    out = {}
+    g2 = dist.new_group([0, 1])
+    mesh4 = DeviceMesh("cpu", torch.arange(4))
+    reduce = [Reduce(r"ts\.tokens", "sum"), Reduce(r"ts\.loss", "mean"), Reduce(r"ts\.peak", "max"),
+              Reduce(r"ts\.tensor_tokens", "sum")]
+    sd = {"ts": {"tokens": rank + 1, "loss": float(rank), "peak": 10 * rank, "tensor_tokens": torch.tensor([rank, 1])}}
+    dcp.save(sd, checkpoint_id=f"{root}/reduce", planner=UCPSavePlanner(patterns=reduce))
+    if rank < 2:
+        back = {"ts": {"tokens": 7, "loss": 0.0, "peak": 0, "tensor_tokens": torch.tensor([9, 9])}}
+        dcp.load(back, checkpoint_id=f"{root}/reduce", planner=UCPLoadPlanner(), process_group=g2)
+        out[f"reduce{rank}"] = (back["ts"]["tokens"], back["ts"]["loss"], back["ts"]["peak"], back["ts"]["tensor_tokens"].tolist())
+    dist.barrier()
+    try:
+        dcp.save({"ts": {"v": rank}}, checkpoint_id=f"{root}/equal", planner=UCPSavePlanner(patterns=[Reduce(r"ts\.v", "equal")]))
+    except CheckpointException as e:
+        out["equal"] = type(ucp_failure(e)).__name__
+    try:
+        dcp.save({"w": distribute_tensor(torch.ones(4), mesh4, [Shard(0)])}, checkpoint_id=f"{root}/rdt",
+                 planner=UCPSavePlanner(patterns=[Reduce(r"w")]))
+    except CheckpointException as e:
+        out["reduce_dtensor"] = str(ucp_failure(e))
+
+    # replicated over a (2, 2) mesh's second dim, with values that drifted apart on the replicas
+    mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    drift = DTensor.from_local(torch.full((2, 3), float(rank)), mesh22, [Shard(0), Replicate()], run_check=False)
+    for check in ("error", "warn", "average"):
+        try:
+            dcp.save({"norm": {"weight": drift}}, checkpoint_id=f"{root}/rep_{check}",
+                     planner=UCPSavePlanner(patterns=[Replicated(r"weight", check=check)]))
+            back = {"norm": {"weight": torch.zeros(4, 3)}}
+            if rank == 0:
+                dcp.load(back, checkpoint_id=f"{root}/rep_{check}", planner=UCPLoadPlanner(), process_group=dist.new_group([0]))
+            else:
+                dist.new_group([0])
+            out[f"rep_{check}"] = back["norm"]["weight"][:, 0].tolist()
+        except CheckpointException as e:
+            out[f"rep_{check}"] = type(ucp_failure(e)).__name__
+    # a stage map that gives one global layer to two stages (ranks 0, 1 = stage 0; ranks 2, 3 = stage 1)
+    stage = rank // 2
+    try:
+        dcp.save({"model": {"layers.0.w": torch.ones(2)}}, checkpoint_id=f"{root}/stages",
+                 planner=UCPSavePlanner(stage_map=stage_map(0, total=2, stage=stage)))
+    except CheckpointException as e:
+        out["stages"] = str(ucp_failure(e))
+    return out
+
+
+def test_reductions_replica_checks_and_ownership():
+    res = D.run(_rules_worker, 4, D.tmpdir())
+    out = {**res[0], "reduce1": res[1]["reduce1"]}
+    # sum: the coordinator takes the total (1+2+3+4), the others 0; mean/max: everyone gets the value
+    assert out["reduce0"] == (10, 1.5, 30, [6, 4])
+    assert out["reduce1"] == (0, 1.5, 30, [0, 0])
+    assert out["equal"] == "ReplicaMismatchError"
+    assert "reduce rule" in out["reduce_dtensor"] and "DTensor" in out["reduce_dtensor"]
+    assert out["rep_error"] == "ReplicaMismatchError"
+    assert out["rep_warn"] in ([0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 3.0, 3.0])  # one replica kept, with a warning
+    assert out["rep_average"] == [0.5, 0.5, 2.5, 2.5]  # mean of ranks (0, 1) and of ranks (2, 3)
+    assert "layers 0 is claimed by owners [0, 1]" in out["stages"]

@@ -19,7 +19,7 @@ def test_recipe_resumes_and_detects_corruption(tmp_path):
     out = _recipe("--save-topology", "dp=2,tp=2", "--load-topology", "dp=3", "--steps", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESUME OK: dp=2,tp=2 -> dp=3,tp=1"), last
+    assert last.startswith("RESUME OK: dp=2,tp=2 -> dp=3:"), last
     assert (tmp_path / "loss.png").exists() and (tmp_path / "oracle.pt").exists()
     # flip one loaded element: the bitwise oracle must refuse it
     bad = _recipe("--save-topology", "dp=2,tp=2", "--load-topology", "dp=3", "--steps", "2", "--out", str(tmp_path),

@@ -45,6 +45,8 @@ def summarize(md: Metadata) -> dict[str, Any]:
             row = {"shape": None, "dtype": None, "chunks": 1}
         row["kind"] = rec.get("kind", "object" if row["shape"] is None else "tensor")
         row["pattern"] = rec.get("pattern", "unknown")
+        if rec.get("live"):
+            row["live"] = rec["live"]
         row["layouts"] = _layouts(rec, catalog)
         row["bytes"] = sizes.get(name, 0)
         atoms[name] = row
@@ -66,7 +68,9 @@ def _layouts(rec: dict[str, Any], catalog: dict[str, Any] | None) -> list[str]:
         mesh = meshes[lay["mesh"]] if lay["mesh"] < len(meshes) else {"shape": "?", "dim_names": None}
         names = mesh.get("dim_names") or [f"d{i}" for i in range(len(mesh["shape"]))]
         dims = ",".join(f"{n}={s}" for n, s in zip(names, mesh["shape"]))
-        out.append(f"({dims})[{','.join(lay['placements'])}]")
+        text = f"({dims})[{','.join(lay['placements'])}]"
+        if text not in out:
+            out.append(text)
     return out
 
 
@@ -84,12 +88,13 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append("source topology: unknown (no ucp_dcp catalog; written by another planner)")
     lines.append(f"{len(s['atoms'])} atoms, {s['total_bytes'] / 2**20:.2f} MiB in data files")
     w = max((len(n) for n in s["atoms"]), default=4)
-    lines.append(f"{'atom':<{w}}  {'shape':<16} {'dtype':<9} {'kind':<11} {'chunks':>6} {'bytes':>10}  layout")
+    lines.append(f"{'atom':<{w}}  {'shape':<16} {'dtype':<9} {'kind':<11} {'pattern':<10} {'chunks':>6} {'bytes':>10}  layout")
     for name, r in s["atoms"].items():
         shape = "x".join(map(str, r["shape"])) if r["shape"] is not None else "-"
         shape = shape or "scalar"
+        live = f" <- {r['live']}" if r.get("live") else ""
         lines.append(
-            f"{name:<{w}}  {shape:<16} {r['dtype'] or '-':<9} {r['kind']:<11} {r['chunks']:>6} {r['bytes']:>10}  "
-            + (" ".join(r["layouts"]) or r["pattern"])
+            f"{name:<{w}}  {shape:<16} {r['dtype'] or '-':<9} {r['kind']:<11} {r['pattern']:<10} {r['chunks']:>6} "
+            f"{r['bytes']:>10}  " + " ".join(r["layouts"]) + live
         )
     return "\n".join(lines)

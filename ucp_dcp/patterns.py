@@ -201,6 +201,9 @@ class Patterns:
 
     def _one(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[Rule, re.Match[str]] | None:
         hits = self._matches(kind, name)
+        declared = [h for h in hits if h[0] in self.declared]
+        if declared and len(declared) < len(hits):
+            hits = declared  # rules passed at load override the ones recorded at save
         if len(hits) > 1:
             rules = ", ".join(describe(self.rules[i]) for i, _ in hits)
             raise PatternError(

@@ -140,7 +140,7 @@ class Resolver:
         }
         if rec_layout:
             rec["layout"] = rec_layout
-        if r.tied:
+        if r.tied and e.atom.param != atom.param:
             rec["live"] = e.atom.param
         if r.reduce is not None:
             rec["pattern"] = f"reduce:{r.reduce.op}"

@@ -58,8 +58,6 @@ class UCPSavePlanner(DefaultSavePlanner):
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
         name_rules: wrapper segments stripped from names.
-        process_group: the group passed to ``dcp.save``; only needed for
-            ``Replicated(check="average")`` on plain (non-DTensor) values. Default: the world.
         dedup_save_to_lowest_rank, enable_plan_caching: as in ``DefaultSavePlanner``; with plan
             caching on, a changed *layout* (not only changed boxes) invalidates the cached plan.
     """
@@ -73,7 +71,6 @@ class UCPSavePlanner(DefaultSavePlanner):
         expert_map: IndexMap | None = None,
         check_replicas: str = "error",
         name_rules: NameRules | None = None,
-        process_group: Any = None,
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = False,
     ) -> None:
@@ -91,13 +88,12 @@ class UCPSavePlanner(DefaultSavePlanner):
         Patterns(self.rules)  # validate regexes now, not mid-save
         self.strict = strict
         self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
-        self.process_group = process_group
 
     def __getstate__(self) -> dict[str, Any]:
         # async_save's process mode pickles the planner: ship configuration, never tensors or groups
         keep = {"check_replicas", "name_rules", "rules", "strict", "maps", "dedup_save_to_lowest_rank",
                 "_enable_plan_caching", "_cached_plans_key", "flatten_state_dict", "flatten_sharded_tensors"}
-        return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}, "process_group": None}
+        return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}}
 
     # -- local -------------------------------------------------------------------------------------
 
@@ -182,6 +178,8 @@ class UCPSavePlanner(DefaultSavePlanner):
                 "map_totals": {m.key: m.total for m in self.maps},
                 "used_maps": sorted(self._resolver.used_maps), "coordinator": self.is_coordinator,
                 "warn_keys": sorted(self._warn_keys),
+                "average": sorted({_avg_key(f) for r in self._resolved if _averaged(r) for f in r.fragments}),
+                "global_rank": dist.get_rank() if dist.is_initialized() else 0,
             },
         )
         self.plan = plan
@@ -196,7 +194,6 @@ class UCPSavePlanner(DefaultSavePlanner):
 
     def _tensor_items(self, r: Resolved) -> list[WriteItem]:
         props = TensorProperties.create_from_tensor(r.local)
-        item_type = WriteItemType.SHARD if isinstance(r.value, DTensor) else WriteItemType.TENSOR
         pieces: list[tuple[str, Fragment | None]] = [(f.atom, f) for f in r.fragments]
         if r.value.numel() == 0:  # keep empty atoms visible in the metadata: one empty chunk each
             pieces = [(name, None) for name in r.atoms]
@@ -205,9 +202,11 @@ class UCPSavePlanner(DefaultSavePlanner):
             shape = tuple(r.atoms[name]["shape"])
             offsets = f.box.offsets if f is not None else (0,) * len(shape)
             sizes = f.box.sizes if f is not None else shape
+            # DCP allows one TENSOR item per key: pieces of an atom (DTensor shards, fused blocks) are SHARDs
+            whole = not isinstance(r.value, DTensor) and tuple(sizes) == shape
             items.append(WriteItem(
                 index=MetadataIndex(name, offsets),
-                type=item_type,
+                type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
                     properties=props,
@@ -267,6 +266,7 @@ class UCPSavePlanner(DefaultSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         local_cats, mappings, plans = [], {}, []
         coordinator = next((i for i, p in enumerate(all_plans) if (p.planner_data or {}).get("coordinator")), 0)
+        averages = _average_holders(all_plans)
         for p in all_plans:
             pd = p.planner_data or {}
             local_cats.append(pd.get("catalog"))
@@ -278,7 +278,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         catalog = cat_mod.merge_local_catalogs(local_cats, writer=_writer_info())
         catalog["rules"] = self._patterns.to_json()
         catalog["maps"] = sorted({m.key for m in self.maps})
-        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(plans))
+        deduped = self._dedup_save_plans(plans)
+        deduped = _attach_average_writers(deduped, averages, all_plans)
+        global_plan, metadata = create_default_global_save_plan(deduped)
         planner_data: dict[str, Any] = dict(mappings)
         planner_data[cat_mod.CATALOG_KEY] = catalog
         metadata = dataclasses.replace(metadata, planner_data=planner_data)
@@ -295,37 +297,39 @@ class UCPSavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
-        self._averaged = self._average_replicas()
+        self._averaged = self._average_replicas(plan)
         return plan
 
-    def _average_replicas(self) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
-        todo = sorted((r for r in self._resolved if r.replicated is not None and r.replicated.check == "average"),
-                      key=lambda r: r.name)
+    def _average_replicas(self, plan: SavePlan) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+        """``Replicated(check="average")``: every holder of a replicated piece sends it to the rank
+        that writes it, which saves the mean (point-to-point on the default group, so any save group
+        works; keys are visited in the same order everywhere)."""
+        todo = (plan.planner_data or {}).get("average") or {}
         if not todo:
             return {}
         if threading.current_thread() is not threading.main_thread():
             raise PatternError(
                 "Replicated(check='average') needs collectives and cannot run inside async_save's "
-                f"background thread (atom '{todo[0].name}')", atom=todo[0].name,
+                f"background thread (atom '{next(iter(todo))}')", atom=next(iter(todo)),
                 hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
             )
+        me = dist.get_rank()
+        frags = {_avg_key(f): (r, f) for r in self._resolved if _averaged(r) for f in r.fragments}
         out = {}
-        for r in todo:
-            mean = r.local.detach().clone().double()
-            if isinstance(r.value, DTensor):
-                layout = Layout.from_dtensor(r.value)
-                dims = [i for i, p in enumerate(layout.placements) if p.kind == "R"]
-                n = 1
-                for d in dims:
-                    dist.all_reduce(mean, group=r.value.device_mesh.get_group(d))
-                    n *= layout.mesh_shape[d]
-            else:
-                group = self.process_group or dist.group.WORLD
-                dist.all_reduce(mean, group=group)
-                n = dist.get_world_size(group)
-            mean = (mean / n).to(r.local.dtype)
-            for f in r.fragments:
-                out[(f.atom, f.box.offsets)] = f.view(mean).clone()
+        for key in sorted(todo):
+            writer, holders = todo[key]
+            r, f = frags[key]
+            mine = f.view(r.local).detach().to(torch.float64).contiguous()
+            if me != writer:
+                dist.isend(mine, writer).wait()
+                continue
+            parts = {me: mine}
+            bufs = {h: torch.empty_like(mine) for h in holders if h != me}
+            for w in [dist.irecv(buf, h) for h, buf in bufs.items()]:
+                w.wait()
+            parts.update(bufs)
+            total = sum(parts[h] for h in sorted(parts))
+            out[(f.atom, f.box.offsets)] = (total / len(parts)).to(r.local.dtype)
         return out
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -367,6 +371,44 @@ def _reduced_item(name: str, value: Any) -> WriteItem:
             size=value.shape,
         ),
     )
+
+
+def _averaged(r: Resolved) -> bool:
+    return r.replicated is not None and r.replicated.check == "average" and isinstance(r.value, torch.Tensor)
+
+
+def _avg_key(f: Fragment) -> str:
+    return f"{f.atom}@{','.join(map(str, f.box.offsets))}"
+
+
+def _average_holders(all_plans: list[SavePlan]) -> dict[str, list[int]]:
+    """Averaged piece -> global ranks holding it."""
+    holders: dict[str, list[int]] = {}
+    for p in all_plans:
+        pd = p.planner_data or {}
+        for key in pd.get("average") or ():
+            holders.setdefault(key, []).append(pd.get("global_rank", 0))
+    return holders
+
+
+def _attach_average_writers(
+    deduped: list[SavePlan], holders: dict[str, list[int]], all_plans: list[SavePlan]
+) -> list[SavePlan]:
+    """Tell every holder of an averaged piece which rank writes it (that rank averages)."""
+    if not holders:
+        return deduped
+    rank_of = [(p.planner_data or {}).get("global_rank", 0) for p in all_plans]
+    writer: dict[str, int] = {}
+    for i, p in enumerate(deduped):
+        for it in p.items:
+            key = f"{it.index.fqn}@{','.join(map(str, it.index.offset or ()))}"
+            if key in holders:
+                writer[key] = rank_of[i]
+    out = []
+    for i, p in enumerate(deduped):
+        mine = {k: (writer[k], sorted(h)) for k, h in holders.items() if rank_of[i] in h and k in writer}
+        out.append(dataclasses.replace(p, planner_data={"average": mine} if mine else None))
+    return out
 
 
 def _frag_key(f: Fragment) -> str:
