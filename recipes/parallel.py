@@ -290,19 +290,23 @@ def logical_state(tr: Trainer) -> dict[str, object]:
     gathered on every rank of the job. Collective over the job."""
     cfg, t = tr.cfg, tr.job.topo
     out: dict[str, object] = {}
+
+    def put(key: str, v: object) -> None:  # tied copies (embedding, output head) must agree
+        out[key] = "<copies differ>" if key in out and not _same(out[key], v) else out.get(key, v)
+
     for m, opt in zip(tr.chunks, tr.optims):
         names = {id(p): n for n, p in m.named_parameters()}
         for n, p in m.named_parameters():
             for k, v in _logical(cfg, t, tr, m, n, _full(p)).items():
-                out[f"param/{k}"] = v
+                put(f"param/{k}", v)
             for sk, sv in opt.state.get(p, {}).items():
                 for k, v in _logical(cfg, t, tr, m, names[id(p)], _full(sv)).items():
-                    out[f"state/{k}/{sk}"] = v
+                    put(f"state/{k}/{sk}", v)
         for gi, group in enumerate(opt.param_groups):
             hp = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 for k in _logical(cfg, t, tr, m, names[id(p)], None):
-                    out[f"group/{k}"] = repr(sorted(hp.items()))
+                    put(f"group/{k}", repr(sorted(hp.items())))
     gathered: list[dict] = [None] * dist.get_world_size(tr.job.group)  # type: ignore[list-item]
     dist.all_gather_object(gathered, out, group=tr.job.group)
     merged: dict[str, object] = {}
