@@ -6,13 +6,13 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test reconfig setup clean
+.PHONY: demo test reconfig titan-demo setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,torchtitan]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
+titan-demo: $(STAMP)
+	$(BIN)/python recipes/titan_resume.py
 
 # the whole reconfiguration set (13 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

@@ -49,6 +49,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             catalog apply automatically, these add to them.
         strict: a declared rule that matches neither a saved nor a target name is an error.
         stage_map, expert_map: this rank's local->global layer / expert numbering.
+        data_slot: this rank's data-parallel slot (see ``UCPSavePlanner``): for ``Reduce(op="sum")``
+            the ranks of slot 0 receive the total and the others 0. Default: only the coordinator.
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
             :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
         name_rules: wrapper segments stripped from names (must match the ones used at save).
@@ -61,6 +63,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         strict: bool = True,
         stage_map: IndexMap | None = None,
         expert_map: IndexMap | None = None,
+        data_slot: int | None = None,
         allow_partial_load: bool = False,
         name_rules: NameRules | None = None,
     ) -> None:
@@ -70,10 +73,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         Patterns(self.rules)
         self.strict = strict
         self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
+        self.data_slot = data_slot
         self.missing_atoms: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = {"name_rules", "rules", "strict", "maps", "allow_partial_load", "flatten_state_dict",
+        keep = {"name_rules", "rules", "strict", "maps", "data_slot", "allow_partial_load", "flatten_state_dict",
                 "flatten_sharded_tensors"}
         return {k: v for k, v in self.__dict__.items() if k in keep} | {"missing_atoms": []}
 
@@ -107,7 +111,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         for r in self._targets.values():
             if not r.present:
                 continue
-            if r.reduce is not None and r.reduce.op == "sum" and not self.is_coordinator:
+            keeps_total = self.is_coordinator if self.data_slot is None else self.data_slot == 0
+            if r.reduce is not None and r.reduce.op == "sum" and not keeps_total:
                 self._zero.append(r)  # the coordinator takes the total; the next save sums right
                 continue
             try:
@@ -139,6 +144,13 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         return [dataclasses.replace(p, planner_data=None) for p in global_plan]
 
     def _plan_entry(self, r: Resolved, saved: "_SavedIndex") -> list[ReadItem]:
+        if r.unsplit is not None and not any(saved.lookup(a) for a in r.atoms) and saved.lookup(r.name):
+            # fused parts absent but the fused tensor itself was saved (stock DCP / torchtitan): its
+            # block layout does not depend on the parallel layout, so load it as one atom
+            r.fragments = r.unsplit
+            r.atoms = {r.name: {**next(iter(r.atoms.values())), "shape": list(r.value.shape)
+                                if isinstance(r.value, torch.Tensor) else None}}
+            r.fanout = False
         e = r.entry
         names = list(r.atoms)[:1] if r.fanout else list(r.atoms)
         keys = {}

@@ -55,6 +55,9 @@ class Resolved:
     """Reduce rule matching the atom."""
     index_claims: list[tuple[str, int, int | None]] = field(default_factory=list)
     """``(map key, global index, owner)`` claimed by this entry (ownership checks)."""
+    unsplit: list[Fragment] | None = None
+    """Fused entries with a layout-invariant block count (``blocks=<int>``): the fragments of the
+    live tensor itself, so a checkpoint that stored it fused (stock DCP) still loads."""
 
     @property
     def name(self) -> str:
@@ -173,6 +176,8 @@ class Resolver:
 
     def _fanout(self, r: Resolved, rule: Fused, match, rec: dict[str, Any], value: torch.Tensor | None) -> Resolved:
         r.fanout = True
+        if isinstance(rule.blocks, int):
+            r.unsplit = [whole_fragment(r.name, value.shape)] if value is not None and value.numel() else []
         for tmpl, _ in rule.parts:
             part = r.atom.renamed(match.expand(tmpl))
             r.atoms[part.name] = {**rec, "param": part.param, "pattern": "fused", "live": r.atom.param,
@@ -219,6 +224,8 @@ class Resolver:
                                   "rule": self._rule_index(rule)}
             r.paths[part.name] = part.path
         r.fragments = split_fused(base, rule.dim, fused_segments(sizes, blocks), [p.name for p in parts])
+        if isinstance(rule.blocks, int):
+            r.unsplit = base
         return r
 
     @staticmethod

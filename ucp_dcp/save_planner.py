@@ -57,6 +57,9 @@ class UCPSavePlanner(DefaultSavePlanner):
             (:mod:`ucp_dcp.renumber`), for stage-local or expert-local module names.
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
+        data_slot: this rank's data-parallel slot, for ``Reduce`` rules: ranks of one slot (TP/PP
+            replicas that saw the same data) hold copies of one value, which must agree and count
+            once. Default: every rank is its own slot.
         name_rules: wrapper segments stripped from names.
         dedup_save_to_lowest_rank, enable_plan_caching: as in ``DefaultSavePlanner``; with plan
             caching on, a changed *layout* (not only changed boxes) invalidates the cached plan.
@@ -70,6 +73,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         stage_map: IndexMap | None = None,
         expert_map: IndexMap | None = None,
         check_replicas: str = "error",
+        data_slot: int | None = None,
         name_rules: NameRules | None = None,
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = False,
@@ -88,10 +92,11 @@ class UCPSavePlanner(DefaultSavePlanner):
         Patterns(self.rules)  # validate regexes now, not mid-save
         self.strict = strict
         self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
+        self.data_slot = data_slot
 
     def __getstate__(self) -> dict[str, Any]:
         # async_save's process mode pickles the planner: ship configuration, never tensors or groups
-        keep = {"check_replicas", "name_rules", "rules", "strict", "maps", "dedup_save_to_lowest_rank",
+        keep = {"check_replicas", "name_rules", "rules", "strict", "maps", "dedup_save_to_lowest_rank", "data_slot",
                 "_enable_plan_caching", "_cached_plans_key", "flatten_state_dict", "flatten_sharded_tensors"}
         return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}}
 
@@ -173,6 +178,7 @@ class UCPSavePlanner(DefaultSavePlanner):
             items,
             planner_data={
                 "mappings": self.mappings, "catalog": local_cat, "digests": digests, "reduce": reduce_vals,
+                "slot": self.data_slot,
                 "local_mismatch": mismatch, "used": sorted(self._patterns.used),
                 "claims": [c for r in self._resolved for c in r.index_claims],
                 "map_totals": {m.key: m.total for m in self.maps},
@@ -246,16 +252,19 @@ class UCPSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(all_plans)
 
     def _reduce(self, pds: list[dict[str, Any]]) -> dict[str, Any]:
-        values: dict[str, list[Any]] = {}
-        for pd in pds:
+        values: dict[str, dict[Any, list[Any]]] = {}
+        for rank, pd in enumerate(pds):
+            slot = pd.get("slot")
             for name, v in (pd.get("reduce") or {}).items():
-                values.setdefault(name, []).append(v)
+                values.setdefault(name, {}).setdefault(("rank", rank) if slot is None else slot, []).append(v)
         out = {}
-        for name, vals in values.items():
+        for name, by_slot in values.items():
             rule = self._patterns.reduce(name)
             if rule is None:  # matched on another rank only: rules are the same everywhere
                 raise PatternError(f"atom '{name}' is reduced on some ranks but no rule matches it here", atom=name)
-            out[name] = reduce_values(rule.op, vals, name)
+            # copies within a data slot (TP/PP replicas) must agree; each slot counts once
+            per_slot = [reduce_values("equal", copies, name) for _, copies in sorted(by_slot.items(), key=str)]
+            out[name] = reduce_values(rule.op, per_slot, name)
         return out
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:

@@ -1,0 +1,194 @@
+"""Run torchtitan 0.3.0's Trainer on CPU/gloo with torch 2.13.
+
+A test and recipe aid, not library code: GPU users run torchtitan as usual. It patches, before
+torchtitan is imported, what breaks on CPU or between these two releases:
+
+(a) the device type is read at import time and defaults to "cuda" -> report "cpu" (gloo backend);
+(b) the memory monitor calls CUDA-only ``torch.cpu`` functions -> harmless stand-ins;
+(e) FSDP gradient division is turned off, which makes FSDP2 use PREMUL_SUM, unknown to gloo
+    -> also force SUM reductions (the loss is already divided by the global token count);
+(f) ``set_pg_timeouts`` calls ``barrier(device_ids=...)`` and ``torch.distributed.set_timeout``
+    (absent in 2.13) -> plain barrier and the private per-group timeout setter;
+(g) the trainer calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, a newer API
+    -> route pre-split microbatches to ``_step_microbatches``.
+FlexAttention has no CPU backward: ``cpu_attention.sdpa_attention`` (an ``--override.imports``
+entry) swaps it for SDPA on local shards.
+
+It also records each step's loss (from the rank where it is computed) into the JSON file named by
+``$UCP_TITAN_METRICS`` (``<file>.rank<N>``), and, for the resume oracle, writes the full training
+state (every parameter and optimizer entry as a full tensor, plus train/scheduler state) with plain
+``torch.save`` to ``$UCP_TITAN_STATE`` right after the save at step ``$UCP_TITAN_STATE_STEP`` or
+right after a checkpoint load. No ucp_dcp code is involved in either.
+
+    torchrun --nproc-per-node 2 recipes/titan/cpu_launch.py --module ... --config ... [flags]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import torch
+import torch._utils
+
+
+def _patch_device() -> None:
+    torch._utils._get_available_device_type = lambda: "cpu"  # (a)
+    stand_ins = {  # (b)
+        "get_device_name": lambda *a, **k: "cpu",
+        "get_device_properties": lambda *a, **k: types.SimpleNamespace(total_memory=2**34, name="cpu"),
+        "reset_peak_memory_stats": lambda *a, **k: None,
+        "empty_cache": lambda *a, **k: None,
+        "memory_stats": lambda *a, **k: {},
+    }
+    for name, fn in stand_ins.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+
+
+def _patch_torchtitan() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    import torchtitan.distributed.fsdp as tt_fsdp
+    import torchtitan.distributed.utils as tt_dist
+
+    divide = tt_fsdp.disable_fsdp_gradient_division
+
+    def no_division_sum_only(model):  # (e)
+        divide(model)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+
+    tt_fsdp.disable_fsdp_gradient_division = no_division_sum_only
+
+    def set_pg_timeouts(timeout, parallel_dims):  # (f)
+        torch.distributed.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
+        for g in groups:
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, g)
+
+    tt_dist.set_pg_timeouts = set_pg_timeouts
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):  # (g)
+        _patch_step(cls)
+
+
+def _patch_step(cls) -> None:
+    whole_batch_step = cls.step
+
+    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+             return_outputs=True, loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(self, *args, losses=losses, return_outputs=return_outputs,
+                                    loss_kwargs=loss_kwargs, **kwargs)
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for s in stages:
+            s.has_backward = self._has_backward
+            s.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        for s in stages:
+            if s.is_last and return_outputs:
+                return self._merge_outputs(s.output_chunks)
+        return None
+
+    cls.step = step
+
+
+def _record_losses() -> None:
+    path = os.environ.get("UCP_TITAN_METRICS")
+    if not path:
+        return
+    from torchtitan.components.metrics import MetricsProcessor
+
+    log = MetricsProcessor.log
+    rank = int(os.environ.get("RANK", "0"))
+    out = f"{path}.rank{rank}"
+    seen: dict[str, float] = {}
+
+    def recording_log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k):
+        if global_avg_loss >= 0:  # -1 on pipeline stages that do not hold the loss
+            seen[str(step)] = float(global_avg_loss)
+            with open(out, "w") as f:
+                json.dump(seen, f)
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k)
+
+    MetricsProcessor.log = recording_log
+
+
+def _full_state(manager) -> dict:
+    """Every parameter and optimizer entry as a full tensor, by global name (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+    out: dict = {}
+    optims = manager.states["optimizer"]
+    for model, opt in zip(optims.model_parts, optims.optimizers):
+        names = {id(p): n for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            out[f"param/{n}"] = full(p)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for k, v in opt.state.get(p, {}).items():
+                    out[f"state/{names[id(p)]}/{k}"] = full(v) if isinstance(v, torch.Tensor) else v
+                # membership (params, param_names) depends on the layout; hyperparameters must not
+                out[f"group/{names[id(p)]}"] = repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, out)
+    merged: dict = {}
+    for d in gathered:
+        merged.update(d)
+    ts = manager.states["train_state"]
+    merged["train_state/step"] = ts.step
+    sched = manager.states.get("lr_scheduler")
+    if sched is not None:
+        merged["lr_scheduler"] = repr(sched.state_dict())
+    return merged
+
+
+def _dump_state() -> None:
+    path = os.environ.get("UCP_TITAN_STATE")
+    if not path:
+        return
+    from torchtitan.components.checkpointer.base import BaseCheckpointManager
+
+    at_step = int(os.environ.get("UCP_TITAN_STATE_STEP", "-1"))
+    save, load = BaseCheckpointManager.save, BaseCheckpointManager.load
+
+    def write(manager) -> None:
+        state = _full_state(manager)
+        if torch.distributed.get_rank() == 0:
+            torch.save(state, path)
+
+    def saving(self, curr_step, last_step=False):
+        done = save(self, curr_step, last_step)
+        if curr_step == at_step:
+            write(self)
+        return done
+
+    def loading(self, step=-1):
+        done = load(self, step)
+        if done:
+            write(self)
+        return done
+
+    BaseCheckpointManager.save, BaseCheckpointManager.load = saving, loading
+
+
+def main() -> None:
+    _patch_device()
+    _patch_torchtitan()
+    _record_losses()
+    _dump_state()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torchtitan.train import main as train_main
+
+    train_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""torchtitan config registry: ``--module ucp_dcp.torchtitan --config <name>``.
+
+* ``llama3_debugmodel_ucp``: torchtitan's llama3 debug model with ``UCPCheckpointManager`` and the
+  global-cursor dataloader.
+* ``llama3_debugmodel_gqa``: the same debug model with grouped-query attention (16 query heads,
+  4 KV heads; the stock debug model has n_kv_heads = n_heads), stock checkpointer.
+* ``llama3_debugmodel_gqa_ucp``: the GQA debug model with ucp_dcp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.config import derive
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.models.llama3.model import Llama3Model
+
+from .dataloader import GlobalCursorTextDataLoader
+from .manager import UCPCheckpointManager
+
+__all__ = ["llama3_debugmodel_ucp", "llama3_debugmodel_gqa", "llama3_debugmodel_gqa_ucp"]
+
+GQA_KV_HEADS = 4
+
+
+def _with_ucp(cfg):
+    cfg.checkpoint = derive(cfg.checkpoint, UCPCheckpointManager.Config)
+    cfg.dataloader = derive(cfg.dataloader, GlobalCursorTextDataLoader.Config)
+    return cfg
+
+
+def llama3_debugmodel_ucp():
+    return _with_ucp(llama3_debugmodel())
+
+
+def _gqa_debugmodel(attn_backend: str = "flex") -> Llama3Model.Config:
+    from torchtitan.models import llama3 as L
+
+    dim, n_heads, n_layers = 256, 16, 6
+    return Llama3Model.Config(
+        dim=dim,
+        vocab_size=2048,
+        tok_embeddings=Embedding.Config(num_embeddings=2048, embedding_dim=dim, param_init=L._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=L._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=L._output_linear_init(dim)),
+        layers=L._build_llama3_layers(
+            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=GQA_KV_HEADS,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
+            attn_backend=attn_backend,
+        ),
+    )
+
+
+def llama3_debugmodel_gqa():
+    cfg = llama3_debugmodel()
+    spec = model_registry("debugmodel")
+    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_gqa", model=_gqa_debugmodel())
+    return cfg
+
+
+def llama3_debugmodel_gqa_ucp():
+    return _with_ucp(llama3_debugmodel_gqa())

@@ -1,0 +1,251 @@
+"""``UCPCheckpointManager``: torchtitan's DCP checkpoint manager with ucp_dcp's planners.
+
+Every stock feature is kept -- the manager runs torchtitan's own ``dcp_save``/``dcp_load`` (async
+modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoints, last-step
+model-only exports) and only hands DCP the UCP planners. HF export/import keep the stock planner:
+HF storage keys tensors by name and cannot hold several boxes per atom.
+
+What changes in the checkpoint:
+
+* fused ``wqkv`` weights are no longer all-gathered to be split by a state-dict hook: the fused
+  local shards are written as ``wq``/``wk``/``wv`` atoms by a ``Fused`` rule (group-major layout,
+  one block per KV head), and their optimizer moments become ``wq``/``wk``/``wv`` moments too;
+* ``train_state.ntokens_seen`` (a per-rank count) is summed over data-parallel slots at save;
+* the dataloader state is either global (``GlobalCursorTextDataLoader``: loads at any DP degree) or,
+  for loaders that cannot be remapped, handled by ``dataloader_policy`` -- never a silent wrong
+  position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.nn as nn
+import torchtitan.components.checkpointer.dcp as tt_dcp
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrapper
+from torchtitan.models.common.attention import FusedQKVLinear
+
+from ..errors import PatternError, UCPError
+from ..inspect import read_metadata
+from ..load_planner import UCPLoadPlanner
+from ..patterns import Fused, Reduce, Rule, rule_from_json
+from ..save_planner import UCPSavePlanner
+
+__all__ = ["UCPCheckpointManager", "fused_qkv_rules"]
+
+logger = logging.getLogger(__name__)
+
+
+class UCPCheckpointManager(CheckpointManager):
+    """torchtitan checkpoint manager that saves parallelism-independent atoms (see module doc)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        rules: list[str] = field(default_factory=list)
+        """Extra ucp_dcp pattern rules, one JSON object each, e.g.
+        '{"kind": "padded", "pattern": "tok_embeddings\\\\.weight", "size": 2000}'
+        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.patterns)."""
+        strict: bool = True
+        """A declared rule that matches no parameter on any rank is an error."""
+        fused_qkv_atoms: bool = True
+        """Save fused wqkv weights and their optimizer moments as wq/wk/wv atoms from local shards
+        (no all-gather). Off: torchtitan's state-dict hook splits them (weights only)."""
+        ntokens_seen: Literal["sum", "off"] = "sum"
+        """train_state.ntokens_seen is a per-rank count: sum it over data-parallel slots at save
+        (on load, slot 0 gets the total, the others 0, so the next save sums right)."""
+        dataloader_policy: Literal["error", "restart"] = "error"
+        """When the saved dataloader state cannot be remapped to this run's data-parallel degree
+        (per-rank loaders): 'error' refuses the load before reading anything; 'restart' restarts
+        every rank's data stream from its beginning, with a warning."""
+        check_replicas: Literal["error", "warn", "off"] = "error"
+        """Plain values saved under one name by several ranks must agree: error, warn or off."""
+        enable_plan_caching: bool = False
+        """DCP save-plan caching (the cache also compares layouts)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        model_parts = kwargs["model_parts"]
+        # the stock ModelWrapper built by the parent caches a state dict: without the split hook,
+        # building it does not all-gather wqkv either
+        with _without_qkv_split_hooks(model_parts if config.fused_qkv_atoms else []):
+            super().__init__(config, **kwargs)
+        if not self.enable:
+            return
+        if config.fused_qkv_atoms:
+            self.states[MODEL] = FusedQKVModelWrapper(model_parts)
+        self.ucp = config
+        self._rules = self._build_rules(config, model_parts)
+        dataloader = kwargs.get("dataloader")
+        self._data_slot = getattr(dataloader, "dp_rank", None)
+
+    def _build_rules(self, config: Config, model_parts: list[nn.Module]) -> list[Rule]:
+        rules: list[Rule] = []
+        if config.fused_qkv_atoms:
+            rules += fused_qkv_rules(model_parts)
+        if config.ntokens_seen == "sum":
+            rules.append(Reduce(r"train_state\.ntokens_seen", "sum"))
+        for text in config.rules:
+            try:
+                rules.append(rule_from_json(json.loads(text)))
+            except (ValueError, TypeError) as e:
+                raise PatternError(f"checkpoint.rules entry {text!r} is not a valid rule: {e}") from None
+        return rules
+
+    def _save_planner(self) -> UCPSavePlanner:
+        return UCPSavePlanner(patterns=self._rules, strict=self.ucp.strict, check_replicas=self.ucp.check_replicas,
+                              data_slot=self._data_slot, enable_plan_caching=self.ucp.enable_plan_caching)
+
+    def _load_planner(self) -> UCPLoadPlanner:
+        return UCPLoadPlanner(patterns=self._rules, strict=self.ucp.strict, data_slot=self._data_slot)
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        if to_hf:  # safetensors keys tensors by name: keep the stock planner
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        with _dcp_planners(save=self._save_planner):
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        if from_hf:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        state_dict = self._apply_dataloader_policy(state_dict, checkpoint_id)
+        with _dcp_planners(load=self._load_planner):
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def _apply_dataloader_policy(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
+        """Check, before anything is read, that the saved dataloader state fits this run's loader."""
+        loader = state_dict.get(DATALOADER)
+        if loader is None:
+            return state_dict
+        target = loader.state_dict() if hasattr(loader, "state_dict") else loader  # DCP loads Stateful objects
+        if not isinstance(target, dict):
+            return state_dict
+        saved = {k[len(DATALOADER) + 1:] for k in read_metadata(checkpoint_id).state_dict_metadata
+                 if k.startswith(DATALOADER + ".")}
+        problem = _dataloader_mismatch(saved, set(target), target.get("world_size"))
+        if problem is None:
+            return state_dict
+        if self.ucp.dataloader_policy == "restart":
+            logger.warning("UCP: %s; dataloader_policy='restart': every rank restarts its data stream from the "
+                           "beginning (deterministically), the rest of the state is loaded", problem)
+            return {k: v for k, v in state_dict.items() if k != DATALOADER}
+        raise UCPError(
+            f"{problem}; refusing to resume at an undefined data position",
+            atom=DATALOADER, saved=sorted(saved)[:6], wanted=sorted(target)[:6],
+            hint="use ucp_dcp's GlobalCursorTextDataLoader (resumes at any DP degree), set "
+            "checkpoint.dataloader_policy='restart', or exclude_from_loading=['dataloader']",
+        )
+
+
+def _dataloader_mismatch(saved: set[str], target: set[str], world: int | None) -> str | None:
+    """Why the saved dataloader keys cannot fill the target loader (None if they can)."""
+    per_rank = lambda keys: sorted(k for k in keys if k.startswith("dp_rank_"))  # noqa: E731
+    if not saved:
+        return "the checkpoint holds no dataloader state"
+    if per_rank(target):
+        if not per_rank(saved):
+            return "the checkpoint holds a global-cursor dataloader state but this run uses a per-rank loader"
+        if len(per_rank(saved)) != world or not set(per_rank(target)) <= saved:
+            return (f"the per-rank dataloader state was saved at data-parallel degree {len(per_rank(saved))} "
+                    f"and cannot be remapped to data-parallel degree {world}")
+        return None
+    missing = target - saved
+    if missing:
+        kind = "per-rank" if per_rank(saved) else "another"
+        return f"the checkpoint holds {kind} dataloader state ({', '.join(sorted(saved)[:3])}), not {sorted(missing)}"
+    return None
+
+
+class FusedQKVModelWrapper(ModelWrapper):
+    """torchtitan's model state, but with fused ``wqkv`` left fused: its state-dict hook (which
+    redistributes wqkv to Replicate to split it) is bypassed, and ucp_dcp's ``Fused`` rule writes the
+    local shards as ``wq``/``wk``/``wv`` atoms. On load the fused key arrives directly, so the merge
+    hook has nothing to merge."""
+
+    def _get_state_dict(self) -> dict[str, Any]:
+        with _without_qkv_split_hooks(self.model):
+            return super()._get_state_dict()
+
+
+@contextlib.contextmanager
+def _without_qkv_split_hooks(models: list[nn.Module]) -> Iterator[None]:
+    removed: list[tuple[nn.Module, int, Any]] = []
+    split = FusedQKVLinear._split_qkv_on_save
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, FusedQKVLinear):
+                for hid, hook in list(m._state_dict_hooks.items()):
+                    if hook is split:
+                        removed.append((m, hid, hook))
+                        del m._state_dict_hooks[hid]
+    try:
+        yield
+    finally:
+        for m, hid, hook in removed:
+            m._state_dict_hooks[hid] = hook
+
+
+def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
+    """One ``Fused`` rule per distinct fused-QKV geometry (identical on every rank: each rank's
+    geometries are gathered, since a pipeline stage sees only its own layers)."""
+    shapes = set()
+    for model in model_parts:
+        for m in model.modules():
+            if isinstance(m, FusedQKVLinear):
+                hd, hpk = m.head_dim, m.heads_per_kv
+                n_kv = m.wqkv.weight.shape[0] // (m.r_dim * hd)
+                shapes.add((n_kv, hpk, hd))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(shapes))
+        shapes = {tuple(s) for g in gathered for s in g}
+    if len(shapes) > 1:
+        raise PatternError(f"fused QKV modules with different geometries {sorted(shapes)} are not supported by "
+                           "fused_qkv_atoms; declare one Fused rule per geometry in checkpoint.rules")
+    rules = []
+    for n_kv, hpk, hd in sorted(shapes):
+        rules.append(Fused(
+            r"(.*)\.qkv_linear\.wqkv\.(weight|bias)",
+            [(r"\1.qkv_linear.wq.\2", n_kv * hpk * hd), (r"\1.qkv_linear.wk.\2", n_kv * hd),
+             (r"\1.qkv_linear.wv.\2", n_kv * hd)],
+            blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
+        ))
+    return rules
+
+
+class _PlannerDCP:
+    """Stands in for the ``dcp`` module inside torchtitan's checkpointer for one call, adding our
+    planner to ``save``/``async_save``/``load``; everything else is the real module."""
+
+    def __init__(self, real: Any, save: Any, load: Any) -> None:
+        self._real, self._save, self._load = real, save, load
+
+    def save(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("planner", self._save())
+        return self._real.save(*args, **kwargs)
+
+    def async_save(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("planner", self._save())
+        return self._real.async_save(*args, **kwargs)
+
+    def load(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("planner", self._load())
+        return self._real.load(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _dcp_planners(save: Any = None, load: Any = None) -> Iterator[None]:
+    real = tt_dcp.dcp
+    tt_dcp.dcp = _PlannerDCP(real, save or (lambda: None), load or (lambda: None))
+    try:
+        yield
+    finally:
+        tt_dcp.dcp = real
