@@ -47,10 +47,13 @@ TOL_LAST = 1e-4
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--save-topology", default="dp=4", help="e.g. dp=4 or dp=2,tp=2,pp=2 (keys pp, dp, ep, tp, vpp)")
+    ap.add_argument("--save-topology", default="dp=4",
+                    help="e.g. dp=4 or dp=2,tp=2,pp=2 (keys pp, dpr (HSDP replicas), dp, ep, tp, vpp)")
     ap.add_argument("--load-topology", default="dp=2")
     ap.add_argument("--steps", type=int, default=4, help="K: steps before the save, and after the resume")
     ap.add_argument("--out", default=None, help="output folder (default runs/elastic_resume/<save>_to_<load>)")
+    ap.add_argument("--storage", choices=["ucp", "dcp"], default="ucp",
+                    help="storage: ucp_dcp's ranged, checksummed, read-once writer/reader, or DCP's stock ones")
     ap.add_argument("--phase", choices=["save", "load", "all"], default="all",
                     help="run one phase in the current process group (torchrun), or both in spawned processes")
     ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)  # test hook: flip one loaded element
@@ -84,12 +87,20 @@ def ucp_options(cfg: ModelConfig, tr: Trainer) -> dict:
     return {"patterns": patterns, "stage_map": stage_map, "expert_map": expert_map}
 
 
+def _writer(a: argparse.Namespace, path: Path):
+    return ucp_dcp.UCPFileSystemWriter(str(path)) if a.storage == "ucp" else dcp.FileSystemWriter(str(path))
+
+
+def _reader(a: argparse.Namespace, path: Path):
+    return ucp_dcp.UCPFileSystemReader(str(path)) if a.storage == "ucp" else dcp.FileSystemReader(str(path))
+
+
 def save_phase(a: argparse.Namespace, job: Job) -> None:
     out, lead = Path(a.out), dist.get_rank(job.group) == 0
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=0)
     losses = [train_step(tr) for _ in range(a.steps)]
-    dcp.save(tr.state_dict(), checkpoint_id=str(out / "ckpt"), process_group=job.group,
+    dcp.save(tr.state_dict(), storage_writer=_writer(a, out / "ckpt"), process_group=job.group,
              planner=ucp_dcp.UCPSavePlanner(**ucp_options(cfg, tr)))
     oracle = logical_state(tr)
     if lead:
@@ -104,7 +115,7 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
     sd = tr.state_dict()
-    dcp.load(sd, checkpoint_id=str(out / "ckpt"), process_group=job.group,
+    dcp.load(sd, storage_reader=_reader(a, out / "ckpt"), process_group=job.group,
              planner=ucp_dcp.UCPLoadPlanner(**ucp_options(cfg, tr)))
     tr.load_state_dict(sd)
     if a.corrupt and lead:

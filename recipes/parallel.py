@@ -1,9 +1,9 @@
-"""Topologies (pp x dp x ep x tp), meshes, parallelization, the training step and the oracle.
+"""Topologies (pp x dpr x dp x ep x tp), meshes, parallelization, the training step and the oracle.
 
-Mesh dims are ordered (pp, dp, ep, tp). EP ranks are data-parallel for dense parameters: dense
-weights are FSDP-sharded over the flattened (dp, ep) dims and each (dp, ep) coordinate takes its
-own slice of the global batch; experts are Shard(0) over ep, sharded on their hidden dim over tp,
-and FSDP-sharded over dp. Pipeline chunks number their layers locally. All collectives use the
+Mesh dims are ordered (pp, dpr, dp, ep, tp); ``dpr`` is the HSDP replicate degree. EP ranks are
+data-parallel for dense parameters: dense weights are FSDP-sharded over the flattened (dp, ep) dims
+(and replicated over dpr) and each (dpr, dp, ep) coordinate takes its own slice of the global batch;
+experts are Shard(0) over ep, sharded on their hidden dim over tp, and FSDP-sharded over dp. Pipeline chunks number their layers locally. All collectives use the
 job's own groups, so a test can run several jobs on sub-groups of one process world.
 """
 
@@ -26,14 +26,16 @@ from toy_llm import Groups, ModelConfig, StageModel, deinterleave, logical_param
 
 GLOBAL_BATCH = 24
 """Sequences per step; divisible by every data-parallel degree (dp x ep) the recipe uses."""
-KEYS = ("pp", "dp", "ep", "tp", "vpp")
+KEYS = ("pp", "dpr", "dp", "ep", "tp", "vpp")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Parallel degrees; world size = pp * dp * ep * tp. ``vpp`` = model chunks per pipeline rank."""
+    """Parallel degrees; world size = pp * dpr * dp * ep * tp. ``dpr`` = HSDP replicas, ``vpp`` =
+    model chunks per pipeline rank."""
 
     pp: int = 1
+    dpr: int = 1
     dp: int = 1
     ep: int = 1
     tp: int = 1
@@ -52,7 +54,12 @@ class Topology:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        return self.pp * self.dpr * self.dp * self.ep * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take their own slice of the global batch."""
+        return self.dpr * self.dp * self.ep
 
     @property
     def n_stages(self) -> int:
@@ -83,14 +90,14 @@ def build_job(topo: Topology, ranks: list[int] | None = None) -> Job:
     """Meshes for ``topo`` on ``ranks`` (default: the whole world). Collective over the world."""
     ranks = list(range(topo.world)) if ranks is None else ranks
     t = topo
-    grid = torch.tensor(ranks).reshape(t.pp, t.dp, t.ep, t.tp)
+    grid = torch.tensor(ranks).reshape(t.pp, t.dpr, t.dp, t.ep, t.tp)
     job = Job(topo, ranks)
     job.group = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
-    job.full = DeviceMesh("cpu", grid, mesh_dim_names=("pp", "dp", "ep", "tp"))
-    job.dense = DeviceMesh("cpu", grid.reshape(t.pp, t.dp * t.ep, t.tp), mesh_dim_names=("pp", "dp_ep", "tp"))
+    job.full = DeviceMesh("cpu", grid, mesh_dim_names=("pp", "dpr", "dp", "ep", "tp"))
+    job.dense = DeviceMesh("cpu", grid.reshape(t.pp, t.dpr, t.dp * t.ep, t.tp), mesh_dim_names=("pp", "dpr", "dp_ep", "tp"))
     coord = job.full.get_coordinate()
     if coord is not None:
-        job.coord = dict(zip(("pp", "dp", "ep", "tp"), coord))
+        job.coord = dict(zip(("pp", "dpr", "dp", "ep", "tp"), coord))
     return job
 
 
@@ -146,7 +153,7 @@ def build_trainer(cfg: ModelConfig, job: Job, seed: int = 0) -> Trainer:
     groups = Groups(
         tp=job.full["tp"].get_group() if t.tp > 1 else None,
         ep=job.full["ep"].get_group() if t.ep > 1 else None,
-        ep_rank=c["ep"], ep_size=t.ep, loss_scale=float(t.dp * t.ep),
+        ep_rank=c["ep"], ep_size=t.ep, loss_scale=float(t.data_parallel),
         global_tokens=GLOBAL_BATCH * cfg.seq_len,
     )
     chunks, optims, stage_ids = [], [], my_stages(job)
@@ -194,9 +201,14 @@ def _parallelize(m: StageModel, job: Job) -> None:
                     full = ex.get_parameter(name).detach()
                     dt = distribute_tensor(full, job.full["ep", "tp"], [Shard(0), Shard(hidden)], src_data_rank=None)
                     setattr(ex, name, nn.Parameter(dt))
-            fully_shard(ex, mesh=job.full["dp"])
-        fully_shard(blk, mesh=job.dense["dp_ep"])
-    fully_shard(m, mesh=job.dense["dp_ep"])
+            fully_shard(ex, mesh=_fsdp_mesh(job.full, "dp", t))
+        fully_shard(blk, mesh=_fsdp_mesh(job.dense, "dp_ep", t))
+    fully_shard(m, mesh=_fsdp_mesh(job.dense, "dp_ep", t))
+
+
+def _fsdp_mesh(mesh: DeviceMesh, shard_dim: str, t: Topology) -> DeviceMesh:
+    """FSDP over ``shard_dim``; HSDP (replicate over dpr, shard over ``shard_dim``) when dpr > 1."""
+    return mesh["dpr", shard_dim] if t.dpr > 1 else mesh[shard_dim]
 
 
 def _optimizer(m: nn.Module) -> torch.optim.Optimizer:
@@ -215,7 +227,7 @@ def global_batch(cfg: ModelConfig, step: int, seed: int = 1234) -> torch.Tensor:
 
 
 def _loss_fn(cfg: ModelConfig, t: Topology):
-    scale = t.dp * t.ep / (GLOBAL_BATCH * cfg.seq_len)
+    scale = t.data_parallel / (GLOBAL_BATCH * cfg.seq_len)
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum") * scale
@@ -228,8 +240,8 @@ def train_step(tr: Trainer) -> float:
     job, t, cfg = tr.job, tr.job.topo, tr.cfg
     tr.step += 1
     tokens = global_batch(cfg, tr.step)
-    slot = job.coord["dp"] * t.ep + job.coord["ep"]
-    per = GLOBAL_BATCH // (t.dp * t.ep)
+    slot = (job.coord["dpr"] * t.dp + job.coord["dp"]) * t.ep + job.coord["ep"]
+    per = GLOBAL_BATCH // t.data_parallel
     local = tokens[slot * per:(slot + 1) * per]
     inp, tgt = local[:, :-1], local[:, 1:]
     loss_fn = _loss_fn(cfg, t)
@@ -255,7 +267,7 @@ def train_step(tr: Trainer) -> float:
     counts = last and job.coord["tp"] == 0
     if counts:
         tr.tokens_seen += int(tgt.numel())
-    total = (local_loss / (t.dp * t.ep) if counts else torch.zeros(())).reshape(1).double()
+    total = (local_loss / t.data_parallel if counts else torch.zeros(())).reshape(1).double()
     dist.all_reduce(total, group=job.group)
     return float(total)
 
@@ -275,7 +287,7 @@ def _sync_tied_grads(tr: Trainer) -> None:
     mine = (emb if emb is not None else out).grad._local_tensor
     other_pp = t.pp - 1 if emb is not None else 0
     c = dict(job.coord, pp=other_pp)
-    peer = int(job.full.mesh[c["pp"], c["dp"], c["ep"], c["tp"]])
+    peer = int(job.full.mesh[c["pp"], c["dpr"], c["dp"], c["ep"], c["tp"]])
     buf = torch.empty_like(mine)
     reqs = [dist.isend(mine.contiguous(), peer), dist.irecv(buf, peer)]
     for r in reqs:

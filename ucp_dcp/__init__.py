@@ -31,13 +31,17 @@ from .errors import (  # noqa: E402
 )
 from .load_planner import UCPLoadPlanner  # noqa: E402
 from .naming import NameRules  # noqa: E402
+from .reader import UCPFileSystemReader  # noqa: E402
 from .save_planner import UCPSavePlanner  # noqa: E402
+from .writer import UCPFileSystemWriter  # noqa: E402
 
 __all__ = [
     "__version__",
     "UCPSavePlanner",
     "UCPLoadPlanner",
     "NameRules",
+    "UCPFileSystemWriter",
+    "UCPFileSystemReader",
     "CATALOG_KEY",
     "read_catalog",
     "UCPError",

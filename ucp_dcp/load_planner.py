@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import hashlib
 import io
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -29,10 +32,12 @@ from .errors import CoverageError, MissingAtomsError, ParamGroupError, ShapeMism
 from .fragments import Box
 from .naming import AtomName, NameRules, OptimizerForm
 from .patterns import Patterns, Rule, rule_from_json
+from .reader import read_key
 from .renumber import IndexMap
 from .replicas import check_rules_and_ownership, zero_like
 from .resolve import Resolved, Resolver
 from .state import Entry, GroupTarget
+from .transport import assign_readers
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -49,6 +54,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             catalog apply automatically, these add to them.
         strict: a declared rule that matches neither a saved nor a target name is an error.
         stage_map, expert_map: this rank's local->global layer / expert numbering.
+        read_once: let the coordinator pick one reader for saved bytes several ranks need (replicas);
+            ``UCPFileSystemReader`` then reads them there and sends them to the others.
         data_slot: this rank's data-parallel slot (see ``UCPSavePlanner``): for ``Reduce(op="sum")``
             the ranks of slot 0 receive the total and the others 0. Default: only the coordinator.
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
@@ -64,6 +71,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         stage_map: IndexMap | None = None,
         expert_map: IndexMap | None = None,
         data_slot: int | None = None,
+        read_once: bool = True,
         allow_partial_load: bool = False,
         name_rules: NameRules | None = None,
     ) -> None:
@@ -74,10 +82,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.strict = strict
         self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
         self.data_slot = data_slot
+        self.read_once = read_once
         self.missing_atoms: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = {"name_rules", "rules", "strict", "maps", "data_slot", "allow_partial_load", "flatten_state_dict",
+        keep = {"name_rules", "rules", "strict", "maps", "data_slot", "read_once", "allow_partial_load", "flatten_state_dict",
                 "flatten_sharded_tensors"}
         return {k: v for k, v in self.__dict__.items() if k in keep} | {"missing_atoms": []}
 
@@ -132,16 +141,31 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if problems:
             raise _combine(problems)
         self._patterns.note_names(_saved_names(self.metadata, self._catalog))
-        return LoadPlan(reads, planner_data={
+        # the read items stay here: the coordinator only needs a compact summary of them
+        self._reads = reads
+        summary: dict[str, Any] = {
             "used": sorted(self._patterns.used),
             "claims": [c for r in self._targets.values() for c in r.index_claims],
             "map_totals": {m.key: m.total for m in self.maps},
-        })
+            "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+        }
+        if self.read_once:
+            summary["keys"], summary["sizes"] = read_summary(reads, self.metadata)
+        return LoadPlan([], planner_data=summary)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         pds = [p.planner_data or {} for p in global_plan]
         check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at load")
-        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+        if not self.read_once:
+            return [LoadPlan([]) for _ in global_plan]
+        ranks = [pd.get("global_rank", i) for i, pd in enumerate(pds)]
+        plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds])
+        return [
+            LoadPlan([], planner_data={"transport": {
+                "send": {ranks[r]: idx for r, idx in t["send"].items()},
+                "recv": {ranks[r]: idx for r, idx in t["recv"].items()}}})
+            for t in plans
+        ]
 
     def _plan_entry(self, r: Resolved, saved: "_SavedIndex") -> list[ReadItem]:
         if r.unsplit is not None and not any(saved.lookup(a) for a in r.atoms) and saved.lookup(r.name):
@@ -236,6 +260,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     # -- data ------------------------------------------------------------------------------------
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        new_plan = LoadPlan(self._reads, planner_data=new_plan.planner_data)
         # the load is validated on every rank: now it is safe to touch the target
         with torch.no_grad():
             for r in self._targets.values():
@@ -261,6 +286,24 @@ class UCPLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
+    """128-bit keys and byte sizes of the saved bytes each read item needs (for read-once)."""
+    keys = np.empty((len(reads), 2), dtype=np.uint64)
+    sizes = np.empty(len(reads), dtype=np.int64)
+    itemsize: dict[str, int] = {}
+    for i, item in enumerate(reads):
+        keys[i] = np.frombuffer(hashlib.blake2b(read_key(item).encode(), digest_size=16).digest(), dtype=np.uint64)
+        fqn = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            info = (md.storage_data or {}).get(item.storage_index)
+            sizes[i] = int(getattr(info, "length", 0))
+        else:
+            if fqn not in itemsize:
+                itemsize[fqn] = torch.empty((), dtype=md.state_dict_metadata[fqn].properties.dtype).element_size()
+            sizes[i] = math.prod(item.lengths) * itemsize[fqn]
+    return keys, sizes
 
 
 def _check_tensor(name: str, smd: Any, r: Resolved) -> None:

@@ -1,0 +1,358 @@
+"""``UCPFileSystemReader``: reads only the bytes each rank needs, each file once, in offset order.
+
+DCP's ``FileSystemReader`` deserializes a whole saved chunk for every read item and narrows it, so
+resharding reads several times the needed bytes. Here every read item becomes byte runs of its
+chunk (see :mod:`ucp_dcp.io_format`); the runs of all items of a chunk are merged (a chunk feeding
+several target boxes is read once), widened to whole checksum blocks when verifying, and read with
+one open file per thread, in offset order. A single contiguous run of matching dtype lands directly
+in the target tensor; anything else goes through a buffer of at most one chunk's needed bytes.
+Pieces the coordinator marked as shared are read by one rank and sent to the others
+(:mod:`ucp_dcp.transport`). Items this reader cannot read by ranges (stream transforms, foreign
+records) fall back to DCP's whole-item path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _create_file_view
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .errors import ChecksumError, UCPError
+from .io_format import IO_KEY, TensorRecord, blocks_touching, box_runs, merge_intervals, parse_tensor_record
+from .transport import exchange
+from .writer import item_key
+
+__all__ = ["UCPFileSystemReader", "ReadStats", "read_key"]
+
+
+def read_key(item: ReadItem) -> str:
+    """Identity of the saved bytes a read item needs (equal across ranks needing the same bytes)."""
+    if item.type == LoadItemType.BYTE_IO:
+        return f"{item.storage_index.fqn}|b"
+    s = item.storage_index
+    return f"{s.fqn}|{list(s.offset or ())}|{list(item.storage_offsets)}|{list(item.lengths)}"
+
+
+@dataclass
+class ReadStats:
+    """What one rank requested from storage during the last ``read_data``."""
+
+    bytes_read: int = 0
+    """Bytes requested from storage (byte ranges, incl. checksum widening and fallbacks)."""
+    ranges: int = 0
+    """Read calls issued."""
+    items: list[str] = field(default_factory=list)
+    """Storage items (``fqn|offsets``) this rank read bytes of."""
+    bytes_received: int = 0
+    """Bytes received from other ranks instead of storage."""
+    fallbacks: int = 0
+    """Items read whole, DCP-style (transforms or foreign records)."""
+
+
+@dataclass
+class _Chunk:
+    """One saved chunk and the local read items it feeds."""
+
+    index: MetadataIndex
+    info: Any
+    record: TensorRecord | None
+    items: list[ReadItem] = field(default_factory=list)
+
+
+class UCPFileSystemReader(FileSystemReader):
+    """Ranged, checksummed, read-once ``StorageReader`` for DCP checkpoints (local or fsspec paths).
+
+    Args:
+        path: checkpoint folder or fsspec URL.
+        thread_count: files read concurrently by this rank.
+        verify_checksums: verify the CRC32 of every 1 MiB block touched (when the checkpoint has them).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
+                 _extension_registry: Any = None) -> None:
+        super().__init__(path, _extension_registry)
+        if "://" in str(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+            self.fs = FsspecFileSystem()
+            self.path = self.fs.init_path(path)
+        self.thread_count = thread_count
+        self.verify_checksums = verify_checksums
+        self.stats = ReadStats()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._io = self.storage_data.get(MetadataIndex(IO_KEY)) or {}
+        self._crc = self._io.get("items", {}) if self._io.get("algo") == "crc32" else {}
+        self._block = int(self._io.get("block", 1 << 20))
+        self._records: dict[MetadataIndex, TensorRecord | None] = {}
+        self._lock = threading.Lock()
+        self._chunk_meta = _chunk_meta(metadata)
+
+    # -- entry point -------------------------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.stats = ReadStats()
+        transport = (plan.planner_data or {}).get("transport") or {"send": {}, "recv": {}}
+        recv_items = {i for pieces in transport["recv"].values() for i in pieces}
+        send_items = {i for pieces in transport["send"].values() for i in pieces}
+        keep: dict[int, bytes | memoryview] = {}
+        error: BaseException | None = None
+        try:
+            self._read_local(plan, planner, recv_items, send_items, keep)
+        except UCPError as e:
+            error = e
+        received, failed = exchange(
+            {dst: [keep.get(i, b"") for i in pieces] for dst, pieces in transport["send"].items()},
+            {src: [self._item_nbytes(plan.items[i]) for i in pieces] for src, pieces in transport["recv"].items()},
+            ok=error is None,
+        )
+        if error is not None:
+            raise error
+        if failed:
+            raise UCPError(
+                f"rank(s) {failed} failed reading checkpoint data this rank needs (see their errors)",
+                hint="the reading rank reports the cause (e.g. a checksum mismatch)",
+            )
+        for src, pieces in transport["recv"].items():
+            for i, data in zip(pieces, received[src]):
+                self.stats.bytes_received += len(data)
+                self._deliver(plan.items[i], planner, data, None)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- local reads -------------------------------------------------------------------------------
+
+    def _read_local(self, plan: LoadPlan, planner: LoadPlanner, skip: set[int], send: set[int],
+                    keep: dict[int, bytes | memoryview]) -> None:
+        chunks: dict[MetadataIndex, _Chunk] = {}
+        byte_items: list[tuple[int, ReadItem]] = []
+        positions = {id(it): i for i, it in enumerate(plan.items)}
+        for i, item in enumerate(plan.items):
+            if i in skip:
+                continue
+            if item.type == LoadItemType.BYTE_IO:
+                byte_items.append((i, item))
+                continue
+            c = chunks.get(item.storage_index)
+            if c is None:
+                info = self.storage_data[item.storage_index]
+                c = chunks[item.storage_index] = _Chunk(item.storage_index, info, None)
+            c.items.append(item)
+        by_file: dict[str, list[_Chunk]] = defaultdict(list)
+        for c in chunks.values():
+            by_file[c.info.relative_path].append(c)
+        for i, item in byte_items:
+            by_file[self.storage_data[item.storage_index].relative_path].append(_Chunk(item.storage_index, None, None, [item]))
+
+        def run(path_chunks: tuple[str, list[_Chunk]]) -> None:
+            rel, cs = path_chunks
+            cs.sort(key=lambda c: self.storage_data[c.index].offset)
+            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+                for c in cs:
+                    self._read_chunk(f, rel, c, planner, positions, send, keep)
+
+        self._bytes_out: list[tuple[ReadItem, memoryview]] = []
+        work = sorted(by_file.items())
+        if self.thread_count > 1 and len(work) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(work))) as pool:
+                for fut in [pool.submit(run, w) for w in work]:
+                    fut.result()
+        else:
+            for w in work:
+                run(w)
+        for item, data in self._bytes_out:
+            self._deliver(item, planner, data, None)
+
+    def _read_chunk(self, f: Any, rel: str, c: _Chunk, planner: LoadPlanner, positions: dict[int, int],
+                    send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+        info = self.storage_data[c.index]
+        if c.info is None:  # a bytes item: delivered on the calling thread (planner sinks are not locked)
+            data = self._pread(f, info.offset, info.length, c.index)
+            item = c.items[0]
+            if positions[id(item)] in send:
+                keep[positions[id(item)]] = data
+            with self._lock:
+                self._bytes_out.append((item, data))
+            return
+        record = self._record(f, c.index, info)
+        if record is None or not record.contiguous or info.transform_descriptors:
+            self._fallback(f, c, info, planner, positions, send, keep)
+            return
+        itemsize = record.itemsize
+        runs = {}
+        for item in c.items:
+            runs[id(item)] = box_runs(record.shape, itemsize, item.storage_offsets, item.lengths)
+        starts = np.concatenate([s for s, _ in runs.values()])
+        lens = np.concatenate([np.full(len(s), n, dtype=np.int64) for s, n in runs.values()])
+        intervals = merge_intervals(starts, lens)
+        crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
+        if crcs:
+            intervals = blocks_touching(intervals, record.nbytes, self._block)
+        base = info.offset + record.data_offset
+        # fast path: one item, one run, same dtype and a contiguous target -> read straight into it
+        if len(c.items) == 1 and len(intervals) == 1 and not crcs:
+            item = c.items[0]
+            s, n = runs[id(item)]
+            target = planner.resolve_tensor(item).detach()
+            pos = positions[id(item)]
+            if len(s) == 1 and target.dtype == record.dtype and target.is_contiguous() and pos not in send:
+                self._pread_into(f, base + int(s[0]), memoryview(target.view(-1).view(torch.uint8).numpy()), c.index)
+                self._note(c.index, n)
+                planner.commit_tensor(item, target)
+                return
+        buffers = []
+        for start, length in intervals:
+            buf = self._pread(f, base + start, length, c.index)
+            if crcs:
+                self._verify(buf, start, crcs, rel, c.index)
+            buffers.append((start, buf))
+        bstarts = [b[0] for b in buffers]
+        for item in c.items:
+            s, n = runs[id(item)]
+            data = _gather(buffers, bstarts, s, n)
+            pos = positions[id(item)]
+            if pos in send:
+                keep[pos] = data
+            self._deliver(item, planner, data, record.dtype)
+
+    def _fallback(self, f: Any, c: _Chunk, info: Any, planner: LoadPlanner, positions: dict[int, int],
+                  send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+        """DCP's path: deserialize the whole item, then narrow."""
+        self.stats.fallbacks += 1
+        raw = self._pread(f, info.offset, info.length, c.index)
+        stream = self.transforms.transform_load_stream(c.items[0], info.transform_descriptors or (), io.BytesIO(raw))
+        data = stream.read() if not stream.seekable() else stream
+        tensor = torch.load(data if isinstance(data, io.IOBase) else io.BytesIO(data), map_location="cpu", weights_only=True)
+        for item in c.items:
+            piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
+            pos = positions[id(item)]
+            if pos in send:
+                keep[pos] = piece.view(-1).view(torch.uint8).numpy().tobytes()
+            self._deliver(item, planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _record(self, f: Any, index: MetadataIndex, info: Any) -> TensorRecord | None:
+        with self._lock:
+            if index in self._records:
+                return self._records[index]
+        entry = self._io.get("items", {}).get(item_key(index))
+        rec: TensorRecord | None = None
+        if entry is not None and entry[0] >= 0 and index in self._chunk_meta:
+            dtype, sizes = self._chunk_meta[index]  # our writer: compact row-major, offset recorded
+            rec = TensorRecord(entry[0], dtype, sizes, True)
+        elif not info.transform_descriptors:  # another writer: read the item's zip directory
+            rec = parse_tensor_record(cast(io.IOBase, _create_file_view(f, info.offset, info.length)))
+            with self._lock:
+                self.stats.ranges += 1
+        with self._lock:
+            self._records[index] = rec
+        return rec
+
+    def _item_nbytes(self, item: ReadItem) -> int:
+        if item.type == LoadItemType.BYTE_IO:
+            return int(self.storage_data[item.storage_index].length)
+        dtype, _ = self._chunk_meta[item.storage_index]
+        return int(np.prod(item.lengths)) * torch.empty((), dtype=dtype).element_size()
+
+    def _pread(self, f: Any, offset: int, length: int, index: MetadataIndex) -> memoryview:
+        buf = bytearray(length)
+        self._pread_into(f, offset, memoryview(buf), index)
+        return memoryview(buf)
+
+    def _pread_into(self, f: Any, offset: int, out: memoryview, index: MetadataIndex) -> None:
+        f.seek(offset)
+        n = f.readinto(out) if hasattr(f, "readinto") else _readinto(f, out)
+        while n is not None and n < len(out):  # short reads (pipes, remote files)
+            more = f.readinto(out[n:]) if hasattr(f, "readinto") else _readinto(f, out[n:])
+            if not more:
+                raise UCPError(f"checkpoint file ended early reading {index.fqn}", atom=index.fqn)
+            n += more
+        self._note(index, len(out))
+
+    def _note(self, index: MetadataIndex, nbytes: int) -> None:
+        with self._lock:
+            self.stats.bytes_read += int(nbytes)
+            self.stats.ranges += 1
+            self.stats.items.append(item_key(index))
+
+    def _verify(self, buf: memoryview, start: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
+        import zlib
+
+        first = start // self._block
+        for k in range(0, len(buf), self._block):
+            b = first + k // self._block
+            got = zlib.crc32(buf[k:k + self._block])
+            if b >= len(crcs) or got != crcs[b]:
+                raise ChecksumError(
+                    f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: "
+                    f"block {b} (bytes {b * self._block}..{b * self._block + len(buf[k:k + self._block])} of the "
+                    f"chunk) has CRC32 {got:#010x}, saved {crcs[b] if b < len(crcs) else 'none'}",
+                    atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
+                    hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
+                )
+
+    def _deliver(self, item: ReadItem, planner: LoadPlanner, data: Any, dtype: torch.dtype | None) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(data)))
+            return
+        if dtype is None:
+            dtype, _ = self._chunk_meta[item.storage_index]
+        src = torch.frombuffer(data, dtype=dtype).view(tuple(item.lengths)) if len(data) else \
+            torch.empty(tuple(item.lengths), dtype=dtype)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != src.size():
+            raise UCPError(f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})")
+        target.copy_(src)
+        planner.commit_tensor(item, target)
+
+
+def _chunk_meta(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:
+    """Saved dtype and shape of every chunk, by storage index."""
+    out = {}
+    for fqn, smd in metadata.state_dict_metadata.items():
+        chunks = getattr(smd, "chunks", None)
+        if chunks is None:
+            continue
+        for ch in chunks:
+            out[MetadataIndex(fqn, ch.offsets)] = (smd.properties.dtype, tuple(int(x) for x in ch.sizes))
+    return out
+
+
+def _gather(buffers: list[tuple[int, memoryview]], bstarts: list[int], starts: np.ndarray, run: int) -> memoryview:
+    """The runs ``starts`` (each ``run`` bytes), concatenated, from the merged interval buffers."""
+    import bisect
+
+    if len(starts) == 1:
+        k = bisect.bisect_right(bstarts, int(starts[0])) - 1
+        s0, buf = buffers[k]
+        return buf[int(starts[0]) - s0:int(starts[0]) - s0 + run]
+    out = bytearray(run * len(starts))
+    mv = memoryview(out)
+    pos = 0
+    for s in starts.tolist():
+        k = bisect.bisect_right(bstarts, s) - 1
+        s0, buf = buffers[k]
+        mv[pos:pos + run] = buf[s - s0:s - s0 + run]
+        pos += run
+    return mv
+
+
+def _readinto(f: Any, out: memoryview) -> int:
+    data = f.read(len(out))
+    out[:len(data)] = data
+    return len(data)
