@@ -50,9 +50,12 @@ def intern(items: list[dict[str, Any]], item: dict[str, Any]) -> int:
     return len(items) - 1
 
 
-def merge_local_catalogs(local_cats: Sequence[dict[str, Any] | None], writer: dict[str, str]) -> dict[str, Any]:
-    """Merge per-rank catalogs into the checkpoint catalog; every rank that holds an atom must agree
-    on its logical shape, dtype and kind (else the save is ambiguous)."""
+def merge_local_catalogs(
+    local_cats: Sequence[dict[str, Any] | None], writer: dict[str, str], world_size: int | None = None
+) -> dict[str, Any]:
+    """Merge per-rank catalogs (one per distinct rank structure is enough) into the checkpoint
+    catalog; every rank that holds an atom must agree on its logical shape, dtype and kind (else the
+    save is ambiguous). ``world_size`` defaults to the number of catalogs."""
     meshes: list[dict[str, Any]] = []
     atoms: dict[str, dict[str, Any]] = {}
     holders: dict[str, int] = {}
@@ -98,7 +101,7 @@ def merge_local_catalogs(local_cats: Sequence[dict[str, Any] | None], writer: di
         "format": FORMAT,
         "version": VERSION,
         "writer": dict(writer),
-        "topology": {"world_size": len(local_cats), "meshes": meshes},
+        "topology": {"world_size": world_size if world_size is not None else len(local_cats), "meshes": meshes},
         "atoms": atoms,
     }
 

@@ -211,7 +211,6 @@ class UCPFileSystemReader(FileSystemReader):
             pos = positions[id(item)]
             if len(s) == 1 and target.dtype == record.dtype and target.is_contiguous() and pos not in send:
                 self._pread_into(f, base + int(s[0]), memoryview(target.view(-1).view(torch.uint8).numpy()), c.index)
-                self._note(c.index, n)
                 planner.commit_tensor(item, target)
                 return
         buffers = []

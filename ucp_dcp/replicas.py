@@ -20,25 +20,28 @@ __all__ = ["check_digests", "reduce_values", "check_rules_and_ownership", "zero_
 logger = logging.getLogger(__name__)
 
 
-def check_digests(planner_datas: Sequence[dict[str, Any]], mode: str, warn_keys: set[str] | None = None) -> None:
+def check_digests(groups: Sequence[dict[str, Any]], mode: str, warn_keys: set[str] | None = None) -> None:
     """Refuse (``mode="error"``) or log (``"warn"``) values saved under one key whose digests
-    differ between ranks. Keys in ``warn_keys`` only warn whatever the mode."""
+    differ between ranks. ``groups`` gather ranks with identical digests: ``{"ranks": [...],
+    "digests": {key: digest}, "local_mismatch": [keys whose copies on one rank disagreed]}``.
+    Keys in ``warn_keys`` only warn whatever the mode."""
     if mode == "off":
         return
     seen: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for rank, pd in enumerate(planner_datas):
-        for key, d in (pd.get("digests") or {}).items():
-            seen[key][d].append(rank)
-        for key in pd.get("local_mismatch") or ():
-            seen[key][-rank - 1].append(rank)  # two local copies already disagreed on this rank
+    for g in groups:
+        for key, d in g["digests"].items():
+            seen[key][d].extend(g["ranks"])
+        for key in g.get("local_mismatch") or ():
+            for rank in g["ranks"]:
+                seen[key][-rank - 1].append(rank)  # two local copies already disagreed on this rank
     bad = {k: v for k, v in seen.items() if len(v) > 1}
     if not bad:
         return
     hard = {k: v for k, v in bad.items() if not (warn_keys and k.split("@")[0] in warn_keys)}
     lines = []
     for key, by_digest in sorted(bad.items())[:10]:
-        groups = "; ".join(f"ranks {sorted(set(r))}" for r in by_digest.values())
-        lines.append(f"  {key}: {len(by_digest)} different values ({groups})")
+        groups_txt = "; ".join(f"ranks {sorted(set(r))}" for r in by_digest.values())
+        lines.append(f"  {key}: {len(by_digest)} different values ({groups_txt})")
     more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
     first = sorted(hard or bad)[0].split("@")[0]
     err = ReplicaMismatchError(

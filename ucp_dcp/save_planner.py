@@ -9,13 +9,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    _validate_global_plan,
-    create_default_global_save_plan,
-)
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -24,21 +21,19 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorProperties,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from . import catalog as cat_mod
-from .dedup import balanced_dedup
+from . import compact
 from .digests import value_digest
-from .errors import AmbiguousLayoutError, CoverageError, PatternError
-from .fragments import Fragment
+from .errors import AmbiguousLayoutError, PatternError
 from .layout import Layout
 from .naming import NameRules
 from .patterns import Patterns, Rule
 from .renumber import IndexMap
-from .replicas import check_digests, check_rules_and_ownership, reduce_values
 from .resolve import Resolved, Resolver
+from .save_global import check_all, coordinate_save, merge_cached, reduce_all
+from .save_local import avg_key, build_local, frag_key, is_averaged
 
 __all__ = ["UCPSavePlanner"]
 
@@ -141,100 +136,40 @@ class UCPSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items: list[WriteItem] = []
-        self._pieces: dict[tuple[str, tuple[int, ...] | None], tuple[Resolved, Fragment | None]] = {}
-        local_cat = cat_mod.local_catalog()
-        digests: dict[str, int] = {}
-        reduce_vals: dict[str, Any] = {}
-        for r in self._resolved:
-            for name, rec in r.atoms.items():
-                rec = dict(rec)
-                if "layout" in rec:
-                    rec["layout"] = {"mesh": cat_mod.intern(local_cat["meshes"], rec["layout"]["mesh"]),
-                                     "placements": rec["layout"]["placements"]}
-                local_cat["atoms"][name] = rec
-            if r.reduce is not None:
-                for name in r.atoms:
-                    reduce_vals[name] = r.value.detach().cpu().clone() if isinstance(r.value, torch.Tensor) else r.value
-                continue
-            if not isinstance(r.value, torch.Tensor):
-                for name in r.atoms:
-                    items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
-                    self._pieces[(name, None)] = (r, None)
-                    self._digest(digests, name, r.value)
-                continue
-            items.extend(self._tensor_items(r))
-            if not isinstance(r.value, DTensor):
-                if r.replicated is None or r.replicated.check in ("error", "warn"):
-                    for name in r.atoms:
-                        self._digest(digests, name, r.value)
-            elif r.tied or (r.replicated is not None and r.replicated.check in ("error", "warn")):
-                for f in r.fragments:
-                    digests[_frag_key(f)] = value_digest(f.view(r.local))
-        mismatch = self._local_tie_mismatches()
-        self._warn_keys = {k for r in self._resolved if r.replicated is not None and r.replicated.check == "warn"
-                           for k in r.atoms}
-        plan = SavePlan(
-            items,
-            planner_data={
-                "mappings": self.mappings, "catalog": local_cat, "digests": digests, "reduce": reduce_vals,
-                "slot": self.data_slot,
-                "local_mismatch": mismatch, "used": sorted(self._patterns.used),
-                "claims": [c for r in self._resolved for c in r.index_claims],
-                "map_totals": {m.key: m.total for m in self.maps},
-                "used_maps": sorted(self._resolver.used_maps), "coordinator": self.is_coordinator,
-                "warn_keys": sorted(self._warn_keys),
-                "average": sorted({_avg_key(f) for r in self._resolved if _averaged(r) for f in r.fragments}),
-                "global_rank": dist.get_rank() if dist.is_initialized() else 0,
-            },
-        )
+        local = build_local(self._resolved, self.mappings, self.check_replicas)
+        self._local = local
+        self._pieces = local.pieces
+        claims = sorted({c for r in self._resolved for c in r.index_claims}, key=str)
+        summary = {
+            **local.summary,
+            "slot": self.data_slot,
+            "local_mismatch": self._local_tie_mismatches(),
+            "used": sorted(self._patterns.used),
+            "claims": claims,
+            "map_totals": {m.key: m.total for m in self.maps},
+            "coordinator": self.is_coordinator,
+            "warn_keys": sorted({k for r in self._resolved if r.replicated is not None
+                                 and r.replicated.check == "warn" for k in r.atoms}),
+            "average": sorted({avg_key(f) for r in self._resolved if is_averaged(r) for f in r.fragments}),
+            "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+        }
+        packed = compact.pack(local.structure, local.items)
+        plan = SavePlan([], planner_data={**packed, **summary})
         self.plan = plan
         if self._enable_plan_caching:
-            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-            if cached is not None and _same_local_plan(plan, cached):
+            cache = _CACHE.setdefault(self._cached_plans_key, {})
+            if cache.get("local") == (packed["sh"], packed["it"]):
                 logger.info("UCP: local plan and layout unchanged; reusing the cached global plan")
-                small = {k: v for k, v in plan.planner_data.items() if k not in ("mappings", "catalog")}
-                return SavePlan([], usable=False, planner_data=small)
-            self._pending_local_plan = plan
+                return SavePlan([], usable=False, planner_data=summary)
+            self._pending_local = (packed["sh"], packed["it"])
         return plan
-
-    def _tensor_items(self, r: Resolved) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(r.local)
-        pieces: list[tuple[str, Fragment | None]] = [(f.atom, f) for f in r.fragments]
-        if r.value.numel() == 0:  # keep empty atoms visible in the metadata: one empty chunk each
-            pieces = [(name, None) for name in r.atoms]
-        items = []
-        for name, f in pieces:
-            shape = tuple(r.atoms[name]["shape"])
-            offsets = f.box.offsets if f is not None else (0,) * len(shape)
-            sizes = f.box.sizes if f is not None else shape
-            # DCP allows one TENSOR item per key: pieces of an atom (DTensor shards, fused blocks) are SHARDs
-            whole = not isinstance(r.value, DTensor) and tuple(sizes) == shape
-            items.append(WriteItem(
-                index=MetadataIndex(name, offsets),
-                type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                    properties=props,
-                    size=torch.Size(shape),
-                ),
-            ))
-            self._pieces[(name, tuple(offsets))] = (r, f)
-        return items
-
-    def _digest(self, digests: dict[str, int], name: str, value: Any) -> None:
-        if self.check_replicas == "off":
-            return
-        d = value_digest(value)
-        if d is not None:
-            digests[name] = d
 
     def _local_tie_mismatches(self) -> list[str]:
         bad = []
         for kept, dup in self._ties:
             if isinstance(kept.value, torch.Tensor):
-                same = {_frag_key(f): value_digest(f.view(kept.local)) for f in kept.fragments} == {
-                    _frag_key(f): value_digest(f.view(dup.local)) for f in dup.fragments}
+                same = {frag_key(f): value_digest(f.view(kept.local)) for f in kept.fragments} == {
+                    frag_key(f): value_digest(f.view(dup.local)) for f in dup.fragments}
             else:
                 same = value_digest(kept.value) == value_digest(dup.value)
             if not same:
@@ -244,76 +179,48 @@ class UCPSavePlanner(DefaultSavePlanner):
     # -- coordinator -------------------------------------------------------------------------------
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        pds = [p.planner_data or {} for p in all_plans]
-        check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at save")
-        warn = {k for pd in pds for k in pd.get("warn_keys") or ()}
-        check_digests(pds, self.check_replicas, warn_keys=warn)
-        self._reduced = self._reduce(pds)
-        return super().create_global_plan(all_plans)
-
-    def _reduce(self, pds: list[dict[str, Any]]) -> dict[str, Any]:
-        values: dict[str, dict[Any, list[Any]]] = {}
-        for rank, pd in enumerate(pds):
-            slot = pd.get("slot")
-            for name, v in (pd.get("reduce") or {}).items():
-                values.setdefault(name, {}).setdefault(("rank", rank) if slot is None else slot, []).append(v)
-        out = {}
-        for name, by_slot in values.items():
-            rule = self._patterns.reduce(name)
-            if rule is None:  # matched on another rank only: rules are the same everywhere
-                raise PatternError(f"atom '{name}' is reduced on some ranks but no rule matches it here", atom=name)
-            # copies within a data slot (TP/PP replicas) must agree; each slot counts once
-            per_slot = [reduce_values("equal", copies, name) for _, copies in sorted(by_slot.items(), key=str)]
-            out[name] = reduce_values(rule.op, per_slot, name)
-        return out
-
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        if self.dedup_save_to_lowest_rank:
-            return super()._dedup_save_plans(all_plans)
-        return balanced_dedup(all_plans)
-
-    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        local_cats, mappings, plans = [], {}, []
-        coordinator = next((i for i, p in enumerate(all_plans) if (p.planner_data or {}).get("coordinator")), 0)
-        averages = _average_holders(all_plans)
-        for p in all_plans:
-            pd = p.planner_data or {}
-            local_cats.append(pd.get("catalog"))
-            mappings.update(pd.get("mappings") or {})
-            plans.append(dataclasses.replace(p, planner_data=None))
-        # reduced values are written once, by the coordinator, which holds the reduction
-        reduced_items = [_reduced_item(name, v) for name, v in sorted(self._reduced.items())]
-        plans[coordinator] = dataclasses.replace(plans[coordinator], items=[*plans[coordinator].items, *reduced_items])
-        catalog = cat_mod.merge_local_catalogs(local_cats, writer=_writer_info())
-        catalog["rules"] = self._patterns.to_json()
-        catalog["maps"] = sorted({m.key for m in self.maps})
-        deduped = self._dedup_save_plans(plans)
-        deduped = _attach_average_writers(deduped, averages, all_plans)
-        global_plan, metadata = create_default_global_save_plan(deduped)
-        planner_data: dict[str, Any] = dict(mappings)
-        planner_data[cat_mod.CATALOG_KEY] = catalog
-        metadata = dataclasses.replace(metadata, planner_data=planner_data)
-        errors = _validate_global_plan(global_plan, metadata)
-        if errors:
-            raise CoverageError(
-                "saved chunks do not tile their atoms: " + "; ".join(errors)[:1000],
-                hint="some rank holds an unexpected layout for these atoms (or a pattern rule describes it "
-                "wrongly); check the layouts and rules named in the message",
-            )
-        return global_plan, metadata
+        cache = _CACHE.setdefault(self._cached_plans_key, {}) if self._enable_plan_caching else {}
+        pds = merge_cached([p.planner_data or {} for p in all_plans], cache.get("all"))
+        structures = {pd["sh"]: None for pd in pds}
+        for pd in pds:
+            if structures[pd["sh"]] is None:
+                structures[pd["sh"]] = compact.unpack_structure(pd["s"])
+        check_all(self._patterns, pds, structures, {m.key: m.total for m in self.maps}, self.check_replicas)
+        self._reduced = reduce_all(self._patterns, pds)
+        unchanged = self._enable_plan_caching and not any(p.usable for p in all_plans) and "global" in cache
+        if unchanged:
+            plans, metadata = cache["global"]
+            return [SavePlan([], usable=False)] * len(all_plans), metadata
+        plans, metadata = coordinate_save(pds, self._reduced, self.dedup_save_to_lowest_rank, _writer_info(),
+                                          self._patterns.to_json(), [m.key for m in self.maps])
+        if self._enable_plan_caching:
+            cache["all"], cache["global"] = pds, (plans, metadata)
+        return plans, metadata
 
     # -- all ranks, after the global plan succeeded ----------------------------------------------------
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        plan = super().finish_plan(new_plan)
-        self._averaged = self._average_replicas(plan)
-        return plan
+        cache = _CACHE.setdefault(self._cached_plans_key, {}) if self._enable_plan_caching else {}
+        if not new_plan.usable:
+            new_plan = cache["final"]
+        elif self._enable_plan_caching:
+            cache["final"] = new_plan
+        if self._enable_plan_caching and getattr(self, "_pending_local", None) is not None:
+            cache["local"] = self._pending_local
+            self._pending_local = None
+        data = new_plan.planner_data or {}
+        keep = np.unpackbits(np.frombuffer(data["keep"], dtype=np.uint8), count=data["n"]).astype(bool)
+        items = compact.write_items(self._local.structure, self._local.items, keep)
+        for name, kind, offsets, sizes, dtype in data.get("extra", ()):
+            items.append(_reduced_item(name, kind, offsets, sizes, dtype))
+        self._averaged = self._average_replicas(data.get("average") or {})
+        self.plan = dataclasses.replace(new_plan, items=items, planner_data=None)
+        return self.plan
 
-    def _average_replicas(self, plan: SavePlan) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+    def _average_replicas(self, todo: dict[str, tuple[int, list[int]]]) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
         """``Replicated(check="average")``: every holder of a replicated piece sends it to the rank
         that writes it, which saves the mean (point-to-point on the default group, so any save group
         works; keys are visited in the same order everywhere)."""
-        todo = (plan.planner_data or {}).get("average") or {}
         if not todo:
             return {}
         if threading.current_thread() is not threading.main_thread():
@@ -323,7 +230,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                 hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
             )
         me = dist.get_rank()
-        frags = {_avg_key(f): (r, f) for r in self._resolved if _averaged(r) for f in r.fragments}
+        frags = {avg_key(f): (r, f) for r in self._resolved if is_averaged(r) for f in r.fragments}
         out = {}
         for key in sorted(todo):
             writer, holders = todo[key]
@@ -367,70 +274,22 @@ def _as_data(value: Any, item: WriteItem) -> torch.Tensor | io.BytesIO:
     return buf
 
 
-def _reduced_item(name: str, value: Any) -> WriteItem:
-    if not isinstance(value, torch.Tensor):
+def _reduced_item(name: str, kind: int, offsets: tuple, sizes: tuple, dtype: Any) -> WriteItem:
+    if kind == compact.BYTES:
         return WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO)
-    zeros = (0,) * value.ndim
     return WriteItem(
-        index=MetadataIndex(name, zeros),
+        index=MetadataIndex(name, offsets),
         type=WriteItemType.TENSOR,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=value.shape),
-            properties=TensorProperties.create_from_tensor(value),
-            size=value.shape,
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(sizes),
         ),
     )
 
 
-def _averaged(r: Resolved) -> bool:
-    return r.replicated is not None and r.replicated.check == "average" and isinstance(r.value, torch.Tensor)
-
-
-def _avg_key(f: Fragment) -> str:
-    return f"{f.atom}@{','.join(map(str, f.box.offsets))}"
-
-
-def _average_holders(all_plans: list[SavePlan]) -> dict[str, list[int]]:
-    """Averaged piece -> global ranks holding it."""
-    holders: dict[str, list[int]] = {}
-    for p in all_plans:
-        pd = p.planner_data or {}
-        for key in pd.get("average") or ():
-            holders.setdefault(key, []).append(pd.get("global_rank", 0))
-    return holders
-
-
-def _attach_average_writers(
-    deduped: list[SavePlan], holders: dict[str, list[int]], all_plans: list[SavePlan]
-) -> list[SavePlan]:
-    """Tell every holder of an averaged piece which rank writes it (that rank averages)."""
-    if not holders:
-        return deduped
-    rank_of = [(p.planner_data or {}).get("global_rank", 0) for p in all_plans]
-    writer: dict[str, int] = {}
-    for i, p in enumerate(deduped):
-        for it in p.items:
-            key = f"{it.index.fqn}@{','.join(map(str, it.index.offset or ()))}"
-            if key in holders:
-                writer[key] = rank_of[i]
-    out = []
-    for i, p in enumerate(deduped):
-        mine = {k: (writer[k], sorted(h)) for k, h in holders.items() if rank_of[i] in h and k in writer}
-        out.append(dataclasses.replace(p, planner_data={"average": mine} if mine else None))
-    return out
-
-
-def _frag_key(f: Fragment) -> str:
-    return f"{f.atom}@{list(f.box.offsets)}/{list(f.box.sizes)}"
-
-
-def _same_local_plan(plan: SavePlan, cached: SavePlan) -> bool:
-    """DCP's cache compares boxes only; a layout change with identical boxes (TP ``Shard(0)`` vs
-    FSDP ``Shard(0)``) must also re-plan, or the catalog would describe the old layout."""
-    if not _compare_save_plans(plan, cached):
-        return False
-    mine, theirs = plan.planner_data or {}, cached.planner_data or {}
-    return all(mine.get(k) == theirs.get(k) for k in ("catalog", "mappings", "claims", "coordinator"))
+_CACHE: dict[str, dict[str, Any]] = {}
+"""Plan cache per planner class (like DCP's): the last local plan, all plans, global plans, final plan."""
 
 
 def _writer_info() -> dict[str, str]:
