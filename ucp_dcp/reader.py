@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -193,26 +194,37 @@ class UCPFileSystemReader(FileSystemReader):
             self._fallback(f, c, info, planner, positions, send, keep)
             return
         itemsize = record.itemsize
-        runs = {}
-        for item in c.items:
-            runs[id(item)] = box_runs(record.shape, itemsize, item.storage_offsets, item.lengths)
-        starts = np.concatenate([s for s, _ in runs.values()])
-        lens = np.concatenate([np.full(len(s), n, dtype=np.int64) for s, n in runs.values()])
-        intervals = merge_intervals(starts, lens)
+        runs = {id(item): box_runs(record.shape, itemsize, item.storage_offsets, item.lengths) for item in c.items}
         crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
+        base = info.offset + record.data_offset
+        total = sum(len(st) * n for st, n in runs.values())
+        starts = np.concatenate([st for st, _ in runs.values()])
+        lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs.values()])
+        intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
+        disjoint = intervals is None or sum(n for _, n in intervals) == total
+        if disjoint and (not crcs or all(len(runs[id(it)][0]) == 1 for it in c.items)):
+            # each item's runs are read straight into its target (or one packed buffer per item);
+            # a single-run item verifies the blocks it touches from that memory, reading only their edges
+            for item in c.items:
+                st, n = runs[id(item)]
+                target = planner.resolve_tensor(item).detach()
+                pos = positions[id(item)]
+                direct = target.dtype == record.dtype and target.is_contiguous() and pos not in send
+                mv = (memoryview(target.view(-1).view(torch.uint8).numpy()) if direct and target.numel()
+                      else memoryview(bytearray(len(st) * n)))
+                self._pread_runs(f, base, st, n, mv, c.index)
+                if crcs:
+                    self._verify_span(f, base, int(st[0]), mv, crcs, record.nbytes, rel, c.index)
+                if direct:
+                    planner.commit_tensor(item, target)
+                    continue
+                if pos in send:
+                    keep[pos] = mv
+                self._deliver(item, planner, mv, record.dtype)
+            return
+        # items sharing bytes, or runs to verify: read the union once (whole checksum blocks)
         if crcs:
             intervals = blocks_touching(intervals, record.nbytes, self._block)
-        base = info.offset + record.data_offset
-        # fast path: one item, one run, same dtype and a contiguous target -> read straight into it
-        if len(c.items) == 1 and len(intervals) == 1 and not crcs:
-            item = c.items[0]
-            s, n = runs[id(item)]
-            target = planner.resolve_tensor(item).detach()
-            pos = positions[id(item)]
-            if len(s) == 1 and target.dtype == record.dtype and target.is_contiguous() and pos not in send:
-                self._pread_into(f, base + int(s[0]), memoryview(target.view(-1).view(torch.uint8).numpy()), c.index)
-                planner.commit_tensor(item, target)
-                return
         buffers = []
         for start, length in intervals:
             buf = self._pread(f, base + start, length, c.index)
@@ -221,8 +233,8 @@ class UCPFileSystemReader(FileSystemReader):
             buffers.append((start, buf))
         bstarts = [b[0] for b in buffers]
         for item in c.items:
-            s, n = runs[id(item)]
-            data = _gather(buffers, bstarts, s, n)
+            st, n = runs[id(item)]
+            data = _gather(buffers, bstarts, st, n)
             pos = positions[id(item)]
             if pos in send:
                 keep[pos] = data
@@ -268,6 +280,29 @@ class UCPFileSystemReader(FileSystemReader):
         dtype, _ = self._chunk_meta[item.storage_index]
         return int(np.prod(item.lengths)) * torch.empty((), dtype=dtype).element_size()
 
+    def _pread_runs(self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview,
+                    index: MetadataIndex) -> None:
+        """Read equal-length runs at ``base + starts`` into consecutive parts of ``out``."""
+        if len(starts) == 1 or not hasattr(f, "fileno"):
+            for k, s0 in enumerate(starts.tolist()):
+                self._pread_into(f, base + s0, out[k * run:(k + 1) * run], index)
+            return
+        fd = f.fileno()
+        pos = 0
+        for s0 in (starts + base).tolist():
+            got = os.preadv(fd, [out[pos:pos + run]], s0)
+            if got != run:
+                self._pread_into(f, s0, out[pos:pos + run], index)  # short read: finish the slow way
+                got = run
+                with self._lock:
+                    self.stats.bytes_read -= run
+                    self.stats.ranges -= 1
+            pos += got
+        with self._lock:
+            self.stats.bytes_read += pos
+            self.stats.ranges += len(starts)
+            self.stats.items.append(item_key(index))
+
     def _pread(self, f: Any, offset: int, length: int, index: MetadataIndex) -> memoryview:
         buf = bytearray(length)
         self._pread_into(f, offset, memoryview(buf), index)
@@ -290,20 +325,38 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.items.append(item_key(index))
 
     def _verify(self, buf: memoryview, start: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
-        import zlib
-
+        """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
         first = start // self._block
         for k in range(0, len(buf), self._block):
-            b = first + k // self._block
-            got = zlib.crc32(buf[k:k + self._block])
-            if b >= len(crcs) or got != crcs[b]:
-                raise ChecksumError(
-                    f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: "
-                    f"block {b} (bytes {b * self._block}..{b * self._block + len(buf[k:k + self._block])} of the "
-                    f"chunk) has CRC32 {got:#010x}, saved {crcs[b] if b < len(crcs) else 'none'}",
-                    atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
-                    hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
-                )
+            self._check_block(first + k // self._block, zlib.crc32(buf[k:k + self._block]), crcs, rel, index)
+
+    def _verify_span(self, f: Any, base: int, start: int, data: memoryview, crcs: list[int], nbytes: int,
+                     rel: str, index: MetadataIndex) -> None:
+        """Verify the blocks touched by ``data`` (chunk bytes ``[start, start + len(data))``), reading
+        only the parts of the first and last block that lie outside it."""
+        end = start + len(data)
+        b0, b1 = start // self._block, (max(end, start + 1) - 1) // self._block
+        for b in range(b0, b1 + 1):
+            bs, be = b * self._block, min((b + 1) * self._block, nbytes)
+            a, c = max(bs, start), min(be, end)
+            crc = 0
+            if bs < a:
+                crc = zlib.crc32(self._pread(f, base + bs, a - bs, index), crc)
+            crc = zlib.crc32(data[a - start:c - start], crc)
+            if c < be:
+                crc = zlib.crc32(self._pread(f, base + c, be - c, index), crc)
+            self._check_block(b, crc, crcs, rel, index)
+
+    def _check_block(self, b: int, got: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
+        if b < len(crcs) and got == crcs[b]:
+            return
+        raise ChecksumError(
+            f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
+            f"(bytes {b * self._block}.. of the chunk) has CRC32 {got:#010x}, saved "
+            f"{f'{crcs[b]:#010x}' if b < len(crcs) else 'none'}",
+            atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
+            hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
+        )
 
     def _deliver(self, item: ReadItem, planner: LoadPlanner, data: Any, dtype: torch.dtype | None) -> None:
         if item.type == LoadItemType.BYTE_IO:

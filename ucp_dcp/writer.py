@@ -17,9 +17,11 @@ import io
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from torch.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -32,9 +34,46 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .io_format import BLOCK, IO_KEY, block_checksums, parse_tensor_record
+from .io_format import BLOCK, IO_KEY, block_checksums
 
 __all__ = ["UCPFileSystemWriter", "item_key"]
+
+
+class _Tracked(io.RawIOBase):
+    """A write-only view of a stream that counts bytes and notes where the expected tensor bytes
+    were written (``torch.save`` writes a storage record's data in one call)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.pos = stream, 0
+        self._expect: memoryview | None = None
+        self._addr = 0
+        self.found: int | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def expect(self, data: memoryview) -> None:
+        self._expect, self.found = data, None
+        self._addr = _address(data)
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        if self._expect is not None and self.found is None and n == len(self._expect) and n:
+            # torch.save hands the storage memory itself to write(): match it by address, or by
+            # content for small copies
+            if _address(mv) == self._addr or (n <= 1 << 16 and mv.tobytes() == self._expect.tobytes()):
+                self.found = self.pos
+        self.stream.write(mv)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -107,20 +146,19 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def _write_file(self, path: Any, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
         results = []
-        with self.fs.create_stream(path, "wb") as stream:
-            # bytes first, like DCP; then tensors, largest first is irrelevant here
+        with self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as crc_pool:
+            out = _Tracked(stream)
+            # bytes first, like DCP
             for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
-                offset = stream.tell()
+                offset = out.pos
                 data = planner.resolve_data(item)
                 extra = None
                 if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
+                    out.write(data.getbuffer())
                 else:
-                    buf, extra = self._serialize(data)
-                    stream.write(buf.getbuffer())
-                length = stream.tell() - offset
-                info = _StorageInfo(name, offset, length)
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=(info, extra)))
+                    extra = self._write_tensor(out, data, crc_pool)
+                info = _StorageInfo(name, offset, out.pos - offset)
+                results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
             if self.sync_files:
                 stream.flush()
                 try:
@@ -129,23 +167,22 @@ class UCPFileSystemWriter(FileSystemWriter):
                     pass
         return results
 
-    def _serialize(self, tensor: torch.Tensor) -> tuple[io.BytesIO, list[Any]]:
+    def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, crc_pool: ThreadPoolExecutor) -> list[Any]:
+        """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
+        taken from the write that carried them, and their CRCs are computed concurrently from the
+        tensor's own memory."""
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
             t = t.contiguous().clone()  # compact row-major storage: boxes become byte runs
-        buf = io.BytesIO()
-        torch.save(t, buf)
-        buf.seek(0)
-        rec = parse_tensor_record(buf)
-        data_offset = rec.data_offset if rec is not None else -1
-        crcs: list[int] = []
-        if self.checksums and rec is not None and rec.contiguous:
-            view = buf.getbuffer()[data_offset:data_offset + t.nbytes]
-            crcs = block_checksums(view, BLOCK)
-            del view
-        return buf, [data_offset, crcs]
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        crcs = crc_pool.submit(block_checksums, raw, BLOCK) if self.checksums and t.numel() else None
+        start = out.pos
+        out.expect(raw)
+        torch.save(t, out)
+        data_offset = out.found - start if out.found is not None else -1
+        return [data_offset, crcs.result() if crcs is not None else []]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         table: dict[str, Any] = {}
