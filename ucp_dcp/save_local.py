@@ -65,10 +65,11 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
             dtypes.append(dtype_code(dtype) if dtype is not None else -1)
         return index[name]
 
-    compare = check_replicas != "off" and dist.is_initialized() and dist.get_world_size() > 1
+    multi = dist.is_initialized() and dist.get_world_size() > 1
 
-    def digest(name: str, value: Any) -> None:
-        if compare:  # copies on other ranks exist only in a multi-rank save
+    def digest(name: str, value: Any, tied: bool = False) -> None:
+        # copies on other ranks exist only in a multi-rank save; tied copies may share one rank
+        if check_replicas != "off" and (multi or tied):
             d = value_digest(value)
             if d is not None:
                 digests[name] = d
@@ -114,7 +115,7 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
         if not dt:
             if r.replicated is None or r.replicated.check in ("error", "warn"):
                 for name in r.atoms:
-                    digest(name, r.value)
+                    digest(name, r.value, bool(r.tied))
         elif r.tied or (r.replicated is not None and r.replicated.check in ("error", "warn")):
             for f in r.fragments:
                 digests[frag_key(f)] = value_digest(f.view(r.local))
