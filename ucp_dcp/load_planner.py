@@ -160,9 +160,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             return [LoadPlan([]) for _ in global_plan]
         ranks = [pd.get("global_rank", i) for i, pd in enumerate(pds)]
         plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds])
+        glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
         return [
             LoadPlan([], planner_data={"transport": {
-                "send": {ranks[r]: idx for r, idx in t["send"].items()},
+                "send": [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
                 "recv": {ranks[r]: idx for r, idx in t["recv"].items()}}})
             for t in plans
         ]
@@ -292,17 +293,17 @@ def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.nd
     """128-bit keys and byte sizes of the saved bytes each read item needs (for read-once)."""
     keys = np.empty((len(reads), 2), dtype=np.uint64)
     sizes = np.empty(len(reads), dtype=np.int64)
-    itemsize: dict[str, int] = {}
+    itemsize: dict[torch.dtype, int] = {}
     for i, item in enumerate(reads):
         keys[i] = np.frombuffer(hashlib.blake2b(read_key(item).encode(), digest_size=16).digest(), dtype=np.uint64)
-        fqn = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             info = (md.storage_data or {}).get(item.storage_index)
             sizes[i] = int(getattr(info, "length", 0))
         else:
-            if fqn not in itemsize:
-                itemsize[fqn] = torch.empty((), dtype=md.state_dict_metadata[fqn].properties.dtype).element_size()
-            sizes[i] = math.prod(item.lengths) * itemsize[fqn]
+            dtype = md.state_dict_metadata[item.storage_index.fqn].properties.dtype
+            if dtype not in itemsize:
+                itemsize[dtype] = torch.empty((), dtype=dtype).element_size()
+            sizes[i] = math.prod(item.lengths) * itemsize[dtype]
     return keys, sizes
 
 

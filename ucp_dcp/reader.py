@@ -14,9 +14,11 @@ records) fall back to DCP's whole-item path.
 from __future__ import annotations
 
 import io
+import mmap
 import os
+import stat
 import threading
-import zlib
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .errors import ChecksumError, UCPError
-from .io_format import IO_KEY, TensorRecord, blocks_touching, box_runs, merge_intervals, parse_tensor_record
+from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
+                        block_hash, parse_tensor_record, split_grid)
 from .transport import exchange
 from .writer import item_key
 
@@ -78,7 +81,7 @@ class UCPFileSystemReader(FileSystemReader):
     Args:
         path: checkpoint folder or fsspec URL.
         thread_count: files read concurrently by this rank.
-        verify_checksums: verify the CRC32 of every 1 MiB block touched (when the checkpoint has them).
+        verify_checksums: verify the checksum of every 1 MiB block touched (when the checkpoint has them).
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
@@ -96,7 +99,12 @@ class UCPFileSystemReader(FileSystemReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._io = self.storage_data.get(MetadataIndex(IO_KEY)) or {}
-        self._crc = self._io.get("items", {}) if self._io.get("algo") == "crc32" else {}
+        algo = self._io.get("algo")
+        self._algo = algo if algo in HASHES else None
+        if algo is not None and self._algo is None and self.verify_checksums:
+            warnings.warn(f"checkpoint checksums use '{algo}', which this ucp_dcp cannot verify: reading "
+                          "without verification (upgrade ucp_dcp to verify them)", stacklevel=2)
+        self._crc = self._io.get("items", {}) if self._algo else {}
         self._block = int(self._io.get("block", 1 << 20))
         self._records: dict[MetadataIndex, TensorRecord | None] = {}
         self._lock = threading.Lock()
@@ -106,18 +114,24 @@ class UCPFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = ReadStats()
-        transport = (plan.planner_data or {}).get("transport") or {"send": {}, "recv": {}}
-        recv_items = {i for pieces in transport["recv"].values() for i in pieces}
-        send_items = {i for pieces in transport["send"].values() for i in pieces}
+        transport = (plan.planner_data or {}).get("transport") or {"send": [], "recv": {}}
+        recv_items = {int(i) for pieces in transport["recv"].values() for i in pieces}
+        send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
         keep: dict[int, bytes | memoryview] = {}
         error: BaseException | None = None
         try:
             self._read_local(plan, planner, recv_items, send_items, keep)
         except UCPError as e:
             error = e
+        sends: dict[int, list[Any]] = {}
+        for pieces, dsts in transport["send"]:
+            # one buffer per bundle, shared by all its consumers
+            bundle = _join([keep[int(i)] for i in pieces]) if error is None else b""
+            for dst in dsts.tolist():
+                sends.setdefault(dst, []).append(bundle)
         received, failed = exchange(
-            {dst: [keep.get(i, b"") for i in pieces] for dst, pieces in transport["send"].items()},
-            {src: [self._item_nbytes(plan.items[i]) for i in pieces] for src, pieces in transport["recv"].items()},
+            sends,
+            {src: [self._item_nbytes(plan.items[int(i)]) for i in pieces] for src, pieces in transport["recv"].items()},
             ok=error is None,
         )
         if error is not None:
@@ -128,7 +142,7 @@ class UCPFileSystemReader(FileSystemReader):
                 hint="the reading rank reports the cause (e.g. a checksum mismatch)",
             )
         for src, pieces in transport["recv"].items():
-            for i, data in zip(pieces, received[src]):
+            for i, data in zip(pieces.tolist(), received[src]):
                 self.stats.bytes_received += len(data)
                 self._deliver(plan.items[i], planner, data, None)
         fut: Future[None] = Future()
@@ -193,11 +207,16 @@ class UCPFileSystemReader(FileSystemReader):
         if record is None or not record.contiguous or info.transform_descriptors:
             self._fallback(f, c, info, planner, positions, send, keep)
             return
-        itemsize = record.itemsize
-        runs = {id(item): box_runs(record.shape, itemsize, item.storage_offsets, item.lengths) for item in c.items}
+        grids = {id(item): box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths)
+                 for item in c.items}
         crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
         base = info.offset + record.data_offset
-        total = sum(len(st) * n for st, n in runs.values())
+        fd = _regular_fd(f)
+        if fd is not None and any(g.nruns > 1 for g in grids.values()):
+            self._read_mapped(fd, rel, c, grids, base, record, crcs, planner, positions, send, keep)
+            return
+        runs = {k: (g.starts(), g.run) for k, g in grids.items()}
+        total = sum(g.nbytes for g in grids.values())
         starts = np.concatenate([st for st, _ in runs.values()])
         lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs.values()])
         intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
@@ -207,20 +226,12 @@ class UCPFileSystemReader(FileSystemReader):
             # a single-run item verifies the blocks it touches from that memory, reading only their edges
             for item in c.items:
                 st, n = runs[id(item)]
-                target = planner.resolve_tensor(item).detach()
                 pos = positions[id(item)]
-                direct = target.dtype == record.dtype and target.is_contiguous() and pos not in send
-                mv = (memoryview(target.view(-1).view(torch.uint8).numpy()) if direct and target.numel()
-                      else memoryview(bytearray(len(st) * n)))
+                target, mv = self._destination(item, planner, record, pos in send, grids[id(item)].nbytes)
                 self._pread_runs(f, base, st, n, mv, c.index)
                 if crcs:
                     self._verify_span(f, base, int(st[0]), mv, crcs, record.nbytes, rel, c.index)
-                if direct:
-                    planner.commit_tensor(item, target)
-                    continue
-                if pos in send:
-                    keep[pos] = mv
-                self._deliver(item, planner, mv, record.dtype)
+                self._finish(item, planner, target, mv, record, pos, send, keep)
             return
         # items sharing bytes, or runs to verify: read the union once (whole checksum blocks)
         if crcs:
@@ -239,6 +250,71 @@ class UCPFileSystemReader(FileSystemReader):
             if pos in send:
                 keep[pos] = data
             self._deliver(item, planner, data, record.dtype)
+
+    def _read_mapped(self, fd: int, rel: str, c: _Chunk, grids: dict[int, BoxGrid], base: int,
+                     record: TensorRecord, crcs: list[int], planner: LoadPlanner, positions: dict[int, int],
+                     send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+        """Strided boxes of a local file: map a bounded window of the chunk at a time and copy the
+        runs out with one strided copy (a syscall per run costs more than the bytes). Blocks the
+        window touches are verified once each, from the mapping."""
+        size = os.fstat(fd).st_size
+        if base + record.nbytes > size:
+            raise UCPError(f"checkpoint file {rel} ends at byte {size}, before the data of '{c.index.fqn}' "
+                           f"(needed up to {base + record.nbytes}): the file is truncated", atom=c.index.fqn,
+                           hint="the checkpoint is incomplete or damaged; restore the file from a good copy")
+        B = self._block
+        verified: set[int] = set()
+        for item in c.items:
+            g = grids[id(item)]
+            pos = positions[id(item)]
+            target, mv = self._destination(item, planner, record, pos in send, g.nbytes)
+            out = np.frombuffer(mv, dtype=np.uint8) if g.nbytes else np.empty(0, dtype=np.uint8)
+            done = 0
+            for piece in split_grid(g, _WINDOW):
+                lo, hi = piece.first, piece.end
+                if crcs:
+                    lo, hi = lo // B * B, min(record.nbytes, -(-hi // B) * B)
+                window = _map(fd, base + lo, hi - lo)
+                for b in range(lo // B, -(-hi // B)) if crcs else ():
+                    if b not in verified:
+                        blk = window[b * B - lo:min((b + 1) * B, record.nbytes) - lo]
+                        self._check_block(b, block_hash(blk, self._algo), crcs, rel, c.index)
+                        verified.add(b)
+                gather_grid(window, lo, piece, out[done:done + piece.nbytes])
+                done += piece.nbytes
+                del window
+            self._finish(item, planner, target, mv, record, pos, send, keep)
+        if crcs:
+            nbytes = sum(min((b + 1) * B, record.nbytes) - b * B for b in verified)
+        elif len(c.items) == 1:
+            nbytes = next(iter(grids.values())).nbytes
+        else:
+            gs = list(grids.values())
+            merged = merge_intervals(np.concatenate([g.starts() for g in gs]),
+                                     np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in gs]))
+            nbytes = sum(n for _, n in merged)
+        with self._lock:
+            self.stats.bytes_read += nbytes
+            self.stats.ranges += 1
+            self.stats.items.append(item_key(c.index))
+
+    def _destination(self, item: ReadItem, planner: LoadPlanner, record: TensorRecord, sending: bool,
+                     nbytes: int) -> tuple[torch.Tensor | None, memoryview]:
+        """Where an item's bytes go: the target tensor's own memory when it can take them as they
+        are (same dtype, contiguous, not also sent to another rank), else a packed buffer."""
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype == record.dtype and target.is_contiguous() and not sending and target.numel():
+            return target, memoryview(target.view(-1).view(torch.uint8).numpy())
+        return None, memoryview(bytearray(nbytes))
+
+    def _finish(self, item: ReadItem, planner: LoadPlanner, target: torch.Tensor | None, mv: memoryview,
+                record: TensorRecord, pos: int, send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+        if target is not None:
+            planner.commit_tensor(item, target)
+            return
+        if pos in send:
+            keep[pos] = mv
+        self._deliver(item, planner, mv, record.dtype)
 
     def _fallback(self, f: Any, c: _Chunk, info: Any, planner: LoadPlanner, positions: dict[int, int],
                   send: set[int], keep: dict[int, bytes | memoryview]) -> None:
@@ -328,7 +404,8 @@ class UCPFileSystemReader(FileSystemReader):
         """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
         first = start // self._block
         for k in range(0, len(buf), self._block):
-            self._check_block(first + k // self._block, zlib.crc32(buf[k:k + self._block]), crcs, rel, index)
+            self._check_block(first + k // self._block, block_hash(buf[k:k + self._block], self._algo), crcs, rel,
+                              index)
 
     def _verify_span(self, f: Any, base: int, start: int, data: memoryview, crcs: list[int], nbytes: int,
                      rel: str, index: MetadataIndex) -> None:
@@ -339,21 +416,21 @@ class UCPFileSystemReader(FileSystemReader):
         for b in range(b0, b1 + 1):
             bs, be = b * self._block, min((b + 1) * self._block, nbytes)
             a, c = max(bs, start), min(be, end)
-            crc = 0
+            h = HASHES[self._algo]()
             if bs < a:
-                crc = zlib.crc32(self._pread(f, base + bs, a - bs, index), crc)
-            crc = zlib.crc32(data[a - start:c - start], crc)
+                h.update(self._pread(f, base + bs, a - bs, index))
+            h.update(data[a - start:c - start])
             if c < be:
-                crc = zlib.crc32(self._pread(f, base + c, be - c, index), crc)
-            self._check_block(b, crc, crcs, rel, index)
+                h.update(self._pread(f, base + c, be - c, index))
+            self._check_block(b, int(h.intdigest()), crcs, rel, index)
 
     def _check_block(self, b: int, got: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
         if b < len(crcs) and got == crcs[b]:
             return
         raise ChecksumError(
             f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
-            f"(bytes {b * self._block}.. of the chunk) has CRC32 {got:#010x}, saved "
-            f"{f'{crcs[b]:#010x}' if b < len(crcs) else 'none'}",
+            f"(bytes {b * self._block}.. of the chunk) has {self._algo} {got:#x}, saved "
+            f"{f'{crcs[b]:#x}' if b < len(crcs) else 'none'}",
             atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
             hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
         )
@@ -408,3 +485,38 @@ def _readinto(f: Any, out: memoryview) -> int:
     data = f.read(len(out))
     out[:len(data)] = data
     return len(data)
+
+
+_WINDOW = 8 << 20
+"""Most bytes of a chunk mapped at once by a strided read (bounds the page-cache pages mapped)."""
+
+
+def _regular_fd(f: Any) -> int | None:
+    """The descriptor of ``f`` if it is a local regular file (mappable), else None."""
+    try:
+        fd = f.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+        return None
+
+
+def _map(fd: int, offset: int, length: int) -> np.ndarray:
+    """Read-only uint8 view of file bytes ``[offset, offset + length)`` (the caller checked the
+    file is long enough: touching a mapping past the end of a file is SIGBUS, not an error)."""
+    if length <= 0:
+        return np.empty(0, dtype=np.uint8)
+    a = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, offset + length - a, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=a)
+    return np.frombuffer(mm, dtype=np.uint8)[offset - a:]
+
+
+def _join(parts: list[Any]) -> bytearray:
+    """Buffers back to back in one new bytearray."""
+    out = bytearray(sum(memoryview(p).nbytes for p in parts))
+    mv = memoryview(out)
+    pos = 0
+    for p in parts:
+        b = memoryview(p).cast("B")
+        mv[pos:pos + len(b)] = b
+        pos += len(b)
+    return out

@@ -10,6 +10,7 @@ then the payload. A reader that failed (e.g. a checksum mismatch) still sends it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,63 +21,103 @@ from .errors import UCPError
 __all__ = ["assign_readers", "exchange"]
 
 
-def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[np.ndarray]) -> list[dict]:
-    """For pieces needed by several ranks, pick one reader each (the holder with the fewest bytes
-    assigned so far: spreads reads over ranks and hence files). ``keys_by_rank[r]`` are 128-bit keys
-    (``(n, 2)`` uint64) of rank r's pieces, ``sizes_by_rank[r]`` their byte sizes.
+BUNDLE = 16 << 20
+"""Shared pieces with the same holders travel in bundles of up to this many bytes, each with one
+reader: a job's replicated scalars become one message per consumer, not one per scalar, while
+large replicated tensors still spread over several readers."""
 
-    Returns, per rank, ``{"send": {rank: [piece]}, "recv": {rank: [piece]}}`` where a piece is the
-    index into that rank's own key array (so nothing but indices travels back)."""
+
+def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[np.ndarray],
+                   bundle_bytes: int = BUNDLE) -> list[dict]:
+    """For pieces needed by several ranks, pick one reader each. ``keys_by_rank[r]`` are 128-bit
+    keys (``(n, 2)`` uint64) of rank r's pieces, ``sizes_by_rank[r]`` their byte sizes.
+
+    Pieces with the same holders are grouped into bundles (at most ``bundle_bytes``, or one piece);
+    each bundle, largest first, goes to the holder with the fewest bytes assigned so far (counting
+    what it reads for itself), which spreads reads over ranks and hence files.
+
+    Returns, per rank, ``{"send": [(pieces, dsts)], "recv": {src: pieces}}``: pieces are indices
+    into that rank's own key array (nothing but indices travels back), ``dsts`` the consumers of a
+    bundle (a rank holding the same bytes twice appears twice). A reader's message to ``dst`` is
+    its bundles in list order, each once per occurrence of ``dst``; ``recv[src]`` lists the pieces
+    in that order. Plan size is O(pieces + holders) per bundle, not O(pieces x holders)."""
     n = len(keys_by_rank)
-    out: list[dict] = [{"send": {}, "recv": {}} for _ in range(n)]
+    out: list[dict] = [{"send": [], "recv": {}} for _ in range(n)]
     counts = [len(k) for k in keys_by_rank]
     if sum(counts) == 0:
         return out
     keys = np.concatenate([k.reshape(-1, 2) for k in keys_by_rank]).view(np.dtype((np.void, 16))).reshape(-1)
-    sizes = np.concatenate(sizes_by_rank)
+    sizes = np.concatenate(sizes_by_rank).astype(np.int64)
     owner = np.repeat(np.arange(n), counts)
     local = np.concatenate([np.arange(c) for c in counts])
-    uniq, inverse, cnt = np.unique(keys, return_inverse=True, return_counts=True)
+    _, inverse, cnt = np.unique(keys, return_inverse=True, return_counts=True)
     shared = cnt[inverse] > 1
     if not shared.any():
         return out
     load = np.zeros(n, dtype=np.int64)
-    # every rank reads its unshared pieces itself: count them first so shared ones go elsewhere
-    np.add.at(load, owner[~shared], sizes[~shared])
+    np.add.at(load, owner[~shared], sizes[~shared])  # every rank reads its unshared pieces itself
     idx = np.nonzero(shared)[0]
-    order = idx[np.lexsort((owner[idx], inverse[idx]))]
-    groups = np.split(order, np.nonzero(np.diff(inverse[order]))[0] + 1)
-    for g in sorted(groups, key=lambda g: (-int(sizes[g[0]]), int(inverse[g[0]]))):
-        holders = owner[g]
-        reader_pos = int(np.argmin(load[holders]))
-        reader = int(holders[reader_pos])
-        load[reader] += int(sizes[g[0]])
-        for pos, (r, li) in enumerate(zip(holders.tolist(), local[g].tolist())):
+    order = idx[np.lexsort((local[idx], owner[idx], inverse[idx]))]
+    starts = np.flatnonzero(np.diff(inverse[order], prepend=-1))
+    # class the shared pieces by their holders (exact: the holder list's bytes)
+    classes: dict[bytes, list[np.ndarray]] = {}
+    for g in np.split(order, starts[1:]):
+        classes.setdefault(owner[g].tobytes(), []).append(g)
+    bundles: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, holders, entries: pieces x holders)
+    for sig in sorted(classes):
+        groups = sorted(classes[sig], key=lambda g: (-int(sizes[g[0]]), int(inverse[g[0]])))
+        holders = np.frombuffer(sig, dtype=owner.dtype)
+        cur: list[np.ndarray] = []
+        cur_bytes = 0
+        for g in groups + [None]:
+            if cur and (g is None or cur_bytes + int(sizes[g[0]]) > bundle_bytes):
+                bundles.append((cur_bytes, holders, np.stack(cur)))
+                cur, cur_bytes = [], 0
+            if g is not None:
+                cur.append(g)
+                cur_bytes += int(sizes[g[0]])
+    bundles.sort(key=lambda b: -b[0])
+    for nbytes, holders, entries in bundles:
+        col = int(np.argmin(load[holders]))
+        reader = int(holders[col])
+        load[reader] += nbytes
+        dsts, cols = [], []
+        for h, r in enumerate(holders.tolist()):
             if r == reader:  # the reader's own copies (tied weights): its chunk reads serve them all
                 continue
-            out[reader]["send"].setdefault(r, []).append(int(local[g[reader_pos]]))
-            out[r]["recv"].setdefault(reader, []).append(li)
+            dsts.append(r)
+            cols.append(h)
+            out[r]["recv"].setdefault(reader, []).append(local[entries[:, h]])
+        if dsts:
+            out[reader]["send"].append((local[entries[:, col]], np.array(dsts, dtype=np.int64)))
+    for plan in out:
+        plan["recv"] = {src: np.concatenate(parts) for src, parts in plan["recv"].items()}
     return out
 
 
 def exchange(
-    sends: dict[int, list[bytes | memoryview | bytearray]],
+    sends: dict[int, list[Any]],
     recvs: dict[int, list[int]],
     ok: bool,
 ) -> tuple[dict[int, list[memoryview]], list[int]]:
-    """Send ``sends[dst]`` (pieces, concatenated) to every ``dst`` and receive ``recvs[src]``
+    """Send ``sends[dst]`` (byte buffers, concatenated) to every ``dst`` and receive ``recvs[src]``
     (piece sizes) from every ``src``. Returns the received pieces per source and the sources that
     reported a failure. ``ok=False`` sends failure headers instead of data."""
     works = []
     keep = []
+    joined: dict[tuple[int, ...], torch.Tensor] = {}  # many consumers get the same bundles: build once
     for dst in sorted(sends):
-        payload = b"".join(bytes(p) for p in sends[dst]) if ok else b""
-        header = torch.tensor([0 if ok else 1, len(payload)], dtype=torch.int64)
+        data = None
+        if ok:
+            parts = sends[dst]
+            ident = tuple(id(p) for p in parts)
+            data = joined.get(ident)
+            if data is None:
+                data = joined[ident] = _as_bytes_tensor(parts)
+        header = torch.tensor([0 if ok else 1, data.numel() if data is not None else 0], dtype=torch.int64)
         keep.append(header)
         works.append(dist.isend(header, dst))
-        if ok and payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            keep.append(data)
+        if data is not None and data.numel():
             works.append(dist.isend(data, dst))
     received: dict[int, list[memoryview]] = {}
     failed: list[int] = []
@@ -108,3 +149,18 @@ def exchange(
         raise UCPError(f"rank {src} sent {got} bytes of shared checkpoint data, expected {expect}",
                        hint="the ranks disagree on the load plan; this is a bug, please report it")
     return received, failed
+
+
+def _as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
+    """One uint8 tensor holding ``parts`` back to back (no copy for a single writable buffer)."""
+    if len(parts) == 1 and isinstance(parts[0], bytearray):
+        return torch.frombuffer(parts[0], dtype=torch.uint8) if len(parts[0]) else torch.empty(0, dtype=torch.uint8)
+    total = sum(memoryview(p).nbytes for p in parts)
+    out = torch.empty(total, dtype=torch.uint8)
+    dst = memoryview(out.numpy())
+    pos = 0
+    for p in parts:
+        mv = memoryview(p).cast("B")
+        dst[pos:pos + len(mv)] = mv
+        pos += len(mv)
+    return out

@@ -4,7 +4,7 @@ Each item is still one ``torch.save`` zip inside a ``__<rank>_<n>.distcp`` file,
 ``Metadata.storage_data`` still maps every ``MetadataIndex`` to DCP's ``_StorageInfo``, so the stock
 ``FileSystemReader``, default planner and ``dcp_to_torch_save`` read these checkpoints. In addition,
 under the reserved index ``MetadataIndex("__ucp_io__")`` (builtins only), it records per tensor item
-where its elements start inside the item and a CRC32 per 1 MiB block of tensor bytes. Tensors are
+where its elements start inside the item and a checksum (XXH3-64) per 1 MiB block of tensor bytes. Tensors are
 written row-major and compact, so any box of a chunk is a set of byte runs.
 
 It also removes a stale ``.metadata`` before writing into an existing checkpoint folder: a save that
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .io_format import BLOCK, IO_KEY, block_checksums
+from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, block_checksums
 
 __all__ = ["UCPFileSystemWriter", "item_key"]
 
@@ -86,8 +86,9 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     Args:
         path: checkpoint folder.
-        checksums: compute CRC32 per 1 MiB block of tensor bytes (verified by
-            ``UCPFileSystemReader``). Costs one CRC pass over the data at save.
+        checksums: compute a checksum per 1 MiB block of tensor bytes (verified by
+            ``UCPFileSystemReader``). Costs one hash pass over the data at save, overlapped with the
+            writes and the fsync.
         thread_count: writer threads (one file per thread and rank).
         sync_files: fsync every file (DCP's default).
     """
@@ -146,7 +147,7 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def _write_file(self, path: Any, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
         results = []
-        with self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as crc_pool:
+        with self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
             out = _Tracked(stream)
             # bytes first, like DCP
             for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
@@ -156,7 +157,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer())
                 else:
-                    extra = self._write_tensor(out, data, crc_pool)
+                    extra = self._write_tensor(out, data, hash_pool)
                 info = _StorageInfo(name, offset, out.pos - offset)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
             if self.sync_files:
@@ -165,24 +166,30 @@ class UCPFileSystemWriter(FileSystemWriter):
                     os.fsync(stream.fileno())
                 except (AttributeError, io.UnsupportedOperation):
                     pass
+            # checksums are collected only now, so hashing overlaps the writes and the fsync wait
+            for wr in results:
+                extra = wr.storage_data[1]
+                if extra is not None and not isinstance(extra[1], list):
+                    extra[1] = extra[1].result()
         return results
 
-    def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, crc_pool: ThreadPoolExecutor) -> list[Any]:
+    def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
         """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
-        taken from the write that carried them, and their CRCs are computed concurrently from the
-        tensor's own memory."""
+        taken from the write that carried them. Returns ``[data_offset, sums]`` where ``sums`` is a
+        future: they are computed concurrently from the tensor's own memory (which the planner
+        keeps alive until the write finishes)."""
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
             t = t.contiguous().clone()  # compact row-major storage: boxes become byte runs
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        crcs = crc_pool.submit(block_checksums, raw, BLOCK) if self.checksums and t.numel() else None
+        sums = hash_pool.submit(block_checksums, raw, BLOCK, DEFAULT_HASH) if self.checksums and t.numel() else None
         start = out.pos
         out.expect(raw)
         torch.save(t, out)
         data_offset = out.found - start if out.found is not None else -1
-        return [data_offset, crcs.result() if crcs is not None else []]
+        return [data_offset, sums if sums is not None else []]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         table: dict[str, Any] = {}
@@ -195,6 +202,6 @@ class UCPFileSystemWriter(FileSystemWriter):
                     table[item_key(wr.index)] = extra
                 out.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=info))
             plain.append(out)
-        io_info = {"version": 1, "block": BLOCK, "algo": "crc32" if self.checksums else None, "items": table}
+        io_info = {"version": 1, "block": BLOCK, "algo": DEFAULT_HASH if self.checksums else None, "items": table}
         plain.append([WriteResult(index=MetadataIndex(IO_KEY), size_in_bytes=0, storage_data=io_info)])
         super().finish(metadata, plain)
