@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test reconfig titan-demo setup clean
+.PHONY: demo test reconfig titan-demo bench bench-quick setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,16 @@ test: $(STAMP)
 titan-demo: $(STAMP)
 	$(BIN)/python recipes/titan_resume.py
 
-# the whole reconfiguration set (13 save -> load transitions, up to 8 ranks), fresh processes per job
+# the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)
 	$(BIN)/python recipes/reconfig.py
+
+# UCP against DCP's default planners and storage, one run: table + JSON (docs/performance.md)
+bench: $(STAMP)
+	$(BIN)/python recipes/benchmark.py --json runs/benchmark.json
+
+bench-quick: $(STAMP)
+	$(BIN)/python recipes/benchmark.py --quick --json runs/benchmark-quick.json
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the records here")
     ap.add_argument("--out", default="runs/benchmark", help="scratch folder (checkpoints)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--mib", type=int, default=None, help="state size (default 1024; quick: 64)")
     ap.add_argument("--plan-ranks", default=None, help="comma list of simulated ranks (default 256,1024,4096)")
     ap.add_argument("--plan-tensors", type=int, default=None, help="default 1000 (quick: 500)")
     ap.add_argument("--dcp-plan-limit", type=int, default=1024,
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     quick = a.quick
     reps = a.reps or (3 if quick else 5)
-    mib = 64 if quick else 1024
+    mib = a.mib or (64 if quick else 1024)
     cols = 512
     n_tensors = 16
     rows = mib * (1 << 20) // (4 * cols * n_tensors)

@@ -115,9 +115,10 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
     sd = tr.state_dict()
-    dcp.load(sd, storage_reader=_reader(a, out / "ckpt"), process_group=job.group,
-             planner=ucp_dcp.UCPLoadPlanner(**ucp_options(cfg, tr)))
+    reader = _reader(a, out / "ckpt")
+    dcp.load(sd, storage_reader=reader, process_group=job.group, planner=ucp_dcp.UCPLoadPlanner(**ucp_options(cfg, tr)))
     tr.load_state_dict(sd)
+    io_stats = _io_stats(reader, job)
     if a.corrupt and lead:
         with torch.no_grad():
             p = next(p for p in tr.chunks[0].parameters() if p.to_local().numel())
@@ -127,7 +128,23 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     losses = [train_step(tr) for _ in range(a.steps)]
     if lead:
         (out / "load.json").write_text(json.dumps(
-            {"topology": str(job.topo), "losses": losses, "state_diffs": diffs, "entries": len(loaded)}))
+            {"topology": str(job.topo), "losses": losses, "state_diffs": diffs, "entries": len(loaded), "io": io_stats}))
+
+
+def _io_stats(reader, job: Job) -> dict | None:
+    """Storage traffic of the load over the job's ranks (``UCPFileSystemReader`` only)."""
+    stats = getattr(reader, "stats", None)
+    mine = (stats.bytes_read, stats.bytes_received, sorted(set(stats.items))) if stats is not None else None
+    everyone: list = [None] * dist.get_world_size(job.group)
+    dist.all_gather_object(everyone, mine, group=job.group)
+    if any(x is None for x in everyone):
+        return None
+    readers: dict[str, int] = {}
+    for _, _, items in everyone:
+        for key in items:
+            readers[key] = readers.get(key, 0) + 1
+    return {"bytes_read": sum(x[0] for x in everyone), "bytes_received": sum(x[1] for x in everyone),
+            "items": len(readers), "items_read_by_several_ranks": sum(1 for n in readers.values() if n > 1)}
 
 
 def _compare_state(oracle: dict, loaded: dict) -> list[str]:
@@ -182,6 +199,11 @@ def report(a: argparse.Namespace) -> int:
     if problems:
         print(f"RESUME MISMATCH: {saved['topology']} -> {loaded['topology']}: " + "; ".join(problems))
         return 1
+    io_stats = loaded.get("io")
+    if io_stats:
+        print(f"I/O: {io_stats['bytes_read'] / 1e6:.2f} MB read from storage, {io_stats['bytes_received'] / 1e6:.2f} MB "
+              f"received from the rank that read them; {io_stats['items']} saved items, "
+              f"{io_stats['items_read_by_several_ranks']} read (in parts) by several ranks")
     print(f"RESUME OK: {saved['topology']} -> {loaded['topology']}: {loaded['entries']} state entries bitwise equal, {loss_note}")
     return 0
 

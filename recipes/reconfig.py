@@ -26,6 +26,8 @@ TRANSITIONS = [
     ("dp=2,ep=2", "ep=4"),
     ("ep=4", "dp=4"),
     ("dp=2,tp=2,ep=2", "dp=4,ep=2"),
+    ("dpr=2,dp=2", "dp=2,tp=2"),
+    ("dp=4", "dpr=2,dp=2"),
 ]
 
 

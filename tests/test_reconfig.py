@@ -4,6 +4,7 @@ transition of at most 4 ranks in one 4-process spawn, and two 8-rank ones in one
 
 import contextlib
 import io
+import json
 import time
 
 import pytest
@@ -38,21 +39,28 @@ def _transitions_worker(rank, world, root, transitions, steps):
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 code = er.report(a)
-            out.append((f"{save} -> {load}", code, buf.getvalue().strip().splitlines()[-1], time.perf_counter() - t0))
+            io_stats = json.loads(open(f"{a.out}/load.json").read())["io"]
+            out.append((f"{save} -> {load}", code, buf.getvalue().strip().splitlines()[-1], time.perf_counter() - t0,
+                        io_stats))
     return out
 
 
 def _check(results):
     bad = [r for r in results if r[1] != 0 or not r[2].startswith("RESUME OK")]
-    for label, code, verdict, dt in results:
+    for label, code, verdict, dt, _ in results:
         print(f"{label:<34} {dt:5.1f}s {verdict}")
     assert not bad, "\n".join(f"{r[0]}: {r[2]}" for r in bad)
 
 
 def test_reconfig_set_up_to_4_ranks():
     small = [t for t in TRANSITIONS if max(_world(t[0]), _world(t[1])) <= 4]
-    assert len(small) == 8
-    _check(D.run(_transitions_worker, 4, D.tmpdir(), small, 2)[0])
+    assert len(small) == 10
+    results = D.run(_transitions_worker, 4, D.tmpdir(), small, 2)[0]
+    _check(results)
+    # loading HSDP (2 replicas of each FSDP shard): every saved item is read by exactly one rank,
+    # and each replica's copy arrives from the reader instead of storage
+    hsdp = next(r for r in results if r[0] == "dp=4 -> dpr=2,dp=2")[4]
+    assert hsdp["items_read_by_several_ranks"] == 0 and hsdp["bytes_received"] >= hsdp["bytes_read"] > 0, hsdp
 
 
 def test_reconfig_two_8_rank_transitions():
