@@ -6,8 +6,10 @@ Prints a table and writes JSON records ``{"case", "metric", "ucp", "dcp", "ratio
 Measured (4 gloo processes on CPU; state = tensors sharded ``Shard(0)``, fp32):
 
 * save time (4 ranks), UCP / DCP;
-* load time for N->M resharding (1->4, 4->3, 2->4, 4->4, a TP dim change Shard(0)->Shard(1)) against
-  DCP's same-layout (4->4) load and DCP's load of the same case;
+* load time for N->M resharding (1->4, 4->3, 2->4, 4->4, a TP dim change Shard(0)->Shard(1), and
+  an HSDP load ``[Replicate(), Shard(0)]`` on 2x2, on one host and with the replicas on two
+  simulated hosts, where UCP reads each replica once and sends it) against DCP's same-layout
+  (4->4) load and DCP's load of the same case;
 * bytes read / bytes needed (bytes read = byte ranges requested from storage, all ranks; needed =
   sum of the target local tensors), UCP without and with checksum verification, DCP;
 * the offline path: ``dcp_to_torch_save`` + every rank loading the full file and taking its shard;
@@ -45,7 +47,10 @@ CASES = [
     ("2->4", 2, "S0", 4, "S0"),
     ("4->4", 4, "S0", 4, "S0"),
     ("tp-dim", 4, "S0", 4, "S1"),
+    ("hsdp 4->2x2", 4, "S0", 4, "RS0"),  # [Replicate(), Shard(0)] on 2x2, one host: each rank reads
+    ("hsdp 2 hosts", 4, "S0", 4, "RS0"),  # the same, replicas on 2 simulated hosts: read once, sent
 ]
+SIMULATED_HOSTS = {"hsdp 2 hosts"}  # UCP_DCP_HOST = node<rank // 2> during these loads
 TARGETS = {"bytes_ratio": 1.05, "load_vs_dcp_same_layout": 1.0, "save_ratio": 1.03, "offline_speedup": 3.0,
            "planning_speedup": 5.0, "throughput_vs_raw": 0.9}
 
@@ -101,9 +106,8 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import ucp_dcp
 
@@ -113,11 +117,14 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     full = [torch.randn(rows, cols) for _ in range(n_tensors)]
 
+    mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+
     def state(n: int, pl: str, fill: bool):
         if rank >= n:
             return None
-        p = [Shard(0)] if pl == "S0" else [Shard(1)]
-        return {f"w{i}": distribute_tensor(t if fill else torch.zeros_like(t), meshes[n], p, src_data_rank=None)
+        mesh, p = {"S0": (meshes[n], [Shard(0)]), "S1": (meshes[n], [Shard(1)]),
+                   "RS0": (mesh22, [Replicate(), Shard(0)])}[pl]
+        return {f"w{i}": distribute_tensor(t if fill else torch.zeros_like(t), mesh, p, src_data_rank=None)
                 for i, t in enumerate(full)}
 
     class CountingReader(dcp.FileSystemReader):
@@ -158,6 +165,9 @@ def _io_bench(rank: int, cfg: dict) -> dict:
                     res["save"][system].append(dt)
     # loads, interleaved; targets are allocated (and touched) once per case
     for name, ns, ps, nl, pl in CASES:
+        os.environ.pop("UCP_DCP_HOST", None)
+        if name in SIMULATED_HOSTS:
+            os.environ["UCP_DCP_HOST"] = f"node{rank // 2}"
         tgt = state(nl, pl, False)
         needed = sum_all(sum(v.to_local().nbytes for v in tgt.values()) if tgt else 0)
         runs: dict[str, list[float]] = {"ucp": [], "dcp": [], "ucp_verify": []}
@@ -196,6 +206,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
             res["rss"].setdefault(name, {})[system] = float(extra) * 1024
         res["rss"][name]["target_per_rank"] = needed / nl
         res["load"][name] = runs
+    os.environ.pop("UCP_DCP_HOST", None)
     # offline path for 4->3: consolidate, then every rank loads the full file and takes its shard
     tgt = state(3, "S0", False)
 
@@ -306,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         L = io["load"][name]
         u, d, v = _med(L["ucp"]), _med(L["dcp"]), _med(L["ucp_verify"])
         _record(records, f"load {name}", "time_s", u, d, None)
-        _record(records, f"load {name}", "time_vs_dcp_same_layout", u, same, TARGETS["load_vs_dcp_same_layout"])
+        # the time target is the issue's resharding set; HSDP read-once trades storage reads for
+        # network transfers, which on one machine (page cache vs loopback TCP) only costs: reported
+        target = None if name.startswith("hsdp") else TARGETS["load_vs_dcp_same_layout"]
+        _record(records, f"load {name}", "time_vs_dcp_same_layout", u, same, target)
         _record(records, f"load {name}", "time_with_checksums_s", v, d, None)
         _record(records, f"load {name}", "cold_time_s", L["ucp_cold"][0], L["dcp_cold"][0], None)
         b = io["bytes"][name]

@@ -134,18 +134,22 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
 def _io_stats(reader, job: Job) -> dict | None:
     """Storage traffic of the load over the job's ranks (``UCPFileSystemReader`` only)."""
     stats = getattr(reader, "stats", None)
-    mine = (stats.bytes_read, stats.bytes_received, sorted(set(stats.items))) if stats is not None else None
+    host = os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    mine = (stats.bytes_read, stats.bytes_received, sorted(set(stats.items)), host) if stats is not None else None
     everyone: list = [None] * dist.get_world_size(job.group)
     dist.all_gather_object(everyone, mine, group=job.group)
     if any(x is None for x in everyone):
         return None
-    readers: dict[str, int] = {}
-    for _, _, items in everyone:
+    ranks: dict[str, int] = {}
+    hosts: dict[str, set] = {}
+    for _, _, items, h in everyone:
         for key in items:
-            readers[key] = readers.get(key, 0) + 1
+            ranks[key] = ranks.get(key, 0) + 1
+            hosts.setdefault(key, set()).add(h)
     return {"bytes_read": sum(x[0] for x in everyone), "bytes_received": sum(x[1] for x in everyone),
-            "items": len(readers), "items_read_by_several_ranks": sum(1 for n in readers.values() if n > 1)}
-
+            "items": len(ranks), "items_read_by_several_ranks": sum(1 for n in ranks.values() if n > 1),
+            "hosts": len({x[3] for x in everyone}),
+            "items_read_on_several_hosts": sum(1 for h in hosts.values() if len(h) > 1)}
 
 def _compare_state(oracle: dict, loaded: dict) -> list[str]:
     """Names of entries that are not bitwise equal (or missing on one side)."""
@@ -203,7 +207,8 @@ def report(a: argparse.Namespace) -> int:
     if io_stats:
         print(f"I/O: {io_stats['bytes_read'] / 1e6:.2f} MB read from storage, {io_stats['bytes_received'] / 1e6:.2f} MB "
               f"received from the rank that read them; {io_stats['items']} saved items, "
-              f"{io_stats['items_read_by_several_ranks']} read (in parts) by several ranks")
+              f"{io_stats['items_read_by_several_ranks']} read (in parts) by several ranks, "
+              f"{io_stats['items_read_on_several_hosts']} on several of {io_stats['hosts']} host(s)")
     print(f"RESUME OK: {saved['topology']} -> {loaded['topology']}: {loaded['entries']} state entries bitwise equal, {loss_note}")
     return 0
 

@@ -84,26 +84,38 @@ def test_assign_readers_reads_every_shared_piece_once_and_orders_messages(n, dat
     keys = [np.array([[k, 7] for k in h], dtype=np.uint64).reshape(-1, 2) for h in held]
     sizes = [np.array([size_of[k] for k in h], dtype=np.int64) for h in held]
     bundle = data.draw(st.sampled_from([1, 50, 1 << 20]))
-    plans = assign_readers(keys, sizes, bundle_bytes=bundle)
+    solo = data.draw(st.sampled_from([1, 20, 1 << 20]))
+    hosts = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))) if data.draw(st.booleans()) else None
+    plans = assign_readers(keys, sizes, bundle_bytes=bundle, solo_bytes=solo, hosts=hosts)
     holders = {k: sorted({r for r in range(n) if k in held[r]}) for k in range(universe)}
     # simulate: a rank reads what it does not receive; each message is its sender's bundles in order
     reads = {k: set() for k in range(universe)}
     for r in range(n):
-        recv = {int(i) for p in plans[r]["recv"].values() for i in p}
+        recv = {int(i) for msgs in plans[r]["recv"].values() for p in msgs for i in p}
         for i, k in enumerate(held[r]):
             if i not in recv:
                 reads[k].add(r)
     for k, rs in holders.items():
         shared = sum(h.count(k) for h in held) > 1
-        if rs:
-            assert len(reads[k]) == 1 if shared else reads[k] == set(rs), (k, reads[k], rs)
+        if not rs:
+            continue
+        if not shared:
+            assert reads[k] == set(rs)
+        elif hosts is None:
+            assert len(reads[k]) == 1, (k, reads[k], rs)
+        else:  # read on one host only, by every holder there
+            (h,) = {int(hosts[r]) for r in reads[k]}
+            assert reads[k] == {r for r in rs if hosts[r] == h}, (k, reads[k], rs, hosts)
     for src in range(n):
-        msgs: dict[int, list[int]] = {}
+        msgs: dict[int, list[list[int]]] = {}
         for pieces, dsts in plans[src]["send"]:
+            if len(pieces) > 1:  # packed bundles hold small pieces only, within the bundle size
+                assert all(size_of[held[src][i]] < solo for i in pieces.tolist())
+                assert sum(size_of[held[src][i]] for i in pieces.tolist()) <= bundle
             for d in dsts.tolist():
-                msgs.setdefault(d, []).extend(held[src][i] for i in pieces.tolist())
+                msgs.setdefault(d, []).append([held[src][i] for i in pieces.tolist()])
         for dst in range(n):
-            want = [held[dst][i] for i in plans[dst]["recv"].get(src, np.zeros(0, dtype=np.int64)).tolist()]
+            want = [[held[dst][i] for i in p.tolist()] for p in plans[dst]["recv"].get(src, [])]
             assert msgs.get(dst, []) == want, (src, dst)
 
 
@@ -257,12 +269,19 @@ def _storage_worker(rank, world, root):
     # read-once: HSDP-like replicas ([Replicate, Shard(0)] on 2x2) plus objects every rank needs
     rep = distribute_tensor(full, mesh22, [Replicate(), Shard(0)])
     dcp.save({"w": rep, "step": 7}, storage_writer=UCPFileSystemWriter(f"{root}/rep"), planner=UCPSavePlanner())
-    tgt = distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])
-    sd = {"w": tgt, "step": 0}
-    reader = UCPFileSystemReader(f"{root}/rep")
-    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-    out["rep"] = (bool(torch.equal(tgt.to_local(), rep.to_local())), sd["step"], reader.stats.items,
-                  reader.stats.bytes_received)
+    # "ranks": one reader per piece; "hosts" with ranks {0,1} and {2,3} simulated as two hosts (the
+    # replica partners (0,2), (1,3) on different hosts); "hosts" on this one machine: nothing sent
+    for mode, host in (("ranks", None), ("hosts", f"node{rank // 2}"), ("hosts", None)):
+        os.environ.pop("UCP_DCP_HOST", None)
+        if host:
+            os.environ["UCP_DCP_HOST"] = host
+        tgt = distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])
+        sd = {"w": tgt, "step": 0}
+        reader = UCPFileSystemReader(f"{root}/rep")
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(read_once=mode))
+        out[f"rep {mode} {bool(host)}"] = (bool(torch.equal(tgt.to_local(), rep.to_local())), sd["step"],
+                                           sorted(set(reader.stats.items)), reader.stats.bytes_received)
+    os.environ["UCP_DCP_HOST"] = f"node{rank // 2}"  # the corrupt load below sends across "hosts"
     # corrupt the file holding the replicated chunk of rows 0..47: its reader fails, everyone raises
     md = dcp.FileSystemReader(f"{root}/rep").read_metadata()
     if rank == 0:
@@ -280,6 +299,17 @@ def _storage_worker(rank, world, root):
     except CheckpointException as e:
         out["corrupt"] = sorted({type(exc).__name__ for exc, _ in e.failures.values()})
         out["corrupt_text"] = str(ucp_dcp.first_ucp_error(e))
+    # a missing data file on the reading rank: also an error everywhere, not a hang
+    dist.barrier()
+    if rank == 0:
+        os.remove(os.path.join(f"{root}/rep", md.storage_data[MetadataIndex("w", (48, 0))].relative_path))
+    dist.barrier()
+    try:
+        dcp.load({"w": distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])},
+                 storage_reader=UCPFileSystemReader(f"{root}/rep"), planner=UCPLoadPlanner(allow_partial_load=True))
+        out["missing"] = None
+    except CheckpointException as e:
+        out["missing"] = sorted({type(exc).__name__ for exc, _ in e.failures.values()})
     return out
 
 
@@ -300,16 +330,29 @@ def test_ranged_reads_read_once_and_failures_across_ranks():
         assert all(r[damage] is not None for r in res), f"{damage}: some rank loaded without error"
         assert any(text in r[damage] for r in res) and any("w" in r[damage] for r in res), [r[damage] for r in res]
     assert any("truncated" in r["truncate"] or "ended early" in r["truncate"] for r in res), [r["truncate"] for r in res]
+    def readers(key):
+        out = {}
+        for rank, r in enumerate(res):
+            ok, step, items, received = r[key]
+            assert ok and step == 7, key
+            for item in items:
+                out.setdefault(item, []).append(rank)
+        return out, sum(r[key][3] for r in res)
+
     # every saved item (2 chunks of w, the step object) is read by exactly one rank
-    readers = {}
-    for rank, r in enumerate(res):
-        ok, step, items, received = r["rep"]
-        assert ok and step == 7
-        for key in items:
-            readers.setdefault(key, []).append(rank)
-    assert sorted(readers) == ["step|", "w|0,0", "w|48,0"] and all(len(v) == 1 for v in readers.values()), readers
-    assert sum(r["rep"][3] for r in res) > 0
+    got, received = readers("rep ranks False")
+    assert sorted(got) == ["step|", "w|0,0", "w|48,0"] and all(len(v) == 1 for v in got.values()), got
+    assert received > 0
+    # two hosts: each chunk is read on one host only, once; the step by the ranks of one host
+    got, received = readers("rep hosts True")
+    assert all(len(got[k]) == 1 for k in ("w|0,0", "w|48,0")), got
+    assert len({r // 2 for r in got["step|"]}) == 1, got
+    assert received >= 2 * 48 * 40 * 4
+    # one host: the page cache already shares the bytes, so every rank reads its own, nothing is sent
+    got, received = readers("rep hosts False")
+    assert received == 0 and sorted(got["w|0,0"]) == [0, 2], got
     # a checksum failure on the reading rank raises on every rank (no deadlock)
     kinds = set(res[0]["corrupt"])
     assert "ChecksumError" in kinds and all(r["corrupt"] is not None for r in res), [r["corrupt"] for r in res]
     assert "checksum mismatch" in res[0]["corrupt_text"]
+    assert all(r["missing"] is not None for r in res) and "FileNotFoundError" in res[0]["missing"], res[0]["missing"]

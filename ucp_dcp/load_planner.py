@@ -7,6 +7,8 @@ import hashlib
 import io
 import logging
 import math
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,8 +56,13 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             catalog apply automatically, these add to them.
         strict: a declared rule that matches neither a saved nor a target name is an error.
         stage_map, expert_map: this rank's local->global layer / expert numbering.
-        read_once: let the coordinator pick one reader for saved bytes several ranks need (replicas);
-            ``UCPFileSystemReader`` then reads them there and sends them to the others.
+        read_once: saved bytes several ranks need (replicas) are read by one rank the coordinator
+            picks and sent to the others by ``UCPFileSystemReader``. ``"hosts"`` (default): only
+            ranks on *other* hosts receive them; ranks on the reader's host read for themselves,
+            since that host's page cache already holds the bytes (on one machine nothing is sent).
+            ``"ranks"``: every other rank receives them. ``"off"``: every rank reads what it needs.
+            ``True``/``False`` mean ``"ranks"``/``"off"``. The host is ``socket.gethostname()``,
+            or ``UCP_DCP_HOST`` when set (to simulate several hosts on one machine).
         data_slot: this rank's data-parallel slot (see ``UCPSavePlanner``): for ``Reduce(op="sum")``
             the ranks of slot 0 receive the total and the others 0. Default: only the coordinator.
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
@@ -71,7 +78,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         stage_map: IndexMap | None = None,
         expert_map: IndexMap | None = None,
         data_slot: int | None = None,
-        read_once: bool = True,
+        read_once: str | bool = "hosts",
         allow_partial_load: bool = False,
         name_rules: NameRules | None = None,
     ) -> None:
@@ -82,7 +89,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.strict = strict
         self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
         self.data_slot = data_slot
-        self.read_once = read_once
+        self.read_once = {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
+        if self.read_once not in ("hosts", "ranks", "off"):
+            raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -149,17 +158,22 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             "map_totals": {m.key: m.total for m in self.maps},
             "global_rank": dist.get_rank() if dist.is_initialized() else 0,
         }
-        if self.read_once:
+        if self.read_once != "off":
             summary["keys"], summary["sizes"] = read_summary(reads, self.metadata)
+            summary["host"] = os.environ.get("UCP_DCP_HOST") or socket.gethostname()
         return LoadPlan([], planner_data=summary)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         pds = [p.planner_data or {} for p in global_plan]
         check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at load")
-        if not self.read_once:
+        if self.read_once == "off":
             return [LoadPlan([]) for _ in global_plan]
         ranks = [pd.get("global_rank", i) for i, pd in enumerate(pds)]
-        plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds])
+        hosts = None
+        if self.read_once == "hosts":
+            names = [pd.get("host") for pd in pds]
+            hosts = np.unique(np.array(names, dtype=object).astype(str), return_inverse=True)[1]
+        plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds], hosts=hosts)
         glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
         return [
             LoadPlan([], planner_data={"transport": {

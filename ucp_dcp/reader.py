@@ -35,7 +35,7 @@ from torch.futures import Future
 from .errors import ChecksumError, UCPError
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
                         block_hash, parse_tensor_record, split_grid)
-from .transport import exchange
+from .transport import Incoming, as_bytes_tensor, exchange
 from .writer import item_key
 
 __all__ = ["UCPFileSystemReader", "ReadStats", "read_key"]
@@ -115,25 +115,23 @@ class UCPFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = ReadStats()
         transport = (plan.planner_data or {}).get("transport") or {"send": [], "recv": {}}
-        recv_items = {int(i) for pieces in transport["recv"].values() for i in pieces}
+        recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
         keep: dict[int, bytes | memoryview] = {}
         error: BaseException | None = None
         try:
             self._read_local(plan, planner, recv_items, send_items, keep)
-        except UCPError as e:
+        except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
             error = e
-        sends: dict[int, list[Any]] = {}
+        sends: dict[int, list[torch.Tensor | None]] = {}
         for pieces, dsts in transport["send"]:
-            # one buffer per bundle, shared by all its consumers
-            bundle = _join([keep[int(i)] for i in pieces]) if error is None else b""
+            # one payload per bundle, shared by all its consumers (a lone piece: its own memory)
+            payload = as_bytes_tensor([keep[int(i)] for i in pieces]) if error is None else None
             for dst in dsts.tolist():
-                sends.setdefault(dst, []).append(bundle)
-        received, failed = exchange(
-            sends,
-            {src: [self._item_nbytes(plan.items[int(i)]) for i in pieces] for src, pieces in transport["recv"].items()},
-            ok=error is None,
-        )
+                sends.setdefault(dst, []).append(payload)
+        incoming = {src: [self._incoming(plan, planner, pieces.tolist()) for pieces in msgs]
+                    for src, msgs in transport["recv"].items()}
+        failed = exchange(sends, incoming, ok=error is None)
         if error is not None:
             raise error
         if failed:
@@ -141,13 +139,36 @@ class UCPFileSystemReader(FileSystemReader):
                 f"rank(s) {failed} failed reading checkpoint data this rank needs (see their errors)",
                 hint="the reading rank reports the cause (e.g. a checksum mismatch)",
             )
-        for src, pieces in transport["recv"].items():
-            for i, data in zip(pieces.tolist(), received[src]):
-                self.stats.bytes_received += len(data)
-                self._deliver(plan.items[i], planner, data, None)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _incoming(self, plan: LoadPlan, planner: LoadPlanner, pieces: list[int]) -> Incoming:
+        """How to receive one bundle: a lone tensor piece straight into its target when the target
+        takes the saved bytes as they are, anything else through a buffer of the bundle's size."""
+        items = [plan.items[i] for i in pieces]
+        sizes = [self._item_nbytes(it) for it in items]
+        target = None
+        if len(items) == 1 and items[0].type != LoadItemType.BYTE_IO and sizes[0]:
+            t = planner.resolve_tensor(items[0]).detach()
+            if t.dtype == self._chunk_meta[items[0].storage_index][0] and t.is_contiguous():
+                target = t
+
+        def buffer() -> torch.Tensor:
+            return target.view(-1).view(torch.uint8) if target is not None else torch.empty(sum(sizes), dtype=torch.uint8)
+
+        def deliver(buf: torch.Tensor) -> None:
+            self.stats.bytes_received += buf.numel()
+            if target is not None:
+                planner.commit_tensor(items[0], target)
+                return
+            mv = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+            pos = 0
+            for it, n in zip(items, sizes):
+                self._deliver(it, planner, mv[pos:pos + n], None)
+                pos += n
+
+        return Incoming(sum(sizes), buffer, deliver)
 
     # -- local reads -------------------------------------------------------------------------------
 
@@ -301,19 +322,20 @@ class UCPFileSystemReader(FileSystemReader):
     def _destination(self, item: ReadItem, planner: LoadPlanner, record: TensorRecord, sending: bool,
                      nbytes: int) -> tuple[torch.Tensor | None, memoryview]:
         """Where an item's bytes go: the target tensor's own memory when it can take them as they
-        are (same dtype, contiguous, not also sent to another rank), else a packed buffer."""
+        are (same dtype, contiguous; a piece also sent to other ranks is sent from there), else a
+        packed buffer."""
         target = planner.resolve_tensor(item).detach()
-        if target.dtype == record.dtype and target.is_contiguous() and not sending and target.numel():
+        if target.dtype == record.dtype and target.is_contiguous() and target.numel():
             return target, memoryview(target.view(-1).view(torch.uint8).numpy())
         return None, memoryview(bytearray(nbytes))
 
     def _finish(self, item: ReadItem, planner: LoadPlanner, target: torch.Tensor | None, mv: memoryview,
                 record: TensorRecord, pos: int, send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+        if pos in send:
+            keep[pos] = mv
         if target is not None:
             planner.commit_tensor(item, target)
             return
-        if pos in send:
-            keep[pos] = mv
         self._deliver(item, planner, mv, record.dtype)
 
     def _fallback(self, f: Any, c: _Chunk, info: Any, planner: LoadPlanner, positions: dict[int, int],
@@ -328,7 +350,7 @@ class UCPFileSystemReader(FileSystemReader):
             piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
             pos = positions[id(item)]
             if pos in send:
-                keep[pos] = piece.view(-1).view(torch.uint8).numpy().tobytes()
+                keep[pos] = memoryview(bytearray(piece.view(-1).view(torch.uint8).numpy().tobytes()))
             self._deliver(item, planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -509,14 +531,3 @@ def _map(fd: int, offset: int, length: int) -> np.ndarray:
     mm = mmap.mmap(fd, offset + length - a, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=a)
     return np.frombuffer(mm, dtype=np.uint8)[offset - a:]
 
-
-def _join(parts: list[Any]) -> bytearray:
-    """Buffers back to back in one new bytearray."""
-    out = bytearray(sum(memoryview(p).nbytes for p in parts))
-    mv = memoryview(out)
-    pos = 0
-    for p in parts:
-        b = memoryview(p).cast("B")
-        mv[pos:pos + len(b)] = b
-        pos += len(b)
-    return out

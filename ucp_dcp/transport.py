@@ -1,15 +1,20 @@
 """Carry bytes read by one rank to the other ranks that need the same saved bytes.
 
 The coordinator's load plan names, for every piece of storage several ranks need, one reader; the
-reader sends the piece to the others after its own reads. Messages go point to point on the
-default group (global ranks), one per (reader, consumer) pair: an int64 header ``(status, nbytes)``
-then the payload. A reader that failed (e.g. a checksum mismatch) still sends its headers with
-``status = 1``, so no consumer waits forever; every rank raises after the exchange.
+reader sends the piece to the others after its own reads. Pieces travel in *bundles*: a piece of
+at least ``SOLO`` bytes alone (sent from, and received into, tensor memory: no copy on either
+side), smaller pieces with the same holders packed up to ``BUNDLE`` bytes. Each bundle is one
+point-to-point message per consumer on the default group (global ranks): an int64 header
+``(status, nbytes)`` then the payload, tagged by its position among the pair's messages. A reader
+that failed (e.g. a checksum mismatch) still sends every header, with ``status = 1``, so no
+consumer waits forever; every rank raises after the exchange. A consumer receives one bundle at a
+time, so its extra memory is one packed bundle at most.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,29 +23,33 @@ import torch.distributed as dist
 
 from .errors import UCPError
 
-__all__ = ["assign_readers", "exchange"]
+__all__ = ["BUNDLE", "SOLO", "Incoming", "assign_readers", "exchange", "as_bytes_tensor"]
 
 
 BUNDLE = 16 << 20
-"""Shared pieces with the same holders travel in bundles of up to this many bytes, each with one
-reader: a job's replicated scalars become one message per consumer, not one per scalar, while
-large replicated tensors still spread over several readers."""
+"""Small shared pieces with the same holders are packed into bundles of up to this many bytes, each
+with one reader: a job's replicated scalars become one message per consumer, not one per scalar."""
+SOLO = 1 << 20
+"""A shared piece of at least this many bytes is a bundle of its own (sent zero-copy)."""
 
 
 def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[np.ndarray],
-                   bundle_bytes: int = BUNDLE) -> list[dict]:
+                   bundle_bytes: int = BUNDLE, solo_bytes: int = SOLO, hosts: np.ndarray | None = None) -> list[dict]:
     """For pieces needed by several ranks, pick one reader each. ``keys_by_rank[r]`` are 128-bit
     keys (``(n, 2)`` uint64) of rank r's pieces, ``sizes_by_rank[r]`` their byte sizes.
 
-    Pieces with the same holders are grouped into bundles (at most ``bundle_bytes``, or one piece);
-    each bundle, largest first, goes to the holder with the fewest bytes assigned so far (counting
-    what it reads for itself), which spreads reads over ranks and hence files.
+    Pieces of at least ``solo_bytes`` are bundles of their own; smaller pieces with the same holders
+    are packed into bundles of at most ``bundle_bytes``. Each bundle, largest first, goes to the
+    holder with the fewest bytes assigned so far (counting what it reads for itself), which spreads
+    reads over ranks and hence files. With ``hosts`` (a host id per rank), holders on the reader's
+    host read for themselves (their page cache is the reader's) and only other hosts receive.
 
-    Returns, per rank, ``{"send": [(pieces, dsts)], "recv": {src: pieces}}``: pieces are indices
-    into that rank's own key array (nothing but indices travels back), ``dsts`` the consumers of a
-    bundle (a rank holding the same bytes twice appears twice). A reader's message to ``dst`` is
-    its bundles in list order, each once per occurrence of ``dst``; ``recv[src]`` lists the pieces
-    in that order. Plan size is O(pieces + holders) per bundle, not O(pieces x holders)."""
+    Returns, per rank, ``{"send": [(pieces, dsts)], "recv": {src: [pieces, ...]}}``: pieces are
+    indices into that rank's own key array (nothing but indices travels back), ``dsts`` the
+    consumers of a bundle (a rank holding the same bytes twice appears twice). A reader's messages
+    to ``dst`` are its bundles in list order, each once per occurrence of ``dst``; ``recv[src]``
+    lists the pieces of those messages in the same order. Plan size is O(pieces + holders) per
+    bundle, not O(pieces x holders)."""
     n = len(keys_by_rank)
     out: list[dict] = [{"send": [], "recv": {}} for _ in range(n)]
     counts = [len(k) for k in keys_by_rank]
@@ -70,12 +79,16 @@ def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[n
         cur: list[np.ndarray] = []
         cur_bytes = 0
         for g in groups + [None]:
-            if cur and (g is None or cur_bytes + int(sizes[g[0]]) > bundle_bytes):
+            alone = g is not None and int(sizes[g[0]]) >= solo_bytes
+            if cur and (g is None or alone or cur_bytes + int(sizes[g[0]]) > bundle_bytes):
                 bundles.append((cur_bytes, holders, np.stack(cur)))
                 cur, cur_bytes = [], 0
             if g is not None:
                 cur.append(g)
                 cur_bytes += int(sizes[g[0]])
+                if alone:  # travels by itself
+                    bundles.append((cur_bytes, holders, np.stack(cur)))
+                    cur, cur_bytes = [], 0
     bundles.sort(key=lambda b: -b[0])
     for nbytes, holders, entries in bundles:
         col = int(np.argmin(load[holders]))
@@ -85,76 +98,77 @@ def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[n
         for h, r in enumerate(holders.tolist()):
             if r == reader:  # the reader's own copies (tied weights): its chunk reads serve them all
                 continue
+            if hosts is not None and hosts[r] == hosts[reader]:
+                continue  # same host: reading is a page-cache hit once the reader has read it
             dsts.append(r)
             cols.append(h)
             out[r]["recv"].setdefault(reader, []).append(local[entries[:, h]])
         if dsts:
             out[reader]["send"].append((local[entries[:, col]], np.array(dsts, dtype=np.int64)))
-    for plan in out:
-        plan["recv"] = {src: np.concatenate(parts) for src, parts in plan["recv"].items()}
     return out
 
 
-def exchange(
-    sends: dict[int, list[Any]],
-    recvs: dict[int, list[int]],
-    ok: bool,
-) -> tuple[dict[int, list[memoryview]], list[int]]:
-    """Send ``sends[dst]`` (byte buffers, concatenated) to every ``dst`` and receive ``recvs[src]``
-    (piece sizes) from every ``src``. Returns the received pieces per source and the sources that
-    reported a failure. ``ok=False`` sends failure headers instead of data."""
-    works = []
-    keep = []
-    joined: dict[tuple[int, ...], torch.Tensor] = {}  # many consumers get the same bundles: build once
+@dataclass
+class Incoming:
+    """One message a consumer expects."""
+
+    nbytes: int
+    """Payload size the consumer computed from its own plan."""
+    buffer: Callable[[], torch.Tensor]
+    """Returns the uint8 tensor (``nbytes``) to receive into: target memory when it can take the
+    bytes as they are, else a fresh buffer."""
+    deliver: Callable[[torch.Tensor], None]
+    """Called with the filled buffer."""
+
+
+def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[Incoming]], ok: bool) -> list[int]:
+    """Send every ``sends[dst]`` message (uint8 tensors, in order) and receive every ``recvs[src]``
+    message (in order), delivering each as it arrives. Returns the sources that reported a failure.
+    ``ok=False`` sends failure headers instead of data (payloads may then be None)."""
+    works, keep = [], []
     for dst in sorted(sends):
-        data = None
-        if ok:
-            parts = sends[dst]
-            ident = tuple(id(p) for p in parts)
-            data = joined.get(ident)
-            if data is None:
-                data = joined[ident] = _as_bytes_tensor(parts)
-        header = torch.tensor([0 if ok else 1, data.numel() if data is not None else 0], dtype=torch.int64)
-        keep.append(header)
-        works.append(dist.isend(header, dst))
-        if data is not None and data.numel():
-            works.append(dist.isend(data, dst))
-    received: dict[int, list[memoryview]] = {}
+        for k, data in enumerate(sends[dst]):
+            header = torch.tensor([0 if ok else 1, data.numel() if ok and data is not None else 0], dtype=torch.int64)
+            keep.append(header)
+            works.append(dist.isend(header, dst, tag=2 * k))
+            if ok and data is not None and data.numel():
+                works.append(dist.isend(data, dst, tag=2 * k + 1))
     failed: list[int] = []
     bad_size = []
     for src in sorted(recvs):
-        header = torch.empty(2, dtype=torch.int64)
-        dist.irecv(header, src).wait()
-        status, nbytes = (int(x) for x in header)
-        if status != 0:
-            failed.append(src)
-            continue
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:  # drain the payload even when it is unusable: the sender waits for it
-            dist.irecv(buf, src).wait()
-        expect = sum(recvs[src])
-        if nbytes != expect:
-            bad_size.append((src, nbytes, expect))
-            continue
-        mv = memoryview(buf.numpy())
-        pieces, pos = [], 0
-        for size in recvs[src]:
-            pieces.append(mv[pos:pos + size])
-            pos += size
-        received[src] = pieces
+        for k, msg in enumerate(recvs[src]):
+            header = torch.empty(2, dtype=torch.int64)
+            dist.irecv(header, src, tag=2 * k).wait()
+            status, nbytes = (int(x) for x in header)
+            if status != 0:
+                if src not in failed:
+                    failed.append(src)
+                continue
+            if nbytes != msg.nbytes:  # drain the payload even when it is unusable: the sender waits for it
+                if nbytes:
+                    dist.irecv(torch.empty(nbytes, dtype=torch.uint8), src, tag=2 * k + 1).wait()
+                bad_size.append((src, nbytes, msg.nbytes))
+                continue
+            buf = msg.buffer() if nbytes else torch.empty(0, dtype=torch.uint8)
+            if nbytes:
+                dist.irecv(buf, src, tag=2 * k + 1).wait()
+            msg.deliver(buf)
     for w in works:
         w.wait()
     if bad_size:
         src, got, expect = bad_size[0]
         raise UCPError(f"rank {src} sent {got} bytes of shared checkpoint data, expected {expect}",
                        hint="the ranks disagree on the load plan; this is a bug, please report it")
-    return received, failed
+    return failed
 
 
-def _as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
-    """One uint8 tensor holding ``parts`` back to back (no copy for a single writable buffer)."""
-    if len(parts) == 1 and isinstance(parts[0], bytearray):
-        return torch.frombuffer(parts[0], dtype=torch.uint8) if len(parts[0]) else torch.empty(0, dtype=torch.uint8)
+def as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
+    """One uint8 tensor holding ``parts`` back to back: a view (no copy) for a single writable
+    buffer, else a packed copy."""
+    if len(parts) == 1:
+        mv = memoryview(parts[0]).cast("B")
+        if not mv.readonly:
+            return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
     total = sum(memoryview(p).nbytes for p in parts)
     out = torch.empty(total, dtype=torch.uint8)
     dst = memoryview(out.numpy())
