@@ -14,8 +14,9 @@ Measured (4 gloo processes on CPU; state = tensors sharded ``Shard(0)``, fp32):
   sum of the target local tensors), UCP without and with checksum verification, DCP;
 * the offline path: ``dcp_to_torch_save`` + every rank loading the full file and taking its shard;
 * peak RSS added by the load (VmHWM reset before loading) against the target state;
-* throughput against a raw sequential write / read of the same bytes on the same disk, warm and
-  cold cache (``posix_fadvise(DONTNEED)``);
+* throughput against a raw sequential write / read of the same bytes on the same disk (one
+  process; the read lands in a buffer of the state's size, as a load must), warm and cold cache
+  (``posix_fadvise(DONTNEED)``);
 * planning: rank-0 CPU time and gathered plan bytes at simulated 256/1024/4096 ranks
   (``recipes/bench_planning.py``); DCP at 4096 is extrapolated linearly from 1024.
 
@@ -224,6 +225,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     # the physical limit: one rank writes / reads the same number of bytes sequentially
     total = sum(t.nbytes for t in full)
     raw = f"{root}/raw.bin"
+    dest = None
     for rep in range(reps):
         if rank == 0:
             t0 = time.perf_counter()
@@ -233,14 +235,18 @@ def _io_bench(rank: int, cfg: dict) -> dict:
                 f.flush()
                 os.fsync(f.fileno())
             res["raw"].setdefault("write", []).append(time.perf_counter() - t0)
-            buf = bytearray(64 << 20)
+            # a load must land every byte in its own memory: read into a (touched) buffer of the
+            # state's size, 64 MiB per call, not into one small buffer that stays in cache
+            if rep == 0:
+                dest = memoryview(torch.zeros(total, dtype=torch.uint8).numpy())
             for mode in ("read", "read_cold") if rep == 0 else ("read",):
                 if mode == "read_cold":
                     _drop_cache(raw)
                 t0 = time.perf_counter()
                 with open(raw, "rb", buffering=0) as f:
-                    while f.readinto(buf):
-                        pass
+                    pos = 0
+                    while pos < total:
+                        pos += f.readinto(dest[pos:pos + (64 << 20)])
                 res["raw"].setdefault(mode, []).append(time.perf_counter() - t0)
     res["total_bytes"] = total
     return res

@@ -7,8 +7,10 @@ once (no waiting for a collective timeout).
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import tempfile
 import traceback
@@ -90,5 +92,17 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60
     return [results[r] for r in range(world_size)]
 
 
+_TMPDIRS: list[str] = []
+
+
 def tmpdir() -> str:
-    return tempfile.mkdtemp(prefix="ucp-test-")
+    """A scratch folder for one spawn's checkpoints, removed when the test process exits."""
+    d = tempfile.mkdtemp(prefix="ucp-test-")
+    _TMPDIRS.append(d)
+    return d
+
+
+@atexit.register
+def _remove_tmpdirs() -> None:
+    for d in _TMPDIRS:
+        shutil.rmtree(d, ignore_errors=True)
