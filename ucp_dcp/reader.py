@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,8 @@ class ReadStats:
     """Bytes received from other ranks instead of storage."""
     fallbacks: int = 0
     """Items read whole, DCP-style (transforms or foreign records)."""
+    seconds: float = 0.0
+    """Wall time of ``read_data`` (reads, verification and transfers; not DCP's planning collectives)."""
 
 
 @dataclass
@@ -114,6 +117,7 @@ class UCPFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = ReadStats()
+        t0 = time.perf_counter()
         transport = (plan.planner_data or {}).get("transport") or {"send": [], "recv": {}}
         recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
@@ -132,6 +136,7 @@ class UCPFileSystemReader(FileSystemReader):
         incoming = {src: [self._incoming(plan, planner, pieces.tolist()) for pieces in msgs]
                     for src, msgs in transport["recv"].items()}
         failed = exchange(sends, incoming, ok=error is None)
+        self.stats.seconds = time.perf_counter() - t0
         if error is not None:
             raise error
         if failed:
