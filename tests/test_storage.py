@@ -3,6 +3,7 @@
 import io
 import os
 import pickle
+import zipfile
 
 import numpy as np
 import pytest
@@ -150,6 +151,17 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
     dcp.load(part, storage_reader=reader, planner=UCPLoadPlanner(allow_partial_load=True))
     assert torch.equal(part["model"]["w"], sd["model"]["w"].to(torch.bfloat16))
     assert reader.stats.bytes_read == 300 * 200 * 4 and reader.stats.fallbacks == 0
+    # torch.save's zip CRC32 was skipped (the block checksums cover the bytes), and only while writing
+    from torch.utils.serialization import config
+
+    def zip_ok(folder, fqn) -> bool:
+        inf = dcp.FileSystemReader(folder).read_metadata().storage_data[MetadataIndex(fqn, (0, 0))]
+        item = (folder / inf.relative_path).read_bytes()[inf.offset:inf.offset + inf.length]
+        return zipfile.ZipFile(io.BytesIO(item)).testzip() is None
+
+    assert config.save.compute_crc32 and not zip_ok(tmp_path, "model.w")
+    dcp.save(sd, storage_writer=UCPFileSystemWriter(tmp_path / "crc", checksums=False), planner=UCPSavePlanner())
+    assert zip_ok(tmp_path / "crc", "model.w")
     # flip one byte inside w's tensor data: the stock reader cannot tell, ours names file and atom
     info = md.storage_data[MetadataIndex("model.w", (0, 0))]
     path = tmp_path / info.relative_path
