@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
 
     records = json.loads(Path(argv[0]).read_text())
     cases = [r["case"].removeprefix("load ") for r in records if r["metric"] == "time_s" and r["case"].startswith("load ")]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
     # load time
     ax = axes[0]
     x = range(len(cases))
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     ax.bar(list(x), ver, w, label="UCP, checksums verified")
     ax.bar([i + w for i in x], dcp, w, label="DCP default")
     ax.axhline(same, color="k", ls="--", lw=1, label="DCP same-layout 4→4")
-    ax.set_xticks(list(x), cases)
+    ax.set_xticks(list(x), cases, rotation=30, ha="right")
     ax.set_ylabel("load time (s, median, warm cache)")
     ax.set_title("Resharding load")
     ax.legend(fontsize=8)
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     ax.bar([i - w / 2 for i in x], ub, w, label="UCP")
     ax.bar([i + w / 2 for i in x], db, w, label="DCP default")
     ax.axhline(1.05, color="k", ls="--", lw=1, label="target 1.05")
-    ax.set_xticks(list(x), cases)
+    ax.set_xticks(list(x), cases, rotation=30, ha="right")
     ax.set_ylabel("bytes read / bytes needed")
     ax.set_title("Read amplification")
     ax.legend(fontsize=8)
