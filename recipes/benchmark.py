@@ -387,13 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         rows_out.append((f"throughput {kind}", "GB/s ucp / raw", total / ucp_t / 1e9, total / raw[k] / 1e9,
                          f"{frac:.2f} of raw", f"(raw {streams[k]})"))
     # what the fixed cost of DCP's load protocol (plan gather/scatter, result all-gather) hides
-    phase = _med(io["load"]["4->4"]["ucp_data_phase"])
-    frac = raw["read"] / phase
+    data_s = _med(io["load"]["4->4"]["ucp_data_phase"])
+    frac = raw["read"] / data_s
     _record(records, "throughput load 4->4 warm data phase", "fraction_of_raw", frac, None, None,
             lower_is_better=False, ratio=frac)
-    rows_out.append(("throughput load 4->4 warm", "  data phase GB/s / raw", total / phase / 1e9,
+    rows_out.append(("throughput load 4->4 warm", "  data phase GB/s / raw", total / data_s / 1e9,
                      total / raw["read"] / 1e9, f"{frac:.2f} of raw",
-                     f"(read_data {phase:.3f} s of {_med(io['load']['4->4']['ucp']):.3f} s)"))
+                     f"(read_data {data_s:.3f} s of {_med(io['load']['4->4']['ucp']):.3f} s)"))
     # planning
     from bench_planning import simulate
 

@@ -304,24 +304,28 @@ def _storage_worker(rank, world, root):
         raw[info.offset + entry[0] + 8] ^= 1
         open(p, "wb").write(bytes(raw))
     dist.barrier()
-    try:
-        dcp.load({"w": distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])},
-                 storage_reader=UCPFileSystemReader(f"{root}/rep"), planner=UCPLoadPlanner(allow_partial_load=True))
-        out["corrupt"] = None
-    except CheckpointException as e:
-        out["corrupt"] = sorted({type(exc).__name__ for exc, _ in e.failures.values()})
-        out["corrupt_text"] = str(ucp_dcp.first_ucp_error(e))
+
+    def failing_load() -> CheckpointException | None:
+        try:
+            dcp.load({"w": distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])},
+                     storage_reader=UCPFileSystemReader(f"{root}/rep"), planner=UCPLoadPlanner(allow_partial_load=True))
+        except CheckpointException as e:
+            return e
+        return None
+
+    def failure_names(e: CheckpointException | None) -> list[str] | None:
+        return None if e is None else sorted({type(exc).__name__ for exc, _ in e.failures.values()})
+
+    err = failing_load()
+    out["corrupt"] = failure_names(err)
+    if err is not None:
+        out["corrupt_text"] = str(ucp_dcp.first_ucp_error(err))
     # a missing data file on the reading rank: also an error everywhere, not a hang
     dist.barrier()
     if rank == 0:
         os.remove(os.path.join(f"{root}/rep", md.storage_data[MetadataIndex("w", (48, 0))].relative_path))
     dist.barrier()
-    try:
-        dcp.load({"w": distribute_tensor(torch.zeros_like(full), mesh22, [Replicate(), Shard(0)])},
-                 storage_reader=UCPFileSystemReader(f"{root}/rep"), planner=UCPLoadPlanner(allow_partial_load=True))
-        out["missing"] = None
-    except CheckpointException as e:
-        out["missing"] = sorted({type(exc).__name__ for exc, _ in e.failures.values()})
+    out["missing"] = failure_names(failing_load())
     return out
 
 
