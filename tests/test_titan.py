@@ -45,6 +45,35 @@ def test_real_trainer_resumes_at_a_new_dp_degree(tmp_path):
     assert ok, line
 
 
+def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
+    """torchtitan's last-step export (``last_save_model_only``, the default of its llama3 8B+ and qwen3
+    configs) with the one-flag option on a stock config: written at dp=2, then loaded model-only
+    (``initial_load_path`` + ``initial_load_model_only``) by a fresh Trainer at dp=1; the weights must
+    be bitwise the trained ones. Used to fail at save: the train-state rule matched no name."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assets = tr.make_assets(tmp_path / "assets")
+    flags = ["--checkpoint.interval", "10", "--checkpoint.last_save_model_only"]
+    overrides = [tr.ONE_FLAG, "ucp_dcp.torchtitan.overrides.dataloader"]
+    save, load = tmp_path / "save", tmp_path / "load"
+    oracle = {"UCP_TITAN_STATE": str(save / "trained.pt"), "UCP_TITAN_STATE_STEP": "1"}
+    tr._run({"dp": 2}, save, assets, 1, flags, oracle, config=tr.STOCK_CONFIG, overrides=overrides)
+    export = (save / "checkpoint" / "step-1").resolve()
+    keys = set(FileSystemReader(export).read_metadata().state_dict_metadata)
+    assert "layers.0.attention.qkv_linear.wk.weight" in keys and not [k for k in keys if "wqkv" in k], sorted(keys)[:8]
+    assert not [k for k in keys if k.split(".")[0] in ("optimizer", "train_state", "lr_scheduler", "dataloader")]
+    tr._run({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),
+                                          "--checkpoint.initial_load_model_only"],
+            {"UCP_TITAN_STATE": str(load / "loaded.pt")}, config=tr.STOCK_CONFIG, overrides=overrides)
+    trained = torch.load(save / "trained.pt", weights_only=False)
+    loaded = torch.load(load / "loaded.pt", weights_only=False)
+    params = [k for k in trained if k.startswith("param/")]
+    assert len(params) > 40 and all(torch.equal(trained[k], loaded[k]) for k in params)
+    assert loaded["train_state/step"] == 0, "a model-only load starts training afresh"
+    assert (load / "checkpoint" / "step-1" / ".metadata").exists(), "the fresh Trainer's own export"
+
+
 def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy(tmp_path):
     assets = tr.make_assets(tmp_path / "assets")
     ok, line = tr.transition("stock-dp2-dp2", tmp_path, assets, steps=3, k=2)

@@ -7,7 +7,9 @@ state; :class:`Reduce` rules match full atom names instead (they concern single 
 applies the saved rules automatically; rules passed at load add to them.
 
 Strict mode (default): a rule that matches nothing is an error, judged on the union over all
-ranks at save and on saved + target names at load.
+ranks at save and on saved + target names at load. A rule declared ``optional=True`` applies where
+it matches and is not counted by strict mode (state that only some saves hold). Optionality belongs
+to the declaration, not to the layout: it is not recorded in the catalog.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, ClassVar
 
 from .errors import PatternError
 
-__all__ = ["Fused", "Padded", "Replicated", "Reduce", "Tied", "Patterns", "Rule", "REDUCE_OPS"]
+__all__ = ["Fused", "Padded", "Replicated", "Reduce", "Tied", "Patterns", "Rule", "REDUCE_OPS", "literal_prefix",
+           "anchored_in"]
 
 REDUCE_OPS = ("sum", "mean", "max", "equal")
 REPLICA_CHECKS = ("error", "warn", "average", "off")
@@ -44,6 +47,9 @@ class Fused:
     """The fused dim."""
     blocks: int | str = 1
     """Number of interleaved blocks, or the mesh dim whose size gives it."""
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "fused"
 
     def __post_init__(self) -> None:
@@ -67,6 +73,9 @@ class Padded:
     """Value written into the padding of model tensors at load."""
     state_fill: float = 0.0
     """Value written into the padding of optimizer state at load."""
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "padded"
 
 
@@ -80,6 +89,9 @@ class Replicated:
     """Regex, full match against the parameter name."""
     check: str = "error"
     """``error`` | ``warn`` | ``average`` | ``off``."""
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "replicated"
 
     def __post_init__(self) -> None:
@@ -100,6 +112,9 @@ class Reduce:
     """Regex, full match against the atom name (e.g. ``r"train_state\\.ntokens_seen"``)."""
     op: str = "sum"
     """``sum`` | ``mean`` | ``max`` | ``equal``."""
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "reduce"
 
     def __post_init__(self) -> None:
@@ -117,6 +132,9 @@ class Tied:
     """Canonical parameter name of the tied atom."""
     aliases: tuple[str, ...]
     """Regexes (full match) of parameter names that are copies of it."""
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "tied"
 
     def __post_init__(self) -> None:
@@ -132,8 +150,12 @@ _KINDS: dict[str, type] = {c.kind: c for c in (Fused, Padded, Replicated, Reduce
 
 
 def rule_to_json(rule: Rule) -> dict[str, Any]:
+    """The catalog record of a rule: its layout (``optional`` is a property of the declaration and is
+    left out, so a catalog reads the same in every ucp_dcp that knows the kind)."""
     d: dict[str, Any] = {"kind": rule.kind}
     for k, v in rule.__dict__.items():
+        if k == "optional":
+            continue
         d[k] = [list(p) for p in v] if k == "parts" else (list(v) if isinstance(v, tuple) else v)
     return d
 
@@ -148,6 +170,50 @@ def rule_from_json(d: dict[str, Any]) -> Rule:
     if "aliases" in d:
         d["aliases"] = tuple(d["aliases"])
     return cls(**d)
+
+
+def literal_prefix(pattern: str) -> str:
+    """Text that every full match of ``pattern`` starts with (``"train_state."`` for
+    ``r"train_state\\.ntokens_seen"``); ``""`` when that cannot be read off simply (a top-level
+    alternation, or a metacharacter first). Conservative: a prefix it returns is always right."""
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):  # a top-level "|" means several possible starts
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            return ""
+        i += 1
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            out.append(pattern[i + 1])
+            i += 2
+        elif c in ".^$*+?{}[]()|\\":
+            break
+        else:
+            out.append(c)
+            i += 1
+    if out and i < len(pattern) and pattern[i] in "*?{":  # the last literal may be repeated 0 times
+        out.pop()
+    return "".join(out)
+
+
+def anchored_in(rule: Rule, namespace: str) -> bool:
+    """Whether every name ``rule`` can match lies under ``namespace``: its pattern starts with
+    ``namespace`` and a literal dot (``r"train_state\\.ntokens_seen"`` in ``"train_state"``)."""
+    return literal_prefix(rule.pattern).startswith(namespace + ".")
 
 
 def describe(rule: Rule) -> str:
@@ -243,12 +309,13 @@ class Patterns:
         """Strict mode: every declared rule must have matched somewhere."""
         if not self.strict:
             return
-        unused = [self.rules[i] for i in self.declared if i not in used]
+        unused = [self.rules[i] for i in self.declared if i not in used and not self.rules[i].optional]
         if unused:
             raise PatternError(
                 f"{len(unused)} declared rule(s) matched no name {where}: " + ", ".join(describe(r) for r in unused),
                 hint="fix the regex (it must match the whole canonical parameter name, e.g. "
-                r"'layers\.\d+\.attn\.wqkv\.weight'), or pass strict=False",
+                r"'layers\.\d+\.attn\.wqkv\.weight'), declare the rule optional=True if it concerns state "
+                "that only some saves hold, or pass strict=False",
             )
 
     def to_json(self) -> list[dict[str, Any]]:

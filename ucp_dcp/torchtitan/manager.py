@@ -11,6 +11,10 @@ What changes in the checkpoint:
   local shards are written as ``wq``/``wk``/``wv`` atoms by a ``Fused`` rule (group-major layout,
   one block per KV head), and their optimizer moments become ``wq``/``wk``/``wv`` moments too;
 * ``train_state.ntokens_seen`` (a per-rank count) is summed over data-parallel slots at save;
+* a save or load that leaves training state out on purpose (the last-step model-only export,
+  ``initial_load_model_only``, step-0 loads, ``exclude_from_loading``) does not declare the rules
+  anchored in that state (``train_state\\.ntokens_seen``): strict mode judges each call on the
+  state it holds;
 * the dataloader state is either global (``GlobalCursorTextDataLoader``: loads at any DP degree) or,
   for loaders that cannot be remapped, handled by ``dataloader_policy`` -- never a silent wrong
   position.
@@ -35,10 +39,10 @@ from torchtitan.models.common.attention import FusedQKVLinear
 from ..errors import PatternError, UCPError
 from ..inspect import read_metadata
 from ..load_planner import UCPLoadPlanner
-from ..patterns import Fused, Reduce, Rule, rule_from_json
+from ..patterns import Fused, Reduce, Rule, anchored_in, rule_from_json
 from ..save_planner import UCPSavePlanner
 
-__all__ = ["UCPCheckpointManager", "fused_qkv_rules"]
+__all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +55,13 @@ class UCPCheckpointManager(CheckpointManager):
         rules: list[str] = field(default_factory=list)
         """Extra ucp_dcp pattern rules, one JSON object each, e.g.
         '{"kind": "padded", "pattern": "tok_embeddings\\\\.weight", "size": 2000}'
-        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.patterns)."""
+        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.patterns, including
+        "optional": true for a rule strict mode should not count). A rule anchored in a training
+        state (its pattern starts with the state's name and an escaped dot, 'train_state\\.') is
+        declared only in saves and loads that include that state."""
         strict: bool = True
-        """A declared rule that matches no parameter on any rank is an error."""
+        """A declared rule that matches no name on any rank is an error (judged per save/load on the
+        state it includes; rules marked optional are not counted)."""
         fused_qkv_atoms: bool = True
         """Save fused wqkv weights and their optimizer moments as wq/wk/wv atoms from local shards
         (no all-gather). Off: torchtitan's state-dict hook splits them (weights only)."""
@@ -97,24 +105,33 @@ class UCPCheckpointManager(CheckpointManager):
                 raise PatternError(f"checkpoint.rules entry {text!r} is not a valid rule: {e}") from None
         return rules
 
-    def _save_planner(self) -> UCPSavePlanner:
-        return UCPSavePlanner(patterns=self._rules, strict=self.ucp.strict, check_replicas=self.ucp.check_replicas,
+    def _call_rules(self, state_dict: dict[str, Any]) -> list[Rule]:
+        """The rules for one save or load of ``state_dict``: the training states this manager holds
+        but the call leaves out on purpose (model-only export or load, ``exclude_from_loading``, the
+        dataloader under ``dataloader_policy='restart'``) take their anchored rules with them."""
+        left_out = [k for k in self.states if k != MODEL and k not in state_dict]
+        return rules_for_call(self._rules, left_out)
+
+    def _save_planner(self, rules: list[Rule]) -> UCPSavePlanner:
+        return UCPSavePlanner(patterns=rules, strict=self.ucp.strict, check_replicas=self.ucp.check_replicas,
                               data_slot=self._data_slot, enable_plan_caching=self.ucp.enable_plan_caching)
 
-    def _load_planner(self) -> UCPLoadPlanner:
-        return UCPLoadPlanner(patterns=self._rules, strict=self.ucp.strict, data_slot=self._data_slot)
+    def _load_planner(self, rules: list[Rule]) -> UCPLoadPlanner:
+        return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if to_hf:  # safetensors keys tensors by name: keep the stock planner
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        with _dcp_planners(save=self._save_planner):
+        rules = self._call_rules(state_dict)
+        with _dcp_planners(save=lambda: self._save_planner(rules)):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         state_dict = self._apply_dataloader_policy(state_dict, checkpoint_id)
-        with _dcp_planners(load=self._load_planner):
+        rules = self._call_rules(state_dict)
+        with _dcp_planners(load=lambda: self._load_planner(rules)):
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
     def _apply_dataloader_policy(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
@@ -140,6 +157,18 @@ class UCPCheckpointManager(CheckpointManager):
             hint="use ucp_dcp's GlobalCursorTextDataLoader (resumes at any DP degree), set "
             "checkpoint.dataloader_policy='restart', or exclude_from_loading=['dataloader']",
         )
+
+
+def rules_for_call(rules: list[Rule], left_out: list[str]) -> list[Rule]:
+    """``rules`` less those anchored in a state the call leaves out (``Reduce(r"train_state\\.x")``
+    when ``"train_state"`` is left out): there is nothing for them to match, on purpose, so strict
+    mode must not count them. Every other rule is declared as usual (a rule that matches nothing in
+    a call holding its state is still an error in strict mode)."""
+    kept = [r for r in rules if not any(anchored_in(r, ns) for ns in left_out)]
+    if len(kept) < len(rules):
+        logger.debug("UCP: %s left out of this save/load: rules %s not declared", left_out,
+                     [r.pattern for r in rules if r not in kept])
+    return kept
 
 
 def _dataloader_mismatch(saved: set[str], target: set[str], world: int | None) -> str | None:
