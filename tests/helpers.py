@@ -47,3 +47,20 @@ def env_without_ucp() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     return env
+
+
+def rewrite_metadata(folder, md) -> None:
+    """Replace a checkpoint's metadata *and* its integrity sidecar (what a writer that meant to
+    write ``md`` would have left), so a test can change a table without tripping the sidecar check."""
+    import pickle
+
+    from ucp_dcp.commit import commit
+    from ucp_dcp.sidecar import encode_sidecar
+
+    data = pickle.dumps(md)
+    files = {}
+    for info in md.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            files[rel] = max(files.get(rel, 0), info.offset + info.length)
+    commit(str(folder), data, encode_sidecar(md, data, files), set(files), sync=False)

@@ -2,7 +2,6 @@
 
 import io
 import os
-import pickle
 import zipfile
 
 import numpy as np
@@ -21,7 +20,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import dist as D
 import ucp_dcp
-from helpers import expect_ucp_error, ucp_failure
+from helpers import expect_ucp_error, rewrite_metadata, ucp_failure
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.io_format import IO_KEY, box_grid, box_runs, gather_grid, merge_intervals, parse_tensor_record, split_grid
 
@@ -176,14 +175,15 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
              planner=UCPLoadPlanner(allow_partial_load=True))
     # a checksum algorithm this version does not know: read unverified, with a warning saying so
     md.storage_data[MetadataIndex(IO_KEY)]["algo"] = "sha9"
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    rewrite_metadata(tmp_path, md)
     with pytest.warns(UserWarning, match="cannot verify"):
         dcp.load({"model": {"w": torch.zeros(300, 200)}}, storage_reader=UCPFileSystemReader(tmp_path),
                  planner=UCPLoadPlanner(allow_partial_load=True))
 
 
-def test_overwriting_removes_the_stale_metadata_first(tmp_path):
+def test_a_failed_save_over_a_checkpoint_leaves_it_loadable(tmp_path):
     dcp.save({"w": torch.ones(4)}, storage_writer=UCPFileSystemWriter(tmp_path), planner=UCPSavePlanner())
+    before = sorted(p.name for p in tmp_path.iterdir())
 
     class Boom(UCPSavePlanner):
         def resolve_data(self, item):
@@ -191,7 +191,10 @@ def test_overwriting_removes_the_stale_metadata_first(tmp_path):
 
     with pytest.raises(CheckpointException):
         dcp.save({"w": torch.zeros(4)}, storage_writer=UCPFileSystemWriter(tmp_path), planner=Boom())
-    assert not (tmp_path / ".metadata").exists(), "a half-written save must not look like a complete checkpoint"
+    back = {"w": torch.zeros(4)}
+    ucp_dcp.load(back, tmp_path)
+    assert torch.equal(back["w"], torch.ones(4)), "the old checkpoint must survive a save that failed"
+    assert set(before) <= {p.name for p in tmp_path.iterdir()}
 
 
 # -- multi-rank: resharding reads, read-once, failures -------------------------------------------------
@@ -371,4 +374,4 @@ def test_ranged_reads_read_once_and_failures_across_ranks():
     kinds = set(res[0]["corrupt"])
     assert "ChecksumError" in kinds and all(r["corrupt"] is not None for r in res), [r["corrupt"] for r in res]
     assert "checksum mismatch" in res[0]["corrupt_text"]
-    assert all(r["missing"] is not None for r in res) and "FileNotFoundError" in res[0]["missing"], res[0]["missing"]
+    assert all(r["missing"] is not None for r in res) and "MissingFileError" in res[0]["missing"], res[0]["missing"]

@@ -1,12 +1,15 @@
 """ucp_dcp: Universal Checkpointing for ``torch.distributed.checkpoint``.
 
-Save with :class:`UCPSavePlanner`, load with :class:`UCPLoadPlanner`, at any parallel layout::
+Save, and load at any parallel layout, with checksums on every byte and an atomic commit::
 
-    dcp.save(state_dict, checkpoint_id=path, planner=UCPSavePlanner())
-    dcp.load(state_dict, checkpoint_id=path, planner=UCPLoadPlanner())
+    ucp_dcp.save(state_dict, path)
+    ucp_dcp.load(state_dict, path)
+
+which is ``dcp.save``/``dcp.load`` with :class:`UCPSavePlanner`/:class:`UCPLoadPlanner` and
+:class:`UCPFileSystemWriter`/:class:`UCPFileSystemReader`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from ._compat import check_torch as _check_torch
 
@@ -16,19 +19,28 @@ from .catalog import CATALOG_KEY, read_catalog  # noqa: E402
 from .errors import (  # noqa: E402
     AmbiguousLayoutError,
     CatalogVersionError,
+    CheckpointNotFoundError,
     ChecksumError,
+    CorruptCheckpointError,
     CoverageError,
+    DtypeConversionError,
     MissingAtomsError,
     ParamGroupError,
     PatternError,
     ReplicaMismatchError,
     ShapeMismatchError,
+    IncompleteCheckpointError,
+    MissingFileError,
+    TruncatedFileError,
     UCPError,
+    UnsafeCheckpointError,
     UnsupportedTorchError,
+    UnverifiedCheckpointWarning,
     first_ucp_error,
     raise_first_ucp_error,
     ucp_errors,
 )
+from .api import load, save  # noqa: E402
 from .load_planner import UCPLoadPlanner  # noqa: E402
 from .naming import NameRules  # noqa: E402
 from .reader import UCPFileSystemReader  # noqa: E402
@@ -37,6 +49,8 @@ from .writer import UCPFileSystemWriter  # noqa: E402
 
 __all__ = [
     "__version__",
+    "save",
+    "load",
     "UCPSavePlanner",
     "UCPLoadPlanner",
     "NameRules",
@@ -48,7 +62,15 @@ __all__ = [
     "AmbiguousLayoutError",
     "CatalogVersionError",
     "ChecksumError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "MissingFileError",
+    "TruncatedFileError",
+    "UnsafeCheckpointError",
+    "UnverifiedCheckpointWarning",
     "CoverageError",
+    "DtypeConversionError",
     "MissingAtomsError",
     "ParamGroupError",
     "PatternError",

@@ -3,6 +3,10 @@
 DCP keeps one rank's copy of any plain tensor or object saved under a shared name and drops the
 rest; if the copies differ that is a silent loss. Each rank sends an 8-byte digest per such value
 in its (small) plan, and the coordinator compares them before anything is written.
+
+Objects are digested through their pickle, but tensors inside them (in containers, or attributes of
+custom objects) are replaced by a digest of their dtype, shape and bytes: torch pickles a tensor's
+storage under a per-process id, so equal tensors would otherwise never compare equal across ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 __all__ = ["value_digest"]
 
@@ -28,10 +33,50 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+class _NotComparable(Exception):
+    """The object holds something whose value this rank cannot digest on its own (a DTensor)."""
+
+
+def _tensor_token(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """What a tensor inside an object contributes to the object's digest: dtype, shape, bytes."""
+    if isinstance(t, DTensor):  # a local shard: its peers legitimately hold other values
+        raise _NotComparable
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
+        raise _NotComparable
+    return str(t.dtype), tuple(t.shape), xxhash.xxh3_64_digest(_tensor_bytes(t)) if t.numel() else b""
+
+
+class _ValuePickler(pickle.Pickler):
+    """Pickles an object with every tensor and storage in it replaced by a token of its value."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return ("ucp-tensor",) + _tensor_token(obj)
+        if isinstance(obj, torch.TypedStorage):
+            obj = obj.untyped()
+        if isinstance(obj, torch.UntypedStorage):
+            raw = torch.empty(0, dtype=torch.uint8, device=obj.device).set_(obj)
+            return ("ucp-storage",) + _tensor_token(raw)
+        return None
+
+
+def _object_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    _ValuePickler(buf, protocol=4).dump(value)
+    return buf.getvalue()
+
+
 def value_digest(value: Any) -> int | None:
     """8-byte digest of a plain tensor (dtype, shape and bytes) or a picklable object; None when the
     object cannot be serialized deterministically (it is then not compared). Tensors hash their bytes
-    with XXH3-64 (~25 GB/s: plain tensors can be whole models under DDP)."""
+    with XXH3-64 (~25 GB/s: plain tensors can be whole models under DDP); tensors inside an object
+    count by value the same way (so equal objects on different ranks digest equal), and an object
+    holding a DTensor or another tensor without plain strided memory is not compared."""
     h = hashlib.blake2b(digest_size=8)
     if isinstance(value, torch.Tensor):
         h.update(f"{value.dtype}{tuple(value.shape)}".encode())
@@ -40,7 +85,9 @@ def value_digest(value: Any) -> int | None:
             h.update(xxhash.xxh3_64_digest(raw))
     else:
         try:
-            h.update(pickle.dumps(value, protocol=4))
+            h.update(_object_bytes(value))
+        except _NotComparable:
+            return None
         except Exception:
             buf = io.BytesIO()
             try:

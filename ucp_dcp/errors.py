@@ -18,12 +18,20 @@ __all__ = [
     "AmbiguousLayoutError",
     "CoverageError",
     "ShapeMismatchError",
+    "DtypeConversionError",
     "MissingAtomsError",
     "ParamGroupError",
     "CatalogVersionError",
     "PatternError",
     "ReplicaMismatchError",
     "ChecksumError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "MissingFileError",
+    "CorruptCheckpointError",
+    "TruncatedFileError",
+    "UnsafeCheckpointError",
+    "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
     "first_ucp_error",
     "raise_first_ucp_error",
@@ -87,6 +95,11 @@ class ShapeMismatchError(UCPError):
     """The saved logical shape of an atom differs from the wanted one (and no pattern maps them)."""
 
 
+class DtypeConversionError(UCPError):
+    """Loading an atom into the target's dtype would lose values: a lossy kind of conversion
+    (float -> int, complex -> real, non-bool -> bool), or saved values outside the target's range."""
+
+
 class MissingAtomsError(UCPError):
     """Atoms wanted by the target state dict are absent from the checkpoint."""
 
@@ -103,8 +116,39 @@ class PatternError(UCPError):
     """A declared pattern rule is malformed, matches nothing, or conflicts with another rule."""
 
 
-class ChecksumError(UCPError):
+class CheckpointNotFoundError(UCPError, FileNotFoundError):
+    """No checkpoint at the path: the folder does not exist or holds no checkpoint files."""
+
+
+class IncompleteCheckpointError(UCPError):
+    """The folder holds pieces of a save that never committed (data files without ``.metadata``),
+    or a committed checkpoint lacks files it references."""
+
+
+class MissingFileError(IncompleteCheckpointError, FileNotFoundError):
+    """A file the checkpoint's metadata references is not there."""
+
+
+class CorruptCheckpointError(UCPError):
+    """Bytes of the checkpoint differ from what was written: a table that does not parse or agree
+    with itself, a metadata file that matches no integrity record, a checksum mismatch."""
+
+
+class ChecksumError(CorruptCheckpointError):
     """Bytes read from storage do not match the checksum recorded at save."""
+
+
+class TruncatedFileError(CorruptCheckpointError):
+    """A checkpoint file is shorter (or longer) than the data written into it."""
+
+
+class UnsafeCheckpointError(UCPError):
+    """Opening the checkpoint would run code or build objects outside the safe set of types
+    (tensors, numbers, strings, lists, dicts, tuples, ...); needs an explicit ``trust=True``."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A load reads bytes that no checksum covers (a checkpoint or reader without checksums)."""
 
 
 class UnsupportedTorchError(UCPError, ImportError):

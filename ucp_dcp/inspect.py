@@ -1,7 +1,8 @@
 """Summaries of a DCP checkpoint: source topology and per-atom shape, dtype, kind, chunks, bytes.
 
 Works on any DCP checkpoint; without a ucp_dcp catalog the topology is reported as unknown and
-kinds are inferred from the metadata.
+kinds are inferred from the metadata. Opening never runs code from the checkpoint (see
+:func:`ucp_dcp.commit.open_checkpoint`).
 """
 
 from __future__ import annotations
@@ -9,24 +10,33 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .catalog import read_catalog
+from .commit import Integrity, open_checkpoint
 
-__all__ = ["summarize", "format_summary", "read_metadata"]
+__all__ = ["summarize", "format_summary", "read_metadata", "open_path"]
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """``.metadata`` of a checkpoint folder (local path or fsspec URL)."""
+def open_path(path: str | os.PathLike, *, trust: bool = False) -> tuple[Metadata, Integrity]:
+    """Metadata and integrity status of a checkpoint folder (local path or fsspec URL)."""
     if "://" in str(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 
-        return FsspecReader(str(path)).read_metadata()
-    return FileSystemReader(path).read_metadata()
+        fs = FsspecFileSystem()
+        return open_checkpoint(fs, fs.init_path(str(path)), trust=trust)
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    fs = FileSystem()
+    return open_checkpoint(fs, fs.init_path(path), trust=trust)
 
 
-def summarize(md: Metadata) -> dict[str, Any]:
+def read_metadata(path: str | os.PathLike, *, trust: bool = False) -> Metadata:
+    """``Metadata`` of a checkpoint folder, opened safely."""
+    return open_path(path, trust=trust)[0]
+
+
+def summarize(md: Metadata, integrity: Integrity | None = None) -> dict[str, Any]:
     catalog = read_catalog(md.planner_data)
     cat_atoms = (catalog or {}).get("atoms", {})
     sizes: dict[str, int] = {}
@@ -58,6 +68,9 @@ def summarize(md: Metadata) -> dict[str, Any]:
         "dcp_version": md.version,
         "atoms": atoms,
         "total_bytes": sum(sizes.values()),
+        "integrity": None if integrity is None else {
+            "status": integrity.status, "sidecar": integrity.sidecar, "algo": integrity.algo,
+            "strays": integrity.strays, "summary": integrity.describe()},
     }
 
 
@@ -87,6 +100,8 @@ def format_summary(s: dict[str, Any]) -> str:
     else:
         lines.append("source topology: unknown (no ucp_dcp catalog; written by another planner)")
     lines.append(f"{len(s['atoms'])} atoms, {s['total_bytes'] / 2**20:.2f} MiB in data files")
+    if s.get("integrity"):
+        lines.append(f"integrity: {s['integrity']['summary']}")
     w = max((len(n) for n in s["atoms"]), default=4)
     lines.append(f"{'atom':<{w}}  {'shape':<16} {'dtype':<9} {'kind':<11} {'pattern':<10} {'chunks':>6} {'bytes':>10}  layout")
     for name, r in s["atoms"].items():

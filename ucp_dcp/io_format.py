@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
-__all__ = ["IO_KEY", "BLOCK", "TensorRecord", "parse_tensor_record", "BoxGrid", "box_grid", "box_runs",
+__all__ = ["IO_KEY", "IO_VERSION", "BLOCK", "TensorRecord", "parse_tensor_record", "BoxGrid", "box_grid", "box_runs",
            "gather_grid", "split_grid", "merge_intervals", "HASHES", "DEFAULT_HASH", "block_hash", "block_checksums", "blocks_touching"]
 
 IO_KEY = "__ucp_io__"
@@ -27,6 +27,11 @@ IO_KEY = "__ucp_io__"
 information (per-item tensor data offsets and block checksums); builtins only."""
 BLOCK = 1 << 20
 """Checksum block: 1 MiB of tensor bytes."""
+IO_VERSION = 2
+"""Version of the I/O table. 1: tensor entries ``[data_offset, block sums]``. 2: tensor entries
+``[data_offset, block sums, frame sum]`` (the frame: the item's bytes outside the tensor data),
+object entries ``[0, block sums of the whole item, None]``, and an integrity sidecar next to
+``.metadata`` (:mod:`ucp_dcp.sidecar`)."""
 
 
 @dataclass(frozen=True)

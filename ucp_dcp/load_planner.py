@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import io
 import logging
 import math
 import os
+import pickle
+import re
 import socket
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +34,16 @@ from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
 from .catalog import read_catalog
 from .coverage import ChunkIndex, exact_cover_problem
-from .errors import CoverageError, MissingAtomsError, ParamGroupError, ShapeMismatchError, UCPError
+from .errors import (
+    CoverageError,
+    DtypeConversionError,
+    MissingAtomsError,
+    ParamGroupError,
+    ShapeMismatchError,
+    UCPError,
+    UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
+)
 from .fragments import Box
 from .naming import AtomName, NameRules, OptimizerForm
 from .patterns import Patterns, Rule, rule_from_json
@@ -68,6 +81,16 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
             :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
         name_rules: wrapper segments stripped from names (must match the ones used at save).
+        allow_lossy_dtype: load atoms into targets of a dtype that loses values, the way
+            ``Tensor.copy_`` converts (float -> int truncates, complex -> real drops the imaginary
+            part, values outside the target's range wrap or become inf). By default such loads
+            raise :class:`DtypeConversionError`: kind changes at planning, before any byte is read,
+            out-of-range values when the data is read. Widening and precision-only conversions
+            (fp32 -> bf16 in range, int32 -> int64, int -> float) are always allowed.
+        trust: decode non-tensor values with a full unpickle. By default they are decoded with
+            ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts, tuples and
+            the types registered with ``torch.serialization.add_safe_globals``; anything else is
+            refused with :class:`UnsafeCheckpointError`, since unpickling it could run code.
     """
 
     def __init__(
@@ -81,8 +104,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         read_once: str | bool = "hosts",
         allow_partial_load: bool = False,
         name_rules: NameRules | None = None,
+        allow_lossy_dtype: bool = False,
+        trust: bool = False,
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        self.allow_lossy_dtype = bool(allow_lossy_dtype)
+        self.trust = bool(trust)
         self.name_rules = name_rules or NameRules()
         self.rules = tuple(patterns)
         Patterns(self.rules)
@@ -96,7 +123,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
 
     def __getstate__(self) -> dict[str, Any]:
         keep = {"name_rules", "rules", "strict", "maps", "data_slot", "read_once", "allow_partial_load", "flatten_state_dict",
-                "flatten_sharded_tensors"}
+                "flatten_sharded_tensors", "allow_lossy_dtype", "trust"}
         return {k: v for k, v in self.__dict__.items() if k in keep} | {"missing_atoms": []}
 
     def set_up_planner(
@@ -104,10 +131,17 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         if metadata is None:
             raise UCPError("no checkpoint metadata to plan against")
+        if getattr(metadata, "_ucp_error", None) is not None:  # UCPFileSystemReader could not open it
+            raise metadata._ucp_error  # type: ignore[attr-defined]
         _init_state_dict(state_dict)
         self.original_state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        if is_coordinator and getattr(metadata, "_ucp_integrity", None) is None:
+            warnings.warn(
+                "this load reads through a storage reader that verifies no checksums and unpickles the "
+                "checkpoint's metadata: use ucp_dcp.load(state, path) or storage_reader=UCPFileSystemReader(path)",
+                UnverifiedCheckpointWarning, stacklevel=2)
         self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
         saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
         self._patterns = Patterns(self.rules, strict=self.strict).merged(saved_rules)
@@ -214,7 +248,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self._sinks[e.key] = lambda v, path=e.path: set_element(self.original_state_dict, path, v)
             return [_bytes_read(e.key, skey)]
         for name, skey in keys.items():
-            _check_tensor(name, saved.md.state_dict_metadata[skey], r)
+            _check_tensor(name, saved.md.state_dict_metadata[skey], r, self.allow_lossy_dtype)
         reads = []
         for i, f in enumerate(r.fragments):
             if f.atom not in keys:
@@ -292,15 +326,48 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         return new_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self._sinks[read_item.dest_index.fqn](torch.load(value, weights_only=False))
+        self._sinks[read_item.dest_index.fqn](decode_value(value, read_item.storage_index.fqn, self.trust))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._target_region(read_item)
+        saved = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
+        if saved == target.dtype or self.allow_lossy_dtype or _conversion(saved, target.dtype) != "range":
+            return target  # the reader writes (and converts) straight into the target
+        # a narrowing conversion: read into a scratch tensor of the saved dtype, range-check the
+        # values in commit_tensor, then convert into the target
+        return torch.empty(tuple(read_item.lengths), dtype=saved)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        target = self._target_region(read_item)
+        if tensor.dtype == target.dtype:
+            return  # the target itself (see resolve_tensor)
+        r = self._targets[read_item.dest_index.fqn]
+        _check_range(r.fragments[read_item.dest_index.index].atom, tensor, target.dtype)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def _target_region(self, read_item: ReadItem) -> torch.Tensor:
         r = self._targets[read_item.dest_index.fqn]
         region = r.fragments[read_item.dest_index.index].view(r.local)
         return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
 
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+
+def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
+    """A saved non-tensor value, decoded with a closed set of types unless ``trust``."""
+    if trust:
+        return torch.load(data, weights_only=False)
+    try:
+        return torch.load(data, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|Trying to [^.]*)[^\n.]*", str(e))
+        first = found.group(0).strip() if found else type(e).__name__
+        raise UnsafeCheckpointError(
+            f"value of atom '{atom}' holds a type outside the safe set (tensors, numbers, strings, lists, dicts, "
+            f"tuples, ...): decoding it could run code ({first})",
+            atom=atom, saved="pickled object",
+            hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
+            "or UCPLoadPlanner(trust=True)), or allow the type with torch.serialization.add_safe_globals([...])",
+        ) from None
 
 
 def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
@@ -321,7 +388,7 @@ def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.nd
     return keys, sizes
 
 
-def _check_tensor(name: str, smd: Any, r: Resolved) -> None:
+def _check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = False) -> None:
     want = tuple(r.atoms[name]["shape"])
     if not isinstance(smd, TensorStorageMetadata):
         raise ShapeMismatchError(
@@ -337,6 +404,86 @@ def _check_tensor(name: str, smd: Any, r: Resolved) -> None:
             hint="load into a model built with the saved configuration, or declare a pattern "
             "(Padded/Fused) that maps the two shapes",
         )
+    saved, wanted = smd.properties.dtype, r.local.dtype
+    if not allow_lossy_dtype and saved != wanted and _conversion(saved, wanted) == "lossy":
+        raise DtypeConversionError(
+            f"atom '{name}': saved dtype {saved}, wanted dtype {wanted}: converting would "
+            f"{_LOSS[(_kind(saved), _kind(wanted))] if wanted != torch.bool else 'turn every value into True/False'}",
+            atom=name, saved=saved, wanted=wanted,
+            hint=f"load into a tensor of dtype {saved} and convert it yourself, or pass "
+            "UCPLoadPlanner(allow_lossy_dtype=True) to convert the way Tensor.copy_ does",
+        )
+
+
+# -- dtype conversions ---------------------------------------------------------------------------
+# A conversion is "lossy" when the kind drops (complex > float > int > bool: the fraction, imaginary
+# part or magnitude is lost for ordinary values), "range" when the kind is kept or widened but some
+# saved values may not fit the target (int64 -> int32, fp32 -> fp16/bf16: checked value by value
+# at read), and "safe" when every saved value fits (precision may still drop: fp32 -> bf16 rounds).
+
+_LOSS = {
+    (3, 2): "drop the imaginary parts", (3, 1): "drop the imaginary parts and truncate the fractions",
+    (2, 1): "truncate the fractions (1.7 -> 1)",
+}
+
+
+def _kind(dtype: torch.dtype) -> int | None:
+    if dtype == torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    if dtype.is_floating_point:
+        return 2
+    try:
+        torch.iinfo(dtype)
+    except (TypeError, RuntimeError):
+        return None  # quantized, sub-byte and other exotic dtypes: converted as torch does
+    return 1
+
+
+def _limits(dtype: torch.dtype) -> tuple[float, float]:
+    """Smallest and largest finite value (the real part's, for complex dtypes)."""
+    info = torch.iinfo(dtype) if _kind(dtype) == 1 else torch.finfo(dtype)
+    return info.min, info.max
+
+
+@functools.lru_cache(maxsize=None)
+def _conversion(saved: torch.dtype, wanted: torch.dtype) -> str:
+    """``"safe"``, ``"range"`` (values must be checked) or ``"lossy"`` for saved -> wanted."""
+    ks, kw = _kind(saved), _kind(wanted)
+    if saved == wanted or ks is None or kw is None or ks == 0:
+        return "safe"
+    if kw < ks:
+        return "lossy"
+    (slo, shi), (wlo, whi) = _limits(saved), _limits(wanted)
+    return "safe" if wlo <= slo and shi <= whi else "range"
+
+
+def _check_range(atom: str, src: torch.Tensor, wanted: torch.dtype) -> None:
+    """Refuse saved values ``src`` that do not fit ``wanted`` (inf/NaN stay inf/NaN and pass)."""
+    if not src.numel():
+        return
+    values = torch.view_as_real(src) if src.is_complex() else src
+    lo, hi = _limits(wanted)
+    if _kind(wanted) == 1:
+        bad = (values < lo) | (values > hi)
+    else:
+        bad = ((values < -hi) | (values > hi)) & values.isfinite()
+    if not bool(bad.any()):
+        return
+    example = values[bad].reshape(-1)[0].item()
+    how = "wrap around" if _kind(wanted) == 1 else "become inf"
+
+    def fmt(v: float) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    raise DtypeConversionError(
+        f"atom '{atom}': saved dtype {src.dtype}, wanted dtype {wanted}: {int(bad.sum())} saved value(s) "
+        f"are outside {wanted}'s range [{fmt(lo)}, {fmt(hi)}] (e.g. {fmt(example)}) and would {how}",
+        atom=atom, saved=src.dtype, wanted=wanted,
+        hint=f"load into a tensor of dtype {src.dtype} (or a wider one) and convert it yourself, or pass "
+        "UCPLoadPlanner(allow_lossy_dtype=True) to convert the way Tensor.copy_ does",
+    )
 
 
 def _saved_names(md: Metadata, catalog: dict[str, Any] | None) -> set[str]:

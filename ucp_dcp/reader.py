@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import pickle
 import stat
 import threading
 import time
@@ -29,11 +30,13 @@ import numpy as np
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _create_file_view
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .errors import ChecksumError, UCPError
+from .commit import Integrity, open_checkpoint
+from .errors import (ChecksumError, CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError,
+                     UnsafeCheckpointError, UnverifiedCheckpointWarning)
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
                         block_hash, parse_tensor_record, split_grid)
 from .transport import Incoming, as_bytes_tensor, exchange
@@ -81,14 +84,21 @@ class _Chunk:
 class UCPFileSystemReader(FileSystemReader):
     """Ranged, checksummed, read-once ``StorageReader`` for DCP checkpoints (local or fsspec paths).
 
+    Opening a checkpoint never runs code from it: the metadata is rebuilt from its JSON sidecar
+    (checked against the ``.metadata`` bytes and its own hash), or, for checkpoints without one,
+    unpickled with an allow-list of DCP's metadata types (:mod:`ucp_dcp.sidecar`).
+
     Args:
         path: checkpoint folder or fsspec URL.
         thread_count: files read concurrently by this rank.
-        verify_checksums: verify the checksum of every 1 MiB block touched (when the checkpoint has them).
+        verify_checksums: verify the checksum of every 1 MiB block and object read (when the
+            checkpoint has them).
+        trust: unpickle a checkpoint's metadata without the allow-list (only for checkpoints from a
+            source you trust whose metadata holds other types).
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
-                 _extension_registry: Any = None) -> None:
+                 trust: bool = False, _extension_registry: Any = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
@@ -97,10 +107,37 @@ class UCPFileSystemReader(FileSystemReader):
             self.path = self.fs.init_path(path)
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
+        self.trust = trust
         self.stats = ReadStats()
+        self.integrity: Integrity | None = None
+        """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            md, self.integrity = open_checkpoint(self.fs, self.path, trust=self.trust)
+        except UCPError as e:
+            # dcp.load turns read_metadata's exceptions into a bare AssertionError string; hand back
+            # an empty Metadata carrying the error, raised by set_up_storage_reader / the planner
+            self.integrity = None
+            md = Metadata(state_dict_metadata={}, storage_data={})
+            md._ucp_error = e  # type: ignore[attr-defined]
+            return md
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        md._ucp_integrity = self.integrity.status  # type: ignore[attr-defined]  # seen by UCPLoadPlanner
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if getattr(metadata, "_ucp_error", None) is not None:
+            raise metadata._ucp_error  # type: ignore[attr-defined]
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        check_tables(metadata)
+        if self.integrity is None:  # metadata handed in by the caller, not read here
+            self.integrity = Integrity("partial" if (self.storage_data.get(MetadataIndex(IO_KEY)) or {}).get("algo")
+                                       else "none")
+        if is_coordinator and self.integrity.status != "verified" and self.verify_checksums:
+            warnings.warn(_UNVERIFIED[self.integrity.status].format(path=self.path), UnverifiedCheckpointWarning,
+                          stacklevel=2)
         self._io = self.storage_data.get(MetadataIndex(IO_KEY)) or {}
         algo = self._io.get("algo")
         self._algo = algo if algo in HASHES else None
@@ -202,9 +239,22 @@ class UCPFileSystemReader(FileSystemReader):
         def run(path_chunks: tuple[str, list[_Chunk]]) -> None:
             rel, cs = path_chunks
             cs.sort(key=lambda c: self.storage_data[c.index].offset)
-            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+            atoms = sorted({c.index.fqn for c in cs})
+            try:
+                stream = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+                f = stream.__enter__()
+            except FileNotFoundError:
+                raise MissingFileError(
+                    f"checkpoint file {rel} is missing from {self.path} (it holds {_names(atoms)})",
+                    atom=atoms[0], saved=rel,
+                    hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
+                ) from None
+            try:
+                self._check_size(f, rel, atoms)
                 for c in cs:
                     self._read_chunk(f, rel, c, planner, positions, send, keep)
+            finally:
+                stream.__exit__(None, None, None)
 
         self._bytes_out: list[tuple[ReadItem, memoryview]] = []
         work = sorted(by_file.items())
@@ -223,6 +273,12 @@ class UCPFileSystemReader(FileSystemReader):
         info = self.storage_data[c.index]
         if c.info is None:  # a bytes item: delivered on the calling thread (planner sinks are not locked)
             data = self._pread(f, info.offset, info.length, c.index)
+            entry = self._crc.get(item_key(c.index)) if self.verify_checksums else None
+            if entry is not None:
+                self._verify(data, 0, entry[1], rel, c.index)
+            elif self.verify_checksums and self._crc and int(self._io.get("version", 1)) >= 2:
+                raise CorruptCheckpointError(f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
+                                             atom=c.index.fqn, hint="the checkpoint's tables are damaged")
             item = c.items[0]
             if positions[id(item)] in send:
                 keep[positions[id(item)]] = data
@@ -285,7 +341,7 @@ class UCPFileSystemReader(FileSystemReader):
         window touches are verified once each, from the mapping."""
         size = os.fstat(fd).st_size
         if base + record.nbytes > size:
-            raise UCPError(f"checkpoint file {rel} ends at byte {size}, before the data of '{c.index.fqn}' "
+            raise TruncatedFileError(f"checkpoint file {rel} ends at byte {size}, before the data of '{c.index.fqn}' "
                            f"(needed up to {base + record.nbytes}): the file is truncated", atom=c.index.fqn,
                            hint="the checkpoint is incomplete or damaged; restore the file from a good copy")
         B = self._block
@@ -350,7 +406,22 @@ class UCPFileSystemReader(FileSystemReader):
         raw = self._pread(f, info.offset, info.length, c.index)
         stream = self.transforms.transform_load_stream(c.items[0], info.transform_descriptors or (), io.BytesIO(raw))
         data = stream.read() if not stream.seekable() else stream
-        tensor = torch.load(data if isinstance(data, io.IOBase) else io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            tensor = torch.load(data if isinstance(data, io.IOBase) else io.BytesIO(data), map_location="cpu",
+                                weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpointError(
+                f"the record of '{c.index.fqn}' chunk {list(c.index.offset or ())} in {info.relative_path} is not a "
+                "plain tensor: decoding it could run code", atom=c.index.fqn,
+                hint="the checkpoint was crafted or damaged; do not load it") from None
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"the record of '{c.index.fqn}' chunk {list(c.index.offset or ())} in {info.relative_path} does not "
+                f"parse ({type(e).__name__}: {e})", atom=c.index.fqn,
+                hint="the checkpoint file is damaged; restore it from a good copy") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"the record of '{c.index.fqn}' holds a {type(tensor).__name__}, not a tensor",
+                                         atom=c.index.fqn)
         for item in c.items:
             piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
             pos = positions[id(item)]
@@ -359,6 +430,23 @@ class UCPFileSystemReader(FileSystemReader):
             self._deliver(item, planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _check_size(self, f: Any, rel: str, atoms: list[str]) -> None:
+        """A file must have the size it was written with (known from a verified sidecar)."""
+        want = (self.integrity.files or {}).get(rel) if self.integrity is not None else None
+        if want is None:
+            return
+        try:
+            have = os.fstat(f.fileno()).st_size
+        except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+            have = getattr(f, "size", None)
+        if have is not None and have != want:
+            raise TruncatedFileError(
+                f"checkpoint file {rel} has {have} bytes, {want} were written: the file is "
+                f"{'truncated' if have < want else 'longer than written'} (it holds {_names(atoms)})",
+                atom=atoms[0], saved=want, wanted=have,
+                hint="the checkpoint is damaged (an interrupted copy?); restore the file from a good copy",
+            )
 
     def _record(self, f: Any, index: MetadataIndex, info: Any) -> TensorRecord | None:
         with self._lock:
@@ -417,7 +505,8 @@ class UCPFileSystemReader(FileSystemReader):
         while n is not None and n < len(out):  # short reads (pipes, remote files)
             more = f.readinto(out[n:]) if hasattr(f, "readinto") else _readinto(f, out[n:])
             if not more:
-                raise UCPError(f"checkpoint file ended early reading {index.fqn}", atom=index.fqn)
+                raise TruncatedFileError(f"checkpoint file ended early reading '{index.fqn}': the file is truncated",
+                                         atom=index.fqn, hint="restore the file from a good copy")
             n += more
         self._note(index, len(out))
 
@@ -475,6 +564,36 @@ class UCPFileSystemReader(FileSystemReader):
             raise UCPError(f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})")
         target.copy_(src)
         planner.commit_tensor(item, target)
+
+
+_UNVERIFIED = {
+    "none": "checkpoint {path} has no checksums: nothing this load reads is verified. Save with "
+            "ucp_dcp.save(...) or storage_writer=UCPFileSystemWriter(path) to get them (and an atomic commit).",
+    "partial": "checkpoint {path} was written by an older ucp_dcp: tensor data is verified, its metadata "
+               "and non-tensor values are not. Save it again with this version to protect them.",
+}
+
+
+def _names(atoms: list[str]) -> str:
+    return ", ".join(f"'{a}'" for a in atoms[:3]) + (f" and {len(atoms) - 3} more" if len(atoms) > 3 else "")
+
+
+def check_tables(md: Metadata) -> None:
+    """Every saved chunk and object must have a storage entry (else a read would be a bare
+    ``KeyError``): a metadata file whose tables disagree is corrupt."""
+    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise CorruptCheckpointError(f"checkpoint metadata lists object '{fqn}' but has no storage entry for it",
+                                             atom=fqn, hint="the checkpoint's metadata is damaged; restore it")
+            continue
+        for ch in smd.chunks:
+            if MetadataIndex(fqn, ch.offsets) not in storage:
+                raise CorruptCheckpointError(
+                    f"checkpoint metadata lists chunk {list(ch.offsets)} of atom '{fqn}' but has no storage entry "
+                    "for it", atom=fqn, saved=list(ch.offsets),
+                    hint="the checkpoint's metadata is damaged; restore it from a good copy")
 
 
 def _chunk_meta(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:

@@ -1,14 +1,16 @@
-"""``UCPFileSystemWriter``: DCP's file format, plus what ranged reads and checksums need.
+"""``UCPFileSystemWriter``: DCP's file format, plus checksums of every byte and an atomic commit.
 
-Each item is still one ``torch.save`` zip inside a ``__<rank>_<n>.distcp`` file, and
-``Metadata.storage_data`` still maps every ``MetadataIndex`` to DCP's ``_StorageInfo``, so the stock
-``FileSystemReader``, default planner and ``dcp_to_torch_save`` read these checkpoints. In addition,
-under the reserved index ``MetadataIndex("__ucp_io__")`` (builtins only), it records per tensor item
-where its elements start inside the item and a checksum (XXH3-64) per 1 MiB block of tensor bytes. Tensors are
-written row-major and compact, so any box of a chunk is a set of byte runs.
+Each item is still one ``torch.save`` zip inside a ``.distcp`` file, and ``Metadata.storage_data``
+still maps every ``MetadataIndex`` to DCP's ``_StorageInfo``, so the stock ``FileSystemReader``,
+default planner and ``dcp_to_torch_save`` read these checkpoints. In addition, under the reserved
+index ``MetadataIndex("__ucp_io__")`` (builtins only), it records per tensor item where its
+elements start inside the item, a checksum (XXH3-64) per 1 MiB block of tensor bytes and one of the
+item's other bytes, and per object item checksums of its bytes. Tensors are written row-major and
+compact, so any box of a chunk is a set of byte runs.
 
-It also removes a stale ``.metadata`` before writing into an existing checkpoint folder: a save that
-dies half-way must not leave the old metadata pointing at half-overwritten files.
+Data files get names no earlier save used, and the save commits by renaming ``.metadata`` into
+place after its integrity sidecar (:mod:`ucp_dcp.commit`): a save that dies never costs the
+checkpoint it was replacing.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+import pickle
 from contextlib import contextmanager
-from torch.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
     _split_by_size_and_type,
@@ -35,8 +39,12 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, block_checksums
+from .commit import commit, new_token
+from .errors import UCPError
+from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums
+from .sidecar import encode_sidecar
 
 __all__ = ["UCPFileSystemWriter", "item_key"]
 
@@ -50,13 +58,16 @@ class _Tracked(io.RawIOBase):
         self._expect: memoryview | None = None
         self._addr = 0
         self.found: int | None = None
+        self.frame: Any = None
 
     def writable(self) -> bool:
         return True
 
     def expect(self, data: memoryview) -> None:
+        """Look for ``data`` among the next writes; hash every other byte written (the item's frame)."""
         self._expect, self.found = data, None
         self._addr = _address(data)
+        self.frame = xxhash.xxh3_64()
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
@@ -66,6 +77,11 @@ class _Tracked(io.RawIOBase):
             # content for small copies
             if _address(mv) == self._addr or (n <= 1 << 16 and mv.tobytes() == self._expect.tobytes()):
                 self.found = self.pos
+                self.stream.write(mv)
+                self.pos += n
+                return n
+        if self.frame is not None:
+            self.frame.update(mv)
         self.stream.write(mv)
         self.pos += n
         return n
@@ -110,15 +126,18 @@ def item_key(index: MetadataIndex) -> str:
 
 
 class UCPFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` that also records tensor data offsets and block checksums.
+    """``FileSystemWriter`` with checksums of every byte and an atomic commit (local folders).
 
     Args:
-        path: checkpoint folder.
-        checksums: compute a checksum per 1 MiB block of tensor bytes (verified by
-            ``UCPFileSystemReader``). Costs one hash pass over the data at save, overlapped with the
-            writes and the fsync.
+        path: checkpoint folder. It may hold a checkpoint already: that one stays loadable until
+            this save commits, and its files are removed after.
+        checksums: compute a checksum per 1 MiB block of tensor bytes, of each item's other bytes and
+            of every object (verified by ``UCPFileSystemReader`` and ``python -m ucp_dcp verify``).
+            Costs one hash pass over the data at save, overlapped with the writes and the fsync.
         thread_count: writer threads (one file per thread and rank).
-        sync_files: fsync every file (DCP's default).
+        sync_files: fsync every file and the folder (DCP's default). Without it a power loss can
+            still lose the commit; a process crash cannot.
+        overwrite: allow saving into a folder that holds a checkpoint (DCP's default).
         zip_crc32: let ``torch.save`` compute the CRC32 of every zip record. Default: only when
             ``checksums`` is off. The block checksums already cover every tensor byte and
             ``torch.load`` never checks the zip CRC, which costs ~0.17 s of CPU per GiB. torch's
@@ -127,26 +146,33 @@ class UCPFileSystemWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, checksums: bool = True, thread_count: int = 1,
-                 sync_files: bool = True, zip_crc32: bool | None = None, **kwargs: Any) -> None:
-        super().__init__(path, thread_count=thread_count, sync_files=sync_files, **kwargs)
+                 sync_files: bool = True, overwrite: bool = True, zip_crc32: bool | None = None,
+                 **kwargs: Any) -> None:
+        if "://" in str(path):
+            raise UCPError(f"UCPFileSystemWriter writes local folders, got {path}",
+                           hint="save to a local folder and copy it (with its .ucp.*.json sidecar)")
+        super().__init__(path, thread_count=thread_count, sync_files=sync_files, overwrite=overwrite, **kwargs)
         self.checksums = checksums
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
+        self.removed: list[str] = []
+        """Files the last commit removed (the replaced checkpoint's and stray ones)."""
 
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # the coordinator runs this before any rank writes: an old .metadata would otherwise
-        # describe files that this save is about to overwrite
-        meta = self._get_metadata_path()
-        if self.fs.exists(meta):
-            self.fs.rm_file(meta)
-        return super().prepare_global_plan(plans)
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.fs.mkdir(self.path)
+        if not self.overwrite and self.fs.exists(self._get_metadata_path()):
+            raise UCPError(f"a checkpoint exists in {self.path} and overwrite=False",
+                           hint="save into another folder, or pass overwrite=True")
+        return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         work: queue.Queue = queue.Queue()
         buckets = _split_by_size_and_type(self.thread_count, plan.items) if self.single_file_per_rank else [
             [it] for it in plan.items]
-        for i, bucket in enumerate(buckets):
-            name = f"{storage_plan.prefix}{i}{DEFAULT_SUFFIX}"
+        # names no earlier save used: the checkpoint this save replaces keeps its files until commit
+        token = new_token()
+        for i, bucket in enumerate(b for b in buckets if b):
+            name = f"{storage_plan.prefix}{token}_{i}{DEFAULT_SUFFIX}"
             work.put((self.fs.concat_path(self.path, name), name, bucket))
         results: list[WriteResult] = []
         errors: list[BaseException] = []
@@ -167,7 +193,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                 with lock:
                     results.extend(out)
 
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(1, min(self.thread_count, len(buckets)))]
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(1, min(self.thread_count, work.qsize()))]
         with _zip_crc32(self.zip_crc32):
             for t in threads:
                 t.start()
@@ -190,7 +216,10 @@ class UCPFileSystemWriter(FileSystemWriter):
                 data = planner.resolve_data(item)
                 extra = None
                 if item.type == WriteItemType.BYTE_IO:
-                    out.write(data.getbuffer())
+                    buf = data.getbuffer()
+                    out.write(buf)
+                    if self.checksums:  # objects: checksums of the whole item
+                        extra = [0, block_checksums(buf, BLOCK, DEFAULT_HASH), None]
                 else:
                     extra = self._write_tensor(out, data, hash_pool)
                 info = _StorageInfo(name, offset, out.pos - offset)
@@ -210,9 +239,9 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
         """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
-        taken from the write that carried them. Returns ``[data_offset, sums]`` where ``sums`` is a
-        future: they are computed concurrently from the tensor's own memory (which the planner
-        keeps alive until the write finishes)."""
+        taken from the write that carried them. Returns ``[data_offset, sums, frame]`` where ``sums``
+        is a future: they are computed concurrently from the tensor's own memory (which the planner
+        keeps alive until the write finishes); ``frame`` is the checksum of the item's other bytes."""
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -224,19 +253,26 @@ class UCPFileSystemWriter(FileSystemWriter):
         out.expect(raw)
         torch.save(t, out)
         data_offset = out.found - start if out.found is not None else -1
-        return [data_offset, sums if sums is not None else []]
+        frame = int(out.frame.intdigest()) if self.checksums else None
+        out.frame = None
+        return [data_offset, sums if sums is not None else [], frame]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         table: dict[str, Any] = {}
-        plain: list[list[WriteResult]] = []
+        storage: dict[MetadataIndex, Any] = {}
+        files: dict[str, int] = {}
         for rank_results in results:
-            out = []
             for wr in rank_results:
                 info, extra = wr.storage_data if isinstance(wr.storage_data, tuple) else (wr.storage_data, None)
                 if extra is not None:
                     table[item_key(wr.index)] = extra
-                out.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=info))
-            plain.append(out)
-        io_info = {"version": 1, "block": BLOCK, "algo": DEFAULT_HASH if self.checksums else None, "items": table}
-        plain.append([WriteResult(index=MetadataIndex(IO_KEY), size_in_bytes=0, storage_data=io_info)])
-        super().finish(metadata, plain)
+                storage[wr.index] = info
+                files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
+        storage[MetadataIndex(IO_KEY)] = {"version": IO_VERSION, "block": BLOCK,
+                                          "algo": DEFAULT_HASH if self.checksums else None, "items": table}
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        md_bytes = pickle.dumps(metadata)
+        self.removed = commit(str(self.path), md_bytes, encode_sidecar(metadata, md_bytes, files), set(files),
+                              sync=self.sync_files)
