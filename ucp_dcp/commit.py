@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .io_format import IO_KEY
@@ -204,7 +204,7 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
             ".ucp.*.json files to read it unverified",
         )
     md = safe_unpickle(md_bytes, trust=trust, where=f".metadata in {path}")
-    io = (md.storage_data or {}).get(IO_KEY) if isinstance(md.storage_data, dict) else None
+    io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) if isinstance(md.storage_data, dict) else None
     if isinstance(io, dict) and io.get("version", 1) >= 2:
         raise CorruptCheckpointError(
             f"the checkpoint in {path} was written with an integrity sidecar, which is missing",
