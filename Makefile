@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test reconfig titan-demo bench bench-quick setup clean
+.PHONY: demo test test-quick faults reconfig titan-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# the inner loop: everything not marked slow (no multi-process or end-to-end runs)
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+# fault injection: 100 bit flips, 20 truncations, 20 kills mid-save, crafted pickles; last line is the summary
+faults: $(STAMP)
+	$(BIN)/python recipes/faults.py
+
 # a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
 titan-demo: $(STAMP)
 	$(BIN)/python recipes/titan_resume.py
@@ -34,6 +42,10 @@ reconfig: $(STAMP)
 # UCP against DCP's default planners and storage, one run: table + JSON (docs/performance.md)
 bench: $(STAMP)
 	$(BIN)/python recipes/benchmark.py --json runs/benchmark.json
+
+# what atomic commit + checksums cost at save, and verify's rate vs a raw read (docs/reliability.md)
+bench-trust: $(STAMP)
+	$(BIN)/python recipes/bench_trust.py --json runs/bench_trust.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python recipes/benchmark.py --quick --json runs/benchmark-quick.json

@@ -63,6 +63,9 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     keys = set(FileSystemReader(export).read_metadata().state_dict_metadata)
     assert "layers.0.attention.qkv_linear.wk.weight" in keys and not [k for k in keys if "wqkv" in k], sorted(keys)[:8]
     assert not [k for k in keys if k.split(".")[0] in ("optimizer", "train_state", "lr_scheduler", "dataloader")]
+    from ucp_dcp.inspect import open_path
+
+    assert open_path(export)[1].status == "verified", "the option saves through ucp_dcp's storage (checksums, commit)"
     tr._run({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),
                                           "--checkpoint.initial_load_model_only"],
             {"UCP_TITAN_STATE": str(load / "loaded.pt")}, config=tr.STOCK_CONFIG, overrides=overrides)

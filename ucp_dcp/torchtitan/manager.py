@@ -40,7 +40,9 @@ from ..errors import PatternError, UCPError
 from ..inspect import read_metadata
 from ..load_planner import UCPLoadPlanner
 from ..patterns import Fused, Reduce, Rule, anchored_in, rule_from_json
+from ..reader import UCPFileSystemReader
 from ..save_planner import UCPSavePlanner
+from ..writer import UCPFileSystemWriter
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
@@ -247,24 +249,33 @@ def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
     return rules
 
 
+def _with_storage(kwargs: dict[str, Any], key: str, cls: type) -> dict[str, Any]:
+    """Our storage for a local ``checkpoint_id`` that came without one: checksums, atomic commit,
+    safe opening (torchtitan passes ``storage_writer=None`` unless it writes Hugging Face files)."""
+    cid = kwargs.get("checkpoint_id")
+    if kwargs.get(key) is None and cid is not None and "://" not in str(cid):
+        kwargs[key] = cls(cid)
+    return kwargs
+
+
 class _PlannerDCP:
     """Stands in for the ``dcp`` module inside torchtitan's checkpointer for one call, adding our
-    planner to ``save``/``async_save``/``load``; everything else is the real module."""
+    planner and storage to ``save``/``async_save``/``load``; everything else is the real module."""
 
     def __init__(self, real: Any, save: Any, load: Any) -> None:
         self._real, self._save, self._load = real, save, load
 
     def save(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("planner", self._save())
-        return self._real.save(*args, **kwargs)
+        return self._real.save(*args, **_with_storage(kwargs, "storage_writer", UCPFileSystemWriter))
 
     def async_save(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("planner", self._save())
-        return self._real.async_save(*args, **kwargs)
+        return self._real.async_save(*args, **_with_storage(kwargs, "storage_writer", UCPFileSystemWriter))
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("planner", self._load())
-        return self._real.load(*args, **kwargs)
+        return self._real.load(*args, **_with_storage(kwargs, "storage_reader", UCPFileSystemReader))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
