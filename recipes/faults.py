@@ -8,7 +8,7 @@
   uses, e.g. a zip header). A load that returns different values without an error is *silent*.
 * **truncations**: a random file cut at a random length; caught as above.
 * **crashes**: 4 ranks save over the folder's checkpoint; one random rank is SIGKILLed at a random
-  moment of the save (uniform over 1.25x a measured save time), then the whole job. *Lost* when the
+  moment of the save (uniform over 1.3x a measured save time), then the whole job. *Lost* when the
   folder then loads neither the previous nor the new state bitwise.
 * **code-exec**: crafted ``.metadata`` pickles (``inspect``, ``verify``, load), a crafted object
   value written by a hostile writer with valid checksums, and a crafted tensor record in a stock
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 ROWS, COLS = 96, 1024  # per rank: 384 KiB of the sharded parameter (flips and truncations)
-CRASH_ROWS = 2048      # per rank for crash runs: 8 MiB, so a save lasts long enough to be hit
+CRASH_ROWS = 8192      # per rank for crash runs: 32 MiB, so a save lasts long enough to be hit
 
 
 # -- the state: DTensor shards, a replicated tensor, objects (some holding tensors) -------------------
@@ -121,6 +121,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, gen: int, rows: in
     q.put(("done", rank, time.time()))
     dist.barrier()
     dist.destroy_process_group()
+    q.close()
+    q.join_thread()  # the queue's feeder thread must flush before os._exit
     os._exit(0)
 
 
@@ -136,26 +138,45 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+class JobDidNotStart(RuntimeError):
+    """The ranks did not all reach the save (a start-up failure, not a result)."""
+
+
 def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None = None,
              rng: random.Random | None = None) -> dict[str, Any]:
     """Run a ``world``-rank save of generation ``gen``; with ``kill_after``, SIGKILL a random rank that
-    many seconds after all ranks started saving, then the rest of the job."""
+    many seconds after all ranks started saving, then the rest of the job. Start-up failures are
+    retried (they say nothing about the checkpoint)."""
+    for attempt in range(3):
+        try:
+            return _save_job(folder, gen, world, rows, kill_after, rng)
+        except JobDidNotStart as e:
+            print(f"  (job did not start, retrying: {e})", flush=True)
+    raise JobDidNotStart("three attempts")
+
+
+def _save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None,
+              rng: random.Random | None) -> dict[str, Any]:
+    import queue as queue_mod
+
     ctx = _ctx()
     q = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, folder, gen, rows, q)) for r in range(world)]
     for p in procs:
         p.start()
-    starts, dones, victim = [], [], None
-    deadline = time.time() + 120
+    starts, dones = [], []
     try:
-        while len(starts) < world and time.time() < deadline:
-            kind, _, t = q.get(timeout=120)
-            (starts if kind == "start" else dones).append(t)
+        try:
+            while len(starts) < world:
+                kind, _, t = q.get(timeout=60)
+                (starts if kind == "start" else dones).append(t)
+        except queue_mod.Empty:
+            raise JobDidNotStart(f"{len(starts)}/{world} ranks reached the save") from None
         t0 = max(starts)
         if kill_after is None:
             while len(dones) < world:
-                kind, _, t = q.get(timeout=120)
+                kind, _, t = q.get(timeout=300)
                 if kind == "done":
                     dones.append(t)
             for p in procs:
@@ -163,7 +184,10 @@ def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | N
             return {"seconds": max(dones) - t0, "killed": None}
         time.sleep(max(0.0, t0 + kill_after - time.time()))
         victim = (rng or random).randrange(world)
-        os.kill(procs[victim].pid, signal.SIGKILL)
+        try:
+            os.kill(procs[victim].pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had already finished: a kill after the save
+            pass
         time.sleep(0.3)  # the job notices (or not) and is torn down
         return {"seconds": None, "killed": victim}
     finally:
@@ -233,11 +257,13 @@ def crash_trials(n: int, work: str, rng: random.Random) -> tuple[int, list[str],
     states = {g: full_state(g, world, CRASH_ROWS) for g in range(n + 2)}
     current = 0
     save_job(folder, current, world, CRASH_ROWS)  # the good checkpoint every trial starts from
-    t_save = save_job(os.path.join(work, "calibrate"), 0, world, CRASH_ROWS)["seconds"]
+    calib = os.path.join(work, "calibrate")
+    save_job(calib, 0, world, CRASH_ROWS)
+    t_save = save_job(calib, 1, world, CRASH_ROWS)["seconds"]  # over a checkpoint, as in the trials
     lost, notes, kept = 0, [], {"previous": 0, "new": 0}
     for i in range(n):
         gen = i + 1
-        delay = rng.uniform(0.0, 1.25 * t_save)
+        delay = rng.uniform(0.0, 1.3 * t_save)
         info = save_job(folder, gen, world, CRASH_ROWS, kill_after=delay, rng=rng)
         try:
             got = load_single(folder, world, CRASH_ROWS)
@@ -371,21 +397,15 @@ def main() -> int:
         if run("flips") or run("truncations") or run("code-exec"):
             save_job(base, 1, 2, ROWS)
             print(f"base checkpoint: {len(_files(base))} files: {', '.join(_files(base))}", flush=True)
-        if run("flips"):
+        for kind, label, n in (("flip", "flips", a.flips), ("truncate", "truncations", a.truncations)):
+            if not run(label):
+                continue
             t = time.perf_counter()
-            c, nn, tally = damage_trials("flip", a.flips, base, work, 2, rng)
-            parts.append(f"flips {c}/{a.flips} caught")
-            bad |= c < a.flips
+            c, nn, tally = damage_trials(kind, n, base, work, 2, rng)
+            parts.append(f"{label} {c}/{n}" + (" caught" if kind == "flip" else ""))
+            bad |= c < n
             notes += nn
-            print(f"flips: {c}/{a.flips} caught by verify and load ({time.perf_counter() - t:.1f} s); "
-                  f"{dict(sorted(tally.items()))}", flush=True)
-        if run("truncations"):
-            t = time.perf_counter()
-            c, nn, tally = damage_trials("truncate", a.truncations, base, work, 2, rng)
-            parts.append(f"truncations {c}/{a.truncations}")
-            bad |= c < a.truncations
-            notes += nn
-            print(f"truncations: {c}/{a.truncations} caught by verify and load ({time.perf_counter() - t:.1f} s); "
+            print(f"{label}: {c}/{n} caught by verify and load ({time.perf_counter() - t:.1f} s); "
                   f"{dict(sorted(tally.items()))}", flush=True)
         if run("crashes") and a.crashes:
             t = time.perf_counter()
@@ -393,7 +413,7 @@ def main() -> int:
             parts.append(f"crashes {lost}/{a.crashes} lost")
             bad |= lost > 0
             notes += nn
-            print(f"crashes: {lost}/{a.crashes} lost (4 ranks, 32 MiB, save {t_save:.2f} s; "
+            print(f"crashes: {lost}/{a.crashes} lost (4 ranks, {4 * CRASH_ROWS * COLS * 4 >> 20} MiB, save {t_save:.2f} s; "
                   f"{time.perf_counter() - t:.1f} s)", flush=True)
         if run("code-exec"):
             ran, cases, nn = code_exec_cases(work, base)

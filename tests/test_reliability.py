@@ -321,9 +321,9 @@ def test_verify_catches_a_flip_in_an_item_frame(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,args,expect", [
-    ("flips", ["--flips", "24"], "flips 24/24 caught"),
-    ("truncations", ["--truncations", "8"], "truncations 8/8"),
-    ("crashes", ["--crashes", "3"], "crashes 0/3 lost"),
+    ("flips", ["--flips", "16"], "flips 16/16 caught"),
+    ("truncations", ["--truncations", "6"], "truncations 6/6"),
+    ("crashes", ["--crashes", "2"], "crashes 0/2 lost"),
     ("code-exec", [], "code-exec 0/5"),
 ])
 def test_fault_injection(kind, args, expect):

@@ -189,6 +189,10 @@ def _items(md: Metadata) -> dict[str, list[_Item]]:
     return out
 
 
+_OPEN_FAILURES = ((CheckpointNotFoundError, "not_found"), (IncompleteCheckpointError, "incomplete"),
+                  (CorruptCheckpointError, "corrupt"), (UCPError, "unsafe"))
+
+
 def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool = False) -> VerifyReport:
     """Check every byte of the checkpoint at ``path`` (local folder) against its checksums."""
     from .inspect import open_path
@@ -197,17 +201,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool =
     report = VerifyReport(folder, "ok")
     try:
         md, integ = open_path(folder, trust=trust)
-    except CheckpointNotFoundError as e:
-        report.status, report.problems = "not_found", [Problem(None, None, None, e.message)]
-        return report
-    except IncompleteCheckpointError as e:
-        report.status, report.problems = "incomplete", [Problem(None, None, None, e.message)]
-        return report
-    except CorruptCheckpointError as e:
-        report.status, report.problems = "corrupt", [Problem(None, None, None, e.message)]
-        return report
-    except UCPError as e:
-        report.status, report.problems = "unsafe", [Problem(None, None, None, e.message)]
+    except UCPError as e:  # the checkpoint cannot be opened: say why, check nothing else
+        report.status = next(status for cls, status in _OPEN_FAILURES if isinstance(e, cls))
+        report.problems = [Problem(None, None, None, e.message)]
         return report
     report.integrity = integ.describe()
     io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) or {}
