@@ -321,3 +321,16 @@ def test_dtype_error_survives_pickle():
 def test_allow_lossy_dtype_survives_planner_pickle():
     assert pickle.loads(pickle.dumps(UCPLoadPlanner(allow_lossy_dtype=True))).allow_lossy_dtype is True
     assert pickle.loads(pickle.dumps(UCPLoadPlanner())).allow_lossy_dtype is False
+
+
+def test_sets_digest_alike_whatever_the_hash_seed():
+    """A set's pickle follows the process's string-hash seed; ranks differ in it (PYTHONHASHSEED)."""
+    import subprocess
+    import sys
+
+    code = ("from ucp_dcp.digests import value_digest; "
+            "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+            for seed in (1, 2, 3)}
+    assert len(outs) == 1 and outs != {""} and outs != {"None"}, outs

@@ -65,9 +65,26 @@ class _ValuePickler(pickle.Pickler):
         return None
 
 
+def _canonical(value: Any) -> Any:
+    """``value`` with every set (and frozenset) in plain containers sorted: a set pickles in
+    iteration order, which follows each process's string-hash seed, so ranks would disagree."""
+    if type(value) in (set, frozenset):
+        items = [_canonical(v) for v in value]
+        try:
+            items.sort()
+        except TypeError:
+            items.sort(key=repr)
+        return ("\x00ucp-set", type(value).__name__, items)
+    if type(value) is dict:
+        return {k: _canonical(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_canonical(v) for v in value)
+    return value
+
+
 def _object_bytes(value: Any) -> bytes:
     buf = io.BytesIO()
-    _ValuePickler(buf, protocol=4).dump(value)
+    _ValuePickler(buf, protocol=4).dump(_canonical(value))
     return buf.getvalue()
 
 
@@ -86,13 +103,6 @@ def value_digest(value: Any) -> int | None:
     else:
         try:
             h.update(_object_bytes(value))
-        except _NotComparable:
+        except Exception:  # _NotComparable, or not picklable: not compared
             return None
-        except Exception:
-            buf = io.BytesIO()
-            try:
-                torch.save(value, buf)
-            except Exception:
-                return None
-            h.update(buf.getvalue())
     return int.from_bytes(h.digest(), "little")
