@@ -190,6 +190,13 @@ def test_a_checkpoint_without_checksums_warns_once_and_says_how(tmp_path):
     assert verify(tmp_path).status == "unchecksummed" and verify(tmp_path).exit_code == 3
 
 
+def test_a_writer_without_checksums_is_reported_as_unverified(tmp_path):
+    dcp.save(_state(0), storage_writer=UCPFileSystemWriter(tmp_path, checksums=False), planner=UCPSavePlanner())
+    with pytest.warns(ucp_dcp.UnverifiedCheckpointWarning, match="no checksums"):
+        assert _same(_load(tmp_path), _state(0))
+    assert open_path(tmp_path)[1].status == "none" and verify(tmp_path).status == "unchecksummed"
+
+
 def test_a_load_through_the_stock_reader_warns_that_nothing_is_verified(tmp_path):
     ucp_dcp.save(_state(0), tmp_path)
     with pytest.warns(ucp_dcp.UnverifiedCheckpointWarning, match="verifies no checksums"):

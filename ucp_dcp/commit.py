@@ -194,7 +194,8 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
         files = {k: int(v) for k, v in body["files"].items()}
         io = body.get("io") or {}
         strays = [n for n in st.data_files if n not in files] + [n for n in st.sidecars if n != side] + st.tmp_files
-        return md, Integrity("verified", side, io.get("algo"), files, strays)
+        # a writer with checksums=False: the tables are checked, the data cannot be
+        return md, Integrity("verified" if io.get("algo") else "none", side, io.get("algo"), files, strays)
     if st.sidecars:
         raise CorruptCheckpointError(
             f".metadata in {path} matches none of its integrity records ({', '.join(st.sidecars)}): its bytes hash "
