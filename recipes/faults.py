@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException  # noqa: E402
+
 ROWS, COLS = 96, 1024  # per rank: 384 KiB of the sharded parameter (flips and truncations)
 CRASH_ROWS = 8192      # per rank for crash runs: 32 MiB, so a save lasts long enough to be hit
 
@@ -88,20 +90,23 @@ def equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def load_single(path: str, world: int, rows: int) -> dict[str, Any]:
-    """Load a checkpoint into one process at full size (a resharding load)."""
+def load_single(path: str, world: int, rows: int, system: str = "ucp") -> dict[str, Any]:
+    """Load a checkpoint into one process at full size (a resharding load); ``system="dcp"``: with
+    DCP's default planner and storage."""
+    import torch.distributed.checkpoint as dcp
+
     import ucp_dcp
 
     sd = empty_like_state(world, rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ucp_dcp.load(sd, path)
+        ucp_dcp.load(sd, path) if system == "ucp" else dcp.load(sd, checkpoint_id=path)
     return sd
 
 
 # -- ranks ---------------------------------------------------------------------------------------------
 
-def _rank_main(rank: int, world: int, port: int, folder: str, gen: int, rows: int, q: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, folder: str, gen: int, rows: int, q: Any, system: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
     warnings.simplefilter("ignore")
@@ -117,7 +122,12 @@ def _rank_main(rank: int, world: int, port: int, folder: str, gen: int, rows: in
     sd = local_state(rank, world, gen, rows)
     dist.barrier()
     q.put(("start", rank, time.time()))
-    ucp_dcp.save(sd, folder)
+    if system == "ucp":
+        ucp_dcp.save(sd, folder)
+    else:  # DCP's default planner and FileSystemWriter, for comparison
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, checkpoint_id=folder)
     q.put(("done", rank, time.time()))
     dist.barrier()
     dist.destroy_process_group()
@@ -143,26 +153,26 @@ class JobDidNotStart(RuntimeError):
 
 
 def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None = None,
-             rng: random.Random | None = None) -> dict[str, Any]:
+             rng: random.Random | None = None, system: str = "ucp") -> dict[str, Any]:
     """Run a ``world``-rank save of generation ``gen``; with ``kill_after``, SIGKILL a random rank that
     many seconds after all ranks started saving, then the rest of the job. Start-up failures are
     retried (they say nothing about the checkpoint)."""
     for attempt in range(3):
         try:
-            return _save_job(folder, gen, world, rows, kill_after, rng)
+            return _save_job(folder, gen, world, rows, kill_after, rng, system)
         except JobDidNotStart as e:
             print(f"  (job did not start, retrying: {e})", flush=True)
     raise JobDidNotStart("three attempts")
 
 
 def _save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None,
-              rng: random.Random | None) -> dict[str, Any]:
+              rng: random.Random | None, system: str) -> dict[str, Any]:
     import queue as queue_mod
 
     ctx = _ctx()
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folder, gen, rows, q)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, folder, gen, rows, q, system)) for r in range(world)]
     for p in procs:
         p.start()
     starts, dones = [], []
@@ -213,7 +223,7 @@ def _judge(path: str, want: dict[str, Any], world: int, rows: int) -> tuple[str,
         outcome = "harmless" if equal(got, want) else "silent"
     except ucp_dcp.UCPError:
         outcome = "raised"
-    except Exception as e:  # anything but our errors is a failure of its own
+    except (Exception, _CheckpointException) as e:  # anything but our errors is a failure of its own
         outcome = f"foreign:{type(e).__name__}:{e}"[:160]
     return outcome, verify(path).exit_code != 0
 
@@ -251,24 +261,24 @@ def damage_trials(kind: str, n: int, base: str, work: str, world: int, rng: rand
     return caught, notes, tally
 
 
-def crash_trials(n: int, work: str, rng: random.Random) -> tuple[int, list[str], float]:
+def crash_trials(n: int, work: str, rng: random.Random, system: str = "ucp") -> tuple[int, list[str], float]:
     world = 4
     folder = os.path.join(work, "crash")
     states = {g: full_state(g, world, CRASH_ROWS) for g in range(n + 2)}
     current = 0
-    save_job(folder, current, world, CRASH_ROWS)  # the good checkpoint every trial starts from
+    save_job(folder, current, world, CRASH_ROWS, system=system)  # the good checkpoint every trial starts from
     calib = os.path.join(work, "calibrate")
-    save_job(calib, 0, world, CRASH_ROWS)
-    t_save = save_job(calib, 1, world, CRASH_ROWS)["seconds"]  # over a checkpoint, as in the trials
+    save_job(calib, 0, world, CRASH_ROWS, system=system)
+    t_save = save_job(calib, 1, world, CRASH_ROWS, system=system)["seconds"]  # over a checkpoint, as in the trials
     lost, notes, kept = 0, [], {"previous": 0, "new": 0}
     for i in range(n):
         gen = i + 1
         delay = rng.uniform(0.0, 1.3 * t_save)
-        info = save_job(folder, gen, world, CRASH_ROWS, kill_after=delay, rng=rng)
+        info = save_job(folder, gen, world, CRASH_ROWS, kill_after=delay, rng=rng, system=system)
         try:
-            got = load_single(folder, world, CRASH_ROWS)
+            got = load_single(folder, world, CRASH_ROWS, system)
             which = next((g for g in (current, gen) if equal(got, states[g])), None)
-        except Exception as e:
+        except (Exception, _CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             got, which = None, None
             notes.append(f"crash {i}: rank {info['killed']} killed {delay:.3f}s into the save: load raised {e!r}"[:300])
         if which is None:
@@ -281,14 +291,19 @@ def crash_trials(n: int, work: str, rng: random.Random) -> tuple[int, list[str],
     notes.append(f"after the kills the folder held the previous checkpoint {kept['previous']}x, the new one "
                  f"{kept['new']}x")
     # the next save removes what the interrupted ones left
-    save_job(folder, n + 1, world, CRASH_ROWS)
-    if not equal(load_single(folder, world, CRASH_ROWS), states[n + 1]):
+    save_job(folder, n + 1, world, CRASH_ROWS, system=system)
+    try:
+        back_ok = equal(load_single(folder, world, CRASH_ROWS, system), states[n + 1])
+    except (Exception, _CheckpointException) as e:
+        back_ok = False
+        notes.append(f"loading the save after the crashes raised {e!r}"[:300])
+    if not back_ok:
         lost += 1
         notes.append("the save after the crashes did not load back")
     import ucp_dcp.inspect as ins
 
     _, integ = ins.open_path(folder)
-    if integ.strays:
+    if integ.strays and system == "ucp":
         notes.append(f"stray files left after a clean save: {integ.strays}")
         lost += 1
     return lost, notes, t_save
@@ -386,6 +401,8 @@ def main() -> int:
     ap.add_argument("--crashes", type=int, default=20)
     ap.add_argument("--only", choices=["flips", "truncations", "crashes", "code-exec"], default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system", choices=["ucp", "dcp"], default="ucp",
+                    help="crashes only: 'dcp' runs the same kills against DCP's default planner and storage")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     rng = random.Random(a.seed)
@@ -409,8 +426,8 @@ def main() -> int:
                   f"{dict(sorted(tally.items()))}", flush=True)
         if run("crashes") and a.crashes:
             t = time.perf_counter()
-            lost, nn, t_save = crash_trials(a.crashes, work, rng)
-            parts.append(f"crashes {lost}/{a.crashes} lost")
+            lost, nn, t_save = crash_trials(a.crashes, work, rng, a.system)
+            parts.append(f"crashes {lost}/{a.crashes} lost" + (" (DCP default)" if a.system == "dcp" else ""))
             bad |= lost > 0
             notes += nn
             print(f"crashes: {lost}/{a.crashes} lost (4 ranks, {4 * CRASH_ROWS * COLS * 4 >> 20} MiB, save {t_save:.2f} s; "
