@@ -241,20 +241,18 @@ class UCPFileSystemReader(FileSystemReader):
             cs.sort(key=lambda c: self.storage_data[c.index].offset)
             atoms = sorted({c.index.fqn for c in cs})
             try:
-                stream = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
-                f = stream.__enter__()
-            except FileNotFoundError:
+                with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+                    self._check_size(f, rel, atoms)
+                    for c in cs:
+                        self._read_chunk(f, rel, c, planner, positions, send, keep)
+            except FileNotFoundError as e:
+                if isinstance(e, UCPError):
+                    raise
                 raise MissingFileError(
                     f"checkpoint file {rel} is missing from {self.path} (it holds {_names(atoms)})",
                     atom=atoms[0], saved=rel,
                     hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
                 ) from None
-            try:
-                self._check_size(f, rel, atoms)
-                for c in cs:
-                    self._read_chunk(f, rel, c, planner, positions, send, keep)
-            finally:
-                stream.__exit__(None, None, None)
 
         self._bytes_out: list[tuple[ReadItem, memoryview]] = []
         work = sorted(by_file.items())

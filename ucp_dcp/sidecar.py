@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .io_format import IO_KEY
+from .layout import dtype_from_name, dtype_name
 
 __all__ = ["SIDECAR_PREFIX", "SIDECAR_SUFFIX", "FORMAT", "sidecar_name", "metadata_hash", "encode_sidecar",
            "decode_sidecar", "SafeUnpickler", "safe_unpickle"]
@@ -89,15 +90,11 @@ def _dec(x: Any) -> Any:
     return x
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype(name: str) -> torch.dtype:
-    d = getattr(torch, name, None)
-    if not isinstance(d, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in the checkpoint's sidecar")
-    return d
+    try:
+        return dtype_from_name(name)
+    except ValueError:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in the checkpoint's sidecar") from None
 
 
 # -- Metadata <-> sidecar -----------------------------------------------------------------------------
@@ -107,7 +104,7 @@ def encode_sidecar(md: Metadata, md_bytes: bytes, files: dict[str, int]) -> byte
     state = []
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, TensorStorageMetadata):
-            state.append([fqn, _dtype_name(smd.properties.dtype), list(smd.size),
+            state.append([fqn, dtype_name(smd.properties.dtype), list(smd.size),
                           [[list(c.offsets), list(c.sizes)] for c in smd.chunks]])
         else:
             state.append([fqn])

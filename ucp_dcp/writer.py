@@ -77,10 +77,7 @@ class _Tracked(io.RawIOBase):
             # content for small copies
             if _address(mv) == self._addr or (n <= 1 << 16 and mv.tobytes() == self._expect.tobytes()):
                 self.found = self.pos
-                self.stream.write(mv)
-                self.pos += n
-                return n
-        if self.frame is not None:
+        if self.frame is not None and self.found != self.pos:  # every byte but the data's
             self.frame.update(mv)
         self.stream.write(mv)
         self.pos += n
