@@ -51,6 +51,7 @@ from .reader import read_key
 from .renumber import IndexMap
 from .replicas import check_rules_and_ownership, zero_like
 from .resolve import Resolved, Resolver
+from .staging import needs_staging, split_reads, staging_forced
 from .state import Entry, GroupTarget
 from .transport import assign_readers
 
@@ -184,6 +185,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if problems:
             raise _combine(problems)
         self._patterns.note_names(_saved_names(self.metadata, self._catalog))
+        # reads into device targets are cut to the staging buffer's size (bounded host memory,
+        # also for pieces other ranks send)
+        forced = staging_forced()
+        reads = split_reads(reads, lambda it: _itemsize(self.metadata, it),
+                            lambda it: needs_staging(self._targets[it.dest_index.fqn].local, forced))
         # the read items stay here: the coordinator only needs a compact summary of them
         self._reads = reads
         summary: dict[str, Any] = {
@@ -209,10 +215,13 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             hosts = np.unique(np.array(names, dtype=object).astype(str), return_inverse=True)[1]
         plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds], hosts=hosts)
         glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
+        # every rank learns whether anyone exchanges: a side group (NCCL-only jobs) is created by all
+        exchanges = any(t["send"] for t in plans)
         return [
             LoadPlan([], planner_data={"transport": {
                 "send": [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
-                "recv": {ranks[r]: idx for r, idx in t["recv"].items()}}})
+                "recv": {ranks[r]: idx for r, idx in t["recv"].items()},
+                "ranks": ranks if exchanges else None}})
             for t in plans
         ]
 
@@ -368,6 +377,10 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
             hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
             "or UCPLoadPlanner(trust=True)), or allow the type with torch.serialization.add_safe_globals([...])",
         ) from None
+
+
+def _itemsize(md: Metadata, item: ReadItem) -> int:
+    return torch.empty((), dtype=md.state_dict_metadata[item.storage_index.fqn].properties.dtype).element_size()
 
 
 def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:

@@ -8,12 +8,14 @@ one open file per thread, in offset order. A single contiguous run of matching d
 in the target tensor; anything else goes through a buffer of at most one chunk's needed bytes.
 Pieces the coordinator marked as shared are read by one rank and sent to the others
 (:mod:`ucp_dcp.transport`). Items this reader cannot read by ranges (stream transforms, foreign
-records) fall back to DCP's whole-item path.
+records) fall back to DCP's whole-item path. Device targets (CUDA tensors) are reached through
+bounded host staging buffers and non-blocking copies (:mod:`ucp_dcp.staging`).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import pickle
@@ -39,7 +41,9 @@ from .errors import (ChecksumError, CorruptCheckpointError, MissingFileError, Tr
                      UnsafeCheckpointError, UnverifiedCheckpointWarning)
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
                         block_hash, parse_tensor_record, split_grid)
-from .transport import Incoming, as_bytes_tensor, exchange
+from . import staging as _staging
+from .staging import BUFFERS_PER_THREAD, StagingPool, needs_staging, split_box, split_reads, staging_forced, to_device
+from .transport import Incoming, as_bytes_tensor, exchange, p2p_group
 from .writer import item_key
 
 __all__ = ["UCPFileSystemReader", "ReadStats", "read_key"]
@@ -69,6 +73,20 @@ class ReadStats:
     """Items read whole, DCP-style (transforms or foreign records)."""
     seconds: float = 0.0
     """Wall time of ``read_data`` (reads, verification and transfers; not DCP's planning collectives)."""
+    staged_bytes: int = 0
+    """Bytes that reached their targets through staging buffers (device targets, or forced)."""
+    staging_buffers: int = 0
+    """Staging buffers allocated (each ``stage_bytes``; pinned for CUDA targets)."""
+    staging_waits: int = 0
+    """Times a read waited for a device copy to free a staging buffer."""
+
+
+@dataclass
+class _Staged:
+    """A staging buffer being filled for a target that cannot take host writes."""
+
+    target: torch.Tensor
+    buf: torch.Tensor
 
 
 @dataclass
@@ -95,10 +113,12 @@ class UCPFileSystemReader(FileSystemReader):
             checkpoint has them).
         trust: unpickle a checkpoint's metadata without the allow-list (only for checkpoints from a
             source you trust whose metadata holds other types).
+        staging: ``"auto"``: stage only non-CPU targets through host buffers; ``"always"``: CPU
+            targets too (exercises the device path without a GPU). None: ``$UCP_DCP_STAGING``.
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
-                 trust: bool = False, _extension_registry: Any = None) -> None:
+                 trust: bool = False, staging: str | None = None, _extension_registry: Any = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
@@ -108,6 +128,10 @@ class UCPFileSystemReader(FileSystemReader):
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
         self.trust = trust
+        self._forced = staging_forced(staging)
+        self.stage_bytes = _staging.STAGE_BYTES
+        """Size of a staging buffer (and the largest item read into one)."""
+        self._pool: StagingPool | None = None
         self.stats = ReadStats()
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
@@ -160,6 +184,7 @@ class UCPFileSystemReader(FileSystemReader):
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
         keep: dict[int, bytes | memoryview] = {}
         error: BaseException | None = None
+        self._pool = None
         try:
             self._read_local(plan, planner, recv_items, send_items, keep)
         except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
@@ -172,7 +197,13 @@ class UCPFileSystemReader(FileSystemReader):
                 sends.setdefault(dst, []).append(payload)
         incoming = {src: [self._incoming(plan, planner, pieces.tolist()) for pieces in msgs]
                     for src, msgs in transport["recv"].items()}
-        failed = exchange(sends, incoming, ok=error is None)
+        group = p2p_group(transport["ranks"]) if transport.get("ranks") else None
+        failed = exchange(sends, incoming, ok=error is None, group=group)
+        if self._pool is not None:  # the one wait for device copies in flight
+            self._pool.drain()
+            self.stats.staged_bytes = self._pool.stats.staged_bytes
+            self.stats.staging_buffers = self._pool.stats.allocated
+            self.stats.staging_waits = self._pool.stats.waits
         self.stats.seconds = time.perf_counter() - t0
         if error is not None:
             raise error
@@ -193,7 +224,8 @@ class UCPFileSystemReader(FileSystemReader):
         target = None
         if len(items) == 1 and items[0].type != LoadItemType.BYTE_IO and sizes[0]:
             t = planner.resolve_tensor(items[0]).detach()
-            if t.dtype == self._chunk_meta[items[0].storage_index][0] and t.is_contiguous():
+            if (t.dtype == self._chunk_meta[items[0].storage_index][0] and t.is_contiguous()
+                    and not needs_staging(t, self._forced)):
                 target = t
 
         def buffer() -> torch.Tensor:
@@ -219,9 +251,20 @@ class UCPFileSystemReader(FileSystemReader):
         chunks: dict[MetadataIndex, _Chunk] = {}
         byte_items: list[tuple[int, ReadItem]] = []
         positions = {id(it): i for i, it in enumerate(plan.items)}
+        local: list[tuple[int, ReadItem]] = []
         for i, item in enumerate(plan.items):
             if i in skip:
                 continue
+            if item.type == LoadItemType.BYTE_IO or i in send or self._item_nbytes(item) <= self.stage_bytes:
+                local.append((i, item))
+                continue
+            # a large item for a staged target (planners other than ours do not cut them): sub-boxes
+            # that fit a staging buffer, each read and copied on its own
+            for sub in split_reads([item], self._itemsize, lambda it: needs_staging(planner.resolve_tensor(it), self._forced),
+                                   self.stage_bytes):
+                positions[id(sub)] = i
+                local.append((i, sub))
+        for i, item in local:
             if item.type == LoadItemType.BYTE_IO:
                 byte_items.append((i, item))
                 continue
@@ -379,19 +422,29 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.items.append(item_key(c.index))
 
     def _destination(self, item: ReadItem, planner: LoadPlanner, record: TensorRecord, sending: bool,
-                     nbytes: int) -> tuple[torch.Tensor | None, memoryview]:
+                     nbytes: int) -> tuple[torch.Tensor | _Staged | None, memoryview]:
         """Where an item's bytes go: the target tensor's own memory when it can take them as they
-        are (same dtype, contiguous; a piece also sent to other ranks is sent from there), else a
-        packed buffer."""
+        are (same dtype, contiguous; a piece also sent to other ranks is sent from there); for a
+        device target a staging buffer; else a packed buffer."""
         target = planner.resolve_tensor(item).detach()
+        if needs_staging(target, self._forced):
+            if sending or not target.numel() or nbytes > self.stage_bytes:  # kept for the exchange: own memory
+                return None, memoryview(bytearray(nbytes))
+            buf = self._staging_pool(target).acquire()
+            return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
         if target.dtype == record.dtype and target.is_contiguous() and target.numel():
             return target, memoryview(target.view(-1).view(torch.uint8).numpy())
         return None, memoryview(bytearray(nbytes))
 
-    def _finish(self, item: ReadItem, planner: LoadPlanner, target: torch.Tensor | None, mv: memoryview,
+    def _finish(self, item: ReadItem, planner: LoadPlanner, target: torch.Tensor | _Staged | None, mv: memoryview,
                 record: TensorRecord, pos: int, send: set[int], keep: dict[int, bytes | memoryview]) -> None:
         if pos in send:
             keep[pos] = mv
+        if isinstance(target, _Staged):
+            assert self._pool is not None
+            to_device(self._pool, target.buf, record.dtype, tuple(item.lengths), target.target)
+            planner.commit_tensor(item, target.target)
+            return
         if target is not None:
             planner.commit_tensor(item, target)
             return
@@ -560,8 +613,34 @@ class UCPFileSystemReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if target.size() != src.size():
             raise UCPError(f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})")
-        target.copy_(src)
+        if needs_staging(target, self._forced) and len(data):
+            self._stage_copy(data, dtype, tuple(item.lengths), target)
+        else:
+            target.copy_(src)
         planner.commit_tensor(item, target)
+
+    def _stage_copy(self, data: Any, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor) -> None:
+        """Copy packed host bytes of a box into a staged target, one staging buffer at a time."""
+        pool = self._staging_pool(target)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        src = np.frombuffer(data, dtype=np.uint8)
+        strides = [math.prod(lengths[d + 1:]) for d in range(len(lengths))]
+        for offs, lens in split_box(lengths, itemsize, pool.buffer_bytes):
+            start = sum(o * s for o, s in zip(offs, strides)) * itemsize
+            n = math.prod(lens) * itemsize
+            buf = pool.acquire()
+            buf[:n].numpy()[:] = src[start:start + n]
+            to_device(pool, buf, dtype, lens, narrow_tensor_by_index(target, offs, lens))
+
+    def _staging_pool(self, target: torch.Tensor) -> StagingPool:
+        with self._lock:
+            if self._pool is None:  # pinned only for CUDA targets (a CPU-only torch cannot pin)
+                self._pool = StagingPool(self.stage_bytes, BUFFERS_PER_THREAD * max(1, self.thread_count),
+                                         pin=target.device.type == "cuda")
+            return self._pool
+
+    def _itemsize(self, item: ReadItem) -> int:
+        return torch.empty((), dtype=self._chunk_meta[item.storage_index][0]).element_size()
 
 
 _UNVERIFIED = {

@@ -97,6 +97,8 @@ def coordinate_save(pds: list[dict[str, Any]], reduced: dict[str, Any], lowest_r
             data["extra"] = extra
         if averages.get(rank):
             data["average"] = averages[rank]
+        if any(averages.values()):
+            data["exchange"] = True  # every rank, so a side group (NCCL-only jobs) is created by all
         plans.append(SavePlan([], planner_data=data))
     return plans, Metadata(state_dict_metadata=sdm, planner_data=planner_data)
 

@@ -34,6 +34,7 @@ from .renumber import IndexMap
 from .resolve import Resolved, Resolver
 from .save_global import check_all, coordinate_save, merge_cached, reduce_all
 from .save_local import avg_key, build_local, frag_key, is_averaged
+from .transport import p2p_group, send_device
 
 __all__ = ["UCPSavePlanner"]
 
@@ -213,39 +214,44 @@ class UCPSavePlanner(DefaultSavePlanner):
         items = compact.write_items(self._local.structure, self._local.items, keep)
         for name, kind, offsets, sizes, dtype in data.get("extra", ()):
             items.append(_reduced_item(name, kind, offsets, sizes, dtype))
-        self._averaged = self._average_replicas(data.get("average") or {})
+        self._averaged = self._average_replicas(data.get("average") or {}) if data.get("exchange") else {}
         self.plan = dataclasses.replace(new_plan, items=items, planner_data=None)
         return self.plan
 
     def _average_replicas(self, todo: dict[str, tuple[int, list[int]]]) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
         """``Replicated(check="average")``: every holder of a replicated piece sends it to the rank
-        that writes it, which saves the mean (point-to-point on the default group, so any save group
-        works; keys are visited in the same order everywhere)."""
-        if not todo:
-            return {}
+        that writes it, which saves the mean (point-to-point, global ranks, so any save group works;
+        keys are visited in the same order everywhere). Called on every rank when any rank averages."""
         if threading.current_thread() is not threading.main_thread():
+            atom = next(iter(todo), "a Replicated(check='average') atom")
             raise PatternError(
                 "Replicated(check='average') needs collectives and cannot run inside async_save's "
-                f"background thread (atom '{next(iter(todo))}')", atom=next(iter(todo)),
+                f"background thread (atom '{atom}')", atom=atom,
                 hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
             )
+        p2p_group()  # every rank at once: a side group, if the default group cannot carry host tensors
+        if not todo:
+            return {}
         me = dist.get_rank()
         frags = {avg_key(f): (r, f) for r in self._resolved if is_averaged(r) for f in r.fragments}
         out = {}
         for key in sorted(todo):
             writer, holders = todo[key]
             r, f = frags[key]
-            mine = f.view(r.local).detach().to(torch.float64).contiguous()
+            local = f.view(r.local).detach()
+            # device tensors over NCCL, host tensors over gloo (the default group or a side group)
+            device, group = send_device(local)
+            mine = local.to(device=device, dtype=torch.float64).contiguous()
             if me != writer:
-                dist.isend(mine, writer).wait()
+                dist.isend(mine, writer, group=group).wait()
                 continue
             parts = {me: mine}
             bufs = {h: torch.empty_like(mine) for h in holders if h != me}
-            for w in [dist.irecv(buf, h) for h, buf in bufs.items()]:
+            for w in [dist.irecv(buf, h, group=group) for h, buf in bufs.items()]:
                 w.wait()
             parts.update(bufs)
             total = sum(parts[h] for h in sorted(parts))
-            out[(f.atom, f.box.offsets)] = (total / len(parts)).to(r.local.dtype)
+            out[(f.atom, f.box.offsets)] = (total / len(parts)).to(device=r.local.device, dtype=r.local.dtype)
         return out
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

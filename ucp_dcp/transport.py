@@ -9,6 +9,11 @@ point-to-point message per consumer on the default group (global ranks): an int6
 that failed (e.g. a checksum mismatch) still sends every header, with ``status = 1``, so no
 consumer waits forever; every rank raises after the exchange. A consumer receives one bundle at a
 time, so its extra memory is one packed bundle at most.
+
+Messages are host bytes. They travel on the default group when it carries CPU tensors (``gloo``,
+``cpu:gloo,cuda:nccl``); under a default group that does not (NCCL only, as torchtitan sets up on
+GPUs) on one gloo side group over the load's ranks, created on first use and reused
+(:func:`p2p_group`). ``UCP_DCP_P2P=side`` forces the side group (tests on gloo).
 """
 
 from __future__ import annotations
@@ -17,13 +22,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import os
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .errors import UCPError
 
-__all__ = ["BUNDLE", "SOLO", "Incoming", "assign_readers", "exchange", "as_bytes_tensor"]
+__all__ = ["BUNDLE", "SOLO", "P2P_ENV", "Incoming", "assign_readers", "exchange", "as_bytes_tensor", "carries_cpu",
+           "p2p_group", "send_device"]
+
+P2P_ENV = "UCP_DCP_P2P"
+"""``side``: send host bytes on the gloo side group even when the default group could carry them."""
 
 
 BUNDLE = 16 << 20
@@ -121,24 +132,64 @@ class Incoming:
     """Called with the filled buffer."""
 
 
-def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[Incoming]], ok: bool) -> list[int]:
+def carries_cpu(backend: str) -> bool:
+    """Whether a process group with this backend string (``dist.get_backend()``: ``gloo``,
+    ``nccl``, ``cpu:gloo,cuda:nccl``, ...) can send CPU tensors."""
+    backend = backend.lower()
+    if ":" in backend:  # a device -> backend map
+        return any(part.split(":", 1)[0].strip() == "cpu" for part in backend.split(","))
+    return backend not in ("nccl", "xccl", "hccl")
+
+
+_SIDE: dict[tuple[int, tuple[int, ...] | None], dist.ProcessGroup] = {}
+
+
+def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
+    """The group for host-byte messages among ``ranks`` (global ranks; None: the whole world):
+    None (the default group) when it carries CPU tensors, else one gloo group, created once per
+    default group and member set. Every member must call this in the same order (group creation
+    synchronizes the members)."""
+    if carries_cpu(str(dist.get_backend())) and os.environ.get(P2P_ENV, "default") != "side":
+        return None
+    members = tuple(sorted(ranks)) if ranks is not None else None
+    key = (id(dist.distributed_c10d._get_default_group()), members)
+    if key not in _SIDE:
+        _SIDE[key] = dist.new_group(ranks=list(members) if members is not None else None, backend="gloo",
+                                    use_local_synchronization=members is not None)
+    return _SIDE[key]
+
+
+def send_device(t: torch.Tensor) -> tuple[torch.device, dist.ProcessGroup | None]:
+    """Where a tensor travels for a point-to-point exchange among all ranks: device tensors over the
+    default group when it has a backend for their device (NCCL for CUDA), everything else as host
+    tensors over :func:`p2p_group`. Returns ``(device to send from, group)``."""
+    if t.device.type != "cpu":
+        backend = str(dist.get_backend()).lower()
+        if t.device.type == "cuda" and ("nccl" in backend):
+            return t.device, None
+    return torch.device("cpu"), p2p_group()
+
+
+def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[Incoming]], ok: bool,
+             group: dist.ProcessGroup | None = None) -> list[int]:
     """Send every ``sends[dst]`` message (uint8 tensors, in order) and receive every ``recvs[src]``
-    message (in order), delivering each as it arrives. Returns the sources that reported a failure.
-    ``ok=False`` sends failure headers instead of data (payloads may then be None)."""
+    message (in order), delivering each as it arrives, on ``group`` (None: the default group;
+    ranks are global). Returns the sources that reported a failure. ``ok=False`` sends failure
+    headers instead of data (payloads may then be None)."""
     works, keep = [], []
     for dst in sorted(sends):
         for k, data in enumerate(sends[dst]):
             header = torch.tensor([0 if ok else 1, data.numel() if ok and data is not None else 0], dtype=torch.int64)
             keep.append(header)
-            works.append(dist.isend(header, dst, tag=2 * k))
+            works.append(dist.isend(header, dst, group=group, tag=2 * k))
             if ok and data is not None and data.numel():
-                works.append(dist.isend(data, dst, tag=2 * k + 1))
+                works.append(dist.isend(data, dst, group=group, tag=2 * k + 1))
     failed: list[int] = []
     bad_size = []
     for src in sorted(recvs):
         for k, msg in enumerate(recvs[src]):
             header = torch.empty(2, dtype=torch.int64)
-            dist.irecv(header, src, tag=2 * k).wait()
+            dist.irecv(header, src, group=group, tag=2 * k).wait()
             status, nbytes = (int(x) for x in header)
             if status != 0:
                 if src not in failed:
@@ -146,12 +197,12 @@ def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[
                 continue
             if nbytes != msg.nbytes:  # drain the payload even when it is unusable: the sender waits for it
                 if nbytes:
-                    dist.irecv(torch.empty(nbytes, dtype=torch.uint8), src, tag=2 * k + 1).wait()
+                    dist.irecv(torch.empty(nbytes, dtype=torch.uint8), src, group=group, tag=2 * k + 1).wait()
                 bad_size.append((src, nbytes, msg.nbytes))
                 continue
             buf = msg.buffer() if nbytes else torch.empty(0, dtype=torch.uint8)
             if nbytes:
-                dist.irecv(buf, src, tag=2 * k + 1).wait()
+                dist.irecv(buf, src, group=group, tag=2 * k + 1).wait()
             msg.deliver(buf)
     for w in works:
         w.wait()

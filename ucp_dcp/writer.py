@@ -45,6 +45,7 @@ from .commit import commit, new_token
 from .errors import UCPError
 from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums
 from .sidecar import encode_sidecar
+from .staging import HostCopies, staging_forced
 
 __all__ = ["UCPFileSystemWriter", "item_key"]
 
@@ -135,6 +136,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         sync_files: fsync every file and the folder (DCP's default). Without it a power loss can
             still lose the commit; a process crash cannot.
         overwrite: allow saving into a folder that holds a checkpoint (DCP's default).
+        staging: ``"always"`` copies CPU tensors through the device-to-host pipeline too (tests);
+            ``"auto"``: only device tensors. None: ``$UCP_DCP_STAGING``.
         zip_crc32: let ``torch.save`` compute the CRC32 of every zip record. Default: only when
             ``checksums`` is off. The block checksums already cover every tensor byte and
             ``torch.load`` never checks the zip CRC, which costs ~0.17 s of CPU per GiB. torch's
@@ -144,12 +147,13 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *, checksums: bool = True, thread_count: int = 1,
                  sync_files: bool = True, overwrite: bool = True, zip_crc32: bool | None = None,
-                 **kwargs: Any) -> None:
+                 staging: str | None = None, **kwargs: Any) -> None:
         if "://" in str(path):
             raise UCPError(f"UCPFileSystemWriter writes local folders, got {path}",
                            hint="save to a local folder and copy it (with its .ucp.*.json sidecar)")
         super().__init__(path, thread_count=thread_count, sync_files=sync_files, overwrite=overwrite, **kwargs)
         self.checksums = checksums
+        self._forced = staging_forced(staging)
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
         self.removed: list[str] = []
         """Files the last commit removed (the replaced checkpoint's and stray ones)."""
@@ -208,17 +212,19 @@ class UCPFileSystemWriter(FileSystemWriter):
         with self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
             out = _Tracked(stream)
             # bytes first, like DCP
-            for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+            for item in (it for it in items if it.type == WriteItemType.BYTE_IO):
                 offset = out.pos
-                data = planner.resolve_data(item)
-                extra = None
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = data.getbuffer()
-                    out.write(buf)
-                    if self.checksums:  # objects: checksums of the whole item
-                        extra = [0, block_checksums(buf, BLOCK, DEFAULT_HASH), None]
-                else:
-                    extra = self._write_tensor(out, data, hash_pool)
+                buf = planner.resolve_data(item).getbuffer()
+                out.write(buf)
+                # objects: checksums of the whole item
+                extra = [0, block_checksums(buf, BLOCK, DEFAULT_HASH), None] if self.checksums else None
+                info = _StorageInfo(name, offset, out.pos - offset)
+                results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
+            # device tensors reach the host through pinned copies issued ahead of the writes
+            tensors = [it for it in items if it.type != WriteItemType.BYTE_IO]
+            for item, data in HostCopies(tensors, planner.resolve_data, forced=self._forced):
+                offset = out.pos
+                extra = self._write_tensor(out, data, hash_pool)
                 info = _StorageInfo(name, offset, out.pos - offset)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
             if self.sync_files:
