@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test test-quick faults reconfig titan-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-quick test-gpu faults reconfig titan-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: $(STAMP)
 # the inner loop: everything not marked slow (no multi-process or end-to-end runs)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+# the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
+# Without CUDA it prints one line and succeeds; `make test` never collects it.
+test-gpu: $(STAMP)
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(BIN)/python -m pytest --gpu tests/gpu -p no:cacheprovider -ra; \
+	else echo "test-gpu: SKIPPED, no CUDA GPU on this machine (torch.cuda.is_available() is False)"; fi
 
 # fault injection: 100 bit flips, 20 truncations, 20 kills mid-save, crafted pickles; last line is the summary
 faults: $(STAMP)

@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
@@ -13,3 +14,14 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true", help="collect the GPU tier (tests/gpu; make test-gpu)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    # `make test` stays CPU-only: the GPU tier is collected only when asked for
+    if collection_path.name == "gpu" and collection_path.parent == Path(__file__).parent:
+        return None if config.getoption("--gpu") else True
+    return None

@@ -36,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, queue, args):
+def _worker(fn, rank, world_size, port, queue, args, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -46,7 +46,9 @@ def _worker(fn, rank, world_size, port, queue, args):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
+        if "nccl" in backend:  # NCCL needs the rank's device before the first collective
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -55,12 +57,13 @@ def _worker(fn, rank, world_size, port, queue, args):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (process group ``backend``);
+    return their results."""
     ctx = _ctx()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
