@@ -1,6 +1,7 @@
 """ucp_dcp against DCP's default planners and filesystem storage, in one run, same state, same disk.
 
     python recipes/benchmark.py [--quick] [--json PATH] [--out DIR]
+    python recipes/benchmark.py --device cuda [...]     (GPU: recipes/bench_device.py)
 
 Prints a table and writes JSON records ``{"case", "metric", "ucp", "dcp", "ratio", "target", "met"}``.
 Measured (4 gloo processes on CPU; state = tensors sharded ``Shard(0)``, fp32):
@@ -310,7 +311,18 @@ def _record(records: list, case: str, metric: str, ucp: float, dcp: float | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    known, rest = pre.parse_known_args(argv)
+    if known.device == "cuda":  # loads into CUDA targets: recipes/bench_device.py (same run, vs DCP's default)
+        import bench_device
+
+        return bench_device.main(["--device", "cuda", *rest])
+    argv = rest
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: resharding loads into CUDA targets (recipes/bench_device.py)")
     ap.add_argument("--quick", action="store_true",
                     help="64 MiB of state, 3 reps, planning at 64 ranks x 500 tensors (< 1 min)")
     ap.add_argument("--json", default=None, help="write the records here")
