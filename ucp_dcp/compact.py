@@ -144,7 +144,7 @@ def plan_global(structs: list[bytes], hashes: list[bytes], items: list[LocalItem
                                 return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1)
     vol = np.where(size >= 0, size, 1).prod(axis=1)
-    itemsize = np.array([torch.empty((), dtype=_DTYPES[c]).element_size() if c >= 0 else 1
+    itemsize = np.array([_DTYPES[c].itemsize if c >= 0 else 1
                          for c in dtype_of.tolist()] or [1], dtype=np.int64)
     nbytes = np.where(kind == BYTES, 1, vol * itemsize[atom] if len(atom) else 0)
     keep = np.zeros(len(atom), dtype=bool)

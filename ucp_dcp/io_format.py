@@ -49,7 +49,7 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +91,7 @@ def parse_tensor_record(item: io.IOBase) -> TensorRecord | None:
     _, dtype, key, _, _ = storage
     if not isinstance(dtype, torch.dtype):
         return None
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expect = tuple(int(math.prod(size[d + 1:])) for d in range(len(size)))
     contiguous = all(s == e for s, e, n in zip(stride, expect, size) if n > 1)
     data_offset = reader.get_record_offset(f"data/{key}") + int(offset) * itemsize

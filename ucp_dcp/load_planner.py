@@ -380,7 +380,7 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
 
 
 def _itemsize(md: Metadata, item: ReadItem) -> int:
-    return torch.empty((), dtype=md.state_dict_metadata[item.storage_index.fqn].properties.dtype).element_size()
+    return md.state_dict_metadata[item.storage_index.fqn].properties.dtype.itemsize
 
 
 def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
@@ -396,7 +396,7 @@ def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.nd
         else:
             dtype = md.state_dict_metadata[item.storage_index.fqn].properties.dtype
             if dtype not in itemsize:
-                itemsize[dtype] = torch.empty((), dtype=dtype).element_size()
+                itemsize[dtype] = dtype.itemsize
             sizes[i] = math.prod(item.lengths) * itemsize[dtype]
     return keys, sizes
 

@@ -520,7 +520,7 @@ class UCPFileSystemReader(FileSystemReader):
         if item.type == LoadItemType.BYTE_IO:
             return int(self.storage_data[item.storage_index].length)
         dtype, _ = self._chunk_meta[item.storage_index]
-        return int(np.prod(item.lengths)) * torch.empty((), dtype=dtype).element_size()
+        return int(np.prod(item.lengths)) * dtype.itemsize
 
     def _pread_runs(self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview,
                     index: MetadataIndex) -> None:
@@ -622,7 +622,7 @@ class UCPFileSystemReader(FileSystemReader):
     def _stage_copy(self, data: Any, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor) -> None:
         """Copy packed host bytes of a box into a staged target, one staging buffer at a time."""
         pool = self._staging_pool(target)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         src = np.frombuffer(data, dtype=np.uint8)
         strides = [math.prod(lengths[d + 1:]) for d in range(len(lengths))]
         for offs, lens in split_box(lengths, itemsize, pool.buffer_bytes):
@@ -640,7 +640,7 @@ class UCPFileSystemReader(FileSystemReader):
             return self._pool
 
     def _itemsize(self, item: ReadItem) -> int:
-        return torch.empty((), dtype=self._chunk_meta[item.storage_index][0]).element_size()
+        return self._chunk_meta[item.storage_index][0].itemsize
 
 
 _UNVERIFIED = {

@@ -185,7 +185,7 @@ def to_device(pool: StagingPool, buf: torch.Tensor, dtype: torch.dtype, lengths:
 
     Device targets get a non-blocking copy on their device's current stream (a conversion to
     another dtype runs on the device after the copy); CPU targets (forced staging) a plain copy."""
-    nbytes = math.prod(lengths) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(lengths) * dtype.itemsize
     src = buf[:nbytes].view(dtype).view(lengths)
     if target.device.type != "cuda":
         target.copy_(src)

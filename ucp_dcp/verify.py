@@ -183,7 +183,7 @@ def _items(md: Metadata) -> dict[str, list[_Item]]:
                 raise CorruptCheckpointError(f"storage entry of '{index.fqn}' at {list(index.offset or ())} "
                                              "matches no chunk of the tensor table", atom=index.fqn)
             shape = tuple(int(s) for s in chunk.sizes)
-            itemsize = torch.empty((), dtype=smd.properties.dtype).element_size()
+            itemsize = smd.properties.dtype.itemsize
         out.setdefault(info.relative_path, []).append(
             _Item(index, int(info.offset), int(info.length), table.get(item_key(index)), shape, itemsize))
     return out
