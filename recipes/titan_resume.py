@@ -35,13 +35,19 @@ STOCK_CONFIG = "llama3_debugmodel_gqa"    # stock torchtitan checkpointer and da
 ONE_FLAG = "ucp_dcp.torchtitan.overrides.checkpointer"  # the --override.imports switch on a stock config
 
 # name -> (save topology, load topology, save config, load config, extra --override.imports at load,
-#          extra save flags)
+#          extra save flags[, (save spmd_backend, load spmd_backend)])
 TRANSITIONS = {
     "dp4-dp2": ({"dp": 4}, {"dp": 2}, UCP_CONFIG, UCP_CONFIG, [], []),
     "pp2dp2-dp2": ({"pp": 2, "dp": 2}, {"dp": 2}, UCP_CONFIG, UCP_CONFIG, [], []),
     "tp2-dp2": ({"tp": 2}, {"dp": 2}, UCP_CONFIG, UCP_CONFIG, [], []),
     # async (thread) checkpointing, resumed at a smaller DP degree
     "dp2async-dp1": ({"dp": 2}, {"dp": 1}, UCP_CONFIG, UCP_CONFIG, [], ["--checkpoint.async_mode", "async"]),
+    # async checkpointing in a separate checkpoint process (DCP's PROCESS type: planner and storage
+    # writer are pickled into it); on CPU without pinned memory or non-blocking copies (launcher (p))
+    "dp2pinned-dp1": ({"dp": 2}, {"dp": 1}, UCP_CONFIG, UCP_CONFIG, [],
+                      ["--checkpoint.async_mode", "async_with_pinned_mem"]),
+    # torchtitan's default SPMD backend: FSDP at dp=2 (launcher (s)), resumed under pipeline parallelism
+    "spmd-dp2-pp2": ({"dp": 2}, {"pp": 2}, UCP_CONFIG, UCP_CONFIG, [], [], ("spmd_types", "spmd_types")),
     # a checkpoint written by stock torchtitan (no UCP) resumes with the one-flag UCP switch on
     "stock-dp2-dp2": ({"dp": 2}, {"dp": 2}, STOCK_CONFIG, STOCK_CONFIG, [ONE_FLAG], []),
 }
@@ -64,7 +70,9 @@ def _world(topo: dict[str, int]) -> int:
 
 
 def _run(topo: dict[str, int], out: Path, assets: Path, steps: int, extra: list[str], env: dict[str, str],
-         config: str = UCP_CONFIG, overrides: list[str] = ()) -> subprocess.CompletedProcess:
+         config: str = UCP_CONFIG, overrides: list[str] = (), backend: str | None = "partial_dtensor",
+         ) -> subprocess.CompletedProcess:
+    """One torchrun job of the launcher; ``backend=None`` leaves torchtitan's default SPMD backend."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={_world(topo)}", "--local-ranks-filter=0",
         str(HERE / "titan" / "cpu_launch.py"),
@@ -72,7 +80,8 @@ def _run(topo: dict[str, int], out: Path, assets: Path, steps: int, extra: list[
         "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "dataset"),
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
         "--training.steps", str(steps), "--training.mixed_precision_param", "float32", "--debug.seed", "0",
-        "--parallelism.spmd_backend", "partial_dtensor", "--override.imports", "cpu_attention.sdpa_attention", *overrides,
+        *(["--parallelism.spmd_backend", backend] if backend else []),
+        "--override.imports", "cpu_attention.sdpa_attention", *overrides,
         "--training.disable_cuda_graphs", "--checkpoint.enable", "--dump_folder", str(out),
         *_topology_flags(topo), *extra,
     ]
@@ -112,7 +121,8 @@ def resume_flags(save: Path, k: int, steps: int) -> list[str]:
 
 
 def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple[bool, str]:
-    save_topo, load_topo, save_cfg, load_cfg, overrides, save_flags = TRANSITIONS[name]
+    save_topo, load_topo, save_cfg, load_cfg, overrides, save_flags, *rest = TRANSITIONS[name]
+    save_backend, load_backend = rest[0] if rest else ("partial_dtensor", "partial_dtensor")
     save, load = root / name / "save", root / name / "resume"
     for d in (save, load):  # torchtitan resumes from any checkpoint already in its folder: start clean
         shutil.rmtree(d, ignore_errors=True)
@@ -120,10 +130,10 @@ def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple
     t0 = time.perf_counter()
     _run(save_topo, save, assets, steps, ["--checkpoint.interval", str(k), *save_flags],
          {"UCP_TITAN_METRICS": str(save / "loss.json"), "UCP_TITAN_STATE": str(save / "oracle.pt"),
-          "UCP_TITAN_STATE_STEP": str(k)}, config=save_cfg)
+          "UCP_TITAN_STATE_STEP": str(k)}, config=save_cfg, backend=save_backend)
     _run(load_topo, load, assets, steps, resume_flags(save, k, steps),
          {"UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
-         config=load_cfg, overrides=overrides)
+         config=load_cfg, overrides=overrides, backend=load_backend)
     dt = time.perf_counter() - t0
     ref, res = _losses(save / "loss.json"), _losses(load / "loss.json")
     oracle = torch.load(save / "oracle.pt", weights_only=False)

@@ -1,5 +1,7 @@
 """torchtitan integration: fused wqkv without all-gathers, a real Trainer resume at a new DP degree,
-stock checkpoints resuming with the one-flag switch, and the dataloader policy."""
+stock checkpoints resuming with the one-flag switch, and the dataloader policy; both SPMD backends
+(``partial_dtensor``, and torchtitan's default ``spmd_types`` through the launcher's patch (s)) and
+the async checkpoint modes (``async``; ``async_with_pinned_mem`` through patch (p) on CPU)."""
 
 import json
 import subprocess
@@ -17,10 +19,10 @@ import titan_resume as tr  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
-def _driver(tmp_path, dp, tp, fused):
+def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "tests" / "titan_driver.py"),
-         str(tmp_path / f"d{dp}{tp}{fused}"), str(dp), str(tp), str(int(fused))],
+         str(tmp_path / f"d{dp}{tp}{fused}{backend}"), str(dp), str(tp), str(int(fused)), backend],
         capture_output=True, text=True, timeout=600)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -29,9 +31,11 @@ def _driver(tmp_path, dp, tp, fused):
 
 def test_fused_qkv_atoms_without_redistribute(tmp_path):
     """Fused wqkv and its moments are saved and loaded from local shards: zero DTensor.redistribute
-    calls on wqkv (FSDP2 and TP), against the stock hook path which all-gathers."""
-    for dp, tp in ((2, 1), (1, 2)):
-        r = _driver(tmp_path, dp, tp, fused=True)
+    calls on wqkv (FSDP2 and TP; FSDP2 under both SPMD backends), against the stock hook path which
+    all-gathers."""
+    for dp, tp, backend in ((2, 1, "partial_dtensor"), (1, 2, "partial_dtensor"), (2, 1, "spmd_types")):
+        r = _driver(tmp_path, dp, tp, fused=True, backend=backend)
+        assert r["backend"] == backend, r
         assert r["save_redistributes"] == 0 and r["load_redistributes"] == 0, r
         assert r["diffs"] == [] and r["entries"] > 100, r
         assert r["ntokens_seen"] == [192, 0], "per-rank counts summed at save; the coordinator takes the total"
@@ -39,10 +43,53 @@ def test_fused_qkv_atoms_without_redistribute(tmp_path):
     assert stock["save_redistributes"] > 0 and stock["load_redistributes"] > 0, "the counter must see the stock all-gathers"
 
 
+def _written_by_ucp(step_dir):
+    """The checkpoint went through UCP's planner (fused wqkv moments saved as wq/wk/wv atoms) and
+    storage (integrity sidecar verified)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ucp_dcp.inspect import open_path
+
+    keys = set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+    assert "optimizer.state.layers.0.attention.qkv_linear.wq.weight.exp_avg" in keys, sorted(keys)[:8]
+    assert not [k for k in keys if "wqkv" in k], [k for k in keys if "wqkv" in k][:4]
+    assert open_path(step_dir)[1].status == "verified"
+
+
+def _log(root, name, side):
+    return (root / name / side / "log.txt").read_text()
+
+
 def test_real_trainer_resumes_at_a_new_dp_degree(tmp_path):
+    """Async (thread) save at dp=2 -> resume at dp=1: state bitwise equal to the oracle."""
     assets = tr.make_assets(tmp_path / "assets")
     ok, line = tr.transition("dp2async-dp1", tmp_path, assets, steps=3, k=2)
     assert ok, line
+    _written_by_ucp(tmp_path / "dp2async-dp1" / "save" / "checkpoint" / "step-2")
+
+
+def test_async_with_pinned_mem_saves_in_the_checkpoint_process(tmp_path):
+    """``async_mode="async_with_pinned_mem"``: DCP's process-based async save (planner and storage
+    writer pickled into a checkpoint process) at dp=2, resumed at dp=1 bitwise. On CPU the launcher
+    drops the non-blocking copy (patch (p)) and torch skips pinning; the GPU tier runs it as is."""
+    assets = tr.make_assets(tmp_path / "assets")
+    ok, line = tr.transition("dp2pinned-dp1", tmp_path, assets, steps=3, k=2)
+    assert ok, line
+    assert "Checkpoint background process is running" in _log(tmp_path, "dp2pinned-dp1", "save")
+    _written_by_ucp(tmp_path / "dp2pinned-dp1" / "save" / "checkpoint" / "step-2")
+
+
+def test_default_spmd_types_backend_resumes_at_a_new_layout(tmp_path):
+    """torchtitan's default backend ``spmd_types``: FSDP at dp=2 (launcher patch (s): torch 2.13's
+    FSDP cannot shard spmd_types' plain parameters on an SPMD mesh) -> resume under pipeline
+    parallelism pp=2 (torchtitan's own size-1-mesh path, unpatched), bitwise."""
+    assets = tr.make_assets(tmp_path / "assets")
+    ok, line = tr.transition("spmd-dp2-pp2", tmp_path, assets, steps=3, k=2)
+    assert ok, line
+    assert "spmd_types FSDP on data-parallel mesh ('dp_shard',) without DataParallelMeshDims" in _log(
+        tmp_path, "spmd-dp2-pp2", "save")
+    assert "spmd_types FSDP mesh ('dp_shard',), dims None (unpatched)" in _log(tmp_path, "spmd-dp2-pp2", "resume")
+    _written_by_ucp(tmp_path / "spmd-dp2-pp2" / "save" / "checkpoint" / "step-2")
 
 
 def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):

@@ -4,7 +4,11 @@ Builds the GQA debug model with torchtitan's own parallelize function (FSDP2, op
 AdamW step, then saves and loads with the checkpoint manager while counting ``DTensor.redistribute``
 calls on fused ``wqkv`` tensors. Prints one JSON line on rank 0.
 
-    torchrun --nproc-per-node 2 tests/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1)
+    torchrun --nproc-per-node 2 tests/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
+
+SPMD_BACKEND is torchtitan's ``parallelism.spmd_backend`` (default ``partial_dtensor``); under
+``spmd_types`` the forward runs inside torchtitan's SPMD context, as the Trainer runs it, and FSDP
+needs the launcher's patch (s) (data-parallel layouts only).
 """
 
 import json
@@ -32,12 +36,13 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from ucp_dcp.torchtitan.config_registry import llama3_debugmodel_gqa_ucp  # noqa: E402
 
 out, dp, tp, fused_atoms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+backend = sys.argv[5] if len(sys.argv) > 5 else "partial_dtensor"
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 cfg = llama3_debugmodel_gqa_ucp()
 cfg.checkpoint.fused_qkv_atoms = fused_atoms
 P, T = cfg.parallelism, cfg.training
-P.spmd_backend, P.data_parallel_shard_degree, P.tensor_parallel_degree = "partial_dtensor", dp, tp
+P.spmd_backend, P.data_parallel_shard_degree, P.tensor_parallel_degree = backend, dp, tp
 T.seq_len, T.local_batch_size, T.steps, T.mixed_precision_param = 32, 2, 1, "float32"
 cfg.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec))
 cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1
@@ -109,9 +114,10 @@ DTensor.redistribute = counting_redistribute
 model, opt, lrs = build(0)
 wqkv_shapes.update(tuple(p.shape) for n, p in model.named_parameters() if "wqkv" in n)
 tokens = torch.randint(0, 2000, (2, 33), generator=torch.Generator().manual_seed(dist.get_rank()))
-logits = model(tokens[:, :-1])
-logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+with dist_utils.get_spmd_context(parallel_dims=pd)():  # a no-op unless spmd_types
+    logits = model(tokens[:, :-1])
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
 opt.step()
 ts = TrainState()
 ts.step, ts.ntokens_seen = 1, 64 * (dist.get_rank() + 1)
@@ -133,7 +139,7 @@ counts = torch.tensor([ts2.ntokens_seen])
 gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, counts)
 if dist.get_rank() == 0:
-    print(json.dumps({"save_redistributes": calls["save"], "load_redistributes": calls["load"], "diffs": diffs,
+    print(json.dumps({"backend": pd.spmd_backend, "save_redistributes": calls["save"], "load_redistributes": calls["load"], "diffs": diffs,
                       "entries": len(saved), "ntokens_seen": [int(c) for c in gathered]}))
 for m in (m1, m2):
     m.close()

@@ -10,7 +10,15 @@ torchtitan is imported, what breaks on CPU or between these two releases:
 (f) ``set_pg_timeouts`` calls ``barrier(device_ids=...)`` and ``torch.distributed.set_timeout``
     (absent in 2.13) -> plain barrier and the private per-group timeout setter;
 (g) the trainer calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, a newer API
-    -> route pre-split microbatches to ``_step_microbatches``.
+    -> route pre-split microbatches to ``_step_microbatches``;
+(s) the default ``spmd_backend="spmd_types"`` keeps parameters as plain tensors carrying spmd_types
+    annotations and hands ``fully_shard`` a ``DataParallelMeshDims``, relying on an FSDP that turns
+    annotated plain parameters into DTensors (newer than torch 2.13, whose ``FSDPParam`` raises
+    "all parameters must be DTensors on the full SPMD mesh"; a torch-version gap, not a CPU one)
+    -> when the dense storage mesh holds data-parallel axes only (no TP/CP), shard on it the classic
+    way (no ``DataParallelMeshDims``). Layouts with TP or CP are left to fail as they do unpatched;
+(p) ``async_mode="async_with_pinned_mem"`` asks for non-blocking copies, which torch refuses without
+    an accelerator -> plain copies (the checkpoint process and shared-memory staging stay).
 FlexAttention has no CPU backward: ``cpu_attention.sdpa_attention`` (an ``--override.imports``
 entry) swaps it for SDPA on local shards.
 
@@ -21,11 +29,15 @@ state (every parameter and optimizer entry as a full tensor, plus train/schedule
 right after a checkpoint load. No ucp_dcp code is involved in either.
 
     torchrun --nproc-per-node 2 recipes/titan/cpu_launch.py --module ... --config ... [flags]
+
+With ``UCP_TITAN_DEVICE=cuda`` (the GPU tier, tests/gpu/) only the torch-version patches (f), (g)
+and (s) are applied: torchtitan then runs on its own device and backend (CUDA, NCCL).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import types
@@ -48,7 +60,8 @@ def _patch_device() -> None:
             setattr(torch.cpu, name, fn)
 
 
-def _patch_torchtitan() -> None:
+def _patch_torchtitan(cpu: bool = True) -> None:
+    """All patches; ``cpu=False`` keeps only those for the torch 2.13 / torchtitan 0.3.0 gap."""
     from torch.distributed.fsdp import FSDPModule
 
     import torchtitan.distributed.fsdp as tt_fsdp
@@ -62,7 +75,8 @@ def _patch_torchtitan() -> None:
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
 
-    tt_fsdp.disable_fsdp_gradient_division = no_division_sum_only
+    if cpu:
+        tt_fsdp.disable_fsdp_gradient_division = no_division_sum_only
 
     def set_pg_timeouts(timeout, parallel_dims):  # (f)
         torch.distributed.barrier()
@@ -76,6 +90,69 @@ def _patch_torchtitan() -> None:
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):  # (g)
         _patch_step(cls)
+
+    _patch_spmd_types_fsdp()
+    if cpu:
+        _patch_pinned_staging()
+
+
+def _patch_pinned_staging() -> None:
+    """(p): ``async_mode="async_with_pinned_mem"`` builds ``DefaultStager(StagingOptions(
+    use_pinned_memory=True, use_shared_memory=True, use_async_staging=True,
+    use_non_blocking_copy=True))``; torch's ``DefaultStager.__init__`` raises
+    ``AssertionError: Non-blocking copy requires that the current accelerator is available`` without
+    one. Pinning is already skipped without CUDA (``StateDictStager`` warns), so drop the
+    non-blocking copy: staging into shared memory on a thread and the checkpoint *process*
+    (``AsyncCheckpointerType.PROCESS``), which receives the planner and storage writer, stay real."""
+    import dataclasses
+
+    import torchtitan.components.checkpointer.dcp as tt_dcp
+
+    stager = tt_dcp.DefaultStager
+
+    def cpu_stager(options=None):
+        if options is not None and options.use_non_blocking_copy and not torch.accelerator.is_available():
+            options = dataclasses.replace(options, use_non_blocking_copy=False)
+        return stager(options) if options is not None else stager()
+
+    tt_dcp.DefaultStager = cpu_stager
+
+
+def _patch_spmd_types_fsdp() -> None:
+    """(s): spmd_types + FSDP on torch 2.13, for data-parallel-only dense meshes.
+
+    torchtitan 0.3.0 (``models/llama3/parallelize.py``) calls ``resolve_fsdp_mesh`` under
+    spmd_types, which returns the dense storage mesh (dp_replicate, dp_shard, cp, tp; active axes)
+    plus ``DataParallelMeshDims``. With those dims torch 2.13's ``FSDPParam._init_sharding_spec``
+    requires DTensor parameters, but spmd_types parameters are plain tensors (their annotations are
+    translated to DTensors only by a newer FSDP). When every axis of the storage mesh is
+    data-parallel, parameters are replicated there (``R``: the plain tensors hold full values), and
+    the classic ``fully_shard(module, mesh=storage_mesh)`` shards them ``Shard(0)`` on that mesh.
+    torchtitan itself drops the dims when that mesh has size 1 (one rank, or PP only); this extends
+    it to any data-parallel-only mesh. The unsharded parameters then carry no spmd_types
+    annotations: only ``--debug.spmd_typechecking`` (off by default) reads them. Tested at
+    dp_shard=2; the spmd_types model code, input annotation and loss run as in torchtitan.
+    """
+    import torchtitan.distributed.full_dtensor as tt_full_dtensor
+
+    resolve = tt_full_dtensor.resolve_fsdp_mesh
+
+    def resolve_fsdp_mesh(parallel_dims):
+        mesh, dims = resolve(parallel_dims)
+        if parallel_dims.spmd_backend != "spmd_types":
+            return mesh, dims
+        axes = tuple(mesh.mesh_dim_names or ())
+        if dims is not None and set(axes) <= {"dp_replicate", "dp_shard"}:
+            logging.getLogger("cpu_launch").info(
+                "cpu_launch (s): spmd_types FSDP on data-parallel mesh %s without DataParallelMeshDims", axes)
+            return mesh, None
+        logging.getLogger("cpu_launch").info("cpu_launch (s): spmd_types FSDP mesh %s, dims %s (unpatched)", axes, dims)
+        return mesh, dims
+
+    tt_full_dtensor.resolve_fsdp_mesh = resolve_fsdp_mesh
+    import torchtitan.models.llama3.parallelize as llama3_parallelize  # binds the name at import
+
+    llama3_parallelize.resolve_fsdp_mesh = resolve_fsdp_mesh
 
 
 def _patch_step(cls) -> None:
@@ -180,8 +257,10 @@ def _dump_state() -> None:
 
 
 def main() -> None:
-    _patch_device()
-    _patch_torchtitan()
+    cpu = os.environ.get("UCP_TITAN_DEVICE", "cpu") == "cpu"
+    if cpu:
+        _patch_device()
+    _patch_torchtitan(cpu=cpu)
     _record_losses()
     _dump_state()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
