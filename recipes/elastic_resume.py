@@ -36,8 +36,8 @@ from parallel import Job, Topology, Trainer, build_job, build_trainer, layer_spl
 from toy_llm import ModelConfig  # noqa: E402
 
 import ucp_dcp  # noqa: E402
-from ucp_dcp.patterns import Fused, Padded, Reduce, Replicated, Tied  # noqa: E402
-from ucp_dcp.renumber import Chunk, IndexMap  # noqa: E402
+from ucp_dcp import Fused, Padded, Reduce, Replicated, Tied  # noqa: E402
+from ucp_dcp import Chunk, IndexMap  # noqa: E402
 
 # fp32 tolerances for a resume at a *different* layout (reduction order differs; same layout must be bitwise):
 # relative loss difference at the first resumed step and at the last step.

@@ -300,7 +300,7 @@ def crash_trials(n: int, work: str, rng: random.Random, system: str = "ucp") -> 
     if not back_ok:
         lost += 1
         notes.append("the save after the crashes did not load back")
-    import ucp_dcp.inspect as ins
+    import ucp_dcp.summary as ins
 
     _, integ = ins.open_path(folder)
     if integ.strays and system == "ucp":

@@ -312,7 +312,7 @@ def test_interop_async_caching_and_save_errors():
 
 def _rules_worker(rank, world, root):
     from ucp_dcp.patterns import Reduce, Replicated
-    from ucp_dcp.renumber import stage_map
+    from ucp_dcp.index_maps import stage_map
 
     out = {}
     g2 = dist.new_group([0, 1])

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ucp_dcp.coverage import ChunkIndex, exact_cover_problem
 from ucp_dcp.fragments import layout_fragments
 from ucp_dcp.layout import Layout, Placement
-from ucp_dcp.renumber import Chunk, IndexMap, check_ownership
+from ucp_dcp.index_maps import Chunk, IndexMap, check_ownership
 from ucp_dcp.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
 
 import pytest

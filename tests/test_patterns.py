@@ -11,7 +11,7 @@ import ucp_dcp
 from helpers import expect_ucp_error, tensors_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.patterns import Fused, Padded, Reduce, Replicated, Tied
-from ucp_dcp.renumber import Chunk, IndexMap, stage_map
+from ucp_dcp.index_maps import Chunk, IndexMap, stage_map
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import ucp_dcp
 from helpers import ROOT, expect_ucp_error, rewrite_metadata
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.inspect import open_path
+from ucp_dcp.summary import open_path
 from ucp_dcp.verify import verify
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

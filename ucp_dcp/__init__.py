@@ -9,8 +9,7 @@ which is ``dcp.save``/``dcp.load`` with :class:`UCPSavePlanner`/:class:`UCPLoadP
 :class:`UCPFileSystemWriter`/:class:`UCPFileSystemReader`.
 """
 
-__version__ = "0.2.0"
-
+from ._version import __version__
 from ._compat import check_torch as _check_torch
 
 _check_torch()
@@ -42,7 +41,9 @@ from .errors import (  # noqa: E402
 )
 from .api import load, save  # noqa: E402
 from .load_planner import UCPLoadPlanner  # noqa: E402
+from .index_maps import Chunk, IndexMap, expert_map, stage_map  # noqa: E402
 from .naming import NameRules  # noqa: E402
+from .patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
 from .reader import UCPFileSystemReader  # noqa: E402
 from .save_planner import UCPSavePlanner  # noqa: E402
 from .writer import UCPFileSystemWriter  # noqa: E402
@@ -54,6 +55,16 @@ __all__ = [
     "UCPSavePlanner",
     "UCPLoadPlanner",
     "NameRules",
+    "Rule",
+    "Fused",
+    "Padded",
+    "Replicated",
+    "Reduce",
+    "Tied",
+    "Chunk",
+    "IndexMap",
+    "stage_map",
+    "expert_map",
     "UCPFileSystemWriter",
     "UCPFileSystemReader",
     "CATALOG_KEY",

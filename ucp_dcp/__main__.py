@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         report = verify(a.checkpoint, threads=a.threads, trust=a.trust)
         print(json.dumps(report.to_json(), indent=1) if a.json else format_report(report))
         return report.exit_code
-    from .inspect import format_summary, open_path, summarize
+    from .summary import format_summary, open_path, summarize
 
     try:
         md, integrity = open_path(a.checkpoint, trust=a.trust)

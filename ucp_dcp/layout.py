@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._compat import _StridedShard
 from .errors import AmbiguousLayoutError
 
 __all__ = ["Placement", "Layout", "MeshInfo"]
@@ -90,11 +90,6 @@ class MeshInfo:
             "dim_names": list(self.dim_names) if self.dim_names is not None else None,
             "ranks": list(self.ranks),
         }
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> "MeshInfo":
-        names = d.get("dim_names")
-        return MeshInfo(tuple(d["shape"]), tuple(names) if names is not None else None, tuple(d["ranks"]))
 
 
 @dataclass(frozen=True)

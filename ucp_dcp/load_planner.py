@@ -19,8 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -30,8 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
+from ._compat import _init_state_dict, narrow_tensor_by_index, set_element
 from .catalog import read_catalog
 from .coverage import ChunkIndex, exact_cover_problem
 from .errors import (
@@ -48,11 +46,11 @@ from .fragments import Box
 from .naming import AtomName, NameRules, OptimizerForm
 from .patterns import Patterns, Rule, rule_from_json
 from .reader import read_key
-from .renumber import IndexMap
-from .replicas import check_rules_and_ownership, zero_like
+from .index_maps import IndexMap
+from .checks import check_rules_and_ownership, zero_like
 from .resolve import Resolved, Resolver
 from .staging import needs_staging, split_reads, staging_forced
-from .state import Entry, GroupTarget
+from .entries import Entry, GroupTarget
 from .transport import assign_readers
 
 __all__ = ["UCPLoadPlanner"]

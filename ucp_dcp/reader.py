@@ -30,8 +30,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _create_file_view
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -42,6 +41,7 @@ from .errors import (ChecksumError, CorruptCheckpointError, MissingFileError, Tr
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
                         block_hash, parse_tensor_record, split_grid)
 from . import staging as _staging
+from ._compat import _create_file_view, fsspec_filesystem, narrow_tensor_by_index
 from .staging import BUFFERS_PER_THREAD, StagingPool, needs_staging, split_box, split_reads, staging_forced, to_device
 from .transport import Incoming, as_bytes_tensor, exchange, p2p_group
 from .writer import item_key
@@ -121,9 +121,7 @@ class UCPFileSystemReader(FileSystemReader):
                  trust: bool = False, staging: str | None = None, _extension_registry: Any = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
-            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-
-            self.fs = FsspecFileSystem()
+            self.fs = fsspec_filesystem()()
             self.path = self.fs.init_path(path)
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums

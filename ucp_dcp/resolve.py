@@ -18,8 +18,8 @@ from .fragments import Box, Fragment, layout_fragments, whole_fragment
 from .layout import Layout, dtensor_coordinate, dtype_name, mesh_info
 from .naming import AtomName, NameRules, Path
 from .patterns import Fused, Padded, Patterns, Reduce, Replicated, Tied, describe
-from .renumber import IndexMap
-from .state import Entry, GroupTarget, collect_entries, local_tensor
+from .index_maps import IndexMap
+from .entries import Entry, GroupTarget, collect_entries, local_tensor
 from .transforms import clip_padding, fused_block_problem, fused_segments, split_fused
 
 __all__ = ["Resolved", "Resolver"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -22,7 +21,7 @@ from . import catalog as cat_mod
 from .compact import BYTES, TENSOR, LocalItems, plan_global, unpack_items
 from .errors import PatternError
 from .patterns import Patterns
-from .replicas import check_digests, check_rules_and_ownership, reduce_values
+from .checks import check_digests, check_rules_and_ownership, reduce_values
 
 __all__ = ["coordinate_save", "reduce_all"]
 
@@ -142,6 +141,3 @@ def merge_cached(pds: list[dict[str, Any]], cached: list[dict[str, Any]] | None)
             out.append({**cached[i], **pd})
     return out
 
-
-def replace_data(plan: SavePlan, data: dict[str, Any]) -> SavePlan:
-    return dataclasses.replace(plan, planner_data=data)

@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor
 
 from . import compact
+from ._version import __version__
 from .digests import value_digest
 from .errors import AmbiguousLayoutError, PatternError
 from .layout import Layout
 from .naming import NameRules
 from .patterns import Patterns, Rule
-from .renumber import IndexMap
+from .index_maps import IndexMap
 from .resolve import Resolved, Resolver
 from .save_global import check_all, coordinate_save, merge_cached, reduce_all
 from .save_local import avg_key, build_local, frag_key, is_averaged
@@ -50,7 +51,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         patterns: pattern rules (:mod:`ucp_dcp.patterns`) for layouts DTensor cannot describe.
         strict: a declared rule that matches nothing on any rank is an error.
         stage_map, expert_map: this rank's local->global layer / expert numbering
-            (:mod:`ucp_dcp.renumber`), for stage-local or expert-local module names.
+            (:mod:`ucp_dcp.index_maps`), for stage-local or expert-local module names.
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
         data_slot: this rank's data-parallel slot, for ``Reduce`` rules: ranks of one slot (TP/PP
@@ -299,6 +300,5 @@ _CACHE: dict[str, dict[str, Any]] = {}
 
 
 def _writer_info() -> dict[str, str]:
-    from . import __version__
 
     return {"ucp_dcp": __version__, "torch": torch.__version__.split("+")[0]}

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._compat import _StorageInfo
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 from .io_format import IO_KEY
 from .layout import dtype_from_name, dtype_name

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._compat import default_group
 from .errors import UCPError
 
 __all__ = ["BUNDLE", "SOLO", "P2P_ENV", "Incoming", "assign_readers", "exchange", "as_bytes_tensor", "carries_cpu",
@@ -152,7 +153,7 @@ def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
     if carries_cpu(str(dist.get_backend())) and os.environ.get(P2P_ENV, "default") != "side":
         return None
     members = tuple(sorted(ranks)) if ranks is not None else None
-    key = (id(dist.distributed_c10d._get_default_group()), members)
+    key = (id(default_group()), members)
     if key not in _SIDE:
         _SIDE[key] = dist.new_group(ranks=list(members) if members is not None else None, backend="gloo",
                                     use_local_synchronization=members is not None)

@@ -195,7 +195,7 @@ _OPEN_FAILURES = ((CheckpointNotFoundError, "not_found"), (IncompleteCheckpointE
 
 def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool = False) -> VerifyReport:
     """Check every byte of the checkpoint at ``path`` (local folder) against its checksums."""
-    from .inspect import open_path
+    from .summary import open_path
 
     folder = str(path)
     report = VerifyReport(folder, "ok")

@@ -28,19 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    FileSystemWriter,
-    _split_by_size_and_type,
-    _StorageInfo,
-    _StoragePrefix,
-)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from .commit import commit, new_token
 from .errors import UCPError
 from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums

@@ -14,9 +14,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "ucp_dcp.torchtitan needs torchtitan (and triton to import it): pip install 'ucp-dcp[torchtitan]'"
     ) from e
 
+from ._compat import TESTED_TORCHTITAN, check_torchtitan  # noqa: E402
+
+check_torchtitan()
+
 from .dataloader import GlobalCursorTextDataLoader, GlobalWindowDataset  # noqa: E402
 from .manager import UCPCheckpointManager  # noqa: E402
-
-TESTED_TORCHTITAN = "0.3.0"
 
 __all__ = ["UCPCheckpointManager", "GlobalCursorTextDataLoader", "GlobalWindowDataset", "TESTED_TORCHTITAN"]

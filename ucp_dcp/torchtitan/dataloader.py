@@ -22,9 +22,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.hf_datasets.text_datasets import _validate_dataset
 
 from ..errors import UCPError
+from ._compat import validate_dataset as _validate_dataset
 
 __all__ = ["GlobalWindowDataset", "GlobalCursorTextDataLoader", "STATE_VERSION"]
 

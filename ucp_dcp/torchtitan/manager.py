@@ -37,7 +37,7 @@ from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrap
 from torchtitan.models.common.attention import FusedQKVLinear
 
 from ..errors import PatternError, UCPError
-from ..inspect import read_metadata
+from ..summary import read_metadata
 from ..load_planner import UCPLoadPlanner
 from ..patterns import Fused, Reduce, Rule, anchored_in, rule_from_json
 from ..reader import UCPFileSystemReader

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ._compat import fsspec_filesystem
 from .catalog import read_catalog
 from .commit import Integrity, open_checkpoint
 
@@ -21,9 +22,7 @@ __all__ = ["summarize", "format_summary", "read_metadata", "open_path"]
 def open_path(path: str | os.PathLike, *, trust: bool = False) -> tuple[Metadata, Integrity]:
     """Metadata and integrity status of a checkpoint folder (local path or fsspec URL)."""
     if "://" in str(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-
-        fs = FsspecFileSystem()
+        fs = fsspec_filesystem()()
         return open_checkpoint(fs, fs.init_path(str(path)), trust=trust)
     from torch.distributed.checkpoint.filesystem import FileSystem
 

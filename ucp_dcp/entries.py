@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
+from ._compat import ShardedTensor, flatten_state_dict
 from .errors import AmbiguousLayoutError, ParamGroupError
 from .naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
 

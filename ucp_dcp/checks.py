@@ -13,7 +13,7 @@ import torch
 
 from .errors import ReplicaMismatchError
 from .patterns import Patterns
-from .renumber import check_ownership
+from .index_maps import check_ownership
 
 __all__ = ["check_digests", "reduce_values", "check_rules_and_ownership", "zero_like"]
 
