@@ -43,6 +43,7 @@ from .api import load, save  # noqa: E402
 from .load_planner import UCPLoadPlanner  # noqa: E402
 from .index_maps import Chunk, IndexMap, expert_map, stage_map  # noqa: E402
 from .naming import NameRules  # noqa: E402
+from .options import UCPOptions  # noqa: E402
 from .patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
 from .reader import UCPFileSystemReader  # noqa: E402
 from .save_planner import UCPSavePlanner  # noqa: E402
@@ -55,6 +56,7 @@ __all__ = [
     "UCPSavePlanner",
     "UCPLoadPlanner",
     "NameRules",
+    "UCPOptions",
     "Rule",
     "Fused",
     "Padded",

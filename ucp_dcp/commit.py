@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .io_format import IO_KEY
-from .sidecar import (SIDECAR_PREFIX, SIDECAR_SUFFIX, decode_sidecar, metadata_from_sidecar, metadata_hash,
+from .sidecar import (decode_sidecar, metadata_from_sidecar, metadata_hash,
                       safe_unpickle, sidecar_name)
 
 __all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState"]

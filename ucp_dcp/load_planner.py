@@ -13,7 +13,7 @@ import pickle
 import re
 import socket
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,9 +44,9 @@ from .errors import (
 )
 from .fragments import Box
 from .naming import AtomName, NameRules, OptimizerForm
-from .patterns import Patterns, Rule, rule_from_json
+from .options import UCPOptions, split_options
+from .patterns import Patterns, rule_from_json
 from .reader import read_key
-from .index_maps import IndexMap
 from .checks import check_rules_and_ownership, zero_like
 from .resolve import Resolved, Resolver
 from .staging import needs_staging, split_reads, staging_forced
@@ -64,10 +64,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
 
     Args:
-        patterns: pattern rules for the *target* layout; the rules recorded in the checkpoint's
-            catalog apply automatically, these add to them.
-        strict: a declared rule that matches neither a saved nor a target name is an error.
-        stage_map, expert_map: this rank's local->global layer / expert numbering.
+        options: the layout description shared with the save planner (:class:`UCPOptions`:
+            ``patterns`` for the *target* layout — the rules recorded in the checkpoint's catalog
+            apply too —, ``strict``, ``stage_map``, ``expert_map``, ``name_rules`` (as at save),
+            ``data_slot``: for ``Reduce(op="sum")`` the ranks of slot 0 receive the total and the
+            others 0; default only the coordinator), or those fields as keyword arguments.
         read_once: saved bytes several ranks need (replicas) are read by one rank the coordinator
             picks and sent to the others by ``UCPFileSystemReader``. ``"hosts"`` (default): only
             ranks on *other* hosts receive them; ranks on the reader's host read for themselves,
@@ -75,11 +76,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             ``"ranks"``: every other rank receives them. ``"off"``: every rank reads what it needs.
             ``True``/``False`` mean ``"ranks"``/``"off"``. The host is ``socket.gethostname()``,
             or ``UCP_DCP_HOST`` when set (to simulate several hosts on one machine).
-        data_slot: this rank's data-parallel slot (see ``UCPSavePlanner``): for ``Reduce(op="sum")``
-            the ranks of slot 0 receive the total and the others 0. Default: only the coordinator.
         allow_partial_load: skip atoms the checkpoint lacks instead of raising
             :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
-        name_rules: wrapper segments stripped from names (must match the ones used at save).
         allow_lossy_dtype: load atoms into targets of a dtype that loses values, the way
             ``Tensor.copy_`` converts (float -> int truncates, complex -> real drops the imaginary
             part, values outside the target's range wrap or become inf). By default such loads
@@ -94,36 +92,33 @@ class UCPLoadPlanner(DefaultLoadPlanner):
 
     def __init__(
         self,
+        options: UCPOptions | None = None,
         *,
-        patterns: Sequence[Rule] = (),
-        strict: bool = True,
-        stage_map: IndexMap | None = None,
-        expert_map: IndexMap | None = None,
-        data_slot: int | None = None,
         read_once: str | bool = "hosts",
         allow_partial_load: bool = False,
-        name_rules: NameRules | None = None,
         allow_lossy_dtype: bool = False,
         trust: bool = False,
+        **layout: Any,
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        self.options = split_options(options, layout)
+        self._config = {"read_once": read_once, "allow_partial_load": allow_partial_load,
+                        "allow_lossy_dtype": allow_lossy_dtype, "trust": trust}
         self.allow_lossy_dtype = bool(allow_lossy_dtype)
         self.trust = bool(trust)
-        self.name_rules = name_rules or NameRules()
-        self.rules = tuple(patterns)
-        Patterns(self.rules)
-        self.strict = strict
-        self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
-        self.data_slot = data_slot
         self.read_once = {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
         if self.read_once not in ("hosts", "ranks", "off"):
             raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
 
-    def __getstate__(self) -> dict[str, Any]:
-        keep = {"name_rules", "rules", "strict", "maps", "data_slot", "read_once", "allow_partial_load", "flatten_state_dict",
-                "flatten_sharded_tensors", "allow_lossy_dtype", "trust"}
-        return {k: v for k, v in self.__dict__.items() if k in keep} | {"missing_atoms": []}
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.options, self._config))  # configuration only (see UCPSavePlanner)
+
+    name_rules = property(lambda self: self.options.name_rules)
+    rules = property(lambda self: self.options.patterns)
+    strict = property(lambda self: self.options.strict)
+    maps = property(lambda self: self.options.maps)
+    data_slot = property(lambda self: self.options.data_slot)
 
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -628,3 +623,7 @@ def _combine(problems: list[UCPError]) -> UCPError:
         f"{first.message}\n{len(problems) - 1} more problem(s):\n{rest}{more}",
         atom=first.atom, saved=first.saved, wanted=first.wanted, hint=first.hint,
     )
+
+
+def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:
+    return cls(options, **config)

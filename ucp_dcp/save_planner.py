@@ -6,7 +6,6 @@ import dataclasses
 import io
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,9 +28,8 @@ from ._version import __version__
 from .digests import value_digest
 from .errors import AmbiguousLayoutError, PatternError
 from .layout import Layout
-from .naming import NameRules
-from .patterns import Patterns, Rule
-from .index_maps import IndexMap
+from .options import UCPOptions, split_options
+from .patterns import Patterns
 from .resolve import Resolved, Resolver
 from .save_global import check_all, coordinate_save, merge_cached, reduce_all
 from .save_local import avg_key, build_local, frag_key, is_averaged
@@ -48,32 +46,23 @@ class UCPSavePlanner(DefaultSavePlanner):
     """Save planner that stores parallelism-independent atoms.
 
     Args:
-        patterns: pattern rules (:mod:`ucp_dcp.patterns`) for layouts DTensor cannot describe.
-        strict: a declared rule that matches nothing on any rank is an error.
-        stage_map, expert_map: this rank's local->global layer / expert numbering
-            (:mod:`ucp_dcp.index_maps`), for stage-local or expert-local module names.
+        options: the layout description shared with the load planner (:class:`UCPOptions`:
+            ``patterns``, ``strict``, ``stage_map``, ``expert_map``, ``name_rules``, ``data_slot``),
+            or those fields as keyword arguments.
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
-        data_slot: this rank's data-parallel slot, for ``Reduce`` rules: ranks of one slot (TP/PP
-            replicas that saw the same data) hold copies of one value, which must agree and count
-            once. Default: every rank is its own slot.
-        name_rules: wrapper segments stripped from names.
         dedup_save_to_lowest_rank, enable_plan_caching: as in ``DefaultSavePlanner``; with plan
             caching on, a changed *layout* (not only changed boxes) invalidates the cached plan.
     """
 
     def __init__(
         self,
+        options: UCPOptions | None = None,
         *,
-        patterns: Sequence[Rule] = (),
-        strict: bool = True,
-        stage_map: IndexMap | None = None,
-        expert_map: IndexMap | None = None,
         check_replicas: str = "error",
-        data_slot: int | None = None,
-        name_rules: NameRules | None = None,
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = False,
+        **layout: Any,
     ) -> None:
         super().__init__(
             flatten_state_dict=True,
@@ -84,18 +73,20 @@ class UCPSavePlanner(DefaultSavePlanner):
         if check_replicas not in _CHECK_MODES:
             raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
-        self.name_rules = name_rules or NameRules()
-        self.rules = tuple(patterns)
-        Patterns(self.rules)  # validate regexes now, not mid-save
-        self.strict = strict
-        self.maps = tuple(m for m in (stage_map, expert_map) if m is not None)
-        self.data_slot = data_slot
+        self.options = split_options(options, layout)
+        self._config = {"check_replicas": check_replicas, "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
+                        "enable_plan_caching": enable_plan_caching}
 
-    def __getstate__(self) -> dict[str, Any]:
-        # async_save's process mode pickles the planner: ship configuration, never tensors or groups
-        keep = {"check_replicas", "name_rules", "rules", "strict", "maps", "dedup_save_to_lowest_rank", "data_slot",
-                "_enable_plan_caching", "_cached_plans_key", "flatten_state_dict", "flatten_sharded_tensors"}
-        return {k: v for k, v in self.__dict__.items() if k in keep} | {"mappings": {}}
+    def __reduce__(self) -> tuple[Any, ...]:
+        # async_save's process mode pickles the planner: it travels as its configuration, rebuilt
+        # by __init__ on the other side, never with tensors, groups or a half-run plan
+        return (_rebuild, (type(self), self.options, self._config))
+
+    name_rules = property(lambda self: self.options.name_rules)
+    rules = property(lambda self: self.options.patterns)
+    strict = property(lambda self: self.options.strict)
+    maps = property(lambda self: self.options.maps)
+    data_slot = property(lambda self: self.options.data_slot)
 
     # -- local -------------------------------------------------------------------------------------
 
@@ -302,3 +293,7 @@ _CACHE: dict[str, dict[str, Any]] = {}
 def _writer_info() -> dict[str, str]:
 
     return {"ucp_dcp": __version__, "torch": torch.__version__.split("+")[0]}
+
+
+def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:
+    return cls(options, **config)
