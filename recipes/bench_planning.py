@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, compact
+from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner, compact
 from ucp_dcp.compact import SHARD, TENSOR, LocalItems
-from ucp_dcp.load_planner import read_summary
+from ucp_dcp.transport import read_summary
 from ucp_dcp.patterns import Patterns
 
 ROWS, COLS = 8, 256  # rows per rank and columns of every sharded tensor
@@ -163,11 +163,16 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
     else:
         md = _FakeMeta(tensors)
         plans = []
-        for r in range(ranks):
+        for r in range(ranks):  # what UCPFileSystemReader.prepare_local_plan leaves in a gathered plan
             keys, sizes = read_summary(_dcp_read_items(r, tensors), md)
-            plans.append(LoadPlan([], planner_data={"used": [], "claims": [], "map_totals": {}, "global_rank": r,
-                                                    "keys": keys, "sizes": sizes}))
+            plans.append(LoadPlan([], storage_data={"rank": r, "mode": "ranks", "keys": keys, "sizes": sizes,
+                                                    "host": "h"},
+                                  planner_data={"used": [], "claims": [], "map_totals": {}, "read_once": "ranks",
+                                                "keeps_items": True}))
         planner = UCPLoadPlanner()
-        planner._patterns, planner.maps = Patterns(()), ()
+        planner._patterns = Patterns(())
+        reader = UCPFileSystemReader(".")
+        secs, nbytes, _ = _timed_coordinator(plans, lambda ps: reader.prepare_global_plan(planner.create_global_plan(ps)))
+        return {"seconds": secs, "plan_bytes": nbytes}
     secs, nbytes, _ = _timed_coordinator(plans, planner.create_global_plan)
     return {"seconds": secs, "plan_bytes": nbytes}

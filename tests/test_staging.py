@@ -20,11 +20,12 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dist as D
 import ucp_dcp
-from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, staging
+from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, device, staging
 from helpers import expect_ucp_error
 from ucp_dcp.errors import ChecksumError, DtypeConversionError
-from ucp_dcp.staging import HostCopies, StagingPool, split_box, split_reads
-from ucp_dcp.transport import carries_cpu
+from ucp_dcp.collectives import carries_cpu
+from ucp_dcp.device import split_box, split_reads
+from ucp_dcp.staging import HostCopies, StagingPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -122,7 +123,7 @@ def test_which_groups_carry_host_bytes(backend, cpu):
 @pytest.fixture
 def small_buffers(monkeypatch):
     """Staging buffers of 4 KiB: small tensors take the multi-piece, partial-buffer paths."""
-    monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(device, "STAGE_BYTES", 4096)
 
 
 def _load(sd, path, **kw):
@@ -191,9 +192,24 @@ def _logical(shape, salt):
 def _reshard_worker(rank, world, root, side):
     import os
 
+    from ucp_dcp import collectives
+
+    before = dict(collectives._SIDE)
+    saved_env, saved_bytes = os.environ.get("UCP_DCP_P2P"), device.STAGE_BYTES
     if side:
         os.environ["UCP_DCP_P2P"] = "side"
-    staging.STAGE_BYTES = 4096  # this process only: many sub-items, partial buffers
+    device.STAGE_BYTES = 4096  # many sub-items, partial buffers (restored below: workers are reused)
+    try:
+        return _reshard(rank, world, root, collectives, before)
+    finally:
+        device.STAGE_BYTES = saved_bytes
+        if saved_env is None:
+            os.environ.pop("UCP_DCP_P2P", None)
+        else:
+            os.environ["UCP_DCP_P2P"] = saved_env
+
+
+def _reshard(rank, world, root, collectives, before):
     mesh = DeviceMesh("cpu", list(range(world)))
     shapes = {"a": (48, 20), "b": (7, 33), "c": (96,)}
     sd = {k: distribute_tensor(_logical(s, i), mesh, [Shard(0)]) for i, (k, s) in enumerate(shapes.items())}
@@ -205,7 +221,7 @@ def _reshard_worker(rank, world, root, side):
         reader = UCPFileSystemReader(root, staging="always")
         dcp.load(back, storage_reader=reader, planner=UCPLoadPlanner(read_once="ranks"))
     bad = [k for i, (k, s) in enumerate(shapes.items()) if not torch.equal(back[k].full_tensor(), _logical(s, i))]
-    side_groups = len(__import__("ucp_dcp.transport", fromlist=["_SIDE"])._SIDE)
+    side_groups = len(set(collectives._SIDE) - set(before))
     return bad, reader.stats.bytes_received, reader.stats.staged_bytes, side_groups, dist.get_backend()
 
 

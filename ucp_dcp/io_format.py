@@ -18,9 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 __all__ = ["IO_KEY", "IO_VERSION", "BLOCK", "TensorRecord", "parse_tensor_record", "BoxGrid", "box_grid", "box_runs",
-           "gather_grid", "split_grid", "merge_intervals", "HASHES", "DEFAULT_HASH", "block_hash", "block_checksums", "blocks_touching"]
+           "gather_grid", "split_grid", "merge_intervals", "HASHES", "DEFAULT_HASH", "block_hash", "block_checksums", "blocks_touching",
+           "item_key", "read_key"]
 
 IO_KEY = "__ucp_io__"
 """Reserved ``MetadataIndex.fqn`` of the ``Metadata.storage_data`` entry holding ucp_dcp's I/O
@@ -238,3 +241,16 @@ def blocks_touching(intervals: Sequence[tuple[int, int]], nbytes: int, block: in
         return []
     arr = np.array(widened, dtype=np.int64)
     return merge_intervals(arr[:, 0], arr[:, 1])
+
+
+def item_key(index: MetadataIndex) -> str:
+    """Builtins key of a stored item in the ``__ucp_io__`` table."""
+    return f"{index.fqn}|{','.join(map(str, index.offset or ()))}"
+
+
+def read_key(item: ReadItem) -> str:
+    """Identity of the saved bytes a read item needs (equal across ranks needing the same bytes)."""
+    if item.type == LoadItemType.BYTE_IO:
+        return f"{item.storage_index.fqn}|b"
+    s = item.storage_index
+    return f"{s.fqn}|{list(s.offset or ())}|{list(item.storage_offsets)}|{list(item.lengths)}"

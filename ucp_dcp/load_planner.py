@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import io
 import logging
-import math
-import os
 import pickle
 import re
-import socket
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -46,12 +40,10 @@ from .fragments import Box
 from .naming import AtomName, NameRules, OptimizerForm
 from .options import UCPOptions, split_options
 from .patterns import Patterns, rule_from_json
-from .reader import read_key
 from .checks import check_rules_and_ownership, zero_like
 from .resolve import Resolved, Resolver
-from .staging import needs_staging, split_reads, staging_forced
+from .device import needs_staging, split_reads, staging_forced
 from .entries import Entry, GroupTarget
-from .transport import assign_readers
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -183,40 +175,23 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         forced = staging_forced()
         reads = split_reads(reads, lambda it: _itemsize(self.metadata, it),
                             lambda it: needs_staging(self._targets[it.dest_index.fqn].local, forced))
-        # the read items stay here: the coordinator only needs a compact summary of them
         self._reads = reads
         summary: dict[str, Any] = {
             "used": sorted(self._patterns.used),
             "claims": [c for r in self._targets.values() for c in r.index_claims],
             "map_totals": {m.key: m.total for m in self.maps},
-            "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+            # for the storage layer: who reads shared bytes, and that finish_plan puts the items
+            # back (a reader may leave them out of the gathered plan; only summaries travel)
+            "read_once": self.read_once,
+            "keeps_items": True,
         }
-        if self.read_once != "off":
-            summary["keys"], summary["sizes"] = read_summary(reads, self.metadata)
-            summary["host"] = os.environ.get("UCP_DCP_HOST") or socket.gethostname()
-        return LoadPlan([], planner_data=summary)
+        return LoadPlan(reads, planner_data=summary)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         pds = [p.planner_data or {} for p in global_plan]
         check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at load")
-        if self.read_once == "off":
-            return [LoadPlan([]) for _ in global_plan]
-        ranks = [pd.get("global_rank", i) for i, pd in enumerate(pds)]
-        hosts = None
-        if self.read_once == "hosts":
-            names = [pd.get("host") for pd in pds]
-            hosts = np.unique(np.array(names, dtype=object).astype(str), return_inverse=True)[1]
-        plans = assign_readers([pd["keys"] for pd in pds], [pd["sizes"] for pd in pds], hosts=hosts)
-        glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
-        # every rank learns whether anyone exchanges: a side group (NCCL-only jobs) is created by all
-        exchanges = any(t["send"] for t in plans)
-        return [
-            LoadPlan([], planner_data={"transport": {
-                "send": [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
-                "recv": {ranks[r]: idx for r, idx in t["recv"].items()},
-                "ranks": ranks if exchanges else None}})
-            for t in plans
-        ]
+        # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
+        return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
 
     def _plan_entry(self, r: Resolved, saved: "_SavedIndex") -> list[ReadItem]:
         if r.unsplit is not None and not any(saved.lookup(a) for a in r.atoms) and saved.lookup(r.name):
@@ -311,7 +286,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     # -- data ------------------------------------------------------------------------------------
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
-        new_plan = LoadPlan(self._reads, planner_data=new_plan.planner_data)
+        new_plan = LoadPlan(self._reads, storage_data=new_plan.storage_data, planner_data=new_plan.planner_data)
         # the load is validated on every rank: now it is safe to touch the target
         with torch.no_grad():
             for r in self._targets.values():
@@ -374,24 +349,6 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
 
 def _itemsize(md: Metadata, item: ReadItem) -> int:
     return md.state_dict_metadata[item.storage_index.fqn].properties.dtype.itemsize
-
-
-def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
-    """128-bit keys and byte sizes of the saved bytes each read item needs (for read-once)."""
-    keys = np.empty((len(reads), 2), dtype=np.uint64)
-    sizes = np.empty(len(reads), dtype=np.int64)
-    itemsize: dict[torch.dtype, int] = {}
-    for i, item in enumerate(reads):
-        keys[i] = np.frombuffer(hashlib.blake2b(read_key(item).encode(), digest_size=16).digest(), dtype=np.uint64)
-        if item.type == LoadItemType.BYTE_IO:
-            info = (md.storage_data or {}).get(item.storage_index)
-            sizes[i] = int(getattr(info, "length", 0))
-        else:
-            dtype = md.state_dict_metadata[item.storage_index.fqn].properties.dtype
-            if dtype not in itemsize:
-                itemsize[dtype] = dtype.itemsize
-            sizes[i] = math.prod(item.lengths) * itemsize[dtype]
-    return keys, sizes
 
 
 def _check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = False) -> None:

@@ -14,6 +14,7 @@ bounded host staging buffers and non-blocking copies (:mod:`ucp_dcp.staging`).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import mmap
@@ -39,22 +40,15 @@ from .commit import Integrity, open_checkpoint
 from .errors import (ChecksumError, CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError,
                      UnsafeCheckpointError, UnverifiedCheckpointWarning)
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
-                        block_hash, parse_tensor_record, split_grid)
-from . import staging as _staging
+                        block_hash, item_key, parse_tensor_record, split_grid)
+from . import device as _device
 from ._compat import _create_file_view, fsspec_filesystem, narrow_tensor_by_index
-from .staging import BUFFERS_PER_THREAD, StagingPool, needs_staging, split_box, split_reads, staging_forced, to_device
-from .transport import Incoming, as_bytes_tensor, exchange, p2p_group
-from .writer import item_key
+from .collectives import p2p_group
+from .device import needs_staging, split_box, split_reads, staging_forced
+from .staging import BUFFERS_PER_THREAD, StagingPool, to_device
+from .transport import READ_ONCE_MODES, Incoming, as_bytes_tensor, exchange, local_summary, plan_transport
 
-__all__ = ["UCPFileSystemReader", "ReadStats", "read_key"]
-
-
-def read_key(item: ReadItem) -> str:
-    """Identity of the saved bytes a read item needs (equal across ranks needing the same bytes)."""
-    if item.type == LoadItemType.BYTE_IO:
-        return f"{item.storage_index.fqn}|b"
-    s = item.storage_index
-    return f"{s.fqn}|{list(s.offset or ())}|{list(item.storage_offsets)}|{list(item.lengths)}"
+__all__ = ["UCPFileSystemReader", "ReadStats"]
 
 
 @dataclass
@@ -115,10 +109,16 @@ class UCPFileSystemReader(FileSystemReader):
             source you trust whose metadata holds other types).
         staging: ``"auto"``: stage only non-CPU targets through host buffers; ``"always"``: CPU
             targets too (exercises the device path without a GPU). None: ``$UCP_DCP_STAGING``.
+        read_once: who receives saved bytes several ranks need, read by one rank the coordinator
+            picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
+            cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
+            reads what it needs). None: the load planner's ``read_once`` (``UCPLoadPlanner``'s
+            default ``"hosts"``). The host is ``socket.gethostname()`` or ``$UCP_DCP_HOST``.
     """
 
     def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
-                 trust: bool = False, staging: str | None = None, _extension_registry: Any = None) -> None:
+                 trust: bool = False, staging: str | None = None, read_once: str | None = None,
+                 _extension_registry: Any = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             self.fs = fsspec_filesystem()()
@@ -126,8 +126,11 @@ class UCPFileSystemReader(FileSystemReader):
         self.thread_count = thread_count
         self.verify_checksums = verify_checksums
         self.trust = trust
+        if read_once is not None and read_once not in READ_ONCE_MODES:
+            raise UCPError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
+        self.read_once = read_once
         self._forced = staging_forced(staging)
-        self.stage_bytes = _staging.STAGE_BYTES
+        self.stage_bytes = _device.STAGE_BYTES
         """Size of a staging buffer (and the largest item read into one)."""
         self._pool: StagingPool | None = None
         self.stats = ReadStats()
@@ -171,13 +174,34 @@ class UCPFileSystemReader(FileSystemReader):
         self._records: dict[MetadataIndex, TensorRecord | None] = {}
         self._lock = threading.Lock()
         self._chunk_meta = _chunk_meta(metadata)
+        self._md = metadata
+
+    # -- planning: read-once ------------------------------------------------------------------------
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Summarize this rank's reads for read-once (keys and sizes, not items). A planner that
+        puts its items back in ``finish_plan`` (``planner_data["keeps_items"]``) gets them left out
+        of the gathered plan, so planning stays O(summary) per rank."""
+        pd = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+        mode = self.read_once or pd.get("read_once") or "hosts"
+        if mode not in READ_ONCE_MODES:
+            raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
+        summary = local_summary(plan.items, self._md, mode)
+        return LoadPlan([] if pd.get("keeps_items") else plan.items, storage_data=summary,
+                        planner_data=plan.planner_data)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.transport`)."""
+        summaries = [p.storage_data if isinstance(p.storage_data, dict) else {} for p in plans]
+        return [dataclasses.replace(p, storage_data={"transport": t})
+                for p, t in zip(plans, plan_transport(summaries))]
 
     # -- entry point -------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = ReadStats()
         t0 = time.perf_counter()
-        transport = (plan.planner_data or {}).get("transport") or {"send": [], "recv": {}}
+        transport = (plan.storage_data or {}).get("transport") or {"send": [], "recv": {}}
         recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
         keep: dict[int, bytes | memoryview] = {}

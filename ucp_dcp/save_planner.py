@@ -33,7 +33,7 @@ from .patterns import Patterns
 from .resolve import Resolved, Resolver
 from .save_global import check_all, coordinate_save, merge_cached, reduce_all
 from .save_local import avg_key, build_local, frag_key, is_averaged
-from .transport import p2p_group, send_device
+from .collectives import p2p_group, send_device
 
 __all__ = ["UCPSavePlanner"]
 

@@ -5,7 +5,7 @@ A load into device tensors cannot read file bytes straight into the target (``pr
 Both go through host memory here, with bounds and overlap:
 
 - **Loads**: every read item for a device target is at most ``STAGE_BYTES`` (larger boxes are split
-  into sub-boxes whose bytes are contiguous runs of the box, :func:`split_box`). Its bytes land in a
+  into sub-boxes whose bytes are contiguous runs of the box, :func:`ucp_dcp.device.split_box`). Its bytes land in a
   buffer of a :class:`StagingPool` (a few pinned buffers per reading thread) and go to the device
   with a non-blocking copy on the target device's current stream; the buffer returns to the pool
   with an event, and is reused only once that event completes. Reading the next item overlaps the
@@ -14,91 +14,26 @@ Both go through host memory here, with bounds and overlap:
   memory while the writer writes the current one.
 
 ``UCP_DCP_STAGING=always`` (or ``UCPFileSystemReader(staging="always")``) sends CPU targets through
-the same path, so a machine without a GPU exercises every branch a device load takes.
+the same path, so a machine without a GPU exercises every branch a device load takes
+(:mod:`ucp_dcp.device` decides which targets are staged and cuts their read items).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-__all__ = ["STAGE_BYTES", "BUFFERS_PER_THREAD", "STAGING_ENV", "StagingPool", "PoolStats", "HostCopies",
-           "split_box", "split_reads", "staging_forced", "needs_staging", "to_device"]
+__all__ = ["BUFFERS_PER_THREAD", "StagingPool", "PoolStats", "HostCopies", "to_device"]
 
-STAGE_BYTES = 16 << 20
-"""Size of one staging buffer, and the largest read item for a staged target."""
 BUFFERS_PER_THREAD = 3
 """Staging buffers per reading thread: one being filled, two whose copies may still be in flight."""
-STAGING_ENV = "UCP_DCP_STAGING"
-"""``always``: stage CPU targets too (tests); ``auto`` (default): only non-CPU targets."""
-
-
-def staging_forced(mode: str | None = None) -> bool:
-    """Whether CPU targets go through staging (``mode`` or, when None, ``$UCP_DCP_STAGING``)."""
-    mode = mode if mode is not None else os.environ.get(STAGING_ENV, "auto")
-    if mode not in ("auto", "always"):
-        raise ValueError(f"staging must be 'auto' or 'always', got {mode!r}")
-    return mode == "always"
-
-
-def needs_staging(t: torch.Tensor, forced: bool) -> bool:
-    """A target whose bytes cannot be written from the host directly (or any target when forced)."""
-    return forced or t.device.type != "cpu"
-
-
-def split_box(lengths: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Sub-boxes ``(offsets, lengths)`` of a box of ``lengths``, in row-major order, each of at most
-    ``cap`` bytes and each a contiguous byte range of the box's packed row-major bytes.
-
-    Splits the first dimension ``d`` whose trailing block (``lengths[d+1:]``) fits in ``cap``:
-    indices of dimensions before ``d`` are fixed per sub-box, ``d`` is cut into ranges of as many
-    rows as fit, later dimensions stay whole."""
-    lengths = tuple(int(n) for n in lengths)
-    if not lengths or math.prod(lengths) * itemsize <= cap or 0 in lengths:
-        return [((0,) * len(lengths), lengths)]
-    d = next(d for d in range(len(lengths)) if math.prod(lengths[d + 1:]) * itemsize <= cap)
-    rows = max(1, cap // (math.prod(lengths[d + 1:]) * itemsize))
-    out = []
-    for lead in itertools.product(*(range(n) for n in lengths[:d])):
-        for start in range(0, lengths[d], rows):
-            n = min(rows, lengths[d] - start)
-            out.append((lead + (start,) + (0,) * (len(lengths) - d - 1), (1,) * d + (n,) + lengths[d + 1:]))
-    return out
-
-
-def split_reads(items: Iterable[ReadItem], itemsize: Callable[[ReadItem], int], staged: Callable[[ReadItem], bool],
-                cap: int | None = None) -> list[ReadItem]:
-    """Read items with every tensor item of a staged target cut into sub-boxes of at most ``cap``
-    (default :data:`STAGE_BYTES`) bytes (storage and destination offsets shifted alike), so a
-    staging buffer holds any item."""
-    cap = STAGE_BYTES if cap is None else cap
-    out: list[ReadItem] = []
-    for item in items:
-        if item.type == LoadItemType.BYTE_IO or not staged(item):
-            out.append(item)
-            continue
-        parts = split_box(tuple(item.lengths), itemsize(item), cap)
-        if len(parts) == 1:
-            out.append(item)
-            continue
-        for offs, lens in parts:
-            out.append(replace(
-                item,
-                dest_offsets=torch.Size(a + b for a, b in zip(item.dest_offsets, offs)),
-                storage_offsets=torch.Size(a + b for a, b in zip(item.storage_offsets, offs)),
-                lengths=torch.Size(lens),
-            ))
-    return out
-
 
 @dataclass
 class PoolStats:

@@ -10,32 +10,34 @@ that failed (e.g. a checksum mismatch) still sends every header, with ``status =
 consumer waits forever; every rank raises after the exchange. A consumer receives one bundle at a
 time, so its extra memory is one packed bundle at most.
 
-Messages are host bytes. They travel on the default group when it carries CPU tensors (``gloo``,
-``cpu:gloo,cuda:nccl``); under a default group that does not (NCCL only, as torchtitan sets up on
-GPUs) on one gloo side group over the load's ranks, created on first use and reused
-(:func:`p2p_group`). ``UCP_DCP_P2P=side`` forces the side group (tests on gloo).
+Messages are host bytes, on the group :func:`ucp_dcp.collectives.p2p_group` picks (the default
+group, or a gloo side group when the default group is NCCL only).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import os
-
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ._compat import default_group
 from .errors import UCPError
+from .io_format import read_key
 
-__all__ = ["BUNDLE", "SOLO", "P2P_ENV", "Incoming", "assign_readers", "exchange", "as_bytes_tensor", "carries_cpu",
-           "p2p_group", "send_device"]
+__all__ = ["BUNDLE", "SOLO", "READ_ONCE_MODES", "Incoming", "assign_readers", "exchange", "as_bytes_tensor",
+           "read_summary", "local_summary", "plan_transport"]
 
-P2P_ENV = "UCP_DCP_P2P"
-"""``side``: send host bytes on the gloo side group even when the default group could carry them."""
+READ_ONCE_MODES = ("hosts", "ranks", "off")
+"""Who receives a shared piece: holders on other hosts, every other holder, or nobody."""
 
 
 BUNDLE = 16 << 20
@@ -133,44 +135,6 @@ class Incoming:
     """Called with the filled buffer."""
 
 
-def carries_cpu(backend: str) -> bool:
-    """Whether a process group with this backend string (``dist.get_backend()``: ``gloo``,
-    ``nccl``, ``cpu:gloo,cuda:nccl``, ...) can send CPU tensors."""
-    backend = backend.lower()
-    if ":" in backend:  # a device -> backend map
-        return any(part.split(":", 1)[0].strip() == "cpu" for part in backend.split(","))
-    return backend not in ("nccl", "xccl", "hccl")
-
-
-_SIDE: dict[tuple[int, tuple[int, ...] | None], dist.ProcessGroup] = {}
-
-
-def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
-    """The group for host-byte messages among ``ranks`` (global ranks; None: the whole world):
-    None (the default group) when it carries CPU tensors, else one gloo group, created once per
-    default group and member set. Every member must call this in the same order (group creation
-    synchronizes the members)."""
-    if carries_cpu(str(dist.get_backend())) and os.environ.get(P2P_ENV, "default") != "side":
-        return None
-    members = tuple(sorted(ranks)) if ranks is not None else None
-    key = (id(default_group()), members)
-    if key not in _SIDE:
-        _SIDE[key] = dist.new_group(ranks=list(members) if members is not None else None, backend="gloo",
-                                    use_local_synchronization=members is not None)
-    return _SIDE[key]
-
-
-def send_device(t: torch.Tensor) -> tuple[torch.device, dist.ProcessGroup | None]:
-    """Where a tensor travels for a point-to-point exchange among all ranks: device tensors over the
-    default group when it has a backend for their device (NCCL for CUDA), everything else as host
-    tensors over :func:`p2p_group`. Returns ``(device to send from, group)``."""
-    if t.device.type != "cpu":
-        backend = str(dist.get_backend()).lower()
-        if t.device.type == "cuda" and ("nccl" in backend):
-            return t.device, None
-    return torch.device("cpu"), p2p_group()
-
-
 def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[Incoming]], ok: bool,
              group: dist.ProcessGroup | None = None) -> list[int]:
     """Send every ``sends[dst]`` message (uint8 tensors, in order) and receive every ``recvs[src]``
@@ -230,3 +194,53 @@ def as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
         dst[pos:pos + len(mv)] = mv
         pos += len(mv)
     return out
+
+
+def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
+    """128-bit keys and byte sizes of the saved bytes each read item needs (for read-once)."""
+    keys = np.empty((len(reads), 2), dtype=np.uint64)
+    sizes = np.empty(len(reads), dtype=np.int64)
+    itemsize: dict[torch.dtype, int] = {}
+    for i, item in enumerate(reads):
+        keys[i] = np.frombuffer(hashlib.blake2b(read_key(item).encode(), digest_size=16).digest(), dtype=np.uint64)
+        if item.type == LoadItemType.BYTE_IO:
+            info = (md.storage_data or {}).get(item.storage_index)
+            sizes[i] = int(getattr(info, "length", 0))
+        else:
+            dtype = md.state_dict_metadata[item.storage_index.fqn].properties.dtype
+            if dtype not in itemsize:
+                itemsize[dtype] = dtype.itemsize
+            sizes[i] = math.prod(item.lengths) * itemsize[dtype]
+    return keys, sizes
+
+
+def local_summary(reads: list[ReadItem], md: Metadata, mode: str) -> dict[str, Any]:
+    """What one loading rank tells the coordinator for read-once: its global rank, its host and
+    the keys and sizes of its reads (no read items)."""
+    out: dict[str, Any] = {"rank": dist.get_rank() if dist.is_initialized() else 0, "mode": mode}
+    if mode != "off":
+        out["keys"], out["sizes"] = read_summary(reads, md)
+        out["host"] = os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    return out
+
+
+def plan_transport(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The coordinator's answer to every rank's :func:`local_summary`: per rank, what it sends and
+    receives (global ranks), and, for all, the ranks that exchange (None if nobody does: then no
+    side group is created)."""
+    mode = summaries[0].get("mode", "off") if summaries else "off"
+    empty = {"send": [], "recv": {}, "ranks": None}
+    if mode == "off" or any("keys" not in s for s in summaries):
+        return [dict(empty) for _ in summaries]
+    ranks = [int(s["rank"]) for s in summaries]
+    hosts = None
+    if mode == "hosts":
+        names = [s.get("host") for s in summaries]
+        hosts = np.unique(np.array(names, dtype=object).astype(str), return_inverse=True)[1]
+    plans = assign_readers([s["keys"] for s in summaries], [s["sizes"] for s in summaries], hosts=hosts)
+    glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
+    # every rank learns whether anyone exchanges: a side group (NCCL-only jobs) is created by all
+    exchanges = any(t["send"] for t in plans)
+    return [{"send": [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
+             "recv": {ranks[r]: idx for r, idx in t["recv"].items()},
+             "ranks": ranks if exchanges else None} for t in plans]

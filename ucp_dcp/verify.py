@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
 from .io_format import HASHES, IO_KEY, block_hash
-from .writer import item_key
+from .io_format import item_key
 
 __all__ = ["Problem", "VerifyReport", "verify", "format_report"]
 

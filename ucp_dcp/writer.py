@@ -37,11 +37,12 @@ from torch.futures import Future
 from ._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from .commit import commit, new_token
 from .errors import UCPError
-from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums
+from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
-from .staging import HostCopies, staging_forced
+from .device import staging_forced
+from .staging import HostCopies
 
-__all__ = ["UCPFileSystemWriter", "item_key"]
+__all__ = ["UCPFileSystemWriter"]
 
 
 class _Tracked(io.RawIOBase):
@@ -110,11 +111,6 @@ def _zip_crc32(enabled: bool) -> Iterator[None]:
 
 def _address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
-
-
-def item_key(index: MetadataIndex) -> str:
-    """Builtins key of a stored item in the ``__ucp_io__`` table."""
-    return f"{index.fqn}|{','.join(map(str, index.offset or ()))}"
 
 
 class UCPFileSystemWriter(FileSystemWriter):

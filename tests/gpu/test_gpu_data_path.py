@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.transport import p2p_group
+from ucp_dcp.collectives import p2p_group
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
