@@ -212,14 +212,14 @@ class _no_mapping:
     def __enter__(self):
         import ucp_dcp.reader as R
 
-        self.saved = R._regular_fd
+        self.saved = R.regular_fd
         if self.on:
-            R._regular_fd = lambda f: None
+            R.regular_fd = lambda f: None
 
     def __exit__(self, *exc):
         import ucp_dcp.reader as R
 
-        R._regular_fd = self.saved
+        R.regular_fd = self.saved
 
 
 def _storage_worker(rank, world, root):

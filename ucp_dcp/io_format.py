@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from .errors import CorruptCheckpointError
 
 __all__ = ["IO_KEY", "IO_VERSION", "BLOCK", "TensorRecord", "parse_tensor_record", "BoxGrid", "box_grid", "box_runs",
            "gather_grid", "split_grid", "merge_intervals", "HASHES", "DEFAULT_HASH", "block_hash", "block_checksums", "blocks_touching",
-           "item_key", "read_key"]
+           "item_key", "read_key", "check_tables", "chunk_meta"]
 
 IO_KEY = "__ucp_io__"
 """Reserved ``MetadataIndex.fqn`` of the ``Metadata.storage_data`` entry holding ucp_dcp's I/O
@@ -254,3 +256,33 @@ def read_key(item: ReadItem) -> str:
         return f"{item.storage_index.fqn}|b"
     s = item.storage_index
     return f"{s.fqn}|{list(s.offset or ())}|{list(item.storage_offsets)}|{list(item.lengths)}"
+
+
+def check_tables(md: Metadata) -> None:
+    """Every saved chunk and object must have a storage entry (else a read would be a bare
+    ``KeyError``): a metadata file whose tables disagree is corrupt."""
+    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise CorruptCheckpointError(f"checkpoint metadata lists object '{fqn}' but has no storage entry for it",
+                                             atom=fqn, hint="the checkpoint's metadata is damaged; restore it")
+            continue
+        for ch in smd.chunks:
+            if MetadataIndex(fqn, ch.offsets) not in storage:
+                raise CorruptCheckpointError(
+                    f"checkpoint metadata lists chunk {list(ch.offsets)} of atom '{fqn}' but has no storage entry "
+                    "for it", atom=fqn, saved=list(ch.offsets),
+                    hint="the checkpoint's metadata is damaged; restore it from a good copy")
+
+
+def chunk_meta(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:
+    """Saved dtype and shape of every chunk, by storage index."""
+    out = {}
+    for fqn, smd in metadata.state_dict_metadata.items():
+        chunks = getattr(smd, "chunks", None)
+        if chunks is None:
+            continue
+        for ch in chunks:
+            out[MetadataIndex(fqn, ch.offsets)] = (smd.properties.dtype, tuple(int(x) for x in ch.sizes))
+    return out

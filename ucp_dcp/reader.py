@@ -17,10 +17,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import mmap
 import os
 import pickle
-import stat
 import threading
 import time
 import warnings
@@ -32,15 +30,17 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .commit import Integrity, open_checkpoint
-from .errors import (ChecksumError, CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError,
+from .block_checks import BlockChecker
+from .file_ranges import WINDOW, gather_runs, map_window, readinto, regular_fd
+from .errors import (CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError,
                      UnsafeCheckpointError, UnverifiedCheckpointWarning)
 from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
-                        block_hash, item_key, parse_tensor_record, split_grid)
+                        block_hash, check_tables, chunk_meta, item_key, parse_tensor_record, split_grid)
 from . import device as _device
 from ._compat import _create_file_view, fsspec_filesystem, narrow_tensor_by_index
 from .collectives import p2p_group
@@ -81,6 +81,33 @@ class _Staged:
 
     target: torch.Tensor
     buf: torch.Tensor
+
+
+@dataclass
+class _Job:
+    """One ``read_data`` call: the items, the planner that resolves them, and the pieces other
+    ranks need (kept after they are read, for the exchange)."""
+
+    plan: LoadPlan
+    planner: LoadPlanner
+    send: set[int]
+    """Positions (in ``plan.items``) of items this rank reads for other ranks too."""
+    keep: dict[int, bytes | memoryview] = field(default_factory=dict)
+    """Bytes of those items, by position."""
+    positions: dict[int, int] = field(default_factory=dict)
+    """``id(item) -> position``; sub-items of a split item map to their item's position."""
+    objects: list[tuple[ReadItem, memoryview]] = field(default_factory=list)
+    """Object items read by the file threads, delivered on the calling thread."""
+
+    def __post_init__(self) -> None:
+        self.positions.update((id(it), i) for i, it in enumerate(self.plan.items))
+
+    def sending(self, item: ReadItem) -> bool:
+        return self.positions[id(item)] in self.send
+
+    def keep_if_sent(self, item: ReadItem, data: bytes | memoryview) -> None:
+        if self.sending(item):
+            self.keep[self.positions[id(item)]] = data
 
 
 @dataclass
@@ -171,9 +198,10 @@ class UCPFileSystemReader(FileSystemReader):
                           "without verification (upgrade ucp_dcp to verify them)", stacklevel=2)
         self._crc = self._io.get("items", {}) if self._algo else {}
         self._block = int(self._io.get("block", 1 << 20))
+        self._checker = BlockChecker(self._block, self._algo or "")
         self._records: dict[MetadataIndex, TensorRecord | None] = {}
         self._lock = threading.Lock()
-        self._chunk_meta = _chunk_meta(metadata)
+        self._chunk_meta = chunk_meta(metadata)
         self._md = metadata
 
     # -- planning: read-once ------------------------------------------------------------------------
@@ -204,17 +232,17 @@ class UCPFileSystemReader(FileSystemReader):
         transport = (plan.storage_data or {}).get("transport") or {"send": [], "recv": {}}
         recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
-        keep: dict[int, bytes | memoryview] = {}
+        job = _Job(plan, planner, send_items)
         error: BaseException | None = None
         self._pool = None
         try:
-            self._read_local(plan, planner, recv_items, send_items, keep)
+            self._read_local(job, recv_items)
         except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
             error = e
         sends: dict[int, list[torch.Tensor | None]] = {}
         for pieces, dsts in transport["send"]:
             # one payload per bundle, shared by all its consumers (a lone piece: its own memory)
-            payload = as_bytes_tensor([keep[int(i)] for i in pieces]) if error is None else None
+            payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
             for dst in dsts.tolist():
                 sends.setdefault(dst, []).append(payload)
         incoming = {src: [self._incoming(plan, planner, pieces.tolist()) for pieces in msgs]
@@ -268,97 +296,100 @@ class UCPFileSystemReader(FileSystemReader):
 
     # -- local reads -------------------------------------------------------------------------------
 
-    def _read_local(self, plan: LoadPlan, planner: LoadPlanner, skip: set[int], send: set[int],
-                    keep: dict[int, bytes | memoryview]) -> None:
-        chunks: dict[MetadataIndex, _Chunk] = {}
-        byte_items: list[tuple[int, ReadItem]] = []
-        positions = {id(it): i for i, it in enumerate(plan.items)}
-        local: list[tuple[int, ReadItem]] = []
-        for i, item in enumerate(plan.items):
+    def _read_local(self, job: _Job, skip: set[int]) -> None:
+        """Read every item not received from another rank: files in parallel, chunks of a file
+        in offset order; objects are delivered on this thread (planner sinks are not locked)."""
+        work = sorted(self._by_file(self._local_items(job, skip)).items())
+        if self.thread_count > 1 and len(work) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(work))) as pool:
+                for fut in [pool.submit(self._read_file, job, rel, cs) for rel, cs in work]:
+                    fut.result()
+        else:
+            for rel, cs in work:
+                self._read_file(job, rel, cs)
+        for item, data in job.objects:
+            self._deliver(item, job.planner, data, None)
+
+    def _local_items(self, job: _Job, skip: set[int]) -> list[ReadItem]:
+        """The items this rank reads itself; a large item for a staged target (planners other than
+        ours do not cut them) becomes sub-boxes that fit a staging buffer."""
+        out: list[ReadItem] = []
+        for i, item in enumerate(job.plan.items):
             if i in skip:
                 continue
-            if item.type == LoadItemType.BYTE_IO or i in send or self._item_nbytes(item) <= self.stage_bytes:
-                local.append((i, item))
+            if item.type == LoadItemType.BYTE_IO or i in job.send or self._item_nbytes(item) <= self.stage_bytes:
+                out.append(item)
                 continue
-            # a large item for a staged target (planners other than ours do not cut them): sub-boxes
-            # that fit a staging buffer, each read and copied on its own
-            for sub in split_reads([item], self._itemsize, lambda it: needs_staging(planner.resolve_tensor(it), self._forced),
-                                   self.stage_bytes):
-                positions[id(sub)] = i
-                local.append((i, sub))
-        for i, item in local:
+            staged = lambda it: needs_staging(job.planner.resolve_tensor(it), self._forced)  # noqa: E731
+            for sub in split_reads([item], self._itemsize, staged, self.stage_bytes):
+                job.positions[id(sub)] = i
+                out.append(sub)
+        return out
+
+    def _by_file(self, items: list[ReadItem]) -> dict[str, list[_Chunk]]:
+        """Items grouped by saved chunk (a chunk feeding several boxes is one read), by file."""
+        chunks: dict[MetadataIndex, _Chunk] = {}
+        by_file: dict[str, list[_Chunk]] = defaultdict(list)
+        for item in items:
+            info = self.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
-                byte_items.append((i, item))
+                by_file[info.relative_path].append(_Chunk(item.storage_index, None, None, [item]))
                 continue
             c = chunks.get(item.storage_index)
             if c is None:
-                info = self.storage_data[item.storage_index]
                 c = chunks[item.storage_index] = _Chunk(item.storage_index, info, None)
+                by_file[info.relative_path].append(c)
             c.items.append(item)
-        by_file: dict[str, list[_Chunk]] = defaultdict(list)
-        for c in chunks.values():
-            by_file[c.info.relative_path].append(c)
-        for i, item in byte_items:
-            by_file[self.storage_data[item.storage_index].relative_path].append(_Chunk(item.storage_index, None, None, [item]))
+        return by_file
 
-        def run(path_chunks: tuple[str, list[_Chunk]]) -> None:
-            rel, cs = path_chunks
-            cs.sort(key=lambda c: self.storage_data[c.index].offset)
-            atoms = sorted({c.index.fqn for c in cs})
-            try:
-                with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
-                    self._check_size(f, rel, atoms)
-                    for c in cs:
-                        self._read_chunk(f, rel, c, planner, positions, send, keep)
-            except FileNotFoundError as e:
-                if isinstance(e, UCPError):
-                    raise
-                raise MissingFileError(
-                    f"checkpoint file {rel} is missing from {self.path} (it holds {_names(atoms)})",
-                    atom=atoms[0], saved=rel,
-                    hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
-                ) from None
+    def _read_file(self, job: _Job, rel: str, cs: list[_Chunk]) -> None:
+        cs.sort(key=lambda c: self.storage_data[c.index].offset)
+        atoms = sorted({c.index.fqn for c in cs})
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+                self._check_size(f, rel, atoms)
+                for c in cs:
+                    if c.info is None:
+                        self._read_object(f, rel, c, job)
+                    else:
+                        self._read_chunk(f, rel, c, job)
+        except FileNotFoundError as e:
+            if isinstance(e, UCPError):
+                raise
+            raise MissingFileError(
+                f"checkpoint file {rel} is missing from {self.path} (it holds {_names(atoms)})",
+                atom=atoms[0], saved=rel,
+                hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
+            ) from None
 
-        self._bytes_out: list[tuple[ReadItem, memoryview]] = []
-        work = sorted(by_file.items())
-        if self.thread_count > 1 and len(work) > 1:
-            with ThreadPoolExecutor(min(self.thread_count, len(work))) as pool:
-                for fut in [pool.submit(run, w) for w in work]:
-                    fut.result()
-        else:
-            for w in work:
-                run(w)
-        for item, data in self._bytes_out:
-            self._deliver(item, planner, data, None)
-
-    def _read_chunk(self, f: Any, rel: str, c: _Chunk, planner: LoadPlanner, positions: dict[int, int],
-                    send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+    def _read_object(self, f: Any, rel: str, c: _Chunk, job: _Job) -> None:
         info = self.storage_data[c.index]
-        if c.info is None:  # a bytes item: delivered on the calling thread (planner sinks are not locked)
-            data = self._pread(f, info.offset, info.length, c.index)
-            entry = self._crc.get(item_key(c.index)) if self.verify_checksums else None
-            if entry is not None:
-                self._verify(data, 0, entry[1], rel, c.index)
-            elif self.verify_checksums and self._crc and int(self._io.get("version", 1)) >= 2:
-                raise CorruptCheckpointError(f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
-                                             atom=c.index.fqn, hint="the checkpoint's tables are damaged")
-            item = c.items[0]
-            if positions[id(item)] in send:
-                keep[positions[id(item)]] = data
-            with self._lock:
-                self._bytes_out.append((item, data))
-            return
+        data = self._pread(f, info.offset, info.length, c.index)
+        entry = self._crc.get(item_key(c.index)) if self.verify_checksums else None
+        if entry is not None:
+            self._checker.verify(data, 0, entry[1], rel, c.index)
+        elif self.verify_checksums and self._crc and int(self._io.get("version", 1)) >= 2:
+            raise CorruptCheckpointError(f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
+                                         atom=c.index.fqn, hint="the checkpoint's tables are damaged")
+        job.keep_if_sent(c.items[0], data)
+        with self._lock:
+            job.objects.append((c.items[0], data))
+
+    def _read_chunk(self, f: Any, rel: str, c: _Chunk, job: _Job) -> None:
+        """The boxes of one saved chunk: strided boxes of a local file through a mapped window,
+        disjoint ones straight into their destinations, overlapping ones as one union."""
+        info = self.storage_data[c.index]
         record = self._record(f, c.index, info)
         if record is None or not record.contiguous or info.transform_descriptors:
-            self._fallback(f, c, info, planner, positions, send, keep)
+            self._fallback(f, c, info, job)
             return
         grids = {id(item): box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths)
                  for item in c.items}
         crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
         base = info.offset + record.data_offset
-        fd = _regular_fd(f)
+        fd = regular_fd(f)
         if fd is not None and any(g.nruns > 1 for g in grids.values()):
-            self._read_mapped(fd, rel, c, grids, base, record, crcs, planner, positions, send, keep)
+            self._read_mapped(fd, rel, c, grids, base, record, crcs, job)
             return
         runs = {k: (g.starts(), g.run) for k, g in grids.items()}
         total = sum(g.nbytes for g in grids.values())
@@ -367,38 +398,44 @@ class UCPFileSystemReader(FileSystemReader):
         intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
         disjoint = intervals is None or sum(n for _, n in intervals) == total
         if disjoint and (not crcs or all(len(runs[id(it)][0]) == 1 for it in c.items)):
-            # each item's runs are read straight into its target (or one packed buffer per item);
-            # a single-run item verifies the blocks it touches from that memory, reading only their edges
-            for item in c.items:
-                st, n = runs[id(item)]
-                pos = positions[id(item)]
-                target, mv = self._destination(item, planner, record, pos in send, grids[id(item)].nbytes)
-                self._pread_runs(f, base, st, n, mv, c.index)
-                if crcs:
-                    self._verify_span(f, base, int(st[0]), mv, crcs, record.nbytes, rel, c.index)
-                self._finish(item, planner, target, mv, record, pos, send, keep)
-            return
-        # items sharing bytes, or runs to verify: read the union once (whole checksum blocks)
+            self._read_direct(f, rel, c, runs, base, record, crcs, job)
+        else:
+            self._read_union(f, rel, c, runs, intervals, base, record, crcs, job)
+
+    def _read_direct(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]], base: int,
+                     record: TensorRecord, crcs: list[int], job: _Job) -> None:
+        """Each item's runs straight into its destination; a single-run item verifies the blocks it
+        touches from that memory, reading only their edges."""
+        for item in c.items:
+            st, n = runs[id(item)]
+            target, mv = self._destination(item, job, record, len(st) * n)
+            self._pread_runs(f, base, st, n, mv, c.index)
+            if crcs:
+                self._checker.verify_span(lambda off, n: self._pread(f, off, n, c.index), base, int(st[0]), mv, crcs,
+                                          record.nbytes, rel, c.index)
+            self._finish(item, job, target, mv, record)
+
+    def _read_union(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]],
+                    intervals: list[tuple[int, int]], base: int, record: TensorRecord, crcs: list[int],
+                    job: _Job) -> None:
+        """Items sharing bytes, or runs to verify: the union read once (whole checksum blocks)."""
         if crcs:
             intervals = blocks_touching(intervals, record.nbytes, self._block)
         buffers = []
         for start, length in intervals:
             buf = self._pread(f, base + start, length, c.index)
             if crcs:
-                self._verify(buf, start, crcs, rel, c.index)
+                self._checker.verify(buf, start, crcs, rel, c.index)
             buffers.append((start, buf))
         bstarts = [b[0] for b in buffers]
         for item in c.items:
             st, n = runs[id(item)]
-            data = _gather(buffers, bstarts, st, n)
-            pos = positions[id(item)]
-            if pos in send:
-                keep[pos] = data
-            self._deliver(item, planner, data, record.dtype)
+            data = gather_runs(buffers, bstarts, st, n)
+            job.keep_if_sent(item, data)
+            self._deliver(item, job.planner, data, record.dtype)
 
     def _read_mapped(self, fd: int, rel: str, c: _Chunk, grids: dict[int, BoxGrid], base: int,
-                     record: TensorRecord, crcs: list[int], planner: LoadPlanner, positions: dict[int, int],
-                     send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+                     record: TensorRecord, crcs: list[int], job: _Job) -> None:
         """Strided boxes of a local file: map a bounded window of the chunk at a time and copy the
         runs out with one strided copy (a syscall per run costs more than the bytes). Blocks the
         window touches are verified once each, from the mapping."""
@@ -411,24 +448,23 @@ class UCPFileSystemReader(FileSystemReader):
         verified: set[int] = set()
         for item in c.items:
             g = grids[id(item)]
-            pos = positions[id(item)]
-            target, mv = self._destination(item, planner, record, pos in send, g.nbytes)
+            target, mv = self._destination(item, job, record, g.nbytes)
             out = np.frombuffer(mv, dtype=np.uint8) if g.nbytes else np.empty(0, dtype=np.uint8)
             done = 0
-            for piece in split_grid(g, _WINDOW):
+            for piece in split_grid(g, WINDOW):
                 lo, hi = piece.first, piece.end
                 if crcs:
                     lo, hi = lo // B * B, min(record.nbytes, -(-hi // B) * B)
-                window = _map(fd, base + lo, hi - lo)
+                window = map_window(fd, base + lo, hi - lo)
                 for b in range(lo // B, -(-hi // B)) if crcs else ():
                     if b not in verified:
                         blk = window[b * B - lo:min((b + 1) * B, record.nbytes) - lo]
-                        self._check_block(b, block_hash(blk, self._algo), crcs, rel, c.index)
+                        self._checker.check(b, block_hash(blk, self._algo), crcs, rel, c.index)
                         verified.add(b)
                 gather_grid(window, lo, piece, out[done:done + piece.nbytes])
                 done += piece.nbytes
                 del window
-            self._finish(item, planner, target, mv, record, pos, send, keep)
+            self._finish(item, job, target, mv, record)
         if crcs:
             nbytes = sum(min((b + 1) * B, record.nbytes) - b * B for b in verified)
         elif len(c.items) == 1:
@@ -443,14 +479,14 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.ranges += 1
             self.stats.items.append(item_key(c.index))
 
-    def _destination(self, item: ReadItem, planner: LoadPlanner, record: TensorRecord, sending: bool,
+    def _destination(self, item: ReadItem, job: _Job, record: TensorRecord,
                      nbytes: int) -> tuple[torch.Tensor | _Staged | None, memoryview]:
         """Where an item's bytes go: the target tensor's own memory when it can take them as they
         are (same dtype, contiguous; a piece also sent to other ranks is sent from there); for a
         device target a staging buffer; else a packed buffer."""
-        target = planner.resolve_tensor(item).detach()
+        target = job.planner.resolve_tensor(item).detach()
         if needs_staging(target, self._forced):
-            if sending or not target.numel() or nbytes > self.stage_bytes:  # kept for the exchange: own memory
+            if job.sending(item) or not target.numel() or nbytes > self.stage_bytes:  # kept for the exchange: own memory
                 return None, memoryview(bytearray(nbytes))
             buf = self._staging_pool(target).acquire()
             return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
@@ -458,22 +494,19 @@ class UCPFileSystemReader(FileSystemReader):
             return target, memoryview(target.view(-1).view(torch.uint8).numpy())
         return None, memoryview(bytearray(nbytes))
 
-    def _finish(self, item: ReadItem, planner: LoadPlanner, target: torch.Tensor | _Staged | None, mv: memoryview,
-                record: TensorRecord, pos: int, send: set[int], keep: dict[int, bytes | memoryview]) -> None:
-        if pos in send:
-            keep[pos] = mv
+    def _finish(self, item: ReadItem, job: _Job, target: torch.Tensor | _Staged | None, mv: memoryview,
+                record: TensorRecord) -> None:
+        job.keep_if_sent(item, mv)
         if isinstance(target, _Staged):
             assert self._pool is not None
             to_device(self._pool, target.buf, record.dtype, tuple(item.lengths), target.target)
-            planner.commit_tensor(item, target.target)
-            return
-        if target is not None:
-            planner.commit_tensor(item, target)
-            return
-        self._deliver(item, planner, mv, record.dtype)
+            job.planner.commit_tensor(item, target.target)
+        elif target is not None:
+            job.planner.commit_tensor(item, target)
+        else:
+            self._deliver(item, job.planner, mv, record.dtype)
 
-    def _fallback(self, f: Any, c: _Chunk, info: Any, planner: LoadPlanner, positions: dict[int, int],
-                  send: set[int], keep: dict[int, bytes | memoryview]) -> None:
+    def _fallback(self, f: Any, c: _Chunk, info: Any, job: _Job) -> None:
         """DCP's path: deserialize the whole item, then narrow."""
         self.stats.fallbacks += 1
         raw = self._pread(f, info.offset, info.length, c.index)
@@ -497,10 +530,8 @@ class UCPFileSystemReader(FileSystemReader):
                                          atom=c.index.fqn)
         for item in c.items:
             piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
-            pos = positions[id(item)]
-            if pos in send:
-                keep[pos] = memoryview(bytearray(piece.view(-1).view(torch.uint8).numpy().tobytes()))
-            self._deliver(item, planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
+            job.keep_if_sent(item, memoryview(bytearray(piece.view(-1).view(torch.uint8).numpy().tobytes())))
+            self._deliver(item, job.planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -574,9 +605,9 @@ class UCPFileSystemReader(FileSystemReader):
 
     def _pread_into(self, f: Any, offset: int, out: memoryview, index: MetadataIndex) -> None:
         f.seek(offset)
-        n = f.readinto(out) if hasattr(f, "readinto") else _readinto(f, out)
+        n = f.readinto(out) if hasattr(f, "readinto") else readinto(f, out)
         while n is not None and n < len(out):  # short reads (pipes, remote files)
-            more = f.readinto(out[n:]) if hasattr(f, "readinto") else _readinto(f, out[n:])
+            more = f.readinto(out[n:]) if hasattr(f, "readinto") else readinto(f, out[n:])
             if not more:
                 raise TruncatedFileError(f"checkpoint file ended early reading '{index.fqn}': the file is truncated",
                                          atom=index.fqn, hint="restore the file from a good copy")
@@ -588,41 +619,6 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.bytes_read += int(nbytes)
             self.stats.ranges += 1
             self.stats.items.append(item_key(index))
-
-    def _verify(self, buf: memoryview, start: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
-        """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
-        first = start // self._block
-        for k in range(0, len(buf), self._block):
-            self._check_block(first + k // self._block, block_hash(buf[k:k + self._block], self._algo), crcs, rel,
-                              index)
-
-    def _verify_span(self, f: Any, base: int, start: int, data: memoryview, crcs: list[int], nbytes: int,
-                     rel: str, index: MetadataIndex) -> None:
-        """Verify the blocks touched by ``data`` (chunk bytes ``[start, start + len(data))``), reading
-        only the parts of the first and last block that lie outside it."""
-        end = start + len(data)
-        b0, b1 = start // self._block, (max(end, start + 1) - 1) // self._block
-        for b in range(b0, b1 + 1):
-            bs, be = b * self._block, min((b + 1) * self._block, nbytes)
-            a, c = max(bs, start), min(be, end)
-            h = HASHES[self._algo]()
-            if bs < a:
-                h.update(self._pread(f, base + bs, a - bs, index))
-            h.update(data[a - start:c - start])
-            if c < be:
-                h.update(self._pread(f, base + c, be - c, index))
-            self._check_block(b, int(h.intdigest()), crcs, rel, index)
-
-    def _check_block(self, b: int, got: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
-        if b < len(crcs) and got == crcs[b]:
-            return
-        raise ChecksumError(
-            f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
-            f"(bytes {b * self._block}.. of the chunk) has {self._algo} {got:#x}, saved "
-            f"{f'{crcs[b]:#x}' if b < len(crcs) else 'none'}",
-            atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
-            hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
-        )
 
     def _deliver(self, item: ReadItem, planner: LoadPlanner, data: Any, dtype: torch.dtype | None) -> None:
         if item.type == LoadItemType.BYTE_IO:
@@ -675,82 +671,3 @@ _UNVERIFIED = {
 
 def _names(atoms: list[str]) -> str:
     return ", ".join(f"'{a}'" for a in atoms[:3]) + (f" and {len(atoms) - 3} more" if len(atoms) > 3 else "")
-
-
-def check_tables(md: Metadata) -> None:
-    """Every saved chunk and object must have a storage entry (else a read would be a bare
-    ``KeyError``): a metadata file whose tables disagree is corrupt."""
-    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
-    for fqn, smd in md.state_dict_metadata.items():
-        if isinstance(smd, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in storage:
-                raise CorruptCheckpointError(f"checkpoint metadata lists object '{fqn}' but has no storage entry for it",
-                                             atom=fqn, hint="the checkpoint's metadata is damaged; restore it")
-            continue
-        for ch in smd.chunks:
-            if MetadataIndex(fqn, ch.offsets) not in storage:
-                raise CorruptCheckpointError(
-                    f"checkpoint metadata lists chunk {list(ch.offsets)} of atom '{fqn}' but has no storage entry "
-                    "for it", atom=fqn, saved=list(ch.offsets),
-                    hint="the checkpoint's metadata is damaged; restore it from a good copy")
-
-
-def _chunk_meta(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:
-    """Saved dtype and shape of every chunk, by storage index."""
-    out = {}
-    for fqn, smd in metadata.state_dict_metadata.items():
-        chunks = getattr(smd, "chunks", None)
-        if chunks is None:
-            continue
-        for ch in chunks:
-            out[MetadataIndex(fqn, ch.offsets)] = (smd.properties.dtype, tuple(int(x) for x in ch.sizes))
-    return out
-
-
-def _gather(buffers: list[tuple[int, memoryview]], bstarts: list[int], starts: np.ndarray, run: int) -> memoryview:
-    """The runs ``starts`` (each ``run`` bytes), concatenated, from the merged interval buffers."""
-    import bisect
-
-    if len(starts) == 1:
-        k = bisect.bisect_right(bstarts, int(starts[0])) - 1
-        s0, buf = buffers[k]
-        return buf[int(starts[0]) - s0:int(starts[0]) - s0 + run]
-    out = bytearray(run * len(starts))
-    mv = memoryview(out)
-    pos = 0
-    for s in starts.tolist():
-        k = bisect.bisect_right(bstarts, s) - 1
-        s0, buf = buffers[k]
-        mv[pos:pos + run] = buf[s - s0:s - s0 + run]
-        pos += run
-    return mv
-
-
-def _readinto(f: Any, out: memoryview) -> int:
-    data = f.read(len(out))
-    out[:len(data)] = data
-    return len(data)
-
-
-_WINDOW = 8 << 20
-"""Most bytes of a chunk mapped at once by a strided read (bounds the page-cache pages mapped)."""
-
-
-def _regular_fd(f: Any) -> int | None:
-    """The descriptor of ``f`` if it is a local regular file (mappable), else None."""
-    try:
-        fd = f.fileno()
-        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
-        return None
-
-
-def _map(fd: int, offset: int, length: int) -> np.ndarray:
-    """Read-only uint8 view of file bytes ``[offset, offset + length)`` (the caller checked the
-    file is long enough: touching a mapping past the end of a file is SIGBUS, not an error)."""
-    if length <= 0:
-        return np.empty(0, dtype=np.uint8)
-    a = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-    mm = mmap.mmap(fd, offset + length - a, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=a)
-    return np.frombuffer(mm, dtype=np.uint8)[offset - a:]
-
