@@ -29,7 +29,16 @@ REPLICA_CHECKS = ("error", "warn", "average", "off")
 
 
 @dataclass(frozen=True)
-class Fused:
+class _Rule:
+    """What every rule has besides its own fields."""
+
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
+
+
+@dataclass(frozen=True)
+class Fused(_Rule):
     """A parameter holding several logical parameters side by side along ``dim``.
 
     ``parts`` are ``(name template, logical size)``; templates may use the pattern's groups
@@ -47,9 +56,6 @@ class Fused:
     """The fused dim."""
     blocks: int | str = 1
     """Number of interleaved blocks, or the mesh dim whose size gives it."""
-    optional: bool = field(default=False, compare=False, kw_only=True)
-    """Strict mode does not count this rule when it matches nothing (it still applies where it
-    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "fused"
 
     def __post_init__(self) -> None:
@@ -59,7 +65,7 @@ class Fused:
 
 
 @dataclass(frozen=True)
-class Padded:
+class Padded(_Rule):
     """A dim padded beyond its logical ``size`` (e.g. vocabulary padded to a multiple of TP x 128).
     Atoms store the logical size; load fills the padding of any padded size."""
 
@@ -73,14 +79,17 @@ class Padded:
     """Value written into the padding of model tensors at load."""
     state_fill: float = 0.0
     """Value written into the padding of optimizer state at load."""
-    optional: bool = field(default=False, compare=False, kw_only=True)
-    """Strict mode does not count this rule when it matches nothing (it still applies where it
-    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "padded"
 
 
+def _one_of(rule: Any, field_name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(rule, field_name)
+    if value not in choices:
+        raise PatternError(f"{rule.kind} rule {rule.pattern!r}: {field_name} must be one of {choices}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class Replicated:
+class Replicated(_Rule):
     """Values replicated over some mesh dims (TP-replicated norms and row-parallel biases): saved
     once; ``check`` what to do if the replicas differ at save: ``"error"``, ``"warn"``, ``"average"``
     (save their mean, like DeepSpeed's params-to-average) or ``"off"``."""
@@ -89,18 +98,14 @@ class Replicated:
     """Regex, full match against the parameter name."""
     check: str = "error"
     """``error`` | ``warn`` | ``average`` | ``off``."""
-    optional: bool = field(default=False, compare=False, kw_only=True)
-    """Strict mode does not count this rule when it matches nothing (it still applies where it
-    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "replicated"
 
     def __post_init__(self) -> None:
-        if self.check not in REPLICA_CHECKS:
-            raise PatternError(f"replicated rule {self.pattern!r}: check must be one of {REPLICA_CHECKS}")
+        _one_of(self, "check", REPLICA_CHECKS)
 
 
 @dataclass(frozen=True)
-class Reduce:
+class Reduce(_Rule):
     """A per-rank scalar/object (a token counter each rank keeps) reduced across ranks at save.
 
     On load, ``sum`` gives the total to the coordinator rank and 0 to the others (so the next save
@@ -112,18 +117,14 @@ class Reduce:
     """Regex, full match against the atom name (e.g. ``r"train_state\\.ntokens_seen"``)."""
     op: str = "sum"
     """``sum`` | ``mean`` | ``max`` | ``equal``."""
-    optional: bool = field(default=False, compare=False, kw_only=True)
-    """Strict mode does not count this rule when it matches nothing (it still applies where it
-    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "reduce"
 
     def __post_init__(self) -> None:
-        if self.op not in REDUCE_OPS:
-            raise PatternError(f"reduce rule {self.pattern!r}: op must be one of {REDUCE_OPS}, got {self.op!r}")
+        _one_of(self, "op", REDUCE_OPS)
 
 
 @dataclass(frozen=True)
-class Tied:
+class Tied(_Rule):
     """Parameters that are one logical tensor (input embedding and output head on the first and
     last pipeline stage): saved once under ``param``, loaded into every alias; save checks that
     the copies agree."""
@@ -132,9 +133,6 @@ class Tied:
     """Canonical parameter name of the tied atom."""
     aliases: tuple[str, ...]
     """Regexes (full match) of parameter names that are copies of it."""
-    optional: bool = field(default=False, compare=False, kw_only=True)
-    """Strict mode does not count this rule when it matches nothing (it still applies where it
-    matches). Not part of the rule's identity, and not recorded in the catalog."""
     kind: ClassVar[str] = "tied"
 
     def __post_init__(self) -> None:
