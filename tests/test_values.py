@@ -5,7 +5,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -86,77 +85,77 @@ def test_digest_of_unpicklable_object_is_none():
 # -- replicas of objects holding tensors, 2 gloo ranks ------------------------------------------------
 
 
-def _replica_worker(rank, world, root):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    out = {}
-    # identical on every rank (fresh tensors in each process): saved once, loaded back bitwise
+def _same_object_worker(rank, world, root):
+    """Identical on every rank (fresh tensors in each process): saved once, loaded back bitwise."""
     state = {"rng": (torch.ones(2),), "obj": Holder(torch.arange(3)), "w": torch.arange(4.0)}
     dcp.save(state, checkpoint_id=f"{root}/same", planner=UCPSavePlanner())
     back = {"rng": None, "w": torch.zeros(4)}
     dcp.load(back, checkpoint_id=f"{root}/same", planner=UCPLoadPlanner())
     rng = back["rng"]
-    out["same"] = (type(rng).__name__, len(rng), rng[0].dtype, rng[0].tolist(), back["w"].tolist())
-    # differing object holding a tensor: refused at save, nothing committed
+    return type(rng).__name__, len(rng), rng[0].dtype, rng[0].tolist(), back["w"].tolist()
+
+
+@pytest.mark.slow
+def test_identical_object_with_tensor_saved_from_every_rank_loads_back():
+    for out in D.run(_same_object_worker, 2, D.tmpdir()):
+        assert out == ("tuple", 1, torch.float32, [1.0, 1.0], [0.0, 1.0, 2.0, 3.0])
+
+
+def _differing_object_worker(rank, world, root):
+    """A differing object holding a tensor: refused at save, nothing committed."""
     try:
         dcp.save({"rng": (torch.full((2,), float(rank)),)}, checkpoint_id=f"{root}/diff", planner=UCPSavePlanner())
-        out["diff"] = None
+        return None
     except CheckpointException as e:
         err = ucp_failure(e)
-        out["diff"] = (type(err).__name__, err.atom, os.path.exists(f"{root}/diff/.metadata"))
-    # an object holding a DTensor is not compared (its local shards differ legitimately)
+        return type(err).__name__, err.atom, os.path.exists(f"{root}/diff/.metadata")
+
+
+@pytest.mark.slow
+def test_differing_object_with_tensor_is_still_refused():
+    for out in D.run(_differing_object_worker, 2, D.tmpdir()):
+        assert out == ("ReplicaMismatchError", "rng", False)
+
+
+def _dtensor_object_worker(rank, world, root):
+    """An object holding a DTensor is not compared (its local shards differ legitimately)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     mesh = DeviceMesh("cpu", torch.arange(world))
-    out["dtensor_digest"] = value_digest({"x": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])})
-    # dtype checks on the read-once path (one rank reads, the other receives)
+    return value_digest({"x": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])})
+
+
+@pytest.mark.slow
+def test_object_holding_dtensor_is_not_compared():
+    assert D.run(_dtensor_object_worker, 2, D.tmpdir()) == [None, None]
+
+
+def _read_once_dtype_worker(rank, world, root, name, dtype):
+    """Dtype checks on the read-once path (one rank reads, the other receives): the value read back,
+    or (error name, atom)."""
     dcp.save({"v": torch.tensor([1.5, -2.0, 3.25]), "big": torch.tensor([1.0, 1e6])},
              storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/dt"), planner=UCPSavePlanner())
-    half = {"v": torch.zeros(3, dtype=torch.float16)}
-    dcp.load(half, storage_reader=UCPFileSystemReader(f"{root}/dt"), planner=UCPLoadPlanner(read_once="ranks"))
-    out["read_once_fp16"] = half["v"].tolist()
+    n = 3 if name == "v" else 2
+    back = {name: torch.zeros(n, dtype=dtype)}
     try:
-        dcp.load({"big": torch.zeros(2, dtype=torch.float16)}, storage_reader=UCPFileSystemReader(f"{root}/dt"),
-                 planner=UCPLoadPlanner(read_once="ranks"))
-        out["read_once_overflow"] = None
+        dcp.load(back, storage_reader=UCPFileSystemReader(f"{root}/dt"), planner=UCPLoadPlanner(read_once="ranks"))
     except CheckpointException as e:
         err = ucp_failure(e)
-        out["read_once_overflow"] = (type(err).__name__, err.atom)
-    dist.barrier()
-    return out
-
-
-@pytest.fixture(scope="module")
-def replica_results():
-    return D.run(_replica_worker, 2, D.tmpdir())
+        return type(err).__name__, err.atom
+    return back[name].tolist()
 
 
 @pytest.mark.slow
-def test_identical_object_with_tensor_saved_from_every_rank_loads_back(replica_results):
-    for out in replica_results:
-        assert out["same"] == ("tuple", 1, torch.float32, [1.0, 1.0], [0.0, 1.0, 2.0, 3.0])
+def test_read_once_receivers_convert_in_range_values():
+    for out in D.run(_read_once_dtype_worker, 2, D.tmpdir(), "v", torch.float16):
+        assert out == [1.5, -2.0, 3.25]
 
 
 @pytest.mark.slow
-def test_differing_object_with_tensor_is_still_refused(replica_results):
-    for out in replica_results:
-        assert out["diff"] == ("ReplicaMismatchError", "rng", False)
-
-
-@pytest.mark.slow
-def test_object_holding_dtensor_is_not_compared(replica_results):
-    assert [out["dtensor_digest"] for out in replica_results] == [None, None]
-
-
-@pytest.mark.slow
-def test_read_once_receivers_convert_in_range_values(replica_results):
-    for out in replica_results:
-        assert out["read_once_fp16"] == [1.5, -2.0, 3.25]
-
-
-@pytest.mark.slow
-def test_read_once_receivers_refuse_overflow(replica_results):
-    for out in replica_results:
-        assert out["read_once_overflow"] == ("DtypeConversionError", "big")
+def test_read_once_receivers_refuse_overflow():
+    for out in D.run(_read_once_dtype_worker, 2, D.tmpdir(), "big", torch.float16):
+        assert out == ("DtypeConversionError", "big")
 
 
 # -- dtype conversions at load, one process -----------------------------------------------------------
