@@ -9,6 +9,7 @@ Rank-0 cost = unpickling the gathered plans + the global plan + pickling the per
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pickle
 import time
@@ -30,8 +31,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner, compact
-from ucp_dcp.compact import SHARD, TENSOR, LocalItems
+from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp.plans import ItemKind, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure, RuleUsage, dtype_code
 from ucp_dcp.transport import read_summary
 from ucp_dcp.patterns import Patterns
 
@@ -66,7 +67,7 @@ def ucp_local_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
     names, shapes, dtypes, paths = [], [], [], {}
     mesh = {"shape": [ranks], "dim_names": ["dp"], "ranks": list(range(ranks))}
     cat = {"meshes": [mesh], "atoms": {}}
-    f32 = compact.dtype_code(torch.float32)
+    f32 = dtype_code(torch.float32)
     for name in _names(tensors):
         step = name.replace("model.", "optim.state.") + ".step"
         param = name.split(".", 1)[1]
@@ -84,16 +85,14 @@ def ucp_local_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
     size = np.full((n, 2), -1, dtype=np.int64)
     off[0::2] = (rank * ROWS, 0)
     size[0::2] = (ROWS, COLS)
-    kind = np.tile(np.array([SHARD, TENSOR], dtype=np.uint8), tensors)
+    kind = np.tile(np.array([ItemKind.SHARD, ItemKind.TENSOR], dtype=np.uint8), tensors)
     items = LocalItems(np.arange(n, dtype=np.int32), kind, off, size)
-    digest_names = sorted(names[1::2])
-    structure = {"names": names, "shapes": shapes, "dtypes": dtypes, "paths": paths, "catalog": cat,
-                 "digest_names": digest_names}
-    digests = np.full(len(digest_names), 0x1234567890ABCDEF, dtype=np.uint64)  # the same step everywhere
-    summary = {"dg": zlib.compress(digests.tobytes(), 1), "reduce": {}, "slot": None, "local_mismatch": [],
-               "used": [], "claims": [], "map_totals": {}, "coordinator": rank == 0, "warn_keys": [], "average": [],
-               "global_rank": rank}
-    return SavePlan([], planner_data={**compact.pack(structure, items), **summary})
+    structure = PlanStructure(names, shapes, dtypes, paths, cat, whole_digests=sorted(names[1::2]), piece_digests=[])
+    digests = np.full(len(structure.whole_digests), 0x1234567890ABCDEF, dtype=np.uint64)  # the same step everywhere
+    payload = LocalPlanPayload(packed=PackedPlan.pack(structure, items), digests=zlib.compress(digests.tobytes(), 1),
+                               tie_mismatches=[], reduced={}, data_slot=None, usage=RuleUsage(), warn_atoms=[],
+                               averaged=[], coordinator=rank == 0, global_rank=rank)
+    return SavePlan([], planner_data=payload)
 
 
 def _dcp_read_items(rank: int, tensors: int) -> list[ReadItem]:
@@ -153,8 +152,8 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
             if system == "dcp":
                 plans = [SavePlan([], usable=False) for _ in range(ranks)]
             else:
-                plans = [SavePlan([], usable=False, planner_data={k: v for k, v in p.planner_data.items()
-                                                                   if k not in ("s", "sh", "it")}) for p in plans]
+                plans = [SavePlan([], usable=False, planner_data=dataclasses.replace(p.planner_data, packed=None))
+                         for p in plans]
         secs, nbytes, (_, metadata) = _timed_coordinator(plans, planner.create_global_plan)
         return {"seconds": secs, "plan_bytes": nbytes, "metadata_bytes": len(pickle.dumps(metadata))}
     if system == "dcp":

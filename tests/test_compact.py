@@ -5,15 +5,17 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from ucp_dcp import compact
-from ucp_dcp.compact import BYTES, SHARD, TENSOR, LocalItems
+from ucp_dcp.plans import ItemKind, LocalItems, PackedPlan, PlanStructure, dtype_code
+from ucp_dcp.save_plan import plan_global
 from ucp_dcp.errors import CoverageError
+
+SHARD, TENSOR, BYTES = ItemKind.SHARD, ItemKind.TENSOR, ItemKind.BYTES
 
 
 def _rank(names, shapes, rows, dtypes=None):
     """A rank's packed plan: rows of (atom index, kind, offsets, sizes)."""
-    structure = {"names": names, "shapes": shapes, "dtypes": dtypes or [compact.dtype_code(torch.float32)] * len(names),
-                 "paths": {}, "catalog": {"meshes": [], "atoms": {}}, "digest_names": []}
+    structure = PlanStructure(names, shapes, dtypes or [dtype_code(torch.float32)] * len(names), {},
+                              {"meshes": [], "atoms": {}}, [], [])
     width = max([len(r[2]) for r in rows] + [1])
     off = np.full((len(rows), width), -1, dtype=np.int64)
     size = np.full((len(rows), width), -1, dtype=np.int64)
@@ -21,12 +23,11 @@ def _rank(names, shapes, rows, dtypes=None):
         off[i, :len(o)] = o
         size[i, :len(s)] = s
     items = LocalItems(np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8), off, size)
-    return compact.pack(structure, items), items
+    return PackedPlan.pack(structure, items), items
 
 
 def _plan(ranks, lowest=False):
-    packed = [p for p, _ in ranks]
-    return compact.plan_global([p["s"] for p in packed], [p["sh"] for p in packed], [i for _, i in ranks], lowest)
+    return plan_global([p for p, _ in ranks], lowest)
 
 
 def test_dedup_balances_replicas_over_the_least_loaded_ranks():
@@ -50,7 +51,7 @@ def test_sharded_pieces_tile_and_metadata_matches(world, rows, n_objects):
     for r in range(world):
         s, n = compact_chunk(rows, world, r)
         items = ([(0, SHARD, (s, 0), (n, 3))] if n else []) + [(1 + i, BYTES, (), ()) for i in range(n_objects)]
-        ranks.append(_rank(names, shapes, items, [compact.dtype_code(torch.float32)] + [-1] * n_objects))
+        ranks.append(_rank(names, shapes, items, [dtype_code(torch.float32)] + [-1] * n_objects))
     res = _plan(ranks)
     chunks = res.state_dict_metadata["w"].chunks
     assert sum(c.sizes[0] for c in chunks) == rows and sum(int(k.sum()) for k in res.keep) == len(chunks) + n_objects

@@ -1,53 +1,154 @@
-"""Coordinator-side checks over all ranks' plans: replica agreement, reductions, rule usage and
-index ownership. Each rank puts small summaries in its plan's ``planner_data`` (they travel even
-when the plan itself is cached), and the coordinator decides before anything is written or read."""
+"""Checks over all ranks' plans: replica agreement, reductions, rule usage and index ownership, and
+the coverage of the global save plan.
+
+Each rank puts small summaries in its plan (they travel even when the plan itself is cached), and
+the coordinator decides before anything is written or read.
+"""
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from .errors import ReplicaMismatchError
-from .patterns import Patterns
+from .digests import value_digest
+from .errors import CoverageError, PatternError, ReplicaMismatchError
 from .index_maps import check_ownership
+from .patterns import Patterns
+from .plans import ItemKind, LocalPlanPayload, PlanStructure, ReplicaKey, RuleUsage
 
-__all__ = ["check_digests", "reduce_values", "check_rules_and_ownership", "zero_like"]
+if TYPE_CHECKING:
+    from .resolve import Resolved
+
+__all__ = [
+    "ReplicaGroup",
+    "replica_digests",
+    "tie_mismatches",
+    "check_replica_digests",
+    "check_digests",
+    "reduce_all",
+    "reduce_values",
+    "zero_like",
+    "check_rule_usage",
+    "check_rules_and_ownership",
+    "check_coverage",
+]
 
 logger = logging.getLogger(__name__)
 
+# -- replica agreement -----------------------------------------------------------------------------
 
-def check_digests(groups: Sequence[dict[str, Any]], mode: str, warn_keys: set[str] | None = None) -> None:
+
+def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey, int]:
+    """This rank's digests of values that other copies must match: plain tensors and objects saved
+    under a shared name (only in a multi-rank save, or for tied copies, and not with ``mode="off"``)
+    and the pieces of tied or ``Replicated`` DTensors."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    out: dict[ReplicaKey, int] = {}
+
+    def whole(r: Resolved, tied: bool = False) -> None:
+        if mode == "off" or not (multi or tied):  # tied copies may share one rank
+            return
+        d = value_digest(r.value)
+        if d is not None:
+            for name in r.atoms:
+                out[(name, None)] = d
+
+    for r in resolved:
+        if r.reduce is not None:
+            continue
+        checked = r.replicated is None or r.replicated.check in ("error", "warn")
+        if not isinstance(r.value, torch.Tensor):
+            whole(r)
+        elif not isinstance(r.value, DTensor):
+            if checked:
+                whole(r, bool(r.tied))
+        elif r.tied or (r.replicated is not None and checked):
+            for f in r.fragments:
+                out[(f.atom, f.box)] = value_digest(f.view(r.local))
+    return out
+
+
+def tie_mismatches(ties: Sequence[tuple[Resolved, Resolved]]) -> list[str]:
+    """Atoms of tied copies on this rank that differ (``(kept, duplicate)`` pairs)."""
+    bad = []
+    for kept, dup in ties:
+        if isinstance(kept.value, torch.Tensor):
+            same = {(f.atom, f.box): value_digest(f.view(kept.local)) for f in kept.fragments} == {
+                (f.atom, f.box): value_digest(f.view(dup.local)) for f in dup.fragments}
+        else:
+            same = value_digest(kept.value) == value_digest(dup.value)
+        if not same:
+            bad.append(kept.name)
+    return bad
+
+
+@dataclass
+class ReplicaGroup:
+    """Ranks that sent identical digests."""
+
+    ranks: list[int] = field(default_factory=list)
+    """The ranks of the group."""
+    digests: dict[ReplicaKey, int] = field(default_factory=dict)
+    """Their digests."""
+    tie_mismatches: list[str] = field(default_factory=list)
+    """Atoms whose copies on one of these ranks already disagreed."""
+
+
+def check_replica_digests(payloads: Sequence[LocalPlanPayload], structures: Mapping[bytes, PlanStructure],
+                   mode: str) -> None:
+    """Replica agreement over all ranks, comparing each distinct set of digests once."""
+    groups: dict[tuple, ReplicaGroup] = {}
+    for rank, p in enumerate(payloads):
+        key = (p.packed.structure_hash, p.digests, tuple(p.tie_mismatches))
+        if key not in groups:
+            digests = np.frombuffer(zlib.decompress(p.digests), dtype=np.uint64).tolist()
+            keys = structures[p.packed.structure_hash].replica_keys
+            groups[key] = ReplicaGroup([], dict(zip(keys, digests)), list(p.tie_mismatches))
+        groups[key].ranks.append(rank)
+    warn = {a for p in payloads for a in p.warn_atoms}
+    check_digests(list(groups.values()), mode, warn_atoms=warn)
+
+
+def _label(key: ReplicaKey) -> str:
+    atom, box = key
+    return atom if box is None else f"{atom}@{list(box.offsets)}/{list(box.sizes)}"
+
+
+def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str] | None = None) -> None:
     """Refuse (``mode="error"``) or log (``"warn"``) values saved under one key whose digests
-    differ between ranks. ``groups`` gather ranks with identical digests: ``{"ranks": [...],
-    "digests": {key: digest}, "local_mismatch": [keys whose copies on one rank disagreed]}``.
-    Keys in ``warn_keys`` only warn whatever the mode."""
+    differ between ranks. Atoms in ``warn_atoms`` only warn whatever the mode."""
     if mode == "off":
         return
-    seen: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    # key -> digest -> the rank lists holding it (lists of whole groups: flattened only for a report)
+    seen: dict[ReplicaKey, dict[int, list[list[int]]]] = defaultdict(lambda: defaultdict(list))
     for g in groups:
-        for key, d in g["digests"].items():
-            seen[key][d].extend(g["ranks"])
-        for key in g.get("local_mismatch") or ():
-            for rank in g["ranks"]:
-                seen[key][-rank - 1].append(rank)  # two local copies already disagreed on this rank
-    bad = {k: v for k, v in seen.items() if len(v) > 1}
+        for key, d in g.digests.items():
+            seen[key][d].append(g.ranks)
+        for atom in g.tie_mismatches:
+            for rank in g.ranks:
+                seen[(atom, None)][-rank - 1].append([rank])  # two local copies already disagreed on this rank
+    bad = {_label(k): (k[0], v) for k, v in seen.items() if len(v) > 1}
     if not bad:
         return
-    hard = {k: v for k, v in bad.items() if not (warn_keys and k.split("@")[0] in warn_keys)}
+    hard = [label for label, (atom, _) in bad.items() if not (warn_atoms and atom in warn_atoms)]
     lines = []
-    for key, by_digest in sorted(bad.items())[:10]:
-        groups_txt = "; ".join(f"ranks {sorted(set(r))}" for r in by_digest.values())
-        lines.append(f"  {key}: {len(by_digest)} different values ({groups_txt})")
+    for label, (_, by_digest) in sorted(bad.items())[:10]:
+        groups_txt = "; ".join(f"ranks {sorted({r for ranks in lists for r in ranks})}" for lists in by_digest.values())
+        lines.append(f"  {label}: {len(by_digest)} different values ({groups_txt})")
     more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-    first = sorted(hard or bad)[0].split("@")[0]
     err = ReplicaMismatchError(
         f"{len(bad)} value(s) that must be identical across copies differ; DCP would keep one copy and "
         "silently drop the others:\n" + "\n".join(lines) + more,
-        atom=first,
+        atom=bad[min(hard or bad)][0],
         hint="give per-rank values distinct names, make them DTensors, declare a Reduce rule for per-rank "
         "counters or Replicated(check='average'), or pass check_replicas='warn' to save anyway",
     )
@@ -55,6 +156,26 @@ def check_digests(groups: Sequence[dict[str, Any]], mode: str, warn_keys: set[st
         logger.warning("%s", err)
         return
     raise err
+
+
+# -- reductions ------------------------------------------------------------------------------------
+
+
+def reduce_all(patterns: Patterns, payloads: Sequence[LocalPlanPayload]) -> dict[str, Any]:
+    """Values of ``Reduce`` atoms: copies within a data slot must agree and count once."""
+    values: dict[str, dict[Any, list[Any]]] = {}
+    for rank, p in enumerate(payloads):
+        for name, v in p.reduced.items():
+            slot = ("rank", rank) if p.data_slot is None else p.data_slot
+            values.setdefault(name, {}).setdefault(slot, []).append(v)
+    out = {}
+    for name, by_slot in values.items():
+        rule = patterns.reduce(name)
+        if rule is None:
+            raise PatternError(f"atom '{name}' is reduced on some ranks but no rule matches it here", atom=name)
+        per_slot = [reduce_values("equal", copies, name) for _, copies in sorted(by_slot.items(), key=str)]
+        out[name] = reduce_values(rule.op, per_slot, name)
+    return out
 
 
 def reduce_values(op: str, values: list[Any], atom: str) -> Any:
@@ -94,9 +215,12 @@ def zero_like(value: Any) -> Any:
     raise TypeError(f"cannot zero a {type(value).__name__}")
 
 
-def check_rules_and_ownership(
+# -- rule usage and index ownership ----------------------------------------------------------------
+
+
+def check_rule_usage(
     patterns: Patterns,
-    planner_datas: Sequence[dict[str, Any]],
+    usages: Sequence[RuleUsage],
     maps: dict[str, int | None],
     where: str,
     extra_used: set[int] = frozenset(),
@@ -104,17 +228,63 @@ def check_rules_and_ownership(
     """Strict rule usage on the union of all ranks, and index-map ownership (no unowned layers or
     experts, no index claimed by two owners)."""
     used = set(extra_used)
-    for pd in planner_datas:
-        used.update(pd.get("used") or ())
+    for u in usages:
+        used.update(u.used)
     patterns.check_used(used, where)
     claims: dict[str, list[tuple[int, int | None]]] = defaultdict(list)
     totals = dict(maps)
-    for pd in planner_datas:
-        for key, g, owner in pd.get("claims") or ():
+    for u in usages:
+        for key, g, owner in u.claims:
             claims[key].append((g, owner))
-        for key, total in (pd.get("map_totals") or {}).items():
+        for key, total in u.map_totals.items():
             totals.setdefault(key, total)
             if totals[key] is None:
                 totals[key] = total
     for key, total in totals.items():
         check_ownership(key, total, claims.get(key, []), where)
+
+
+def check_rules_and_ownership(
+    patterns: Patterns,
+    planner_datas: Sequence[Mapping[str, Any]],
+    maps: dict[str, int | None],
+    where: str,
+    extra_used: set[int] = frozenset(),
+) -> None:
+    """:func:`check_rule_usage` over plans whose ``planner_data`` is a dict with ``used``, ``claims``
+    and ``map_totals`` entries (the load planner's)."""
+    usages = [RuleUsage(pd.get("used") or [], pd.get("claims") or [], pd.get("map_totals") or {})
+              for pd in planner_datas]
+    check_rule_usage(patterns, usages, maps, where, extra_used)
+
+
+# -- coverage of the global save plan --------------------------------------------------------------
+
+
+def check_coverage(names: list[str], shape_of: list[tuple[int, ...] | None], atom: np.ndarray, off: np.ndarray,
+                   size: np.ndarray, kind: np.ndarray, vol: np.ndarray) -> None:
+    """Every tensor atom's written chunks (one row each) lie inside it and add up to its volume."""
+    if not len(atom):
+        return
+    tensor = kind != ItemKind.BYTES
+    expect = np.array([int(np.prod(s)) if s is not None else 0 for s in shape_of], dtype=np.int64)
+    got = np.bincount(atom[tensor], weights=vol[tensor], minlength=len(names)).astype(np.int64)
+    has = np.bincount(atom[tensor], minlength=len(names)) > 0
+    bad = np.nonzero(has & (got != expect) & (expect > 0))[0]
+    if len(bad):
+        a = int(bad[0])
+        raise CoverageError(
+            f"saved chunks of '{names[a]}' (shape {shape_of[a]}) cover {got[a]} elements, not {expect[a]} "
+            f"({len(bad)} atom(s) affected)",
+            atom=names[a], saved=int(got[a]), wanted=int(expect[a]),
+            hint="ranks describe this atom with inconsistent layouts (or a pattern rule describes it wrongly)",
+        )
+    dims = off.shape[1]
+    lim = np.array([list(s) + [0] * (dims - len(s)) if s is not None else [0] * dims for s in shape_of], dtype=np.int64)
+    rows = lim[atom]
+    valid = off >= 0
+    outside = valid & ((off + size > rows) | (size < 0))
+    if outside[tensor].any():
+        r = int(np.nonzero(outside.any(axis=1) & tensor)[0][0])
+        raise CoverageError(f"a saved chunk of '{names[atom[r]]}' lies outside its shape {shape_of[atom[r]]}",
+                            atom=names[atom[r]], saved=shape_of[atom[r]], wanted=(off[r].tolist(), size[r].tolist()))
