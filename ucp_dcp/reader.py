@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
 import pickle
 import threading
@@ -44,70 +43,12 @@ from .io_format import (HASHES, IO_KEY, BoxGrid, TensorRecord, blocks_touching, 
 from . import device as _device
 from ._compat import _create_file_view, fsspec_filesystem, narrow_tensor_by_index
 from .collectives import p2p_group
-from .device import needs_staging, split_box, split_reads, staging_forced
-from .staging import BUFFERS_PER_THREAD, StagingPool, to_device
-from .transport import READ_ONCE_MODES, Incoming, as_bytes_tensor, exchange, local_summary, plan_transport
+from .device import needs_staging, split_reads, staging_forced
+from .read_job import ReadJob, ReadStats
+from .staging import BUFFERS_PER_THREAD
+from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
 
 __all__ = ["UCPFileSystemReader", "ReadStats"]
-
-
-@dataclass
-class ReadStats:
-    """What one rank requested from storage during the last ``read_data``."""
-
-    bytes_read: int = 0
-    """Bytes requested from storage (byte ranges, incl. checksum widening and fallbacks)."""
-    ranges: int = 0
-    """Read calls issued."""
-    items: list[str] = field(default_factory=list)
-    """Storage items (``fqn|offsets``) this rank read bytes of."""
-    bytes_received: int = 0
-    """Bytes received from other ranks instead of storage."""
-    fallbacks: int = 0
-    """Items read whole, DCP-style (transforms or foreign records)."""
-    seconds: float = 0.0
-    """Wall time of ``read_data`` (reads, verification and transfers; not DCP's planning collectives)."""
-    staged_bytes: int = 0
-    """Bytes that reached their targets through staging buffers (device targets, or forced)."""
-    staging_buffers: int = 0
-    """Staging buffers allocated (each ``stage_bytes``; pinned for CUDA targets)."""
-    staging_waits: int = 0
-    """Times a read waited for a device copy to free a staging buffer."""
-
-
-@dataclass
-class _Staged:
-    """A staging buffer being filled for a target that cannot take host writes."""
-
-    target: torch.Tensor
-    buf: torch.Tensor
-
-
-@dataclass
-class _Job:
-    """One ``read_data`` call: the items, the planner that resolves them, and the pieces other
-    ranks need (kept after they are read, for the exchange)."""
-
-    plan: LoadPlan
-    planner: LoadPlanner
-    send: set[int]
-    """Positions (in ``plan.items``) of items this rank reads for other ranks too."""
-    keep: dict[int, bytes | memoryview] = field(default_factory=dict)
-    """Bytes of those items, by position."""
-    positions: dict[int, int] = field(default_factory=dict)
-    """``id(item) -> position``; sub-items of a split item map to their item's position."""
-    objects: list[tuple[ReadItem, memoryview]] = field(default_factory=list)
-    """Object items read by the file threads, delivered on the calling thread."""
-
-    def __post_init__(self) -> None:
-        self.positions.update((id(it), i) for i, it in enumerate(self.plan.items))
-
-    def sending(self, item: ReadItem) -> bool:
-        return self.positions[id(item)] in self.send
-
-    def keep_if_sent(self, item: ReadItem, data: bytes | memoryview) -> None:
-        if self.sending(item):
-            self.keep[self.positions[id(item)]] = data
 
 
 @dataclass
@@ -159,7 +100,6 @@ class UCPFileSystemReader(FileSystemReader):
         self._forced = staging_forced(staging)
         self.stage_bytes = _device.STAGE_BYTES
         """Size of a staging buffer (and the largest item read into one)."""
-        self._pool: StagingPool | None = None
         self.stats = ReadStats()
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
@@ -232,9 +172,10 @@ class UCPFileSystemReader(FileSystemReader):
         transport = (plan.storage_data or {}).get("transport") or {"send": [], "recv": {}}
         recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
-        job = _Job(plan, planner, send_items)
+        job = ReadJob(plan, planner, send_items, chunk_meta=self._chunk_meta, storage_data=self.storage_data,
+                      forced=self._forced, stage_bytes=self.stage_bytes,
+                      buffers=BUFFERS_PER_THREAD * max(1, self.thread_count), stats=self.stats)
         error: BaseException | None = None
-        self._pool = None
         try:
             self._read_local(job, recv_items)
         except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
@@ -245,15 +186,15 @@ class UCPFileSystemReader(FileSystemReader):
             payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
             for dst in dsts.tolist():
                 sends.setdefault(dst, []).append(payload)
-        incoming = {src: [self._incoming(plan, planner, pieces.tolist()) for pieces in msgs]
+        incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs]
                     for src, msgs in transport["recv"].items()}
         group = p2p_group(transport["ranks"]) if transport.get("ranks") else None
         failed = exchange(sends, incoming, ok=error is None, group=group)
-        if self._pool is not None:  # the one wait for device copies in flight
-            self._pool.drain()
-            self.stats.staged_bytes = self._pool.stats.staged_bytes
-            self.stats.staging_buffers = self._pool.stats.allocated
-            self.stats.staging_waits = self._pool.stats.waits
+        if job.pool is not None:  # the one wait for device copies in flight
+            job.pool.drain()
+            self.stats.staged_bytes = job.pool.stats.staged_bytes
+            self.stats.staging_buffers = job.pool.stats.allocated
+            self.stats.staging_waits = job.pool.stats.waits
         self.stats.seconds = time.perf_counter() - t0
         if error is not None:
             raise error
@@ -266,37 +207,9 @@ class UCPFileSystemReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _incoming(self, plan: LoadPlan, planner: LoadPlanner, pieces: list[int]) -> Incoming:
-        """How to receive one bundle: a lone tensor piece straight into its target when the target
-        takes the saved bytes as they are, anything else through a buffer of the bundle's size."""
-        items = [plan.items[i] for i in pieces]
-        sizes = [self._item_nbytes(it) for it in items]
-        target = None
-        if len(items) == 1 and items[0].type != LoadItemType.BYTE_IO and sizes[0]:
-            t = planner.resolve_tensor(items[0]).detach()
-            if (t.dtype == self._chunk_meta[items[0].storage_index][0] and t.is_contiguous()
-                    and not needs_staging(t, self._forced)):
-                target = t
-
-        def buffer() -> torch.Tensor:
-            return target.view(-1).view(torch.uint8) if target is not None else torch.empty(sum(sizes), dtype=torch.uint8)
-
-        def deliver(buf: torch.Tensor) -> None:
-            self.stats.bytes_received += buf.numel()
-            if target is not None:
-                planner.commit_tensor(items[0], target)
-                return
-            mv = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
-            pos = 0
-            for it, n in zip(items, sizes):
-                self._deliver(it, planner, mv[pos:pos + n], None)
-                pos += n
-
-        return Incoming(sum(sizes), buffer, deliver)
-
     # -- local reads -------------------------------------------------------------------------------
 
-    def _read_local(self, job: _Job, skip: set[int]) -> None:
+    def _read_local(self, job: ReadJob, skip: set[int]) -> None:
         """Read every item not received from another rank: files in parallel, chunks of a file
         in offset order; objects are delivered on this thread (planner sinks are not locked)."""
         work = sorted(self._by_file(self._local_items(job, skip)).items())
@@ -308,20 +221,20 @@ class UCPFileSystemReader(FileSystemReader):
             for rel, cs in work:
                 self._read_file(job, rel, cs)
         for item, data in job.objects:
-            self._deliver(item, job.planner, data, None)
+            job.deliver(item, data, None)
 
-    def _local_items(self, job: _Job, skip: set[int]) -> list[ReadItem]:
+    def _local_items(self, job: ReadJob, skip: set[int]) -> list[ReadItem]:
         """The items this rank reads itself; a large item for a staged target (planners other than
         ours do not cut them) becomes sub-boxes that fit a staging buffer."""
         out: list[ReadItem] = []
         for i, item in enumerate(job.plan.items):
             if i in skip:
                 continue
-            if item.type == LoadItemType.BYTE_IO or i in job.send or self._item_nbytes(item) <= self.stage_bytes:
+            if item.type == LoadItemType.BYTE_IO or i in job.send or job.item_nbytes(item) <= self.stage_bytes:
                 out.append(item)
                 continue
             staged = lambda it: needs_staging(job.planner.resolve_tensor(it), self._forced)  # noqa: E731
-            for sub in split_reads([item], self._itemsize, staged, self.stage_bytes):
+            for sub in split_reads([item], job.itemsize, staged, self.stage_bytes):
                 job.positions[id(sub)] = i
                 out.append(sub)
         return out
@@ -342,7 +255,7 @@ class UCPFileSystemReader(FileSystemReader):
             c.items.append(item)
         return by_file
 
-    def _read_file(self, job: _Job, rel: str, cs: list[_Chunk]) -> None:
+    def _read_file(self, job: ReadJob, rel: str, cs: list[_Chunk]) -> None:
         cs.sort(key=lambda c: self.storage_data[c.index].offset)
         atoms = sorted({c.index.fqn for c in cs})
         try:
@@ -362,7 +275,7 @@ class UCPFileSystemReader(FileSystemReader):
                 hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
             ) from None
 
-    def _read_object(self, f: Any, rel: str, c: _Chunk, job: _Job) -> None:
+    def _read_object(self, f: Any, rel: str, c: _Chunk, job: ReadJob) -> None:
         info = self.storage_data[c.index]
         data = self._pread(f, info.offset, info.length, c.index)
         entry = self._crc.get(item_key(c.index)) if self.verify_checksums else None
@@ -375,7 +288,7 @@ class UCPFileSystemReader(FileSystemReader):
         with self._lock:
             job.objects.append((c.items[0], data))
 
-    def _read_chunk(self, f: Any, rel: str, c: _Chunk, job: _Job) -> None:
+    def _read_chunk(self, f: Any, rel: str, c: _Chunk, job: ReadJob) -> None:
         """The boxes of one saved chunk: strided boxes of a local file through a mapped window,
         disjoint ones straight into their destinations, overlapping ones as one union."""
         info = self.storage_data[c.index]
@@ -403,21 +316,21 @@ class UCPFileSystemReader(FileSystemReader):
             self._read_union(f, rel, c, runs, intervals, base, record, crcs, job)
 
     def _read_direct(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]], base: int,
-                     record: TensorRecord, crcs: list[int], job: _Job) -> None:
+                     record: TensorRecord, crcs: list[int], job: ReadJob) -> None:
         """Each item's runs straight into its destination; a single-run item verifies the blocks it
         touches from that memory, reading only their edges."""
         for item in c.items:
             st, n = runs[id(item)]
-            target, mv = self._destination(item, job, record, len(st) * n)
+            target, mv = job.destination(item, record, len(st) * n)
             self._pread_runs(f, base, st, n, mv, c.index)
             if crcs:
                 self._checker.verify_span(lambda off, n: self._pread(f, off, n, c.index), base, int(st[0]), mv, crcs,
                                           record.nbytes, rel, c.index)
-            self._finish(item, job, target, mv, record)
+            job.finish(item, target, mv, record)
 
     def _read_union(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]],
                     intervals: list[tuple[int, int]], base: int, record: TensorRecord, crcs: list[int],
-                    job: _Job) -> None:
+                    job: ReadJob) -> None:
         """Items sharing bytes, or runs to verify: the union read once (whole checksum blocks)."""
         if crcs:
             intervals = blocks_touching(intervals, record.nbytes, self._block)
@@ -432,10 +345,10 @@ class UCPFileSystemReader(FileSystemReader):
             st, n = runs[id(item)]
             data = gather_runs(buffers, bstarts, st, n)
             job.keep_if_sent(item, data)
-            self._deliver(item, job.planner, data, record.dtype)
+            job.deliver(item, data, record.dtype)
 
     def _read_mapped(self, fd: int, rel: str, c: _Chunk, grids: dict[int, BoxGrid], base: int,
-                     record: TensorRecord, crcs: list[int], job: _Job) -> None:
+                     record: TensorRecord, crcs: list[int], job: ReadJob) -> None:
         """Strided boxes of a local file: map a bounded window of the chunk at a time and copy the
         runs out with one strided copy (a syscall per run costs more than the bytes). Blocks the
         window touches are verified once each, from the mapping."""
@@ -448,7 +361,7 @@ class UCPFileSystemReader(FileSystemReader):
         verified: set[int] = set()
         for item in c.items:
             g = grids[id(item)]
-            target, mv = self._destination(item, job, record, g.nbytes)
+            target, mv = job.destination(item, record, g.nbytes)
             out = np.frombuffer(mv, dtype=np.uint8) if g.nbytes else np.empty(0, dtype=np.uint8)
             done = 0
             for piece in split_grid(g, WINDOW):
@@ -464,7 +377,7 @@ class UCPFileSystemReader(FileSystemReader):
                 gather_grid(window, lo, piece, out[done:done + piece.nbytes])
                 done += piece.nbytes
                 del window
-            self._finish(item, job, target, mv, record)
+            job.finish(item, target, mv, record)
         if crcs:
             nbytes = sum(min((b + 1) * B, record.nbytes) - b * B for b in verified)
         elif len(c.items) == 1:
@@ -479,34 +392,7 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.ranges += 1
             self.stats.items.append(item_key(c.index))
 
-    def _destination(self, item: ReadItem, job: _Job, record: TensorRecord,
-                     nbytes: int) -> tuple[torch.Tensor | _Staged | None, memoryview]:
-        """Where an item's bytes go: the target tensor's own memory when it can take them as they
-        are (same dtype, contiguous; a piece also sent to other ranks is sent from there); for a
-        device target a staging buffer; else a packed buffer."""
-        target = job.planner.resolve_tensor(item).detach()
-        if needs_staging(target, self._forced):
-            if job.sending(item) or not target.numel() or nbytes > self.stage_bytes:  # kept for the exchange: own memory
-                return None, memoryview(bytearray(nbytes))
-            buf = self._staging_pool(target).acquire()
-            return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
-        if target.dtype == record.dtype and target.is_contiguous() and target.numel():
-            return target, memoryview(target.view(-1).view(torch.uint8).numpy())
-        return None, memoryview(bytearray(nbytes))
-
-    def _finish(self, item: ReadItem, job: _Job, target: torch.Tensor | _Staged | None, mv: memoryview,
-                record: TensorRecord) -> None:
-        job.keep_if_sent(item, mv)
-        if isinstance(target, _Staged):
-            assert self._pool is not None
-            to_device(self._pool, target.buf, record.dtype, tuple(item.lengths), target.target)
-            job.planner.commit_tensor(item, target.target)
-        elif target is not None:
-            job.planner.commit_tensor(item, target)
-        else:
-            self._deliver(item, job.planner, mv, record.dtype)
-
-    def _fallback(self, f: Any, c: _Chunk, info: Any, job: _Job) -> None:
+    def _fallback(self, f: Any, c: _Chunk, info: Any, job: ReadJob) -> None:
         """DCP's path: deserialize the whole item, then narrow."""
         self.stats.fallbacks += 1
         raw = self._pread(f, info.offset, info.length, c.index)
@@ -531,7 +417,7 @@ class UCPFileSystemReader(FileSystemReader):
         for item in c.items:
             piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
             job.keep_if_sent(item, memoryview(bytearray(piece.view(-1).view(torch.uint8).numpy().tobytes())))
-            self._deliver(item, job.planner, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
+            job.deliver(item, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -568,12 +454,6 @@ class UCPFileSystemReader(FileSystemReader):
         with self._lock:
             self._records[index] = rec
         return rec
-
-    def _item_nbytes(self, item: ReadItem) -> int:
-        if item.type == LoadItemType.BYTE_IO:
-            return int(self.storage_data[item.storage_index].length)
-        dtype, _ = self._chunk_meta[item.storage_index]
-        return int(np.prod(item.lengths)) * dtype.itemsize
 
     def _pread_runs(self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview,
                     index: MetadataIndex) -> None:
@@ -620,45 +500,6 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.ranges += 1
             self.stats.items.append(item_key(index))
 
-    def _deliver(self, item: ReadItem, planner: LoadPlanner, data: Any, dtype: torch.dtype | None) -> None:
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(bytes(data)))
-            return
-        if dtype is None:
-            dtype, _ = self._chunk_meta[item.storage_index]
-        src = torch.frombuffer(data, dtype=dtype).view(tuple(item.lengths)) if len(data) else \
-            torch.empty(tuple(item.lengths), dtype=dtype)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != src.size():
-            raise UCPError(f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})")
-        if needs_staging(target, self._forced) and len(data):
-            self._stage_copy(data, dtype, tuple(item.lengths), target)
-        else:
-            target.copy_(src)
-        planner.commit_tensor(item, target)
-
-    def _stage_copy(self, data: Any, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor) -> None:
-        """Copy packed host bytes of a box into a staged target, one staging buffer at a time."""
-        pool = self._staging_pool(target)
-        itemsize = dtype.itemsize
-        src = np.frombuffer(data, dtype=np.uint8)
-        strides = [math.prod(lengths[d + 1:]) for d in range(len(lengths))]
-        for offs, lens in split_box(lengths, itemsize, pool.buffer_bytes):
-            start = sum(o * s for o, s in zip(offs, strides)) * itemsize
-            n = math.prod(lens) * itemsize
-            buf = pool.acquire()
-            buf[:n].numpy()[:] = src[start:start + n]
-            to_device(pool, buf, dtype, lens, narrow_tensor_by_index(target, offs, lens))
-
-    def _staging_pool(self, target: torch.Tensor) -> StagingPool:
-        with self._lock:
-            if self._pool is None:  # pinned only for CUDA targets (a CPU-only torch cannot pin)
-                self._pool = StagingPool(self.stage_bytes, BUFFERS_PER_THREAD * max(1, self.thread_count),
-                                         pin=target.device.type == "cuda")
-            return self._pool
-
-    def _itemsize(self, item: ReadItem) -> int:
-        return self._chunk_meta[item.storage_index][0].itemsize
 
 
 _UNVERIFIED = {
