@@ -25,6 +25,7 @@ import enum
 import hashlib
 import pickle
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,18 @@ class LocalItems:
     """int64 ``(n, D)`` offsets, -1 padded."""
     size: np.ndarray
     """int64 ``(n, D)`` sizes, -1 padded."""
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[int, ItemKind, Offsets, Offsets]]) -> LocalItems:
+        """From ``(atom index, kind, offsets, sizes)`` rows."""
+        width = max([len(o) for _, _, o, _ in rows] + [1])
+        off = np.full((len(rows), width), -1, dtype=np.int64)
+        size = np.full((len(rows), width), -1, dtype=np.int64)
+        for i, (_, _, o, s) in enumerate(rows):
+            off[i, :len(o)] = o
+            size[i, :len(s)] = s
+        return cls(np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8),
+                   off, size)
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
         piece_digests=sorted((a, box.offsets, box.sizes) for a, box in digests if box is not None),
     )
     values = np.array([digests[k] for k in structure.replica_keys], dtype=np.uint64)
-    return LocalPlan(structure, _as_items(rows), pieces, zlib.compress(values.tobytes(), 1), reduced)
+    return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced)
 
 
 def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:
@@ -181,17 +181,6 @@ def _local_catalog(resolved: list[Resolved]) -> dict[str, Any]:
                                  "placements": rec["layout"]["placements"]}
             cat["atoms"][name] = rec
     return cat
-
-
-def _as_items(rows: list[tuple[int, ItemKind, Offsets, Offsets]]) -> LocalItems:
-    width = max([len(o) for _, _, o, _ in rows] + [1])
-    off = np.full((len(rows), width), -1, dtype=np.int64)
-    size = np.full((len(rows), width), -1, dtype=np.int64)
-    for i, (_, _, o, s) in enumerate(rows):
-        off[i, :len(o)] = o
-        size[i, :len(s)] = s
-    return LocalItems(np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8),
-                      off, size)
 
 
 def local_payload(local: LocalPlan, resolved: list[Resolved], ties: list[tuple[Resolved, Resolved]],
