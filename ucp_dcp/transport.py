@@ -79,17 +79,34 @@ def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[n
         return out
     load = np.zeros(n, dtype=np.int64)
     np.add.at(load, owner[~shared], sizes[~shared])  # every rank reads its unshared pieces itself
+    classes = _holder_classes(shared, inverse, owner, local)
+    bundles = _bundles(classes, sizes, inverse, owner.dtype, bundle_bytes, solo_bytes)
+    for nbytes, holders, entries in sorted(bundles, key=lambda b: -b[0]):
+        _assign(out, load, nbytes, holders, local[entries], hosts)
+    return out
+
+
+def _holder_classes(shared: np.ndarray, inverse: np.ndarray, owner: np.ndarray,
+                    local: np.ndarray) -> dict[bytes, list[np.ndarray]]:
+    """Shared pieces grouped by their exact holder list: each group is one piece's entries, one per
+    holder (in rank order)."""
     idx = np.nonzero(shared)[0]
     order = idx[np.lexsort((local[idx], owner[idx], inverse[idx]))]
     starts = np.flatnonzero(np.diff(inverse[order], prepend=-1))
-    # class the shared pieces by their holders (exact: the holder list's bytes)
     classes: dict[bytes, list[np.ndarray]] = {}
     for g in np.split(order, starts[1:]):
         classes.setdefault(owner[g].tobytes(), []).append(g)
-    bundles: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, holders, entries: pieces x holders)
+    return classes
+
+
+def _bundles(classes: dict[bytes, list[np.ndarray]], sizes: np.ndarray, inverse: np.ndarray, rank_dtype: Any,
+             bundle_bytes: int, solo_bytes: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``(bytes, holders, entries: pieces x holders)`` per bundle: pieces of ``solo_bytes`` or more
+    alone, smaller ones with the same holders packed up to ``bundle_bytes``, largest first."""
+    bundles: list[tuple[int, np.ndarray, np.ndarray]] = []
     for sig in sorted(classes):
         groups = sorted(classes[sig], key=lambda g: (-int(sizes[g[0]]), int(inverse[g[0]])))
-        holders = np.frombuffer(sig, dtype=owner.dtype)
+        holders = np.frombuffer(sig, dtype=rank_dtype)
         cur: list[np.ndarray] = []
         cur_bytes = 0
         for g in groups + [None]:
@@ -103,23 +120,26 @@ def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[n
                 if alone:  # travels by itself
                     bundles.append((cur_bytes, holders, np.stack(cur)))
                     cur, cur_bytes = [], 0
-    bundles.sort(key=lambda b: -b[0])
-    for nbytes, holders, entries in bundles:
-        col = int(np.argmin(load[holders]))
-        reader = int(holders[col])
-        load[reader] += nbytes
-        dsts, cols = [], []
-        for h, r in enumerate(holders.tolist()):
-            if r == reader:  # the reader's own copies (tied weights): its chunk reads serve them all
-                continue
-            if hosts is not None and hosts[r] == hosts[reader]:
-                continue  # same host: reading is a page-cache hit once the reader has read it
-            dsts.append(r)
-            cols.append(h)
-            out[r]["recv"].setdefault(reader, []).append(local[entries[:, h]])
-        if dsts:
-            out[reader]["send"].append((local[entries[:, col]], np.array(dsts, dtype=np.int64)))
-    return out
+    return bundles
+
+
+def _assign(out: list[dict], load: np.ndarray, nbytes: int, holders: np.ndarray, pieces: np.ndarray,
+            hosts: np.ndarray | None) -> None:
+    """Give one bundle to its least-loaded holder; the others (on other hosts, with ``hosts``)
+    receive it. ``pieces[:, h]`` are holder ``h``'s own indices of the bundle's pieces."""
+    col = int(np.argmin(load[holders]))
+    reader = int(holders[col])
+    load[reader] += nbytes
+    dsts = []
+    for h, r in enumerate(holders.tolist()):
+        if r == reader:  # the reader's own copies (tied weights): its chunk reads serve them all
+            continue
+        if hosts is not None and hosts[r] == hosts[reader]:
+            continue  # same host: reading is a page-cache hit once the reader has read it
+        dsts.append(r)
+        out[r]["recv"].setdefault(reader, []).append(pieces[:, h])
+    if dsts:
+        out[reader]["send"].append((pieces[:, col], np.array(dsts, dtype=np.int64)))
 
 
 @dataclass
