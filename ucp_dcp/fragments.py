@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout, Placement
+from .layout import Layout, Placement, PlacementKind
 
 __all__ = [
     "Box",
@@ -133,7 +133,7 @@ def _merge(runs: list[Run]) -> list[Run]:
 
 def _apply(runs: list[Run], p: Placement, k: int, i: int) -> list[Run]:
     n = sum(r[1] for r in runs)
-    if p.kind == "S":
+    if p.kind is PlacementKind.SHARD:
         s, length = chunk_range(n, k, i)
         return _select(runs, s, length)
     # _StridedShard: cut into split_factor pieces, cut each piece into k chunks, keep chunk i of
@@ -152,7 +152,7 @@ def dim_runs(
     """Per tensor dim, the rank's global indices as merged runs in local order."""
     runs: list[list[Run]] = [[(0, int(n))] if n else [] for n in global_shape]
     for mesh_dim, p in enumerate(layout.placements):
-        if p.kind in ("S", "SS"):
+        if p.kind.shards:
             if not 0 <= p.dim < len(global_shape):
                 raise ValueError(f"placement {p} shards dim {p.dim} of a {len(global_shape)}-d tensor")
             runs[p.dim] = _apply(runs[p.dim], p, layout.mesh_shape[mesh_dim], coordinate[mesh_dim])

@@ -7,6 +7,7 @@ derived from a DTensor's ``device_mesh``/``placements``; plain tensors have ``La
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +18,33 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ._compat import _StridedShard
 from .errors import AmbiguousLayoutError
 
-__all__ = ["Placement", "Layout", "MeshInfo"]
+__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo"]
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
+
+
+class PlacementKind(str, enum.Enum):
+    """A placement's kind; the value is its code in the catalog (``R``, ``S(d)``, ...)."""
+
+    REPLICATE = "R"
+    SHARD = "S"
+    STRIDED_SHARD = "SS"
+    """``_StridedShard``: FSDP2 x TP on one dim, non-contiguous."""
+    PARTIAL = "P"
+    """A pending reduction (refused at save)."""
+
+    @property
+    def shards(self) -> bool:
+        """Whether this kind cuts a tensor dim."""
+        return self in (PlacementKind.SHARD, PlacementKind.STRIDED_SHARD)
 
 
 @dataclass(frozen=True)
 class Placement:
     """One mesh dim's placement, decoupled from DTensor classes."""
 
-    kind: str
-    """``"R"`` replicate, ``"S"`` shard, ``"SS"`` strided shard, ``"P"`` partial."""
+    kind: PlacementKind
+    """Replicate, shard, strided shard or partial."""
     dim: int = -1
     """Tensor dim sharded by ``S``/``SS``; -1 otherwise."""
     split_factor: int = 1
@@ -35,24 +52,27 @@ class Placement:
     reduce_op: str = ""
     """Reduction of a ``Partial`` placement (only to name it in errors)."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", PlacementKind(self.kind))  # codes ("S") are accepted too
+
     @staticmethod
     def from_torch(p: Any) -> "Placement":
         if isinstance(p, _StridedShard):  # check first: _StridedShard is not a Shard subclass today,
-            return Placement("SS", int(p.dim), int(p.split_factor))  # but be explicit about order
+            return Placement(PlacementKind.STRIDED_SHARD, int(p.dim), int(p.split_factor))  # be explicit
         if isinstance(p, Shard):
-            return Placement("S", int(p.dim))
+            return Placement(PlacementKind.SHARD, int(p.dim))
         if isinstance(p, Replicate):
-            return Placement("R")
+            return Placement(PlacementKind.REPLICATE)
         if isinstance(p, Partial):
-            return Placement("P", reduce_op=str(p.reduce_op))
+            return Placement(PlacementKind.PARTIAL, reduce_op=str(p.reduce_op))
         raise AmbiguousLayoutError(f"unsupported DTensor placement {p!r}")
 
     def encode(self) -> str:
-        if self.kind == "R":
+        if self.kind is PlacementKind.REPLICATE:
             return "R"
-        if self.kind == "S":
+        if self.kind is PlacementKind.SHARD:
             return f"S({self.dim})"
-        if self.kind == "SS":
+        if self.kind is PlacementKind.STRIDED_SHARD:
             return f"SS({self.dim},{self.split_factor})"
         return f"P({self.reduce_op})"
 
@@ -62,12 +82,12 @@ class Placement:
         if not m:
             raise ValueError(f"bad placement code {text!r}")
         if text == "R":
-            return Placement("R")
+            return Placement(PlacementKind.REPLICATE)
         if m.group(2) is not None:
-            return Placement("S", int(m.group(2)))
+            return Placement(PlacementKind.SHARD, int(m.group(2)))
         if m.group(3) is not None:
-            return Placement("SS", int(m.group(3)), int(m.group(4)))
-        return Placement("P", reduce_op=m.group(5))
+            return Placement(PlacementKind.STRIDED_SHARD, int(m.group(3)), int(m.group(4)))
+        return Placement(PlacementKind.PARTIAL, reduce_op=m.group(5))
 
     def __str__(self) -> str:
         return self.encode()
@@ -121,7 +141,7 @@ class Layout:
         return not self.mesh_shape
 
     def partial_dims(self) -> list[int]:
-        return [i for i, p in enumerate(self.placements) if p.kind == "P"]
+        return [i for i, p in enumerate(self.placements) if p.kind is PlacementKind.PARTIAL]
 
     def encode_placements(self) -> list[str]:
         return [p.encode() for p in self.placements]

@@ -236,6 +236,6 @@ class Resolver:
         if isinstance(value, DTensor) and rule.blocks in names:
             i = names.index(rule.blocks)
             p = layout.placements[i]
-            if p.kind in ("S", "SS") and p.dim == rule.dim:  # blocks exist only where that dim shards
+            if p.kind.shards and p.dim == rule.dim:  # blocks exist only where that dim shards
                 return layout.mesh_shape[i]
         return 1
