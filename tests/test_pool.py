@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import dist as D
-import ucp_dcp.save_planner
-from ucp_dcp import staging
+import ucp_dcp
+from ucp_dcp import UCPSavePlanner
 
 pytestmark = pytest.mark.slow
 
@@ -68,25 +68,44 @@ def test_a_failing_rank_is_reported_and_the_pool_starts_afresh(fn, expected):
     assert not set(before) & {r[4] for r in after}, "a new pool: fresh workers"
 
 
-def _leave_state_behind(rank, world):
+def _plan_caches() -> dict[str, int]:
+    """Sizes of the plan caches: DCP's (class attributes of SavePlanner, keyed by planner class) and
+    any module dict of ucp_dcp named like a cache (wherever a refactor puts it)."""
+    import sys
+
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    out = {f"SavePlanner.{k}": len(v) for k, v in vars(SavePlanner).items() if k.startswith("_cached")}
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ucp_dcp") and mod is not None:
+            out.update({f"{name}.{k}": len(v) for k, v in vars(mod).items() if isinstance(v, dict) and "cache" in k.lower()})
+    return out
+
+
+def _leave_state_behind(rank, world, root):
     os.environ[LEAK_ENV] = "1"
     D.setenv("UCP_DCP_HOST", f"node{rank}")
-    D.patch(staging, "STAGE_BYTES", 4096)
-    staging.BUFFERS_PER_THREAD = 99  # a plain assignment: restored too
-    ucp_dcp.save_planner._CACHE["leak"] = {"plan": 1}
+    D.patch(ucp_dcp, "__version__", "patched")
+    ucp_dcp.CATALOG_KEY = "assigned"  # a plain assignment: restored too
+    ucp_dcp.leaked_name = 1  # a new global: removed
     _counter.append(rank)
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234)
     os.chdir("/")
     h = dist.new_group([0, 1, 2], use_local_synchronization=True) if rank < 3 else None  # a hashed name
     g = dist.new_group([0, 1])
-    return len(dist.distributed_c10d._world.pg_names), g.group_name if rank < 2 else None, h and h.group_name
+    import torch.distributed.checkpoint as dcp
+
+    for i in range(2):  # the second save uses the cached plan
+        dcp.save({"w": torch.full((4,), float(i), dtype=torch.float32)}, checkpoint_id=f"{root}/c{i}",
+                 planner=UCPSavePlanner(enable_plan_caching=True))
+    return len(dist.distributed_c10d._world.pg_names), g.group_name if rank < 2 else None, h and h.group_name, _plan_caches()
 
 
 def _look_at_state(rank, world):
     h = dist.new_group([0, 1, 2], use_local_synchronization=True) if rank < 3 else None
-    return {"env": os.environ.get(LEAK_ENV), "host": os.environ.get("UCP_DCP_HOST"), "bytes": staging.STAGE_BYTES,
-            "buffers": staging.BUFFERS_PER_THREAD, "cache": dict(ucp_dcp.save_planner._CACHE),
+    return {"env": os.environ.get(LEAK_ENV), "host": os.environ.get("UCP_DCP_HOST"), "version": ucp_dcp.__version__,
+            "key": ucp_dcp.CATALOG_KEY, "leaked": hasattr(ucp_dcp, "leaked_name"), "caches": _plan_caches(),
             "counter": list(_counter), "dtype": torch.get_default_dtype(), "randn": torch.randn(3).tolist(),
             "cwd": os.getcwd(), "groups": len(dist.distributed_c10d._world.pg_names) - (h is not None),
             "hashed": h and h.group_name}
@@ -98,13 +117,15 @@ def _fresh_randn(rank, world):
 
 def test_a_task_leaves_no_state_for_the_next_one():
     fresh = D.run(_look_at_state, 4)
-    left = D.run(_leave_state_behind, 4)
-    assert [n for n, _, _ in left] == [3, 3, 2, 1], left  # default group + the ones each rank is in
+    left = D.run(_leave_state_behind, 4, D.tmpdir())
+    assert [n for n, *_ in left] == [3, 3, 2, 1], left  # default group + the ones each rank is in
+    assert any(left[0][3].values()), f"the cached saves filled no plan cache: {left[0][3]}"
     seen = D.run(_look_at_state, 4)
     for rank, (a, b) in enumerate(zip(fresh, seen)):
         assert b["env"] is None and b["host"] is None
-        assert b["bytes"] == staging.STAGE_BYTES and b["buffers"] == staging.BUFFERS_PER_THREAD
-        assert b["cache"] == {} and b["counter"] == [] and b["dtype"] == torch.float32
+        assert b["version"] == ucp_dcp.__version__ and b["key"] == ucp_dcp.CATALOG_KEY and not b["leaked"]
+        assert not any(b["caches"].values()) and b["caches"] == a["caches"], b["caches"]
+        assert b["counter"] == [] and b["dtype"] == torch.float32
         assert b["cwd"] == a["cwd"] and b["groups"] == a["groups"] == 1, "the task's groups are destroyed"
         if rank < 3:
             assert b["hashed"] != left[rank][2] and b["hashed"] != a["hashed"], "hashed names are per task"
