@@ -2,11 +2,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
-# Make `tests/` helpers and the recipes (model, trainer) importable here and in worker processes.
+# Make the `tests/` helpers (dist, helpers, models, training) importable here and in the worker processes.
+# The tests own their model and trainer: nothing from recipes/ is imported into the test process.
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,
@@ -25,3 +26,12 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "gpu" and collection_path.parent == Path(__file__).parent:
         return None if config.getoption("--gpu") else True
     return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_pools():
+    """The session's pools of gloo workers (tests/dist.py) are stopped when the session ends."""
+    yield
+    dist = sys.modules.get("dist")
+    if dist is not None:
+        dist.shutdown()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -12,7 +11,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
 
 
 def ucp_failure(exc: BaseException) -> ucp_dcp.UCPError:

@@ -11,10 +11,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from helpers import ROOT  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import titan_resume as tr  # noqa: E402
+import titan_harness as tr  # noqa: E402
+from titan_harness import ROOT, titan_env  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -23,7 +21,7 @@ def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "tests" / "titan_driver.py"),
          str(tmp_path / f"d{dp}{tp}{fused}{backend}"), str(dp), str(tp), str(int(fused)), backend],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=titan_env())
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(lines[-1])
@@ -105,7 +103,7 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     overrides = [tr.ONE_FLAG, "ucp_dcp.torchtitan.overrides.dataloader"]
     save, load = tmp_path / "save", tmp_path / "load"
     oracle = {"UCP_TITAN_STATE": str(save / "trained.pt"), "UCP_TITAN_STATE_STEP": "1"}
-    tr._run({"dp": 2}, save, assets, 1, flags, oracle, config=tr.STOCK_CONFIG, overrides=overrides)
+    tr.run_job({"dp": 2}, save, assets, 1, flags, oracle, config=tr.STOCK_CONFIG, overrides=overrides)
     export = (save / "checkpoint" / "step-1").resolve()
     keys = set(FileSystemReader(export).read_metadata().state_dict_metadata)
     assert "layers.0.attention.qkv_linear.wk.weight" in keys and not [k for k in keys if "wqkv" in k], sorted(keys)[:8]
@@ -113,7 +111,7 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     from ucp_dcp.summary import open_path
 
     assert open_path(export)[1].status == "verified", "the option saves through ucp_dcp's storage (checksums, commit)"
-    tr._run({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),
+    tr.run_job({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),
                                           "--checkpoint.initial_load_model_only"],
             {"UCP_TITAN_STATE": str(load / "loaded.pt")}, config=tr.STOCK_CONFIG, overrides=overrides)
     trained = torch.load(save / "trained.pt", weights_only=False)
@@ -132,12 +130,12 @@ def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy
     save = tmp_path / "stock-dp2-dp2" / "save"
     flags = tr.resume_flags(save, 2, 3)
     loader = "ucp_dcp.torchtitan.overrides.dataloader"
-    err = tr._run({"dp": 1}, tmp_path / "err", assets, 3, flags, {"UCP_TITAN_EXPECT_FAILURE": "1"},
+    err = tr.run_job({"dp": 1}, tmp_path / "err", assets, 3, flags, {"UCP_TITAN_EXPECT_FAILURE": "1"},
                   config=tr.STOCK_CONFIG, overrides=[tr.ONE_FLAG, loader])
     text = err.stdout + err.stderr
     assert err.returncode != 0 and "UCPError" in text and "refusing to resume at an undefined data position" in text
     assert "saved at data-parallel degree 2" in text or "per-rank dataloader state" in text
     restart = f'{tr.ONE_FLAG}={{"dataloader_policy": "restart"}}'
-    ok = tr._run({"dp": 1}, tmp_path / "restart", assets, 3, flags, {}, config=tr.STOCK_CONFIG,
+    ok = tr.run_job({"dp": 1}, tmp_path / "restart", assets, 3, flags, {}, config=tr.STOCK_CONFIG,
                  overrides=[restart, loader])
     assert ok.returncode == 0 and "dataloader_policy='restart'" in ok.stdout + ok.stderr

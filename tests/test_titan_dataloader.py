@@ -1,16 +1,11 @@
 """The global-cursor dataloader: the same windows make the same global batch at every DP degree,
 and a resume at another degree continues with no window repeated or skipped."""
 
-import sys
-
 import pytest
 
 pytest.importorskip("torchtitan")
 
-from helpers import ROOT  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "recipes" / "titan"))
-from assets import make_assets  # noqa: E402
+from titan_harness import make_assets  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 
 from ucp_dcp.errors import UCPError  # noqa: E402

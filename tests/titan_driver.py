@@ -4,7 +4,7 @@ Builds the GQA debug model with torchtitan's own parallelize function (FSDP2, op
 AdamW step, then saves and loads with the checkpoint manager while counting ``DTensor.redistribute``
 calls on fused ``wqkv`` tensors. Prints one JSON line on rank 0.
 
-    torchrun --nproc-per-node 2 tests/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
+    PYTHONPATH=recipes/titan torchrun --nproc-per-node 2 tests/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
 
 SPMD_BACKEND is torchtitan's ``parallelism.spmd_backend`` (default ``partial_dtensor``); under
 ``spmd_types`` the forward runs inside torchtitan's SPMD context, as the Trainer runs it, and FSDP
@@ -12,13 +12,9 @@ needs the launcher's patch (s) (data-parallel layouts only).
 """
 
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes", "titan"))
-
-import cpu_launch  # noqa: E402
+import cpu_launch  # recipes/titan, on PYTHONPATH (tests/test_titan.py runs this under torchrun)
 
 cpu_launch._patch_device()
 cpu_launch._patch_torchtitan()
