@@ -20,12 +20,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
+# everything on the CPU (tests/gpu only with --gpu): the multi-process cases, one per item, on the session's
+# pool of gloo workers (tests/dist.py), the recipe and torchtitan runs in subprocesses; the 20 slowest listed
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
 
-# the inner loop: everything not marked slow (no multi-process or end-to-end runs)
+# the inner loop: the single-process tests plus one small multi-process case (marker quick), about a minute
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow or quick"
 
 # the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
 # Without CUDA it prints one line and succeeds; `make test` never collects it.
