@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.plans import ItemKind, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure, RuleUsage, dtype_code
+from ucp_dcp.plans import (ItemKind, LoadPlanPayload, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure,
+                           ReadSummary, RuleUsage, dtype_code)
 from ucp_dcp.transport import read_summary
 from ucp_dcp.patterns import Patterns
 
@@ -164,10 +165,8 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
         plans = []
         for r in range(ranks):  # what UCPFileSystemReader.prepare_local_plan leaves in a gathered plan
             keys, sizes = read_summary(_dcp_read_items(r, tensors), md)
-            plans.append(LoadPlan([], storage_data={"rank": r, "mode": "ranks", "keys": keys, "sizes": sizes,
-                                                    "host": "h"},
-                                  planner_data={"used": [], "claims": [], "map_totals": {}, "read_once": "ranks",
-                                                "keeps_items": True}))
+            plans.append(LoadPlan([], storage_data=ReadSummary(r, "ranks", keys, sizes, "h"),
+                                  planner_data=LoadPlanPayload(RuleUsage(), "ranks", keeps_items=True)))
         planner = UCPLoadPlanner()
         planner._patterns = Patterns(())
         reader = UCPFileSystemReader(".")

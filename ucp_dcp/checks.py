@@ -38,7 +38,6 @@ __all__ = [
     "reduce_values",
     "zero_like",
     "check_rule_usage",
-    "check_rules_and_ownership",
     "check_coverage",
 ]
 
@@ -242,20 +241,6 @@ def check_rule_usage(
                 totals[key] = total
     for key, total in totals.items():
         check_ownership(key, total, claims.get(key, []), where)
-
-
-def check_rules_and_ownership(
-    patterns: Patterns,
-    planner_datas: Sequence[Mapping[str, Any]],
-    maps: dict[str, int | None],
-    where: str,
-    extra_used: set[int] = frozenset(),
-) -> None:
-    """:func:`check_rule_usage` over plans whose ``planner_data`` is a dict with ``used``, ``claims``
-    and ``map_totals`` entries (the load planner's)."""
-    usages = [RuleUsage(pd.get("used") or [], pd.get("claims") or [], pd.get("map_totals") or {})
-              for pd in planner_datas]
-    check_rule_usage(patterns, usages, maps, where, extra_used)
 
 
 # -- coverage of the global save plan --------------------------------------------------------------

@@ -15,13 +15,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ._compat import _init_state_dict, narrow_tensor_by_index, set_element
 from .catalog import read_catalog
-from .checks import check_rules_and_ownership, zero_like
+from .checks import check_rule_usage, zero_like
 from .device import needs_staging, split_reads, staging_forced
 from .dtypes import check_range, conversion
 from .errors import UCPError, UnverifiedCheckpointWarning
 from .load_plan import (SavedIndex, combine_problems, decode_value, entry_reads, group_reads, itemsize,
                         missing_error, saved_names)
 from .options import UCPOptions, split_options
+from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 
@@ -162,20 +163,14 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         reads = split_reads(reads, lambda it: itemsize(self.metadata, it),
                             lambda it: needs_staging(self._targets[it.dest_index.fqn].local, forced))
         self._reads = reads
-        summary: dict[str, Any] = {
-            "used": sorted(self._patterns.used),
-            "claims": [c for r in self._targets.values() for c in r.index_claims],
-            "map_totals": {m.key: m.total for m in self.maps},
-            # for the storage layer: who reads shared bytes, and that finish_plan puts the items
-            # back (a reader may leave them out of the gathered plan; only summaries travel)
-            "read_once": self.read_once,
-            "keeps_items": True,
-        }
-        return LoadPlan(reads, planner_data=summary)
+        usage = RuleUsage(sorted(self._patterns.used), [c for r in self._targets.values() for c in r.index_claims],
+                          {m.key: m.total for m in self.maps})
+        # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
+        return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True))
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        pds = [p.planner_data or {} for p in global_plan]
-        check_rules_and_ownership(self._patterns, pds, {m.key: m.total for m in self.maps}, "at load")
+        usages = [p.planner_data.usage for p in global_plan]
+        check_rule_usage(self._patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
         return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
 

@@ -35,6 +35,9 @@ import torch
 from .fragments import Box
 
 __all__ = [
+    "LoadPlanPayload",
+    "ReadSummary",
+    "TransportPlan",
     "ItemKind",
     "Offsets",
     "PieceKey",
@@ -255,3 +258,49 @@ class RankAnswer(_Compact):
     def mask(self) -> np.ndarray:
         """The bool mask over the rank's items."""
         return np.unpackbits(np.frombuffer(self.keep, dtype=np.uint8), count=self.count).astype(bool)
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPlanPayload(_Compact):
+    """What a loading rank's planner tells the coordinator (``LoadPlan.planner_data``); its read
+    items stay on the rank (the storage layer sends a summary of them, :class:`ReadSummary`)."""
+
+    usage: RuleUsage
+    """Rules this rank's targets matched and the index-map entries they claim."""
+    read_once: str = "hosts"
+    """Who receives saved bytes several ranks need (``hosts`` | ``ranks`` | ``off``): the
+    planner's wish, which a reader honours unless it was given its own."""
+    keeps_items: bool = True
+    """The planner puts its read items back in ``finish_plan``: the reader may leave them out of
+    the gathered plan."""
+
+
+@dataclass(frozen=True)
+class ReadSummary(_Compact):
+    """What a loading rank's storage reader tells the coordinator (``LoadPlan.storage_data``)."""
+
+    rank: int
+    """The rank's global rank (read-once messages are addressed by it)."""
+    mode: str
+    """``hosts`` | ``ranks`` | ``off``."""
+    keys: np.ndarray | None = None
+    """``(n, 2)`` uint64: a 128-bit key per read item, equal across ranks needing the same bytes."""
+    sizes: np.ndarray | None = None
+    """Byte size of each read item."""
+    host: str | None = None
+    """Host name (``UCP_DCP_HOST`` or ``socket.gethostname()``)."""
+
+
+@dataclass(frozen=True)
+class TransportPlan(_Compact):
+    """The coordinator's read-once answer to one rank (``LoadPlan.storage_data``)."""
+
+    send: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    """Bundles this rank reads for others: ``(positions of its read items, consumer global ranks)``."""
+    recv: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    """``source global rank -> [positions of this rank's read items, per message]``, in order."""
+    ranks: list[int] | None = None
+    """The load's global ranks when anybody exchanges (a side group is created over them), else None."""

@@ -44,6 +44,7 @@ from . import device as _device
 from ._compat import _create_file_view, fsspec_filesystem, narrow_tensor_by_index
 from .collectives import p2p_group
 from .device import needs_staging, split_reads, staging_forced
+from .plans import ReadSummary, TransportPlan
 from .read_job import ReadJob, ReadStats
 from .staging import BUFFERS_PER_THREAD
 from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
@@ -148,30 +149,29 @@ class UCPFileSystemReader(FileSystemReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Summarize this rank's reads for read-once (keys and sizes, not items). A planner that
-        puts its items back in ``finish_plan`` (``planner_data["keeps_items"]``) gets them left out
+        puts its items back in ``finish_plan`` (``LoadPlanPayload.keeps_items``) gets them left out
         of the gathered plan, so planning stays O(summary) per rank."""
-        pd = plan.planner_data if isinstance(plan.planner_data, dict) else {}
-        mode = self.read_once or pd.get("read_once") or "hosts"
+        pd = plan.planner_data
+        mode = self.read_once or getattr(pd, "read_once", None) or "hosts"
         if mode not in READ_ONCE_MODES:
             raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
         summary = local_summary(plan.items, self._md, mode)
-        return LoadPlan([] if pd.get("keeps_items") else plan.items, storage_data=summary,
-                        planner_data=plan.planner_data)
+        return LoadPlan([] if getattr(pd, "keeps_items", False) else plan.items, storage_data=summary,
+                        planner_data=pd)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.transport`)."""
-        summaries = [p.storage_data if isinstance(p.storage_data, dict) else {} for p in plans]
-        return [dataclasses.replace(p, storage_data={"transport": t})
-                for p, t in zip(plans, plan_transport(summaries))]
+        summaries = [p.storage_data if isinstance(p.storage_data, ReadSummary) else None for p in plans]
+        return [dataclasses.replace(p, storage_data=t) for p, t in zip(plans, plan_transport(summaries))]
 
     # -- entry point -------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = ReadStats()
         t0 = time.perf_counter()
-        transport = (plan.storage_data or {}).get("transport") or {"send": [], "recv": {}}
-        recv_items = {int(i) for msgs in transport["recv"].values() for pieces in msgs for i in pieces}
-        send_items = {int(i) for pieces, _ in transport["send"] for i in pieces}
+        transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()
+        recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
+        send_items = {int(i) for pieces, _ in transport.send for i in pieces}
         job = ReadJob(plan, planner, send_items, chunk_meta=self._chunk_meta, storage_data=self.storage_data,
                       forced=self._forced, stage_bytes=self.stage_bytes,
                       buffers=BUFFERS_PER_THREAD * max(1, self.thread_count), stats=self.stats)
@@ -181,14 +181,14 @@ class UCPFileSystemReader(FileSystemReader):
         except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
             error = e
         sends: dict[int, list[torch.Tensor | None]] = {}
-        for pieces, dsts in transport["send"]:
+        for pieces, dsts in transport.send:
             # one payload per bundle, shared by all its consumers (a lone piece: its own memory)
             payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
             for dst in dsts.tolist():
                 sends.setdefault(dst, []).append(payload)
         incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs]
-                    for src, msgs in transport["recv"].items()}
-        group = p2p_group(transport["ranks"]) if transport.get("ranks") else None
+                    for src, msgs in transport.recv.items()}
+        group = p2p_group(transport.ranks) if transport.ranks else None
         failed = exchange(sends, incoming, ok=error is None, group=group)
         if job.pool is not None:  # the one wait for device copies in flight
             job.pool.drain()

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .errors import UCPError
 from .io_format import read_key
+from .plans import ReadSummary, TransportPlan
 
 __all__ = ["BUNDLE", "SOLO", "READ_ONCE_MODES", "Incoming", "assign_readers", "exchange", "as_bytes_tensor",
            "read_summary", "local_summary", "plan_transport"]
@@ -234,33 +235,31 @@ def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.nd
     return keys, sizes
 
 
-def local_summary(reads: list[ReadItem], md: Metadata, mode: str) -> dict[str, Any]:
+def local_summary(reads: list[ReadItem], md: Metadata, mode: str) -> ReadSummary:
     """What one loading rank tells the coordinator for read-once: its global rank, its host and
     the keys and sizes of its reads (no read items)."""
-    out: dict[str, Any] = {"rank": dist.get_rank() if dist.is_initialized() else 0, "mode": mode}
-    if mode != "off":
-        out["keys"], out["sizes"] = read_summary(reads, md)
-        out["host"] = os.environ.get("UCP_DCP_HOST") or socket.gethostname()
-    return out
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if mode == "off":
+        return ReadSummary(rank, mode)
+    keys, sizes = read_summary(reads, md)
+    return ReadSummary(rank, mode, keys, sizes, os.environ.get("UCP_DCP_HOST") or socket.gethostname())
 
 
-def plan_transport(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def plan_transport(summaries: list[ReadSummary | None]) -> list[TransportPlan]:
     """The coordinator's answer to every rank's :func:`local_summary`: per rank, what it sends and
     receives (global ranks), and, for all, the ranks that exchange (None if nobody does: then no
     side group is created)."""
-    mode = summaries[0].get("mode", "off") if summaries else "off"
-    empty = {"send": [], "recv": {}, "ranks": None}
-    if mode == "off" or any("keys" not in s for s in summaries):
-        return [dict(empty) for _ in summaries]
-    ranks = [int(s["rank"]) for s in summaries]
+    if not summaries or any(s is None or s.mode == "off" or s.keys is None for s in summaries):
+        return [TransportPlan() for _ in summaries]
+    ranks = [int(s.rank) for s in summaries]
     hosts = None
-    if mode == "hosts":
-        names = [s.get("host") for s in summaries]
+    if summaries[0].mode == "hosts":
+        names = [s.host for s in summaries]
         hosts = np.unique(np.array(names, dtype=object).astype(str), return_inverse=True)[1]
-    plans = assign_readers([s["keys"] for s in summaries], [s["sizes"] for s in summaries], hosts=hosts)
+    plans = assign_readers([s.keys for s in summaries], [s.sizes for s in summaries], hosts=hosts)
     glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
     # every rank learns whether anyone exchanges: a side group (NCCL-only jobs) is created by all
     exchanges = any(t["send"] for t in plans)
-    return [{"send": [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
-             "recv": {ranks[r]: idx for r, idx in t["recv"].items()},
-             "ranks": ranks if exchanges else None} for t in plans]
+    return [TransportPlan([(pieces, glob[dsts]) for pieces, dsts in t["send"]],
+                          {ranks[r]: idx for r, idx in t["recv"].items()},
+                          ranks if exchanges else None) for t in plans]
