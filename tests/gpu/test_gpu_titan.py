@@ -17,7 +17,6 @@ CUDA. Two torchrun jobs per test, one process each.
 """
 
 import math
-import sys
 
 import pytest
 import torch
@@ -31,10 +30,7 @@ pytestmark = [
 
 pytest.importorskip("torchtitan")
 
-from helpers import ROOT  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "recipes"))
-import titan_resume as tr  # noqa: E402
+import titan_harness as tr  # noqa: E402  (the tests' own harness: no sys.path into recipes/)
 
 STEPS, K = 3, 2  # train 3 steps, checkpoint at step 2, resume from it
 DEVICE_ENV = {"UCP_TITAN_DEVICE": "cuda"}  # the launcher leaves torchtitan on its own device
@@ -46,10 +42,10 @@ def _save_and_resume(tmp_path, extra_save_flags):
     assets = tr.make_assets(tmp_path / "assets")
     save, load = tmp_path / "save", tmp_path / "resume"
     env = dict(DEVICE_ENV)
-    tr._run({"dp": 1}, save, assets, STEPS, ["--checkpoint.interval", str(K), *extra_save_flags],
+    tr.run_job({"dp": 1}, save, assets, STEPS, ["--checkpoint.interval", str(K), *extra_save_flags],
             {**env, "UCP_TITAN_METRICS": str(save / "loss.json"), "UCP_TITAN_STATE": str(save / "oracle.pt"),
              "UCP_TITAN_STATE_STEP": str(K)}, backend=None)
-    tr._run({"dp": 1}, load, assets, STEPS, tr.resume_flags(save, K, STEPS),
+    tr.run_job({"dp": 1}, load, assets, STEPS, tr.resume_flags(save, K, STEPS),
             {**env, "UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
             backend=None)
     oracle = torch.load(save / "oracle.pt", weights_only=False)
@@ -70,7 +66,7 @@ def _check(tmp_path, oracle, loaded, ref, res, save_log, resume_log):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ucp_dcp.inspect import open_path
+    from ucp_dcp.summary import open_path
 
     step_dir = tmp_path / "save" / "checkpoint" / f"step-{K}"
     keys = set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)
