@@ -1,5 +1,6 @@
 """The package's layering, read from the source: planners above storage, no cycles, private torch
-names only through ``_compat``, the core independent of the torchtitan integration."""
+names only through ``_compat``, the core independent of the torchtitan integration and of the toy
+model (``ucp_dcp.toy``), whose model and trainer depend on no other ucp_dcp module."""
 
 import ast
 import sys
@@ -67,6 +68,27 @@ def test_core_imports_nothing_from_the_torchtitan_integration():
     core = [m for m in GRAPH if not m.startswith("ucp_dcp.torchtitan")]
     bad = {m: sorted(d for d in GRAPH[m] if d.startswith("ucp_dcp.torchtitan")) for m in core}
     assert not any(bad.values()), bad
+
+
+def test_core_imports_nothing_from_the_toy_model():
+    """``ucp_dcp.toy`` (the recipes' and tests' model and trainer) is not part of the library: only
+    ``ucp_dcp.plan`` (which plans loads for it) may import it."""
+    def inside(m: str, pkg: str) -> bool:
+        return m == pkg or m.startswith(pkg + ".")
+
+    core = [m for m in GRAPH if not inside(m, "ucp_dcp.toy") and not inside(m, "ucp_dcp.plan")]
+    bad = {m: sorted(d for d in GRAPH[m] if inside(d, "ucp_dcp.toy")) for m in core}
+    assert not any(bad.values()), {m: d for m, d in bad.items() if d}
+
+
+def test_toy_model_and_trainer_depend_on_no_other_ucp_dcp_module():
+    """The oracle (``ucp_dcp.toy.parallel.logical_state``) must not depend on the code under test:
+    the model and trainer reach only each other; ``layouts`` (the description to ucp_dcp) may use
+    the library's rule types."""
+    assert {"ucp_dcp.toy.model", "ucp_dcp.toy.parallel", "ucp_dcp.toy.layouts"} <= set(GRAPH)
+    for m in ("ucp_dcp.toy.model", "ucp_dcp.toy.parallel"):
+        outside = sorted(d for d in _closure(m) if not d.startswith("ucp_dcp.toy."))
+        assert not outside, f"{m} reaches {outside}"
 
 
 def test_no_import_cycles():
