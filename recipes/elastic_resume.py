@@ -31,13 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel import Job, Topology, Trainer, build_job, build_trainer, layer_split, logical_state, train_step  # noqa: E402
-from toy_llm import ModelConfig  # noqa: E402
-
-import ucp_dcp  # noqa: E402
-from ucp_dcp import Fused, Padded, Reduce, Replicated, Tied  # noqa: E402
-from ucp_dcp import Chunk, IndexMap  # noqa: E402
+import ucp_dcp
+from ucp_dcp.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step
+from ucp_dcp.toy import trainer_options  # the model's layouts described to ucp_dcp
 
 # fp32 tolerances for a resume at a *different* layout (reduction order differs; same layout must be bitwise):
 # relative loss difference at the first resumed step and at the last step.
@@ -65,28 +61,6 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def ucp_options(cfg: ModelConfig, tr: Trainer) -> dict:
-    """The pattern rules and index maps that describe this model's layouts to ucp_dcp."""
-    hd, t = cfg.head_dim, tr.job.topo
-    patterns = [
-        Fused(r"(.*)\.attn\.wqkv\.weight",
-              [(r"\1.attn.wq.weight", cfg.n_heads * hd), (r"\1.attn.wk.weight", cfg.n_kv_heads * hd),
-               (r"\1.attn.wv.weight", cfg.n_kv_heads * hd)], blocks=cfg.n_kv_heads),   # group-major
-        Fused(r"(.*)\.ffn\.w13\.weight", [(r"\1.ffn.w1.weight", cfg.ffn_dim), (r"\1.ffn.w3.weight", cfg.ffn_dim)],
-              blocks="tp"),                                                              # [w1_r; w3_r] per TP rank
-        Tied("tok_embeddings.weight", (r"output\.weight",)),
-        Padded(r"tok_embeddings\.weight", size=cfg.vocab),
-        Replicated(r".*norm\.weight|.*\.router\.weight|.*res_gain", check="error"),
-        Reduce(r"train_state\.tokens_seen", "sum"),
-    ]
-    split = layer_split(cfg, t.n_stages)
-    stage_map = IndexMap("layers", [Chunk(tuple(split[sid]), (f"model.c{v}", f"optim.c{v}"), sid)
-                                    for v, sid in enumerate(tr.stage_ids)], total=cfg.n_layers)
-    n_local = cfg.n_experts // t.ep  # expert lists: local expert j on EP rank e is global e * n_local + j
-    expert_map = IndexMap("experts", [Chunk(tr.job.coord["ep"] * n_local, (), tr.job.coord["ep"])], total=cfg.n_experts)
-    return {"patterns": patterns, "stage_map": stage_map, "expert_map": expert_map}
-
-
 def _writer(a: argparse.Namespace, path: Path):
     return ucp_dcp.UCPFileSystemWriter(str(path)) if a.storage == "ucp" else dcp.FileSystemWriter(str(path))
 
@@ -101,7 +75,7 @@ def save_phase(a: argparse.Namespace, job: Job) -> None:
     tr = build_trainer(cfg, job, seed=0)
     losses = [train_step(tr) for _ in range(a.steps)]
     dcp.save(tr.state_dict(), storage_writer=_writer(a, out / "ckpt"), process_group=job.group,
-             planner=ucp_dcp.UCPSavePlanner(**ucp_options(cfg, tr)))
+             planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)))
     oracle = logical_state(tr)
     if lead:
         torch.save(oracle, out / "oracle.pt")
@@ -116,7 +90,7 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
     sd = tr.state_dict()
     reader = _reader(a, out / "ckpt")
-    dcp.load(sd, storage_reader=reader, process_group=job.group, planner=ucp_dcp.UCPLoadPlanner(**ucp_options(cfg, tr)))
+    dcp.load(sd, storage_reader=reader, process_group=job.group, planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)))
     tr.load_state_dict(sd)
     io_stats = _io_stats(reader, job)
     if a.corrupt and lead:

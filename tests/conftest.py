@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Make the `tests/` helpers (dist, helpers, models, training) importable here and in the worker processes.
-# The tests own their model and trainer: nothing from recipes/ is imported into the test process.
+# Make the `tests/` helpers (dist, helpers, training) importable here and in the worker processes. The toy
+# model and trainer come from the package (ucp_dcp.toy): nothing from recipes/ is imported into the test process.
 sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile(

@@ -19,8 +19,7 @@ import dist as D
 import torch.nn as nn
 import ucp_dcp
 from helpers import ucp_failure
-from models import ModelConfig
-from training import Topology, build_job, build_trainer, logical_state, train_step, ucp_options
+from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
@@ -75,7 +74,7 @@ def _matrix_save_worker(rank, world, root):
             tr = build_trainer(cfg, job, seed=0)
             train_step(tr)
             dcp.save(tr.state_dict(), checkpoint_id=f"{root}/{lay}", process_group=job.group,
-                     planner=UCPSavePlanner(**ucp_options(cfg, tr)))
+                     planner=UCPSavePlanner(**trainer_options(cfg, tr)))
             oracle = logical_state(tr)
             if rank == 0:
                 oracles[lay] = oracle
@@ -91,7 +90,7 @@ def _matrix_load_worker(rank, world, root, src, dst):
         tr = build_trainer(cfg, job, seed=1)
         sd = tr.state_dict()
         dcp.load(sd, checkpoint_id=f"{root}/{src}", process_group=job.group,
-                 planner=UCPLoadPlanner(**ucp_options(cfg, tr)))
+                 planner=UCPLoadPlanner(**trainer_options(cfg, tr)))
         tr.load_state_dict(sd)
         loaded = logical_state(tr)
     return loaded
