@@ -26,13 +26,15 @@ from torch.distributed.checkpoint.filesystem import (  # DCP's file layout: our 
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict  # materialize lazy targets
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a rank's piece of a DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 x TP non-contiguous shards
 
 from .errors import UnsupportedTorchError
 
 __all__ = ["check_torch", "default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor",
            "flatten_state_dict", "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo",
-           "_StoragePrefix", "_init_state_dict", "_StridedShard"]
+           "_StoragePrefix", "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset", "fake_store",
+           "mesh_for_rank", "dtensor_from_local"]
 
 
 def default_group() -> "_c10d.ProcessGroup":
@@ -45,6 +47,44 @@ def fsspec_filesystem() -> type:
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     return FileSystem
+
+def fake_store() -> "torch.distributed.Store":
+    """A store for torch's fake process group (``init_process_group("fake", ...)``): one process
+    plays any rank of any world size, collectives do nothing (``ucp_dcp.plan``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    return FakeStore()
+
+
+def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, cache: dict) -> "torch.distributed.device_mesh.DeviceMesh":
+    """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.plan``): a copy with the same layout over
+    the same root rank map whose stored rank and coordinate are ``rank``'s (DeviceMesh's private
+    ``_rank``/``_coordinate_on_dim``/``_root_mesh``; ``DeviceMesh.mesh`` slices at the default
+    group's rank, which must be ``rank``). No process groups are created. ``cache``: id -> copy."""
+    hit = cache.get(id(mesh))
+    if hit is not None:
+        return hit
+    new = object.__new__(type(mesh))  # not copy.copy: DeviceMesh.__setstate__ looks groups up again
+    new.__dict__.update(mesh.__dict__)
+    new.__dict__.pop("_ucp_dcp_mesh_info", None)  # ucp_dcp.layout's per-mesh cache: the copy has other ranks
+    new._rank = rank
+    new._hash = None
+    if mesh._root_mesh is not None:
+        new._root_mesh = mesh_for_rank(mesh._root_mesh, rank, cache)
+    new._coordinate_on_dim = new._compute_coordinate_on_dim()
+    cache[id(mesh)] = new
+    return new
+
+
+def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh", placements: tuple,
+                       shape: "torch.Size", stride: tuple[int, ...]) -> "torch.distributed.tensor.DTensor":
+    """A DTensor of ``local`` without ``from_local``'s checks and autograd (what FSDP2 does)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
 
 TESTED_TORCH = ((2, 13),)
 """``(major, minor)`` releases the test-suite runs on."""

@@ -7,6 +7,8 @@ derived from a DTensor's ``device_mesh``/``placements``; plain tensors have ``La
 
 from __future__ import annotations
 
+import contextlib
+
 import enum
 import re
 from dataclasses import dataclass
@@ -156,9 +158,15 @@ class Layout:
 
 def mesh_info(t: DTensor) -> MeshInfo:
     mesh = t.device_mesh
-    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks)
+    info = getattr(mesh, "_ucp_dcp_mesh_info", None)
+    if info is None:
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        info = MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks)
+        # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
+        with contextlib.suppress(AttributeError):
+            mesh._ucp_dcp_mesh_info = info
+    return info
 
 
 def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:

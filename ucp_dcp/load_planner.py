@@ -60,6 +60,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             refused with :class:`UnsafeCheckpointError`, since unpickling it could run code.
     """
 
+    _materialize = True
+    """Give meta-device targets memory at set-up (``ucp_dcp.plan`` plans without any)."""
+
     def __init__(
         self,
         options: UCPOptions | None = None,
@@ -97,7 +100,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             raise UCPError("no checkpoint metadata to plan against")
         if getattr(metadata, "_ucp_error", None) is not None:  # UCPFileSystemReader could not open it
             raise metadata._ucp_error  # type: ignore[attr-defined]
-        _init_state_dict(state_dict)
+        if self._materialize:
+            _init_state_dict(state_dict)  # meta targets get memory (DCP's behaviour)
         self.original_state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -118,7 +122,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     # -- planning --------------------------------------------------------------------------------
 
     def create_local_plan(self) -> LoadPlan:
-        saved = SavedIndex(self.metadata, self.name_rules)
+        saved = self._saved_index()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._zero: list[Resolved] = []
         self.missing_atoms = []
@@ -160,13 +164,20 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         # reads into device targets are cut to the staging buffer's size (bounded host memory,
         # also for pieces other ranks send)
         forced = staging_forced()
-        reads = split_reads(reads, lambda it: itemsize(self.metadata, it),
-                            lambda it: needs_staging(self._targets[it.dest_index.fqn].local, forced))
+        reads = split_reads(reads, lambda it: itemsize(self.metadata, it), lambda it: self._staged(it, forced))
         self._reads = reads
         usage = RuleUsage(sorted(self._patterns.used), [c for r in self._targets.values() for c in r.index_claims],
                           {m.key: m.total for m in self.maps})
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
         return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True))
+
+    def _saved_index(self) -> SavedIndex:
+        """The checkpoint's keys by atom name (``ucp_dcp.plan`` shares one across the ranks it plans)."""
+        return SavedIndex(self.metadata, self.name_rules)
+
+    def _staged(self, item: ReadItem, forced: bool) -> bool:
+        """Whether the item's target is filled through host staging (its read is cut to fit)."""
+        return needs_staging(self._targets[item.dest_index.fqn].local, forced)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         usages = [p.planner_data.usage for p in global_plan]
