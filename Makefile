@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test test-quick test-gpu faults reconfig titan-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ faults: $(STAMP)
 # a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
 titan-demo: $(STAMP)
 	$(BIN)/python recipes/titan_resume.py
+
+# will a checkpoint load at a layout? `ucp_dcp plan` on the recipe's checkpoint, up to 4096 ranks, one CPU process
+# each, incl. a shape change it must name; last line PLAN OK / PLAN MISMATCH (docs/plan.md)
+plan-demo: $(STAMP)
+	$(BIN)/python recipes/plan_demo.py
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

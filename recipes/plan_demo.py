@@ -1,0 +1,93 @@
+"""``make plan-demo``: will a checkpoint load at a target layout? Asked of ``python -m ucp_dcp plan``
+before any job starts, up to 4096 ranks, on this machine's CPU.
+
+1. The elastic-resume recipe trains the toy LLM for a step at ``dp=2`` (two processes) and saves it.
+2. ``python -m ucp_dcp plan`` plans its load at several layouts, one process each: a few that load
+   (up to ``pp=2,dp=512,tp=4``: 4096 ranks) and one that cannot (a wider FFN: a shape change).
+3. The plans must say "loads" for the first and name the changed atoms for the last.
+
+The last line is ``PLAN OK: ...`` (exit 0) or ``PLAN MISMATCH: ...`` (exit 1). The JSON reports and
+the text output of every plan are kept under ``--out`` (default runs/plan_demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOADS = ["dp=2", "pp=2,dp=2,tp=2", "dpr=2,dp=2,ep=2", "pp=2,dp=128,tp=4", "pp=2,dp=512,tp=4"]
+"""Layouts the checkpoint must load at (the last two: 1024 and 4096 ranks)."""
+SHAPE_CHANGE = ("pp=2,dp=64,tp=4", "ffn_dim=56")
+"""A layout with a different model config: every dense FFN weight changes shape."""
+
+
+def _plan(ckpt: Path, out: Path, topology: str, model: str | None = None) -> tuple[dict, float, str]:
+    tag = topology.replace(",", "_").replace("=", "") + ("_" + model.replace("=", "") if model else "")
+    cmd = [sys.executable, "-m", "ucp_dcp", "plan", str(ckpt), "--target", "recipe", "--topology", topology,
+           "--bandwidth", "2GB/s", "--json", str(out / f"{tag}.json")]
+    if model:
+        cmd += ["--model", model]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - t0
+    (out / f"{tag}.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode not in (0, 1) or not (out / f"{tag}.json").exists():
+        raise SystemExit(f"PLAN MISMATCH: `{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads((out / f"{tag}.json").read_text()), seconds, proc.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/plan_demo")
+    ap.add_argument("--quick", action="store_true", help="only the layouts of at most 1024 ranks")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "save" / "ckpt"
+    if not (ckpt / ".metadata").exists():
+        save = subprocess.run([sys.executable, str(ROOT / "recipes" / "elastic_resume.py"), "--save-topology", "dp=2",
+                               "--load-topology", "dp=2", "--steps", "1", "--phase", "save", "--out",
+                               str(out / "save")], capture_output=True, text=True, cwd=ROOT)
+        if save.returncode != 0:
+            print(save.stdout[-2000:], save.stderr[-3000:], sep="\n")
+            print("PLAN MISMATCH: the recipe could not save its checkpoint")
+            return 1
+    print(f"checkpoint: {ckpt} (the recipe's toy LLM, saved at dp=2)")
+    problems, timings = [], {}
+    layouts = [t for t in LOADS if not a.quick or "512" not in t]
+    for topology in layouts:
+        report, seconds, text = _plan(ckpt, out, topology)
+        n = report["world_size"]
+        timings[n] = report["seconds"]
+        verdict = "loads" if report["loads"] else "DOES NOT LOAD"
+        print(f"\n$ python -m ucp_dcp plan {ckpt} --target recipe --topology {topology} --bandwidth 2GB/s")
+        print(text.rstrip() if n <= 8 else "\n".join(text.rstrip().splitlines()[-7:]))
+        print(f"-> {n} ranks: {verdict}; planned in {report['seconds']:.1f} s ({seconds:.1f} s with start-up)")
+        if not report["loads"]:
+            problems.append(f"{topology} should load: {report['problems'][0]['message'].splitlines()[0]}")
+        elif not any(r["bytes_read"] for r in report["ranks"]):
+            problems.append(f"{topology}: no rank reads anything")
+    topology, model = SHAPE_CHANGE
+    report, seconds, text = _plan(ckpt, out, topology, model)
+    print(f"\n$ python -m ucp_dcp plan {ckpt} --target recipe --topology {topology} --model {model}")
+    print("\n".join(text.splitlines()[:6]))
+    named = report["problems"] and report["problems"][0]["error"] == "ShapeMismatchError" and \
+        "ffn.w1.weight" in report["problems"][0]["message"]
+    if report["loads"] or not named:
+        problems.append(f"{topology} with {model} should fail with a ShapeMismatchError naming ffn.w1.weight")
+    if problems:
+        print("PLAN MISMATCH: " + "; ".join(problems))
+        return 1
+    biggest = max(timings)
+    print(f"PLAN OK: {len(layouts)} layouts load (up to {biggest} ranks, planned in {timings[biggest]:.0f} s), "
+          f"the shape change ({model}) is named: {report['problems'][0]['message'].splitlines()[0][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
