@@ -7,6 +7,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+import dist as D  # tests/dist.py, the pool (`dist` here is torch.distributed)
+from ucp_dcp.plan import RecipeTarget, plan_load
+from ucp_dcp.toy import ModelConfig, Topology
+
 RANKS_PER_HOST = 2
 """The pool's transition workers simulate hosts of two ranks (``UCP_DCP_HOST=node{rank // 2}``)."""
 
@@ -63,3 +67,51 @@ def compare_errors(report: Any, real: dict[int, str]) -> list[str]:
         if planned.get(r) != real.get(r):
             diffs.append(f"rank {r}: planned {planned.get(r)!r}\n  loaded {real.get(r)!r}")
     return diffs
+
+
+# -- a save and a load on the pool, and the plan of that load ---------------------------------------------
+
+
+def _save_load_worker(rank, world, folder, save, load, load_cfg):
+    """Save the toy model at ``save`` (ranks 0..), load it at ``load`` with the real reader; rank 0
+    returns every load rank's ReadStats (or, for a failed load, every rank's error)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ucp_dcp
+    from ucp_dcp.toy import build_job, build_trainer, trainer_options
+
+    D.setenv("UCP_DCP_HOST", f"node{rank // RANKS_PER_HOST}")
+    cfg = ModelConfig()
+    s, l = Topology.parse(save), Topology.parse(load)
+    job = build_job(s, list(range(s.world)))
+    if job.member:
+        tr = build_trainer(cfg, job, seed=0)
+        dcp.save(tr.state_dict(), storage_writer=ucp_dcp.UCPFileSystemWriter(f"{folder}/ckpt"),
+                 process_group=job.group, planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)))
+    dist.barrier()
+    job = build_job(l, list(range(l.world)))
+    out = None
+    if job.member:
+        tr = build_trainer(load_cfg or cfg, job, seed=1)
+        reader = ucp_dcp.UCPFileSystemReader(f"{folder}/ckpt")
+        try:
+            dcp.load(tr.state_dict(), storage_reader=reader, process_group=job.group,
+                     planner=ucp_dcp.UCPLoadPlanner(**trainer_options(load_cfg or cfg, tr)))
+            out = {"stats": gather(rank_stats(reader), job.group)}
+        except BaseException as e:  # DCP's CheckpointException (every rank raises it)
+            out = {"errors": load_failures(e)}
+    dist.barrier()
+    return out
+
+
+def real_load(save: str, load: str, load_cfg: Any = None) -> tuple[str, dict]:
+    """Save at ``save`` and load at ``load`` on the pool: ``(folder, rank 0's answer)``."""
+    world = max(Topology.parse(save).world, Topology.parse(load).world)
+    folder = D.tmpdir()
+    return folder, D.run(_save_load_worker, 4 if world <= 4 else 8, folder, save, load, load_cfg)[0]
+
+
+def plan(ckpt: str, load: str, cfg: Any = None) -> Any:
+    """The plan of loading ``ckpt`` at the recipe layout ``load``, as the pool's loads run it."""
+    return plan_load(ckpt, RecipeTarget(load, cfg=cfg), read_once="hosts",
+                     ranks_per_node=RANKS_PER_HOST, device="cpu", keep_items=True)

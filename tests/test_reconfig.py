@@ -61,8 +61,14 @@ def _transition_worker(rank, world, root, save, load, steps):
     return out
 
 
+RUNS: dict[tuple[str, str], dict] = {}
+"""Each transition's figures (its checkpoint and every load rank's ReadStats): test_reconfig_plan.py plans
+the same loads instead of saving again."""
+
+
 def _check(save, load, world):
     r = D.run(_transition_worker, world, D.tmpdir(), save, load, STEPS)[0]
+    RUNS[(save, load)] = r
     problems = resume_problems(r, STEPS)
     print(f"{save} -> {load}: {r['seconds']:.1f}s, {r['entries']} state entries, io {r['io']}")
     assert not problems, f"RESUME MISMATCH: {save} -> {load}: " + "; ".join(problems)

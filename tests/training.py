@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from plan_check import gather, rank_stats
 from ucp_dcp.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 # fp32 tolerances for a resume at a *different* layout (reduction order differs; same layout must be bitwise):
@@ -86,6 +87,8 @@ def elastic_resume(save: Topology, load: Topology, steps: int, folder: str) -> d
                  planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)))
         tr.load_state_dict(sd)
         out["io"] = io_stats(reader, job)
+        out["load_stats"] = gather(rank_stats(reader), job.group)  # what tests/test_reconfig_plan.py plans
+        out["ckpt"] = f"{folder}/ckpt"
         loaded = logical_state(tr)
         out["state_diffs"] = compare_state(oracle, loaded) if oracle is not None else None
         out["entries"] = len(loaded)
