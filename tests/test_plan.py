@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from plan_check import compare_errors, plan, real_load
+from helpers import ROOT
+from plan_check import compare_errors, plan, rank_stats, real_load
 from ucp_dcp import UCPError
 from ucp_dcp._compat import _StridedShard
 from ucp_dcp.plan import RecipeTarget, plan_load
@@ -106,3 +107,79 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--target", "nomodule_xyz:fn", "--world-size", "2"]) == 2
     assert "cannot import" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def _example():
+    """docs/examples/plan_fsdp2.py (the documented FSDP2 target), imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_fsdp2", ROOT / "docs" / "examples" / "plan_fsdp2.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _one_rank_target(rank, world_size):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = _example().build(device="meta")
+    return dict(zip(("model", "optim"), get_state_dict(model, optim)))
+
+
+@pytest.mark.parametrize("writer", ["stock", "ucp"])
+def test_plan_of_a_one_process_load_is_its_read_stats(tmp_path, writer):
+    """Without a process group (DCP's one-process mode): the plan's figures are the reader's, for a
+    checkpoint of DCP's own writer (records parsed from each item's zip directory, no checksums) and
+    of ucp_dcp's."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucp_dcp
+    from ucp_dcp.plan import FunctionTarget
+
+    plan_fsdp2 = _example()
+    model, optim = plan_fsdp2.build(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
+    if writer == "stock":
+        dcp.save(sd, checkpoint_id=str(tmp_path))
+    else:
+        ucp_dcp.save(sd, tmp_path)
+    model2, optim2 = plan_fsdp2.build(device="cpu")
+    target = dict(zip(("model", "optim"), get_state_dict(model2, optim2)))
+    reader = ucp_dcp.UCPFileSystemReader(str(tmp_path))
+    dcp.load(target, storage_reader=reader, planner=ucp_dcp.UCPLoadPlanner())
+    report = plan_load(tmp_path, FunctionTarget(_one_rank_target, 1, "one rank"), device="cpu", keep_items=True)
+    assert report.loads, report.problems
+    mine = report.ranks[0]
+    got = rank_stats(reader)
+    assert (mine.bytes_read, mine.reads, mine.items, mine.fallbacks) == \
+        (got["bytes_read"], got["reads"], got["items"], got["fallbacks"])
+    assert report.integrity == ("none" if writer == "stock" else "verified")
+
+
+def test_the_documented_fsdp2_target_plans_through_the_cli(tmp_path, monkeypatch, capsys):
+    """docs/plan.md's example: a plain FSDP2 job's own builder as the target, 16 ranks, one built."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucp_dcp
+    from ucp_dcp.__main__ import main
+
+    ex = _example()
+    model, optim = ex.build(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    ucp_dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optim))), tmp_path / "ckpt")
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+    rc = main(["plan", str(tmp_path / "ckpt"), "--target", "plan_fsdp2:target", "--world-size", "16",
+               "--bandwidth", "1GB/s", "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "LOADS" in out and "estimated load time" in out, out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["loads"] and len(report["ranks"]) == 16 and report["built"] == 2  # one, and the symmetry check
+    assert all(r["bytes_read"] + r["bytes_received"] > 0 for r in report["ranks"])

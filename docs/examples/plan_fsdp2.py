@@ -43,3 +43,16 @@ def target(rank: int, world_size: int) -> dict:
 
 
 target.plan_symmetry = lambda rank, world_size: 0  # every rank: the same structure, its own shard
+
+
+if __name__ == "__main__":  # save a checkpoint of this model from one process: python plan_fsdp2.py OUT
+    import sys
+
+    import ucp_dcp
+
+    model, optim = build(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optim.step()  # the optimizer state a resume loads
+    model_sd, optim_sd = get_state_dict(model, optim)
+    ucp_dcp.save({"model": model_sd, "optim": optim_sd}, sys.argv[1])
