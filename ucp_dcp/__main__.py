@@ -1,5 +1,5 @@
-"""Command line: ``python -m ucp_dcp inspect CKPT [--json] [--all] [--step N] [--no-values]`` and
-``python -m ucp_dcp verify CKPT [--json]``."""
+"""Command line: ``python -m ucp_dcp inspect CKPT [--json] [--all] [--step N] [--no-values]``,
+``python -m ucp_dcp verify CKPT [--json]`` and ``python -m ucp_dcp plan CKPT --target ...`` (docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.add_argument("--threads", type=int, default=None, help="files hashed in parallel (default: cores, at most 8)")
     ver.add_argument("--trust", action="store_true", help="as for inspect")
-    a = ap.parse_args(argv)
+    from .plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
+    a, extra = ap.parse_known_args(argv)  # `plan --target titan` passes the Trainer's own flags through
+    if extra and a.cmd != "plan":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.cmd == "plan":
+        from .plan.cli import run
+
+        return run(a, extra)
     if a.cmd == "verify":
         from .verify import format_report, verify
 
