@@ -58,7 +58,7 @@ def _target(a: argparse.Namespace, extra: list[str]) -> Any:
     if a.target == "titan":
         from .titan import TitanTarget
 
-        return TitanTarget.from_args(extra)
+        return TitanTarget.from_args(extra, world_size=a.world_size)
     _no_extra(extra)
     if not a.world_size or a.world_size < 1:
         raise UCPError(f"--target {a.target}: give the job's --world-size")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ..device import STAGE_BYTES, staging_forced
 from ..errors import MissingFileError, TruncatedFileError, UCPError
@@ -27,7 +27,7 @@ from ..plans import ReadSummary
 from ..staging import BUFFERS_PER_THREAD
 from ..summary import open_path
 from ..transport import plan_transport, read_summary
-from .read_cost import CostModel, item_nbytes
+from .read_cost import CostModel, Piece, pieces
 from .targets import Target
 from .world import fake_rank, rebind, structure
 
@@ -75,7 +75,8 @@ class Problem:
     ranks: list[int]
     """Ranks that raise it; empty for the coordinator's global checks (raised on every rank)."""
     where: str = "local plan"
-    """``open``, ``local plan``, ``global plan`` or ``files``."""
+    """``open``, ``preflight`` (the target job's own checks before ``dcp.load``), ``target`` (the
+    target cannot be built), ``local plan``, ``global plan`` or ``files``."""
 
 
 @dataclass
@@ -173,14 +174,26 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
         return
     report.integrity = integrity.status
     md._ucp_integrity = integrity.status  # type: ignore[attr-defined]  # as UCPFileSystemReader sets it
+    # checks a target's job makes before dcp.load (torchtitan's dataloader policy), raised on every rank
+    preflight = getattr(target, "preflight", None)
+    if preflight is not None:
+        try:
+            errors = list(preflight(md))
+        except UCPError as e:
+            errors = [e]
+        report.problems += [_problem(e, None, "preflight") for e in errors]
     n, rpn = target.world_size, report.ranks_per_node
     reps: dict[Any, tuple[int, dict[str, Any]]] = {}
     last_of: dict[Any, int] = {}
-    for r in range(n):
-        key = target.symmetry(r)
+    try:
+        classes = [target.symmetry(r) for r in range(n)]
+    except UCPError as e:
+        report.problems.append(_problem(e, None, "target"))
+        return
+    for r, key in enumerate(classes):
         if key is not None:
             last_of[key] = r
-    reads: list[list[ReadItem]] = [[] for _ in range(n)]
+    reads: list[list[Piece]] = [[] for _ in range(n)]
     summaries: list[ReadSummary | None] = [None] * n
     payloads: list[Any] = [None] * n
     local: list[Problem] = []
@@ -191,7 +204,7 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
         with fake_rank(r, n), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                sd, built = _state_dict(target, r, reps, last_of, check_symmetry)
+                sd, built = _state_dict(target, r, classes[r], reps, last_of, check_symmetry)
                 report.built += built
                 planner = _DryLoadPlanner(read_once=report.read_once, allow_partial_load=allow_partial_load,
                                           allow_lossy_dtype=allow_lossy_dtype, trust=trust, **target.options(r))
@@ -208,7 +221,7 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
                         report.warnings.append(text)
         if r == 0:
             coordinator = planner
-        reads[r] = planner._reads
+        reads[r] = pieces(planner._reads)  # compact: 4096 ranks of read items would not fit
         payloads[r] = plan.planner_data
         keys, sizes = read_summary(planner._reads, md)
         summaries[r] = ReadSummary(r, report.read_once, keys, sizes, f"node{r // rpn}")
@@ -228,16 +241,16 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
                       local_files="://" not in str(checkpoint))
     touched: set[str] = set()
     for r in range(n):
-        report.ranks.append(_rank_plan(r, rpn, reads[r], transport[r], model, md, threads,
+        sizes = summaries[r].sizes if summaries[r] is not None else None
+        report.ranks.append(_rank_plan(r, rpn, reads[r], sizes, transport[r], model, threads,
                                        forced or report.device != "cpu", keep_items))
         touched.update(report.ranks[-1].files)
     report.problems += _file_problems(checkpoint, touched, integrity)
 
 
-def _state_dict(target: Target, r: int, reps: dict[Any, tuple[int, dict[str, Any]]], last_of: dict[Any, int],
-                check: bool) -> tuple[dict[str, Any], bool]:
-    """Rank ``r``'s state dict, and whether the target built it (else: rebound)."""
-    key = target.symmetry(r)
+def _state_dict(target: Target, r: int, key: Any, reps: dict[Any, tuple[int, dict[str, Any]]],
+                last_of: dict[Any, int], check: bool) -> tuple[dict[str, Any], bool]:
+    """Rank ``r`` (symmetry class ``key``)'s state dict, and whether the target built it (else: rebound)."""
     if key is None:
         return rebind(target.build(r), r, keep_local=True), True
     if key not in reps:
@@ -256,19 +269,18 @@ def _state_dict(target: Target, r: int, reps: dict[Any, tuple[int, dict[str, Any
     return sd, False
 
 
-def _rank_plan(r: int, rpn: int, items: list[ReadItem], transport: Any, model: CostModel, md: Any, threads: int,
+def _rank_plan(r: int, rpn: int, items: list[Piece], sizes: Any, transport: Any, model: CostModel, threads: int,
                staged: bool, keep_items: bool) -> RankPlan:
-    recv = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
+    recv = {int(i) for msgs in transport.recv.values() for pieces_ in msgs for i in pieces_}
     own = [it for i, it in enumerate(items) if i not in recv]
     cost = model.cost(own)
-    sizes = [item_nbytes(md, it) for it in items]
+    sizes = [int(x) for x in sizes] if sizes is not None else [0] * len(items)
     received = sum(sizes[i] for i in recv)
-    biggest_in = max((sum(sizes[int(i)] for i in pieces) for msgs in transport.recv.values() for pieces in msgs),
-                     default=0)
-    sent_kept = sum(sum(sizes[int(i)] for i in pieces) for pieces, _ in transport.send)
-    sent = sum(sum(sizes[int(i)] for i in pieces) * len(dsts) for pieces, dsts in transport.send)
-    n_staged = sum(1 for it in own if it.type != LoadItemType.BYTE_IO) if staged else 0
-    staging = min(n_staged, BUFFERS_PER_THREAD * max(1, threads)) * STAGE_BYTES if staged else 0
+    biggest_in = max((sum(sizes[int(i)] for i in ps) for msgs in transport.recv.values() for ps in msgs), default=0)
+    sent_kept = sum(sum(sizes[int(i)] for i in ps) for ps, _ in transport.send)
+    sent = sum(sum(sizes[int(i)] for i in ps) * len(dsts) for ps, dsts in transport.send)
+    n_staged = sum(1 for it in own if it[1] is not None) if staged else 0
+    staging = min(n_staged, BUFFERS_PER_THREAD * max(1, threads)) * STAGE_BYTES
     extra = staging + cost.largest_buffer * min(threads, max(1, len(cost.files))) + sent_kept + biggest_in
     return RankPlan(r, r // rpn, len(items), cost.bytes_read, cost.ranges, sorted(cost.files), received, sent,
                     cost.fallbacks, sorted(cost.items) if keep_items else None, extra)

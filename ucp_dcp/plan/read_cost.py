@@ -22,7 +22,17 @@ from ..file_ranges import WINDOW
 from ..io_format import (HASHES, IO_KEY, TensorRecord, blocks_touching, box_grid, chunk_meta, item_key,
                          merge_intervals, parse_tensor_record, split_grid)
 
-__all__ = ["ReadCost", "CostModel", "item_nbytes"]
+__all__ = ["ReadCost", "CostModel", "Piece", "pieces", "item_nbytes"]
+
+Piece = tuple[MetadataIndex, "tuple[int, ...] | None", "tuple[int, ...] | None"]
+"""What the cost of a read item depends on: ``(storage index, offsets, lengths)`` in the saved
+chunk, offsets None for an object read whole. A plan keeps these for every rank, not read items."""
+
+
+def pieces(items: Sequence[ReadItem]) -> list[Piece]:
+    """The :data:`Piece` of each read item (a few ints instead of a ReadItem's five objects)."""
+    return [(it.storage_index, None, None) if it.type == LoadItemType.BYTE_IO else
+            (it.storage_index, tuple(it.storage_offsets), tuple(it.lengths)) for it in items]
 
 
 @dataclass
@@ -88,19 +98,22 @@ class CostModel:
         with open(os.path.join(self.path, info.relative_path), "rb") as f:
             return parse_tensor_record(_create_file_view(f, info.offset, info.length))
 
-    def cost(self, items: Sequence[ReadItem]) -> ReadCost:
-        """Storage requests of reading ``items`` (one rank's items minus those it receives)."""
+    def cost(self, items: Sequence[ReadItem | Piece]) -> ReadCost:
+        """Storage requests of reading ``items`` (one rank's items minus those it receives), given as
+        read items or as their :func:`pieces`."""
         out = ReadCost()
-        chunks: dict[MetadataIndex, list[ReadItem]] = {}
+        chunks: dict[MetadataIndex, list[Piece]] = {}
         for item in items:
-            info = self.storage[item.storage_index]
+            piece = item if isinstance(item, tuple) else pieces([item])[0]
+            index = piece[0]
+            info = self.storage[index]
             out.files.add(info.relative_path)
-            if item.type == LoadItemType.BYTE_IO:
-                self._count(out, item.storage_index, int(info.length))
+            if piece[1] is None:  # an object: read whole
+                self._count(out, index, int(info.length))
                 continue
-            chunks.setdefault(item.storage_index, []).append(item)
-        for index, chunk_items in chunks.items():
-            self._chunk(out, index, chunk_items)
+            chunks.setdefault(index, []).append(piece)
+        for index, chunk_pieces in chunks.items():
+            self._chunk(out, index, chunk_pieces)
         return out
 
     def _count(self, out: ReadCost, index: MetadataIndex, nbytes: int, ranges: int = 1) -> None:
@@ -108,7 +121,7 @@ class CostModel:
         out.ranges += ranges
         out.items.add(item_key(index))
 
-    def _chunk(self, out: ReadCost, index: MetadataIndex, items: list[ReadItem]) -> None:
+    def _chunk(self, out: ReadCost, index: MetadataIndex, items: list[Piece]) -> None:
         info = self.storage[index]
         record, parsed = self.record(index)
         if parsed:
@@ -117,7 +130,7 @@ class CostModel:
             out.fallbacks += 1
             self._count(out, index, info.length)
             return
-        grids = [box_grid(record.shape, record.itemsize, it.storage_offsets, it.lengths) for it in items]
+        grids = [box_grid(record.shape, record.itemsize, offsets, lengths) for _, offsets, lengths in items]
         crcs = self.crc.get(item_key(index), [None, []])[1]
         if self.local_files and any(g.nruns > 1 for g in grids):
             self._count(out, index, self._mapped_bytes(grids, record.nbytes, crcs))
