@@ -91,8 +91,13 @@ class CoverageError(UCPError):
     """The saved chunks of an atom do not cover a wanted box exactly once."""
 
 
-class ShapeMismatchError(UCPError):
-    """The saved logical shape of an atom differs from the wanted one (and no pattern maps them)."""
+class ShapeMismatchError(UCPError, ValueError):
+    """The saved logical shape of an atom differs from the wanted one (and no pattern maps them), or
+    a tensor was saved where the target holds an object (or the reverse).
+
+    Also a ``ValueError``, the type DCP's default planner raises for a size mismatch; the message
+    starts with DCP's own words (``Size mismatch between saved ... and current: ... for <key>``), so
+    code written against DCP (``except ValueError``, a match on ``"Size mismatch"``) still works."""
 
 
 class DtypeConversionError(UCPError):
@@ -100,8 +105,11 @@ class DtypeConversionError(UCPError):
     (float -> int, complex -> real, non-bool -> bool), or saved values outside the target's range."""
 
 
-class MissingAtomsError(UCPError):
-    """Atoms wanted by the target state dict are absent from the checkpoint."""
+class MissingAtomsError(UCPError, RuntimeError):
+    """Atoms wanted by the target state dict are absent from the checkpoint.
+
+    Also a ``RuntimeError``, the type DCP's default planner raises for a missing key; the message
+    starts with DCP's own words (``Missing key in checkpoint state_dict: <key>.``)."""
 
 
 class ParamGroupError(UCPError):

@@ -61,7 +61,9 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
         )
     have = tuple(int(s) for s in smd.size)
     if want != have:
+        # DCP's own words first (DefaultLoadPlanner raises them as a ValueError), then ours
         raise ShapeMismatchError(
+            f"Size mismatch between saved {torch.Size(have)} and current: {torch.Size(want)} for {r.entry.key}\n"
             f"atom '{name}': saved shape {have}, wanted shape {want}. {_likely_cause(have, want, r.value)}",
             atom=name, saved=have, wanted=want,
             hint="load into a model built with the saved configuration, or declare a pattern "
@@ -186,13 +188,17 @@ def _likely_cause(saved: tuple[int, ...], wanted: tuple[int, ...], value: Any) -
     return "Likely cause: a different model configuration."
 
 
-def missing_error(missing: list[str], saved: SavedIndex) -> MissingAtomsError:
+def missing_error(missing: list[str], saved: SavedIndex, keys: dict[str, str] | None = None) -> MissingAtomsError:
+    """The error for atoms the checkpoint lacks; ``keys`` maps an atom to the target state-dict key
+    that wants it (DCP's message names that key)."""
     lines = []
     for name in missing[:20]:
         close = difflib.get_close_matches(name, list(saved.by_atom), n=1, cutoff=0.8)
         lines.append(f"  {name}" + (f"  (closest saved: {close[0]})" if close else ""))
     more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-    return MissingAtomsError(
+    key = (keys or {}).get(missing[0], missing[0])
+    return MissingAtomsError(  # DCP's own words first (DefaultLoadPlanner raises them as a RuntimeError)
+        f"Missing key in checkpoint state_dict: {key}.\n"
         f"{len(missing)} atom(s) wanted by the target are not in the checkpoint:\n" + "\n".join(lines) + more,
         atom=missing[0], saved=None, wanted=list(missing),
         hint="check the model config and wrapper names, or pass allow_partial_load=True to keep their "
@@ -252,7 +258,8 @@ def _object_read(r: Resolved, keys: dict[str, str], saved: SavedIndex) -> ReadIt
     (name, skey), = keys.items()
     smd = saved.md.state_dict_metadata[skey]
     if not isinstance(smd, BytesStorageMetadata):
-        raise ShapeMismatchError(
+        raise ShapeMismatchError(  # DCP's own words first (a ValueError there too)
+            f"Invalid checkpoint metadata for {r.entry.key}, expected BytesStorageMetadata but found {type(smd)}\n"
             f"atom '{name}' was saved as a tensor of shape {tuple(smd.size)} but the target "
             f"holds a {type(r.entry.value).__name__}",
             atom=name, saved=tuple(smd.size), wanted=type(r.entry.value).__name__,

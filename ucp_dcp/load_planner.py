@@ -21,7 +21,7 @@ from .dtypes import check_range, conversion
 from .errors import UCPError, UnverifiedCheckpointWarning
 from .load_plan import (SavedIndex, combine_problems, decode_value, entry_reads, group_reads, itemsize,
                         missing_error, saved_names)
-from .options import UCPOptions, split_options
+from .options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
@@ -33,7 +33,20 @@ logger = logging.getLogger(__name__)
 class UCPLoadPlanner(DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
 
+    A drop-in for ``DefaultLoadPlanner``: the first three parameters are DCP's, in DCP's order and
+    with DCP's meaning; ucp_dcp's own options are keyword-only after them.
+
     Args:
+        flatten_state_dict: as in DCP. ``True`` (default): nested dicts and lists are loaded leaf by
+            leaf under their dotted keys. ``False``: the state dict must already be flat (no nested
+            containers); then nothing changes. A nested one raises :class:`UCPError` at
+            ``set_up_planner``: DCP would load each nested container as one pickled object, which
+            cannot be resharded or renamed.
+        flatten_sharded_tensors: as in DCP; it only concerns nested (2-D) ``ShardedTensor`` values,
+            which DCP's planner first flattens into one. ucp_dcp never needs that step (it plans each
+            value from the boxes of memory it holds, or refuses it), so both values behave the same.
+        allow_partial_load: as in DCP: skip atoms the checkpoint lacks instead of raising
+            :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
         options: the layout description shared with the save planner (:class:`UCPOptions`:
             ``patterns`` for the *target* layout — the rules recorded in the checkpoint's catalog
             apply too —, ``strict``, ``stage_map``, ``expert_map``, ``name_rules`` (as at save),
@@ -46,8 +59,6 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             ``"ranks"``: every other rank receives them. ``"off"``: every rank reads what it needs.
             ``True``/``False`` mean ``"ranks"``/``"off"``. The host is ``socket.gethostname()``,
             or ``UCP_DCP_HOST`` when set (to simulate several hosts on one machine).
-        allow_partial_load: skip atoms the checkpoint lacks instead of raising
-            :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
         allow_lossy_dtype: load atoms into targets of a dtype that loses values, the way
             ``Tensor.copy_`` converts (float -> int truncates, complex -> real drops the imaginary
             part, values outside the target's range wrap or become inf). By default such loads
@@ -58,6 +69,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts, tuples and
             the types registered with ``torch.serialization.add_safe_globals``; anything else is
             refused with :class:`UnsafeCheckpointError`, since unpickling it could run code.
+
+    Call order (DCP's): ``set_up_planner`` → ``create_local_plan`` → [coordinator:
+    ``create_global_plan``] → ``finish_plan`` → ``load_bytes``/``resolve_tensor``/``commit_tensor``.
+    As with DCP's planner, ``finish_plan`` may also be given the local plan itself (one process, no
+    global step). A missing step raises :class:`UCPError` naming it.
     """
 
     _materialize = True
@@ -65,17 +81,23 @@ class UCPLoadPlanner(DefaultLoadPlanner):
 
     def __init__(
         self,
-        options: UCPOptions | None = None,
-        *,
-        read_once: str | bool = "hosts",
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
         allow_partial_load: bool = False,
+        *,
+        options: UCPOptions | None = None,
+        read_once: str | bool = "hosts",
         allow_lossy_dtype: bool = False,
         trust: bool = False,
         **layout: Any,
     ) -> None:
-        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        options = options_first(flatten_state_dict, options, "UCPLoadPlanner")
+        super().__init__(flatten_state_dict=bool(flatten_state_dict),
+                         flatten_sharded_tensors=bool(flatten_sharded_tensors), allow_partial_load=allow_partial_load)
         self.options = split_options(options, layout)
-        self._config = {"read_once": read_once, "allow_partial_load": allow_partial_load,
+        self._config = {"flatten_state_dict": self.flatten_state_dict,
+                        "flatten_sharded_tensors": self.flatten_sharded_tensors,
+                        "read_once": read_once, "allow_partial_load": allow_partial_load,
                         "allow_lossy_dtype": allow_lossy_dtype, "trust": trust}
         self.allow_lossy_dtype = bool(allow_lossy_dtype)
         self.trust = bool(trust)
@@ -96,10 +118,15 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
+        for stale in ("_targets", "_reads", "_sinks"):  # a reused planner: the previous load's plan is gone
+            self.__dict__.pop(stale, None)
         if metadata is None:
-            raise UCPError("no checkpoint metadata to plan against")
+            raise UCPError("set_up_planner(state_dict, metadata) was given no checkpoint metadata to plan against",
+                           hint="pass the Metadata of the checkpoint (storage_reader.read_metadata()), as dcp.load does")
         if getattr(metadata, "_ucp_error", None) is not None:  # UCPFileSystemReader could not open it
             raise metadata._ucp_error  # type: ignore[attr-defined]
+        if not self.flatten_state_dict:
+            require_flat(state_dict, "load")
         if self._materialize:
             _init_state_dict(state_dict)  # meta targets get memory (DCP's behaviour)
         self.original_state_dict = state_dict
@@ -122,12 +149,15 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     # -- planning --------------------------------------------------------------------------------
 
     def create_local_plan(self) -> LoadPlan:
+        if not hasattr(self, "_targets"):
+            raise protocol_error("create_local_plan", "set_up_planner(state_dict, metadata)")
         saved = self._saved_index()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._zero: list[Resolved] = []
         self.missing_atoms = []
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
+        keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
         for r in self._targets.values():
             if not r.present:
                 continue
@@ -142,6 +172,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 continue
             reads += entry
             self.missing_atoms += missing
+            keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
                 self._sinks[r.entry.key] = lambda v, path=r.entry.path: set_element(self.original_state_dict, path, v)
         for g in self._groups:
@@ -154,7 +185,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self._sinks.update(sinks)
             self.missing_atoms += missing
         if self.missing_atoms and not self.allow_partial_load:
-            problems.insert(0, missing_error(self.missing_atoms, saved))
+            problems.insert(0, missing_error(self.missing_atoms, saved, keys))
         elif self.missing_atoms:
             logger.warning("UCP partial load: %d atom(s) not in the checkpoint were left as they are: %s",
                            len(self.missing_atoms), ", ".join(self.missing_atoms[:10]))
@@ -180,14 +211,28 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         return needs_staging(self._targets[item.dest_index.fqn].local, forced)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        foreign = [i for i, p in enumerate(global_plan) if not isinstance(p.planner_data, LoadPlanPayload)]
+        if foreign:
+            raise UCPError(
+                f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPLoadPlanner.create_local_plan",
+                hint="give every rank a UCPLoadPlanner and pass create_global_plan the plans their create_local_plan "
+                "returned")
         usages = [p.planner_data.usage for p in global_plan]
-        check_rule_usage(self._patterns, usages, {m.key: m.total for m in self.maps}, "at load")
+        # a coordinator that planned nothing itself still checks the usage of its own rules
+        patterns = getattr(self, "_patterns", None)
+        if patterns is None:
+            patterns = Patterns(self.rules, strict=self.strict)
+        check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
         return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
 
     # -- data ------------------------------------------------------------------------------------
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # the plan's items are this planner's own reads: the coordinator's answer carries none, and
+        # the local plan itself (DCP's planner accepts it here too, with no global step) carries them
+        if not hasattr(self, "_reads"):
+            raise protocol_error("finish_plan", "create_local_plan()")
         new_plan = LoadPlan(self._reads, storage_data=new_plan.storage_data, planner_data=new_plan.planner_data)
         # the load is validated on every rank: now it is safe to touch the target
         with torch.no_grad():
@@ -205,6 +250,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         return new_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if not hasattr(self, "_sinks"):
+            raise protocol_error("load_bytes", "create_local_plan()")
         self._sinks[read_item.dest_index.fqn](decode_value(value, read_item.storage_index.fqn, self.trust))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -226,10 +273,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             target.copy_(tensor)
 
     def _target_region(self, read_item: ReadItem) -> torch.Tensor:
+        if not hasattr(self, "_targets"):
+            raise protocol_error("resolve_tensor", "set_up_planner(state_dict, metadata)")
         r = self._targets[read_item.dest_index.fqn]
         region = r.fragments[read_item.dest_index.index].view(r.local)
         return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:
-    return cls(options, **config)
+    return cls(options=options, **config)

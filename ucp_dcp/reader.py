@@ -69,8 +69,13 @@ class UCPFileSystemReader(FileSystemReader):
     (checked against the ``.metadata`` bytes and its own hash), or, for checkpoints without one,
     unpickled with an allow-list of DCP's metadata types (:mod:`ucp_dcp.sidecar`).
 
+    The positional parameters are ``FileSystemReader``'s, in its order (a drop-in); ucp_dcp's own
+    options are keyword-only after them.
+
     Args:
         path: checkpoint folder or fsspec URL.
+        _extension_registry: as in DCP: the stream transforms items written with them are decoded
+            by (those items are read whole, DCP's way).
         thread_count: files read concurrently by this rank.
         verify_checksums: verify the checksum of every 1 MiB block and object read (when the
             checkpoint has them).
@@ -85,9 +90,9 @@ class UCPFileSystemReader(FileSystemReader):
             default ``"hosts"``). The host is ``socket.gethostname()`` or ``$UCP_DCP_HOST``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, verify_checksums: bool = True,
-                 trust: bool = False, staging: str | None = None, read_once: str | None = None,
-                 _extension_registry: Any = None) -> None:
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, thread_count: int = 4,
+                 verify_checksums: bool = True, trust: bool = False, staging: str | None = None,
+                 read_once: str | None = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             self.fs = fsspec_filesystem()()

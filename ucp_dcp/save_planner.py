@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ._version import __version__
 from .averaging import exchange_averages
 from .checks import check_replica_digests, check_rule_usage, reduce_all
-from .options import UCPOptions, split_options
+from .errors import UCPError
+from .options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .patterns import Patterns
 from .plans import LocalPlanPayload, PlanStructure, RankAnswer
 from .resolve import Resolver
@@ -36,28 +37,54 @@ def _from_options(name: str) -> property:
 class UCPSavePlanner(DefaultSavePlanner):
     """Save planner that stores parallelism-independent atoms.
 
+    A drop-in for ``DefaultSavePlanner``: the first five parameters are DCP's, in DCP's order and
+    with DCP's meaning; ucp_dcp's own options are keyword-only after them.
+
     Args:
+        flatten_state_dict: as in DCP. ``True`` (default): nested dicts and lists are saved leaf by
+            leaf under their dotted keys. ``False``: the state dict must already be flat (no nested
+            containers); then nothing changes. A nested one raises :class:`UCPError` at
+            ``set_up_planner``: DCP would save each nested container as one pickled object, which
+            cannot be resharded or renamed.
+        flatten_sharded_tensors: as in DCP; it only concerns nested (2-D) ``ShardedTensor`` values,
+            which DCP's planner first flattens into one. ucp_dcp never needs that step (it plans each
+            value from the boxes of memory it holds, or refuses it), so both values behave the same.
+        dedup_replicated_tensors: as in DCP: deprecated, no effect (DCP logs a warning when given).
+        dedup_save_to_lowest_rank: as in DCP: a piece several ranks hold is written by the lowest of
+            them, instead of the one with the least planned bytes.
+        enable_plan_caching: as in DCP: a rank whose local plan did not change sends none and the
+            coordinator reuses its last global plan; a changed *layout* (not only changed boxes)
+            also invalidates the cached plan.
         options: the layout description shared with the load planner (:class:`UCPOptions`:
             ``patterns``, ``strict``, ``stage_map``, ``expert_map``, ``name_rules``, ``data_slot``),
             or those fields as keyword arguments.
         check_replicas: what to do when a plain tensor or object saved under one name by several
             ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
-        dedup_save_to_lowest_rank, enable_plan_caching: as in ``DefaultSavePlanner``; with plan
-            caching on, a changed *layout* (not only changed boxes) invalidates the cached plan.
+
+    Call order (DCP's): ``set_up_planner`` → ``create_local_plan`` → [coordinator:
+    ``create_global_plan``] → ``finish_plan`` → ``resolve_data``. As with DCP's planner,
+    ``finish_plan`` may also be given the local plan itself (one process, no global step): it then
+    plans this rank alone, so the rank writes everything it holds. A missing step raises
+    :class:`UCPError` naming it.
     """
 
     def __init__(
         self,
-        options: UCPOptions | None = None,
-        *,
-        check_replicas: str = "error",
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
         dedup_save_to_lowest_rank: bool = False,
         enable_plan_caching: bool = False,
+        *,
+        options: UCPOptions | None = None,
+        check_replicas: str = "error",
         **layout: Any,
     ) -> None:
+        options = options_first(flatten_state_dict, options, "UCPSavePlanner")
         super().__init__(
-            flatten_state_dict=True,
-            flatten_sharded_tensors=True,
+            flatten_state_dict=bool(flatten_state_dict),
+            flatten_sharded_tensors=bool(flatten_sharded_tensors),
+            dedup_replicated_tensors=dedup_replicated_tensors,
             dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
             enable_plan_caching=enable_plan_caching,
         )
@@ -65,7 +92,9 @@ class UCPSavePlanner(DefaultSavePlanner):
             raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
         self.options = split_options(options, layout)
-        self._config = {"check_replicas": check_replicas, "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
+        self._config = {"flatten_state_dict": self.flatten_state_dict,
+                        "flatten_sharded_tensors": self.flatten_sharded_tensors,
+                        "check_replicas": check_replicas, "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
                         "enable_plan_caching": enable_plan_caching}
         self._pending_local: tuple[bytes, bytes] | None = None
 
@@ -85,6 +114,10 @@ class UCPSavePlanner(DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
+        for stale in ("_resolved", "_local"):  # a reused planner: the previous save's plan is gone
+            self.__dict__.pop(stale, None)
+        if not self.flatten_state_dict:
+            require_flat(state_dict, "save")
         self._patterns = Patterns(self.rules, strict=self.strict)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
@@ -94,6 +127,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        if not hasattr(self, "_resolved"):
+            raise protocol_error("create_local_plan", "set_up_planner(state_dict)")
         self._local = build_local(self._resolved, self.mappings, self.check_replicas)
         payload = local_payload(self._local, self._resolved, self._ties, self._patterns, self.options,
                                 self.is_coordinator)
@@ -109,6 +144,19 @@ class UCPSavePlanner(DefaultSavePlanner):
     # -- coordinator -------------------------------------------------------------------------------
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        foreign = [i for i, p in enumerate(all_plans) if not isinstance(p.planner_data, LocalPlanPayload)]
+        if foreign:
+            raise UCPError(
+                f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPSavePlanner.create_local_plan",
+                hint="give every rank a UCPSavePlanner and pass create_global_plan the plans their create_local_plan "
+                "returned")
+        if not hasattr(self, "_patterns"):  # a coordinator that planned nothing itself: its own rules
+            self._patterns = Patterns(self.rules, strict=self.strict)
+        plans, self.metadata = self._global_plan(all_plans)
+        self.global_plan = plans  # as DCP's planner keeps them
+        return plans, self.metadata
+
+    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cache = self._cache()
         payloads: list[LocalPlanPayload] = merge_cached([p.planner_data for p in all_plans], cache.payloads)
         maps = {m.key: m.total for m in self.maps}
@@ -128,6 +176,18 @@ class UCPSavePlanner(DefaultSavePlanner):
     # -- all ranks, after the global plan succeeded ----------------------------------------------------
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not hasattr(self, "_local"):
+            raise protocol_error("finish_plan", "create_local_plan()")
+        if isinstance(new_plan.planner_data, LocalPlanPayload):
+            # the local plan itself, with no global step (DCP's planner takes it as final): plan this
+            # rank alone, as a one-rank save would
+            new_plan = replace(self.create_global_plan([new_plan])[0][0], storage_data=new_plan.storage_data)
+        elif new_plan.usable and not isinstance(new_plan.planner_data, RankAnswer):
+            raise UCPError(
+                "finish_plan was given a plan that is neither this planner's local plan nor the coordinator's "
+                "answer from UCPSavePlanner.create_global_plan",
+                hint="pass finish_plan the plan create_global_plan returned for this rank (or, in one process, "
+                "the plan create_local_plan returned)")
         cache = self._cache()
         if not new_plan.usable:
             new_plan = cache.final
@@ -142,6 +202,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if not hasattr(self, "_local"):
+            raise protocol_error("resolve_data", "create_local_plan() and finish_plan()")
         name = write_item.index.fqn
         reduced = getattr(self, "_reduced", {})
         if name in reduced:
@@ -195,4 +257,4 @@ def _writer_info() -> dict[str, str]:
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:
-    return cls(options, **config)
+    return cls(options=options, **config)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -116,9 +116,22 @@ def _address(mv: memoryview) -> int:
 class UCPFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` with checksums of every byte and an atomic commit (local folders).
 
+    The positional parameters are ``FileSystemWriter``'s, in its order and with its meaning (a
+    drop-in); ucp_dcp's own options are keyword-only after them.
+
     Args:
         path: checkpoint folder. It may hold a checkpoint already: that one stays loadable until
             this save commits, and its files are removed after.
+        single_file_per_rank: as in DCP: one file per rank and writer thread; ``False``: one file
+            per item.
+        per_thread_copy_ahead: DCP's bound on device bytes copied ahead of the writes (DCP uses it
+            only for one-thread CUDA saves). Accepted; it changes nothing written: this writer
+            copies device tensors two items ahead of the write instead.
+        cache_staged_state_dict: as in DCP (``async_save`` staging keeps its host copy).
+        _extensions: DCP's stream transforms: refused (:class:`UCPError`), since checksums and
+            ranged reads need the plain records.
+        serialization_format: only ``SerializationFormat.TORCH_SAVE`` (DCP's default); safetensors
+            is refused (:class:`UCPError`).
         checksums: compute a checksum per 1 MiB block of tensor bytes, of each item's other bytes and
             of every object (verified by ``UCPFileSystemReader`` and ``python -m ucp_dcp verify``).
             Costs one hash pass over the data at save, overlapped with the writes and the fsync.
@@ -135,13 +148,25 @@ class UCPFileSystemWriter(FileSystemWriter):
             process skip it too (their files still load; only ``unzip -t`` would complain).
     """
 
-    def __init__(self, path: str | os.PathLike, *, checksums: bool = True, thread_count: int = 1,
-                 sync_files: bool = True, overwrite: bool = True, zip_crc32: bool | None = None,
-                 staging: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
+                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, _extensions: Any = None,
+                 serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE, *,
+                 checksums: bool = True, zip_crc32: bool | None = None, staging: str | None = None) -> None:
         if "://" in str(path):
             raise UCPError(f"UCPFileSystemWriter writes local folders, got {path}",
                            hint="save to a local folder and copy it (with its .ucp.*.json sidecar)")
-        super().__init__(path, thread_count=thread_count, sync_files=sync_files, overwrite=overwrite, **kwargs)
+        if _extensions:
+            raise UCPError("UCPFileSystemWriter does not apply stream transforms (_extensions): its checksums and "
+                           "ranged reads work on the plain torch.save records",
+                           wanted=[type(e).__name__ for e in _extensions],
+                           hint="save without _extensions, or use DCP's FileSystemWriter for transformed files")
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise UCPError(f"UCPFileSystemWriter writes DCP's torch.save records only, not {serialization_format}",
+                           wanted=str(serialization_format), hint="leave serialization_format at TORCH_SAVE, or use DCP's "
+                           "FileSystemWriter / HuggingFaceStorageWriter for safetensors")
+        super().__init__(path, single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
+                         cache_staged_state_dict, overwrite, _extensions, serialization_format)
         self.checksums = checksums
         self._forced = staging_forced(staging)
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
