@@ -157,14 +157,17 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+_NO_BOX = torch.Size((0,))
+
+
 def bytes_read(dest_key: str, storage_key: str) -> ReadItem:
     return ReadItem(
         type=LoadItemType.BYTE_IO,
         dest_index=MetadataIndex(dest_key),
-        dest_offsets=torch.Size((0,)),
+        dest_offsets=_NO_BOX,
         storage_index=MetadataIndex(storage_key),
-        storage_offsets=torch.Size((0,)),
-        lengths=torch.Size((0,)),
+        storage_offsets=_NO_BOX,
+        lengths=_NO_BOX,
     )
 
 
@@ -300,9 +303,12 @@ def group_reads(g: GroupTarget, saved: SavedIndex, resolver: Resolver
     reads: list[ReadItem] = []
     sinks: dict[str, Callable[[Any], None]] = {}
     missing: list[str] = []
+    # a parameter's atoms differ between hyperparameters only in the last segment: resolve each
+    # parameter once (tie and fused resolution, index maps), not once per hyperparameter
+    stems = {p: _group_stem(resolver, g, p, g.hyperparams[0]) for p in g.params} if g.hyperparams else {}
     for hp in g.hyperparams:
         sink_key = f"{GROUP_SINK}:{id(g)}:{hp}"
-        atoms = {p: _group_atom(resolver, g, p, hp) for p in g.params}
+        atoms = {p: stems[p] + hp if stems[p] is not None else _group_atom(resolver, g, p, hp) for p in g.params}
         found = {p: saved.lookup(a) for p, a in atoms.items()}
         if g.params and all(k is not None for k in found.values()):
             collector = GroupCollector(g, hp, len(g.params), atoms)
@@ -317,6 +323,12 @@ def group_reads(g: GroupTarget, saved: SavedIndex, resolver: Resolver
             continue
         missing.extend(atoms[p] for p, k in found.items() if k is None)
     return reads, sinks, missing
+
+
+def _group_stem(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str | None:
+    """The atom name of ``param``'s hyperparameter ``hp`` without ``hp`` (None if it does not end so)."""
+    atom = _group_atom(resolver, g, param, hp)
+    return atom[: -len(hp)] if atom.endswith("." + hp) else None
 
 
 def _group_atom(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str:

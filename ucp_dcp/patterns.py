@@ -255,13 +255,17 @@ class Patterns:
 
     def _matches(self, kind: str | tuple[str, ...], name: str) -> list[tuple[int, re.Match[str]]]:
         kinds = (kind,) if isinstance(kind, str) else kind
-        out = []
-        for i, (r, rx) in enumerate(zip(self.rules, self._re)):
-            if r.kind in kinds:
-                m = rx.fullmatch(name)
-                if m:
-                    out.append((i, m))
-        return out
+        return [(i, m) for i, m in self._all_matches(name) if self.rules[i].kind in kinds]
+
+    def _all_matches(self, name: str) -> list[tuple[int, re.Match[str]]]:
+        """Every rule matching ``name``: resolving a name asks for several kinds, one scan serves them."""
+        cache = self.__dict__.setdefault("_match_cache", {})
+        hit = cache.get(name)
+        if hit is None:
+            if len(cache) > 65536:  # bounded: names are a state dict's, asked a few times each
+                cache.clear()
+            hit = cache[name] = [(i, m) for i, rx in enumerate(self._re) if (m := rx.fullmatch(name))]
+        return hit
 
     def _one(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[Rule, re.Match[str]] | None:
         hits = self._matches(kind, name)
