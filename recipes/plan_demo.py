@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print("PLAN MISMATCH: " + "; ".join(problems))
         return 1
     biggest = max(timings)
+    lines = report["problems"][0]["message"].splitlines()
+    named_line = next((line.strip() for line in lines if "atom '" in line), lines[0])
     print(f"PLAN OK: {len(layouts)} layouts load (up to {biggest} ranks, planned in {timings[biggest]:.0f} s), "
-          f"the shape change ({model}) is named: {report['problems'][0]['message'].splitlines()[0][:90]}")
+          f"the shape change ({model}) is named: {named_line[:100]}")
     return 0
 
 
