@@ -1,5 +1,6 @@
 """Command line: ``python -m ucp_dcp inspect CKPT [--json] [--all] [--step N] [--no-values]``,
-``python -m ucp_dcp verify CKPT [--json]`` and ``python -m ucp_dcp plan CKPT --target ...`` (docs/plan.md)."""
+``python -m ucp_dcp verify CKPT [--json]``, ``python -m ucp_dcp plan CKPT --target ...`` (docs/plan.md) and
+``python -m ucp_dcp export --to torchtitan CKPT OUT --dp N [job flags]`` (docs/torchtitan.md)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     from .plan.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from .export import add_parser as add_export_parser
+
+    add_export_parser(sub)
     a, extra = ap.parse_known_args(argv)  # `plan --target titan` passes the Trainer's own flags through
-    if extra and a.cmd != "plan":
+    if extra and a.cmd not in ("plan", "export"):  # so does `export --to torchtitan`
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.cmd == "export":
+        from .export import run as run_export
+
+        return run_export(a, extra)
     if a.cmd == "plan":
         from .plan.cli import run
 

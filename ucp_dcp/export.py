@@ -1,0 +1,65 @@
+"""``python -m ucp_dcp export --to torchtitan CKPT OUT --dp N [torchtitan job flags...]`` (also ``ucp-dcp export``).
+
+The way back: a checkpoint saved with ucp_dcp rewritten in the format of the framework it came
+from, readable with that framework's own checkpointing alone (no ucp_dcp in the resuming job).
+One target so far, ``torchtitan`` (:mod:`ucp_dcp.torchtitan.export`, docs/torchtitan.md "Way back to
+stock torchtitan").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .errors import UCPError
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """The torchtitan job's own flags follow the known options: --module, --config and any --section.field
+(--hf_assets_path, --dataloader.*, --training.seq_len, --training.local_batch_size, ...). Its parallelism flags are
+not used to build anything (an explicit data-parallel degree must equal --dp): the export is unsharded, and stock
+torchtitan reshards it at load to any FSDP/TP/PP layout whose data-parallel degree (dp_replicate x dp_shard) is --dp.
+
+example:
+  python -m ucp_dcp export --to torchtitan outputs/checkpoint stock/checkpoint --dp 8 \\
+      --module llama3 --config llama3_8b --hf_assets_path ./assets/hf/Llama-3.1-8B
+  then resume stock torchtitan with --checkpoint.initial_load_path stock/checkpoint/step-<k>
+  --checkpoint.no-initial_load_model_only (printed at the end)"""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", allow_abbrev=False,
+                       help="rewrite a ucp_dcp checkpoint in a framework's stock format (the way back)",
+                       description="Write CKPT (saved with ucp_dcp's torchtitan option) as a stock torchtitan "
+                                   "checkpoint OUT/step-<k> that torchtitan's own CheckpointManager resumes from: "
+                                   "model, optimizer state and param groups, LR scheduler, train state and the data "
+                                   "position for --dp data-parallel ranks. One process, no GPU.",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--to", required=True, choices=("torchtitan",), help="the target format")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a torchtitan checkpoint/ folder (its latest step)")
+    p.add_argument("out", help="output folder (torchtitan's checkpoint/ folder layout: OUT/step-<k> is written)")
+    p.add_argument("--dp", type=int, required=True,
+                   help="data-parallel degree of the stock job that resumes (one dataloader entry per rank)")
+    p.add_argument("--step", type=int, default=None, help="in a torchtitan checkpoint/ folder: export step-N")
+    p.add_argument("--no-dataloader", action="store_true",
+                   help="write no data position (resume with --checkpoint.exclude_from_loading dataloader; the "
+                        "stock data stream restarts)")
+    return p
+
+
+def run(a: argparse.Namespace, extra: list[str]) -> int:
+    """Exit status: 0 written; 2 refused (the reason on stderr, nothing written)."""
+    try:
+        from .torchtitan.export import export_to_torchtitan
+
+        report = export_to_torchtitan(a.checkpoint, a.out, extra, dp=a.dp, step=a.step,
+                                      dataloader=not a.no_dataloader)
+    except UCPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: export --to torchtitan needs torchtitan: {e}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0
