@@ -11,7 +11,7 @@ planner would produce. Two UCP-specific steps happen around it:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +19,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._compat import ShardedTensor, flatten_state_dict
-from .errors import AmbiguousLayoutError, ParamGroupError
+from .errors import ParamGroupError
+from .fragments import LocalShards
+from .layout import LocalShard, sharded_tensor_shards
 from .naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
 
-__all__ = ["Entry", "GroupTarget", "GROUP_ONLY_KEYS", "collect_entries"]
+__all__ = ["Entry", "GroupTarget", "GROUP_ONLY_KEYS", "collect_entries", "is_sharded", "local_tensor", "shard_memory"]
 
 GROUP_ONLY_KEYS = ("params", "param_names")
 """Param-group keys that describe membership, not hyperparameters."""
@@ -37,7 +39,7 @@ class Entry:
     atom: AtomName
     """Canonical name parts."""
     value: Any
-    """The live value: DTensor, tensor or any picklable object."""
+    """The live value: DTensor, ShardedTensor, tensor or any picklable object."""
     path: Path = ()
     """DCP's (raw) flatten path of the live state dict, for writing loaded objects back."""
 
@@ -93,15 +95,6 @@ def _per_param_groups(groups: list[Mapping[str, Any]]) -> dict[str, dict[str, An
     return out
 
 
-def _check_supported(key: str, value: Any) -> None:
-    if isinstance(value, ShardedTensor):
-        raise AmbiguousLayoutError(
-            f"'{key}' is a ShardedTensor (FSDP1 SHARDED_STATE_DICT); ucp_dcp handles DTensor layouts",
-            atom=key,
-            hint="use FSDP2 (fully_shard) or FSDP1 with a DeviceMesh so state dicts hold DTensors",
-        )
-
-
 def collect_entries(
     state_dict: Mapping[str, Any],
     rules: NameRules,
@@ -139,7 +132,6 @@ def collect_entries(
     flat, raw_paths = flatten_state_dict(work)
     entries: list[Entry] = []
     for key, value in flat.items():
-        _check_supported(key, value)
         atom = parse_path(rw(rules.canonical_path(raw_paths[key])), canon_containers)
         entries.append(Entry(key, atom, value, raw_paths[key]))
     return entries, groups
@@ -151,6 +143,27 @@ def _get(d: Mapping[str, Any], path: Path) -> Any:
     return d
 
 
-def local_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The memory a value's fragments live in."""
-    return value._local_tensor if isinstance(value, DTensor) else value
+def is_sharded(value: Any) -> bool:
+    """A tensor whose ranks hold different pieces (DTensor, ShardedTensor): never compared whole
+    across ranks, always saved as pieces."""
+    return isinstance(value, (DTensor, ShardedTensor))
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor | LocalShards:
+    """The memory a value's fragments live in: a DTensor's local tensor; a ShardedTensor's single
+    local shard, or a :class:`LocalShards` of all of them when there are none or several (the
+    fragments then name theirs); a plain tensor itself."""
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if isinstance(value, ShardedTensor):
+        return shard_memory(value, sharded_tensor_shards(value, ""))
+    return value
+
+
+def shard_memory(value: torch.Tensor, shards: Sequence[LocalShard]) -> torch.Tensor | LocalShards:
+    """The local memory of ShardedTensor ``value`` whose pieces here are ``shards``: the tensor of a
+    single piece, else a :class:`LocalShards` of all (``shard_fragments(..., indexed=True)``)."""
+    if len(shards) == 1:
+        return shards[0].tensor
+    return LocalShards([s.tensor for s in shards], shards[0].tensor.dtype if shards else value.dtype,
+                       shards[0].tensor.device if shards else torch.device("cpu"))

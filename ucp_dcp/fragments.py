@@ -7,6 +7,11 @@ apply placements left to right exactly like DTensor does (``torch.chunk`` semant
 the per-dim runs. A rank whose indices are not one contiguous range therefore gets several boxes,
 never "first offset + local size" (which is what silently corrupts
 ``[Shard(0), _StridedShard(0, split_factor=2)]`` in stock DCP).
+
+A ``ShardedTensor`` (FSDP1 ``SHARDED_STATE_DICT``, ``torch.distributed._shard``) states its boxes
+directly: each local shard is one fragment (:func:`shard_fragments`). A rank may hold several local
+shards, each its own tensor; their memory is then a :class:`LocalShards` and each fragment names
+its shard (``Fragment.shard``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from .layout import Layout, Placement, PlacementKind
 __all__ = [
     "Box",
     "Fragment",
+    "LocalShards",
     "chunk_range",
     "dim_runs",
     "local_shape",
     "layout_fragments",
+    "shard_fragments",
     "whole_fragment",
 ]
 
@@ -83,10 +90,15 @@ class Fragment:
     """Where the piece sits in the (optionally reshaped) local tensor."""
     view_shape: tuple[int, ...] | None = None
     """Reshape of the local tensor before cutting ``local`` (None: use the local tensor as is)."""
+    shard: int | None = None
+    """Index of the tensor in the value's :class:`LocalShards` that holds the piece (a
+    ``ShardedTensor`` with several local shards); None: the value's local memory is one tensor."""
 
-    def view(self, local_tensor: torch.Tensor) -> torch.Tensor:
+    def view(self, local_tensor: "torch.Tensor | LocalShards") -> torch.Tensor:
         """The piece as a tensor of shape ``box.sizes``; a view of ``local_tensor`` whenever the
         memory layout allows it (callers that write must check ``_is_alias``)."""
+        if self.shard is not None:
+            local_tensor = local_tensor[self.shard]
         t = local_tensor if self.view_shape is None else local_tensor.reshape(self.view_shape)
         for d, (o, s) in enumerate(zip(self.local.offsets, self.local.sizes)):
             if o != 0 or s != t.shape[d]:
@@ -94,6 +106,23 @@ class Fragment:
         if tuple(t.shape) != self.box.sizes:
             t = t.reshape(self.box.sizes)
         return t
+
+
+class LocalShards(tuple):
+    """The local memory of a value held as several separate tensors (a ``ShardedTensor`` with more
+    than one local shard on this rank): a tuple of the tensors, plus the ``dtype`` and ``device``
+    they share (planners ask the local memory for both). Fragments pick theirs by ``shard``."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def __new__(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> "LocalShards":
+        self = super().__new__(cls, tensors)
+        self.dtype, self.device = dtype, device
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (LocalShards, (tuple(self), self.dtype, self.device))
 
 
 def chunk_range(n: int, k: int, i: int) -> Run:
@@ -189,6 +218,21 @@ def layout_fragments(
                 Box(tuple(c[1] for c in combo), tuple(c[2] for c in combo)),
             )
         )
+    return frags
+
+
+def shard_fragments(atom: str, shards: Sequence[tuple[Sequence[int], Sequence[int]]],
+                    indexed: bool) -> list[Fragment]:
+    """Fragments of a value whose pieces are stated as boxes ``(offsets, sizes)`` of the atom, one
+    local tensor of exactly ``sizes`` per box (a ``ShardedTensor``'s local shards). ``indexed``: the
+    pieces are separate tensors (a :class:`LocalShards`), so fragment ``i`` names shard ``i``;
+    otherwise there is a single box and the local memory is its tensor. Empty boxes have no
+    fragment (the indices of the others are kept)."""
+    frags = []
+    for i, (offsets, sizes) in enumerate(shards):
+        box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in sizes))
+        if box.volume:
+            frags.append(Fragment(atom, box, Box((0,) * len(box.sizes), box.sizes), shard=i if indexed else None))
     return frags
 
 

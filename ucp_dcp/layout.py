@@ -3,6 +3,11 @@
 A ``Layout`` is a plain, hashable description (no process group, no tensors) so that it can be
 recorded in the catalog, compared by the plan cache, and fed to the pure fragment math. It is
 derived from a DTensor's ``device_mesh``/``placements``; plain tensors have ``Layout.replicated()``.
+
+A ``ShardedTensor`` (FSDP1 ``SHARDED_STATE_DICT``, ``torch.distributed._shard`` sharding specs) has
+no placements: its shard plan lists boxes. :func:`sharded_tensor_shards` reads this rank's boxes
+(nested ShardedTensors flattened) and :func:`sharded_tensor_record` describes the plan for the
+catalog in builtins only.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ._compat import _StridedShard
+from ._compat import ShardedTensor, _StridedShard
 from .errors import AmbiguousLayoutError
 
-__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo"]
+__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo", "LocalShard", "sharded_tensor_shards",
+           "sharded_tensor_record", "SHARD_RECORD_LIMIT"]
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
 
@@ -184,3 +190,109 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dt
+
+
+# -- ShardedTensor ----------------------------------------------------------------------------------
+
+SHARD_RECORD_LIMIT = 64
+"""Shard plans with at most this many shards are listed in the catalog record in full; larger ones
+(FSDP1 at scale: one shard per rank) keep the spec, its dim and the count. Every rank sends its
+records to the coordinator, so a full list would cost O(ranks^2) per atom on the gather."""
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One piece of a ShardedTensor held by this rank, in the global tensor's coordinates."""
+
+    offsets: tuple[int, ...]
+    """Where the piece starts in the global tensor (nested offsets added up)."""
+    sizes: tuple[int, ...]
+    """Its extent per dim (the tensor's shape)."""
+    tensor: torch.Tensor
+    """The local memory."""
+
+
+def sharded_tensor_shards(st: Any, name: str) -> list[LocalShard]:
+    """This rank's pieces of ShardedTensor ``st`` (atom ``name``, for errors).
+
+    A local shard whose tensor is itself a ShardedTensor (FSDP1 over a ``torch.distributed._shard``
+    tensor-parallel shard: ``torch.distributed.tensor.parallel.fsdp``) contributes its own local
+    shards, their offsets added to the outer shard's, at any depth and any count (DCP's
+    ``_flatten_sharded_tensors`` does the same for one inner shard). Each piece must have the shape
+    its metadata states and lie inside its parent; every piece must share one dtype and device."""
+    out: list[LocalShard] = []
+    _collect_shards(st, (0,) * len(st.size()), tuple(int(s) for s in st.size()), name, out)
+    if len({p.tensor.dtype for p in out}) > 1 or len({p.tensor.device for p in out}) > 1:
+        raise AmbiguousLayoutError(
+            f"'{name}': the local shards of this ShardedTensor differ in dtype or device "
+            f"({sorted({f'{p.tensor.dtype}@{p.tensor.device}' for p in out})})",
+            atom=name, hint="keep every local shard of one ShardedTensor in one dtype on one device",
+        )
+    return out
+
+
+def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], name: str,
+                    out: list[LocalShard]) -> None:
+    for shard in st.local_shards():
+        md = shard.metadata
+        offs = tuple(int(o) for o in md.shard_offsets)
+        sizes = tuple(int(n) for n in md.shard_sizes)
+        if len(offs) != len(bound) or any(o < 0 or o + n > b for o, n, b in zip(offs, sizes, bound)):
+            raise AmbiguousLayoutError(
+                f"'{name}': a local shard at offsets {list(offs)} with sizes {list(sizes)} does not fit inside "
+                f"shape {list(bound)} (the ShardedTensor's, or the shard holding it)",
+                atom=name, saved=list(bound), wanted=[list(offs), list(sizes)],
+                hint="the ShardedTensor's metadata is inconsistent; rebuild it from its local shards",
+            )
+        at = tuple(a + o for a, o in zip(origin, offs))
+        t = shard.tensor
+        if isinstance(t, ShardedTensor):
+            if tuple(int(s) for s in t.size()) != sizes:
+                raise AmbiguousLayoutError(
+                    f"'{name}': a nested ShardedTensor of shape {list(t.size())} sits in a shard of sizes "
+                    f"{list(sizes)}", atom=name, saved=list(sizes), wanted=list(t.size()),
+                    hint="an inner ShardedTensor must have the shape of the outer shard it fills",
+                )
+            _collect_shards(t, at, sizes, name, out)
+            continue
+        if isinstance(t, DTensor):
+            raise AmbiguousLayoutError(
+                f"'{name}': a ShardedTensor shard holds a DTensor ({Layout.from_dtensor(t).describe()}); the "
+                "shard metadata states one box but the DTensor holds only its own piece of it, and no torch "
+                "API builds such a value (FSDP1 + tensor parallelism nests ShardedTensors, or uses DTensors "
+                "throughout with a device mesh)",
+                atom=name,
+                hint="save the DTensor itself, or give FSDP1 a device_mesh so its state dict holds DTensors",
+            )
+        if tuple(t.shape) != sizes:
+            raise AmbiguousLayoutError(
+                f"'{name}': a local shard's tensor has shape {list(t.shape)} but its metadata states sizes "
+                f"{list(sizes)}", atom=name, saved=list(sizes), wanted=list(t.shape),
+                hint="the ShardedTensor's metadata is inconsistent with its local shards",
+            )
+        out.append(LocalShard(at, sizes, t))
+
+
+def sharded_tensor_record(st: Any) -> dict[str, Any]:
+    """The catalog's description of a ShardedTensor's shard plan, in builtins only::
+
+        {"kind": "sharded_tensor", "spec": "chunk", "dim": 0, "count": 4,
+         "shards": [{"offsets": [0, 0], "sizes": [3, 5], "placement": "rank:0/cpu"}, ...]}
+
+    ``spec`` is ``chunk`` (``ChunkShardingSpec``, with its ``dim``), ``enumerable`` or the spec's
+    class name; ``shards`` is the global plan from the metadata (every rank holds the same), listed
+    up to :data:`SHARD_RECORD_LIMIT` shards; ``nested`` marks shards that are ShardedTensors."""
+    spec = getattr(st, "_sharding_spec", None)
+    kind = type(spec).__name__ if spec is not None else "none"
+    rec: dict[str, Any] = {"kind": "sharded_tensor",
+                           "spec": {"ChunkShardingSpec": "chunk", "EnumerableShardingSpec": "enumerable"}.get(kind, kind)}
+    if rec["spec"] == "chunk":
+        rec["dim"] = int(spec.dim) if isinstance(spec.dim, int) else str(spec.dim)
+    plan = st.metadata().shards_metadata
+    rec["count"] = len(plan)
+    if len(plan) <= SHARD_RECORD_LIMIT:
+        rec["shards"] = [{"offsets": [int(o) for o in m.shard_offsets], "sizes": [int(n) for n in m.shard_sizes],
+                          "placement": str(m.placement)} for m in plan]
+    if any(isinstance(s.tensor, ShardedTensor) for s in st.local_shards()):
+        rec["nested"] = True
+    return rec

@@ -6,20 +6,22 @@ what a rank must fill), so any layout the rules can describe round-trips through
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._compat import ShardedTensor
 from .errors import PatternError
-from .fragments import Box, Fragment, layout_fragments, whole_fragment
-from .layout import Layout, dtensor_coordinate, dtype_name, mesh_info
+from .fragments import Box, Fragment, LocalShards, layout_fragments, shard_fragments, whole_fragment
+from .layout import Layout, dtensor_coordinate, dtype_name, mesh_info, sharded_tensor_record, sharded_tensor_shards
 from .naming import AtomName, NameRules, Path
 from .patterns import Fused, Padded, Patterns, Reduce, Replicated, Tied, describe
 from .index_maps import IndexMap
-from .entries import Entry, GroupTarget, collect_entries, local_tensor
+from .entries import Entry, GroupTarget, collect_entries, local_tensor, shard_memory
 from .transforms import clip_padding, fused_block_problem, fused_segments, split_fused
 
 __all__ = ["Resolved", "Resolver"]
@@ -58,6 +60,8 @@ class Resolved:
     unsplit: list[Fragment] | None = None
     """Fused entries with a layout-invariant block count (``blocks=<int>``): the fragments of the
     live tensor itself, so a checkpoint that stored it fused (stock DCP) still loads."""
+    memory: torch.Tensor | LocalShards | None = None
+    """The local memory, when resolving found it (a ShardedTensor's shards); else derived from the value."""
 
     @property
     def name(self) -> str:
@@ -68,8 +72,9 @@ class Resolved:
         return self.entry.value
 
     @property
-    def local(self) -> torch.Tensor:
-        return local_tensor(self.entry.value)
+    def local(self) -> torch.Tensor | LocalShards:
+        """What the fragments view: one tensor, or a ShardedTensor's several local shards."""
+        return self.memory if self.memory is not None else local_tensor(self.entry.value)
 
 
 class Resolver:
@@ -118,14 +123,16 @@ class Resolver:
         r.reduce = self.patterns.reduce(atom.name)
         hit = self.patterns.tensor_rule(atom.param)
         rule, match = hit if hit else (None, None)
-        if r.reduce is not None and isinstance(e.value, DTensor):
+        if r.reduce is not None and isinstance(e.value, (DTensor, ShardedTensor)):
             raise PatternError(
-                f"reduce rule {describe(r.reduce)} matches '{atom.name}', a DTensor; reductions are for "
-                "per-rank plain values", atom=atom.name, hint="narrow the pattern to plain per-rank values",
+                f"reduce rule {describe(r.reduce)} matches '{atom.name}', a {type(e.value).__name__}; reductions "
+                "are for per-rank plain values", atom=atom.name, hint="narrow the pattern to plain per-rank values",
             )
         if not isinstance(e.value, torch.Tensor):
             return self._resolve_object(r, rule, match)
         value: torch.Tensor = e.value
+        shape = tuple(int(s) for s in value.shape)
+        sharded = None
         if isinstance(value, DTensor):
             coord = dtensor_coordinate(value)
             if coord is None:
@@ -135,25 +142,40 @@ class Resolver:
             rec_layout = {"mesh": mesh_info(value).to_json(), "placements": layout.encode_placements()}
         else:
             coord, layout, rec_layout = (), Layout.replicated(), None
-        shape = tuple(int(s) for s in value.shape)
-        base = [f for f in layout_fragments(atom.name, shape, layout, coord)] if value.numel() else []
+        if isinstance(value, ShardedTensor):
+            # the shard plan states the boxes: each local shard is one fragment of the atom, through
+            # the same checks, dedup and reads as a DTensor's pieces
+            shards = sharded_tensor_shards(value, atom.name)
+            r.memory = shard_memory(value, shards)
+            base = shard_fragments(atom.name, [(s.offsets, s.sizes) for s in shards], indexed=len(shards) != 1)
+            sharded = sharded_tensor_record(value)
+        else:
+            base = layout_fragments(atom.name, shape, layout, coord) if math.prod(shape) else []
         rec = {
-            "value": "tensor", "shape": list(shape), "dtype": dtype_name(value.dtype), "kind": atom.kind,
-            "param": atom.param, "pattern": "dtensor" if rec_layout else "plain",
+            "value": "tensor", "shape": list(shape), "dtype": dtype_name(r.local.dtype), "kind": atom.kind,
+            "param": atom.param, "pattern": "dtensor" if rec_layout else "sharded_tensor" if sharded else "plain",
         }
         if rec_layout:
             rec["layout"] = rec_layout
+        if sharded:
+            rec["sharded_tensor"] = sharded
         if r.tied and e.atom.param != atom.param:
             rec["live"] = e.atom.param
         if r.reduce is not None:
             rec["pattern"] = f"reduce:{r.reduce.op}"
         if rule is None or value.ndim <= rule.dim:
             if isinstance(rule, Fused):  # a scalar (e.g. `step`) of a fused parameter: one per part
-                return self._fanout(r, rule, match, rec, value)
+                return self._fanout(r, rule, match, rec, value, base)
             r.atoms[atom.name] = rec
             r.paths[atom.name] = atom.path
             r.fragments = base
             return r
+        if isinstance(r.local, LocalShards):  # the rule's transforms cut one local tensor
+            raise PatternError(
+                f"rule {describe(rule)} matches '{atom.name}', a ShardedTensor with {len(r.local)} local shards "
+                "on this rank; pattern rules apply to a value whose local memory is one tensor",
+                atom=atom.name, hint="shard the value with one local shard per rank (ChunkShardingSpec, FSDP1)",
+            )
         if isinstance(rule, Padded):
             return self._padded(r, rule, rec, shape, base)
         return self._fused(r, rule, match, rec, shape, base, layout)
@@ -174,17 +196,21 @@ class Resolver:
     def _rule_index(self, rule) -> int:
         return self.patterns.rules.index(rule)
 
-    def _fanout(self, r: Resolved, rule: Fused, match, rec: dict[str, Any], value: torch.Tensor | None) -> Resolved:
+    def _fanout(self, r: Resolved, rule: Fused, match, rec: dict[str, Any], value: torch.Tensor | None,
+                base: list[Fragment] | None = None) -> Resolved:
         r.fanout = True
+        if isinstance(value, ShardedTensor):  # its pieces, each belonging to every part
+            pieces = list(base or [])
+        else:
+            pieces = [whole_fragment(r.name, value.shape)] if value is not None and value.numel() else []
         if isinstance(rule.blocks, int):
-            r.unsplit = [whole_fragment(r.name, value.shape)] if value is not None and value.numel() else []
+            r.unsplit = pieces
         for tmpl, _ in rule.parts:
             part = r.atom.renamed(match.expand(tmpl))
             r.atoms[part.name] = {**rec, "param": part.param, "pattern": "fused", "live": r.atom.param,
                                   "rule": self._rule_index(rule)}
             r.paths[part.name] = part.path
-            if value is not None and value.numel():
-                r.fragments.append(whole_fragment(part.name, value.shape))
+            r.fragments.extend(replace(f, atom=part.name) for f in pieces)
         return r
 
     def _padded(self, r: Resolved, rule: Padded, rec: dict[str, Any], shape, base) -> Resolved:

@@ -9,6 +9,7 @@ once: dedup of replicated pieces by row keys, volume and bounds checks per atom 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from . import catalog as cat_mod
 from .averaging import average_writers, is_averaged
 from .checks import check_coverage, replica_digests, tie_mismatches
 from .dedup import Rows, choose_writers
+from .entries import is_sharded
 from .errors import AmbiguousLayoutError
 from .fragments import Fragment
 from .layout import Layout
@@ -157,9 +159,9 @@ def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Frag
     if not isinstance(r.value, torch.Tensor):
         return [(name, ItemKind.BYTES, (), (), None) for name in r.atoms]
     frags: list[tuple[str, Fragment | None]] = [(f.atom, f) for f in r.fragments]
-    if r.value.numel() == 0:  # keep empty atoms visible in the metadata: one empty chunk each
+    if math.prod(r.value.shape) == 0:  # keep empty atoms visible in the metadata: one empty chunk each
         frags = [(name, None) for name in r.atoms]
-    dt = isinstance(r.value, DTensor)
+    dt = is_sharded(r.value)
     out = []
     for name, f in frags:
         shape = tuple(r.atoms[name]["shape"])
