@@ -121,16 +121,17 @@ def test_param_groups_fold_into_one_line_per_group(ckpt, capsys):
     assert [sorted(g["params"]) for g in groups] == [["0.weight", "2.weight"],
                                                      ["0.bias", "1.bias", "1.weight", "2.bias"]]
     assert groups[0]["values"]["weight_decay"] == 0.1 and groups[0]["values"]["betas"] == [0.9, 0.95]
-    assert groups[1]["values"]["weight_decay"] == 0.0 and len(groups[0]["atoms"]) == 2 * 12
+    # 2 parameters x 12 hyperparameters, plus the group's copy in DCP's own form (12 + its params list)
+    assert groups[1]["values"]["weight_decay"] == 0.0 and len(groups[0]["atoms"]) == 2 * 12 + 13
     rc, out, _ = _cli(capsys, ckpt)
     lines = [line for line in out.splitlines() if line.startswith("optim.param_groups")]
     assert rc == 0 and len(lines) == 2, lines  # one line per group
     two = next(line for line in lines if line.startswith("optim.param_groups (2 params)"))
     assert "lr=0.01 betas=(0.9, 0.95) weight_decay=0.1" in two and "params: 0.weight, 2.weight" in two
-    assert "72 param_group rows folded into 2 line(s)" in out
+    assert "98 param_group rows folded into 2 line(s)" in out  # 72 per parameter, 2 x 13 stock copies
     rc, out, _ = _cli(capsys, ckpt, "--all")
     assert "optim.param_groups.0.weight.lr" in out and "folded" not in out
-    assert len([line for line in out.splitlines() if line.startswith("optim.param_groups.")]) == 72
+    assert len([line for line in out.splitlines() if line.startswith("optim.param_groups.")]) == 98
     assert len(out.splitlines()) == len(format_summary(s, all_rows=True).splitlines())
 
 

@@ -62,7 +62,7 @@ def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey,
                 out[(name, None)] = d
 
     for r in resolved:
-        if r.reduce is not None:
+        if r.reduce is not None or r.entry.stock:  # stock copies: DCP keeps one rank's, so do we
             continue
         checked = r.replicated is None or r.replicated.check in ("error", "warn")
         if not isinstance(r.value, torch.Tensor):

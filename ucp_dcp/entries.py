@@ -11,6 +11,8 @@ planner would produce. Two UCP-specific steps happen around it:
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,10 @@ class Entry:
     """The live value: DTensor, ShardedTensor, tensor or any picklable object."""
     path: Path = ()
     """DCP's (raw) flatten path of the live state dict, for writing loaded objects back."""
+    stock: bool = False
+    """A copy in DCP's own form written only for stock readers (``param_groups.<i>.<hp>`` of a
+    nested optimizer state dict): never checked across ranks, never read by ucp_dcp when its
+    per-parameter atoms exist."""
 
     @property
     def name(self) -> str:
@@ -111,6 +117,8 @@ def collect_entries(
     containers = find_optimizer_containers(state_dict)
     canon_containers = {rw(rules.canonical_path(c)): form for c, form in containers.items()}
     groups: list[GroupTarget] = []
+    index: dict[tuple[Path, str], int] = {}  # (optimizer path, raw parameter name) -> its group's position
+    stock: set[tuple[Path, str]] = set()  # (optimizer path, "<i>") of DCP's own param_groups.<i> entries
     work: Mapping[str, Any] = state_dict
     for cpath, form in containers.items():
         if form != OptimizerForm.NESTED:
@@ -126,14 +134,36 @@ def collect_entries(
                 groups.append(GroupTarget(g, prefix, i, params, hps))
             work = _replace_at(work, cpath, lambda o: {k: v for k, v in o.items() if k != "param_groups"})
         else:
-            work = _replace_at(
-                work, cpath, lambda o: {**o, "param_groups": _per_param_groups(o["param_groups"])}
-            )
+            # per-parameter entries (what ucp_dcp reads), plus DCP's own list-index entries so that
+            # stock dcp.load at the same layout finds ``param_groups.<i>.<hp>`` too
+            opt = _get(state_dict, cpath)
+            index.update({(cpath, str(p)): i for i, g in enumerate(opt["param_groups"]) for p in g["params"]})
+            stock.update((cpath, str(i)) for i in range(len(opt["param_groups"])))
+            if any(k in index for k in stock):
+                raise ParamGroupError(f"a parameter of {'.'.join(map(str, cpath))} is named like a param group "
+                                      "position", hint="rename the parameter")
+            work = _replace_at(work, cpath, lambda o: {**o, "param_groups": {
+                **_per_param_groups(o["param_groups"]), **dict(enumerate(o["param_groups"]))}})
     flat, raw_paths = flatten_state_dict(work)
+    nested = [c for c, form in containers.items() if form == OptimizerForm.NESTED]
     entries: list[Entry] = []
     for key, value in flat.items():
-        atom = parse_path(rw(rules.canonical_path(raw_paths[key])), canon_containers)
-        entries.append(Entry(key, atom, value, raw_paths[key]))
+        raw = raw_paths[key]
+        atom = parse_path(rw(rules.canonical_path(raw)), canon_containers)
+        entry = Entry(key, atom, value, raw)
+        cpath = next((c for c in nested if raw[:len(c)] == c and len(raw) > len(c) + 2
+                      and raw[len(c)] == "param_groups"), None) if not for_load else None
+        if cpath is not None and atom.kind == "param_group":
+            member = raw[len(cpath) + 1]
+            if (cpath, str(member)) in stock:  # DCP flattens dict keys to strings; its lists use ints
+                entry.stock = True
+                entry.atom = dataclasses.replace(atom, path=tuple(atom.prefix) + (int(member),) + tuple(atom.suffix))
+            elif (cpath, str(member)) in index:
+                # flatten mapping = DCP's own path of the group's value: dcp_to_torch_save rebuilds
+                # ``param_groups`` as the list set_state_dict takes (every parameter of a group agrees)
+                i = index[(cpath, str(member))]
+                entry.atom = dataclasses.replace(atom, path=tuple(atom.prefix) + (i,) + tuple(atom.suffix))
+        entries.append(entry)
     return entries, groups
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .catalog import read_catalog
 from .coverage import ChunkIndex, exact_cover_problem
 from .dtypes import LOSS, conversion, kind
 from .entries import Entry, GroupTarget
@@ -94,10 +95,12 @@ class SavedIndex:
     def __init__(self, md: Metadata, rules: NameRules) -> None:
         self.md = md
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
+        atoms = (read_catalog(md.planner_data) or {}).get("atoms", {})
         self.by_atom: dict[str, str] = {}
         self.clashes: dict[str, list[str]] = {}
         for key in md.state_dict_metadata:
-            path = pd.get(key)
+            # ucp_dcp's keys are atom names; their flatten mappings are DCP's paths (for stock tools)
+            path = (key,) if key in atoms else pd.get(key)
             if not isinstance(path, tuple):
                 path = (key,)
             atom = ".".join(map(str, rules.canonical_path(path)))

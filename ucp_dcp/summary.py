@@ -421,8 +421,13 @@ def fold_param_groups(atoms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         members.setdefault((".".join(segs[:i + 1]), ".".join(segs[i + 1:-1])), {})[segs[-1]] = name
     groups: dict[tuple[str, str], dict[str, Any]] = {}
+    per_param = {prefix for (prefix, _), hps in members.items() if "params" not in hps}
+    copies: list[tuple[str, dict[str, str]]] = []
     for (prefix, member), hps in members.items():
         if any("value" not in atoms[n] for hp, n in hps.items() if hp != "params"):
+            continue
+        if "params" in hps and prefix in per_param:  # ucp_dcp's copy in DCP's own form, for stock readers
+            copies.append((prefix, hps))
             continue
         sig = json.dumps(["params" in hps] + sorted((hp, atoms[n]["value_text"]) for hp, n in hps.items()
                                                    if hp != "params"))
@@ -444,6 +449,12 @@ def fold_param_groups(atoms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             g["params"].append(member)
         g["atoms"].extend(sorted(hps.values()))
         g["bytes"] += sum(atoms[n]["bytes"] for n in hps.values())
+    for prefix, hps in copies:  # folded into the per-parameter group of the same values
+        sig = json.dumps([False] + sorted((hp, atoms[n]["value_text"]) for hp, n in hps.items() if hp != "params"))
+        g = groups.get((prefix, sig))
+        if g is not None:
+            g["atoms"].extend(sorted(hps.values()))
+            g["bytes"] += sum(atoms[n]["bytes"] for n in hps.values())
     return list(groups.values())
 
 
