@@ -138,12 +138,16 @@ def collect_entries(
             # stock dcp.load at the same layout finds ``param_groups.<i>.<hp>`` too
             opt = _get(state_dict, cpath)
             index.update({(cpath, str(p)): i for i, g in enumerate(opt["param_groups"]) for p in g["params"]})
-            stock.update((cpath, str(i)) for i in range(len(opt["param_groups"])))
-            if any(k in index for k in stock):
+            # not for an optimizer an index map renames (pipeline chunks): its list positions are per
+            # chunk, stock DCP cannot load such a checkpoint anyway, and the copies would collide
+            copies = rw(rules.canonical_path(cpath)) == rules.canonical_path(cpath)
+            mine = {(cpath, str(i)) for i in range(len(opt["param_groups"]))} if copies else set()
+            if any(k in index for k in mine):
                 raise ParamGroupError(f"a parameter of {'.'.join(map(str, cpath))} is named like a param group "
                                       "position", hint="rename the parameter")
-            work = _replace_at(work, cpath, lambda o: {**o, "param_groups": {
-                **_per_param_groups(o["param_groups"]), **dict(enumerate(o["param_groups"]))}})
+            stock |= mine
+            work = _replace_at(work, cpath, lambda o, copies=copies: {**o, "param_groups": {
+                **_per_param_groups(o["param_groups"]), **(dict(enumerate(o["param_groups"])) if copies else {})}})
     flat, raw_paths = flatten_state_dict(work)
     nested = [c for c, form in containers.items() if form == OptimizerForm.NESTED]
     entries: list[Entry] = []
