@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import UCPError
-from .._compat import compute_local_shape_and_global_offset, dtensor_from_local, fake_store, mesh_for_rank
+from .._compat import ShardedTensor, compute_local_shape_and_global_offset, dtensor_from_local, fake_store, mesh_for_rank
 
 __all__ = ["fake_rank", "rebind", "structure"]
 
@@ -68,6 +68,9 @@ def rebind(state_dict: Any, rank: int, keep_local: bool = False) -> Any:
     def walk(v: Any) -> Any:
         if isinstance(v, DTensor):
             return _rebind_tensor(v, rank, cache, keep_local)
+        if isinstance(v, ShardedTensor) and not keep_local:
+            raise UCPError("a ShardedTensor (FSDP1 sharded state) cannot be rebound to another rank: its shards "
+                           "are per-rank metadata", hint="give the target no symmetry classes (every rank built)")
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
         if isinstance(v, list):
