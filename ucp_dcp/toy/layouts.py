@@ -15,10 +15,12 @@ from .model import ModelConfig
 from .parallel import Topology, Trainer, layer_split, stage_ids
 
 
-def ucp_options(cfg: ModelConfig, topo: Topology, coord: dict[str, int]) -> dict:
+def ucp_options(cfg: ModelConfig, topo: Topology, coord: dict[str, int], model_only: bool = False) -> dict:
     """The pattern rules and index maps that describe this model's layouts to ucp_dcp, for the rank
     at mesh coordinate ``coord`` (keys ``pp``, ``dpr``, ``dp``, ``ep``, ``tp``; only ``pp`` and
-    ``ep`` matter) of ``topo``: ``{"patterns": [...], "stage_map": ..., "expert_map": ...}``."""
+    ``ep`` matter) of ``topo``: ``{"patterns": [...], "stage_map": ..., "expert_map": ...}``.
+    ``model_only``: for a state dict of the model alone (``{"model": ...}``, e.g. a Hugging Face
+    import), without the train-state rule."""
     hd, t = cfg.head_dim, topo
     patterns = [
         Fused(r"(.*)\.attn\.wqkv\.weight",
@@ -29,14 +31,18 @@ def ucp_options(cfg: ModelConfig, topo: Topology, coord: dict[str, int]) -> dict
         Tied("tok_embeddings.weight", (r"output\.weight",)),
         Padded(r"tok_embeddings\.weight", size=cfg.vocab),
         Replicated(r".*norm\.weight|.*\.router\.weight|.*res_gain", check="error"),
-        Reduce(r"train_state\.tokens_seen", "sum"),
     ]
+    if not model_only:
+        patterns.append(Reduce(r"train_state\.tokens_seen", "sum"))
     split = layer_split(cfg, t.n_stages)
     stage_map = IndexMap("layers", [Chunk(tuple(split[sid]), (f"model.c{v}", f"optim.c{v}"), sid)
                                     for v, sid in enumerate(stage_ids(t, coord["pp"]))], total=cfg.n_layers)
     n_local = cfg.n_experts // t.ep  # expert lists: local expert j on EP rank e is global e * n_local + j
     expert_map = IndexMap("experts", [Chunk(coord["ep"] * n_local, (), coord["ep"])], total=cfg.n_experts)
-    return {"patterns": patterns, "stage_map": stage_map, "expert_map": expert_map}
+    out = {"patterns": patterns, "stage_map": stage_map}
+    if cfg.list_moe_layers:  # no expert lists: no expert numbering to map
+        out["expert_map"] = expert_map
+    return out
 
 
 def trainer_options(cfg: ModelConfig, tr: Trainer) -> dict:

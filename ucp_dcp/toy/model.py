@@ -7,7 +7,10 @@
 * MoE layers: one with stacked experts ``[E, F, D]`` (DTensors over ep x tp), one with an expert
   list (local indices on each EP rank); dropless top-2 routing and a router z-loss normalised by
   the global token count (a sum over tokens, so microbatching and data splits do not change it),
-* learned per-layer residual gains with two entries (empty FSDP shards at dp x ep >= 3).
+* learned per-layer residual gains with two entries (empty FSDP shards at dp x ep >= 3),
+* optionally (``rope_theta``) rotary position embeddings in Meta's interleaved-pair order (as
+  torchtitan's llama): with ``res_gain=False`` and no MoE layers the model is a Llama, so a Hugging
+  Face Llama checkpoint loads into it (:mod:`ucp_dcp.hf`).
 
 Parameters are generated in their *logical* form (:func:`logical_params`) from a seed and turned
 into the live layout of a topology, so every topology starts from the same model. Nothing here
@@ -43,6 +46,10 @@ class ModelConfig:
     expert_dim: int = 24
     z_loss: float = 1e-3
     seq_len: int = 12
+    rope_theta: float | None = None
+    """Rotary embeddings (interleaved pairs, Meta/torchtitan order) with this base; None: none."""
+    res_gain: bool = True
+    """Learned residual gains per layer (no Hugging Face counterpart)."""
 
     @property
     def head_dim(self) -> int:
@@ -77,7 +84,8 @@ def logical_params(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         pre = f"layers.{i}."
         p[pre + "attn_norm.weight"] = torch.ones(d)
         p[pre + "ffn_norm.weight"] = torch.ones(d)
-        p[pre + "res_gain"] = torch.ones(2)
+        if cfg.res_gain:
+            p[pre + "res_gain"] = torch.ones(2)
         p[pre + "attn.wq.weight"] = w(cfg.n_heads * hd, d, fan_in=d)
         p[pre + "attn.wk.weight"] = w(cfg.n_kv_heads * hd, d, fan_in=d)
         p[pre + "attn.wv.weight"] = w(cfg.n_kv_heads * hd, d, fan_in=d)
@@ -238,10 +246,24 @@ class Attention(nn.Module):
         # group-major: per local KV head, n_rep query heads then its key and value head
         qkv = _local(self.wqkv(x)).view(b, s, -1, c.n_rep + 2, c.head_dim)
         q = qkv[:, :, :, : c.n_rep].reshape(b, s, -1, c.head_dim).transpose(1, 2)
-        k = qkv[:, :, :, c.n_rep].transpose(1, 2).repeat_interleave(c.n_rep, dim=1)
+        k = qkv[:, :, :, c.n_rep].transpose(1, 2)
+        if c.rope_theta is not None:
+            q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
+        k = k.repeat_interleave(c.n_rep, dim=1)
         v = qkv[:, :, :, c.n_rep + 1].transpose(1, 2).repeat_interleave(c.n_rep, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[b, heads, s, hd]`` over positions ``0..s-1``, rotating the
+    interleaved pairs ``(x[2i], x[2i+1])`` by ``pos * theta^(-2i/hd)`` (Meta's order)."""
+    s, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    ang = torch.arange(s, dtype=torch.int64).float()[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    x0, x1 = x.float().unflatten(-1, (hd // 2, 2)).unbind(-1)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).type_as(x)
 
 
 class DenseFFN(nn.Module):
@@ -334,10 +356,11 @@ class Block(nn.Module):
             self.ffn = DenseFFN(cfg)
         else:
             self.moe = MoE(cfg, kind, cfg.n_experts // ep_size)
-        self.res_gain = nn.Parameter(torch.ones(2))
+        if cfg.res_gain:
+            self.res_gain = nn.Parameter(torch.ones(2))
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
-        g = self.res_gain
+        g = self.res_gain if hasattr(self, "res_gain") else (1.0, 1.0)
         x = x + g[0] * self.attn(self.attn_norm(x))
         ffn = self.ffn if hasattr(self, "ffn") else self.moe
         return x + g[1] * ffn(self.ffn_norm(x), groups)
@@ -383,7 +406,8 @@ class StageModel(nn.Module):
             for local, gid in enumerate(self.layer_ids):
                 blk, pre = self.layers[local], f"layers.{gid}."
                 for name in ("attn_norm.weight", "ffn_norm.weight", "res_gain", "attn.wo.weight"):
-                    blk.get_parameter(name).copy_(p[pre + name])
+                    if pre + name in p:
+                        blk.get_parameter(name).copy_(p[pre + name])
                 qkv = [p[pre + f"attn.w{x}.weight"] for x in "qkv"]
                 blk.attn.wqkv.weight.copy_(interleave(qkv, c.n_kv_heads))
                 kind = c.ffn_kind(gid)
