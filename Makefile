@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo bench bench-quick bench-trust setup clean
+PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ titan-demo: $(STAMP)
 # each, incl. a shape change it must name; last line PLAN OK / PLAN MISMATCH (docs/plan.md)
 plan-demo: $(STAMP)
 	$(BIN)/python recipes/plan_demo.py
+
+# Hugging Face in and out: transformers' own tiny Llama/Mixtral load at dp2·tp2, pp2, ep2·tp2 with equal logits,
+# a trained export loads back in transformers; last line HF OK / HF MISMATCH (docs/huggingface.md)
+hf-demo: $(STAMP)
+	$(BIN)/python recipes/hf_demo.py
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

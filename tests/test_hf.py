@@ -29,7 +29,7 @@ from ucp_dcp.hf import HFMapping, HFRule, HFStorageReader
 from ucp_dcp.hf.export import export_hf
 from ucp_dcp.hf.files import HFTensor, create_files, plan_files, write_box
 from ucp_dcp.hf.mapping import atom_rows, hf_rows
-from ucp_dcp.hf.presets import TOY_LLAMA, toy_llama
+from ucp_dcp.hf.presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 from ucp_dcp.hf.safetensors import encode_header, read_header
 
 transformers = pytest.importorskip("transformers")
@@ -38,13 +38,16 @@ pytestmark = [pytest.mark.filterwarnings("ignore::ucp_dcp.errors.UnverifiedCheck
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 CFG = TOY_LLAMA
+KINDS = {"llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
+         "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig")}
 TOKENS = torch.randint(0, CFG.vocab, (3, CFG.seq_len), generator=torch.Generator().manual_seed(5))
 
 
-def _hf_model(seed: int = 0):
+def _hf_model(seed: int = 0, kind: str = "llama"):
+    cfg, preset, model_cls, config_cls = KINDS[kind]
     torch.manual_seed(seed)
-    conf = {k: v for k, v in toy_llama(CFG).config.items() if k not in ("architectures", "model_type")}
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**conf)).eval()
+    conf = {k: v for k, v in preset(cfg).config.items() if k not in ("architectures", "model_type")}
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**conf)).eval()
 
 
 def _load(sd, reader) -> None:
@@ -64,6 +67,15 @@ def hf_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf") / "llama"
     m = _hf_model()
     m.save_pretrained(d, max_shard_size="100KB")
+    return str(d), _logits(m)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral_dir(tmp_path_factory):
+    """A transformers-saved random toy Mixtral (every layer MoE; experts one tensor each)."""
+    d = tmp_path_factory.mktemp("hf") / "mixtral"
+    m = _hf_model(seed=2, kind="mixtral")
+    m.save_pretrained(d)
     return str(d), _logits(m)
 
 
@@ -220,46 +232,29 @@ def test_plain_tensors_load_in_one_process_with_dtype_conversion(hf_bf16_dir):
 # -- multi-process: import, train, export ------------------------------------------------------------------
 
 
-def _live_logits(tr, tokens):
-    """Logits of the live (sharded) model on every rank that has them (pp=2: stage 1)."""
-    from ucp_dcp.toy import Topology  # noqa: F401
-
-    with torch.no_grad():
-        if tr.schedule is None:
-            return tr.chunks[0](tokens)[..., :tr.cfg.vocab]
-        m, job = tr.chunks[0], tr.job
-        c = dict(job.coord, pp=1 - job.coord["pp"])
-        peer = int(job.full.mesh[c["pp"], c["dpr"], c["dp"], c["ep"], c["tp"]])
-        if m.first:
-            dist.send(m(tokens).contiguous(), peer)
-            return None
-        h = torch.empty(tokens.shape[0], tokens.shape[1], tr.cfg.dim)
-        dist.recv(h, peer)
-        return m(h)[..., :tr.cfg.vocab]
-
-
-def _import_worker(rank, world, topo_text, hf_path, tokens, export_to, steps):
+def _import_worker(rank, world, topo_text, hf_path, tokens, export_to, steps, kind="llama"):
     import warnings
 
-    from ucp_dcp.toy import Topology, build_job, build_trainer, train_step, ucp_options
+    from ucp_dcp.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
 
     warnings.simplefilter("ignore")
+    cfg, preset = KINDS[kind][:2]
     job = build_job(Topology.parse(topo_text))
-    tr = build_trainer(CFG, job, seed=123)  # other weights than the HF model's: the load must replace all
-    opts = ucp_options(CFG, job.topo, job.coord, model_only=True)
-    reader = HFStorageReader(hf_path, toy_llama(CFG))
+    tr = build_trainer(cfg, job, seed=123)  # other weights than the HF model's: the load must replace all
+    opts = ucp_options(cfg, job.topo, job.coord, model_only=True)
+    reader = HFStorageReader(hf_path, preset(cfg))
     sd = {"model": tr.state_dict()["model"]}
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(**opts))
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
                 for c in tr.chunks for p in c.parameters())
-    out = {"logits": _live_logits(tr, tokens), "read": reader.stats.bytes_read, "local": local}
+    out = {"logits": live_logits(tr, tokens), "read": reader.stats.bytes_read, "local": local}
     if export_to:
         for _ in range(steps):
             train_step(tr)
         ckpt = export_to + "-ckpt"
         ucp_dcp.save({"model": tr.state_dict()["model"]}, ckpt, **opts)
-        stats = export_hf(ckpt, export_to, toy_llama(CFG), max_shard_bytes=60_000)
-        out.update(trained=_live_logits(tr, tokens), written=stats.bytes_written)
+        stats = export_hf(ckpt, export_to, preset(cfg), max_shard_bytes=60_000)
+        out.update(trained=live_logits(tr, tokens), written=stats.bytes_written)
     return out
 
 
@@ -282,6 +277,35 @@ def test_hf_llama_loads_at_any_layout_with_transformers_logits(hf_dir, name):
         assert 0 < r["read"] <= r["local"], r
         if topo.world >= 4 and topo.tp == 1:
             assert r["read"] < total / 2, r
+
+
+MOE = {"dp2-ep2": "dp=2,ep=2", "ep2-tp2": "ep=2,tp=2", "pp2-ep2": "pp=2,ep=2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE)
+def test_hf_mixtral_experts_load_at_any_expert_layout(hf_mixtral_dir, name):
+    """Per-expert HF tensors become slices of stacked [E, F, D] atoms (ep x tp DTensors) and the
+    expert lists' local numbers: equal logits, each rank reading at most its own bytes."""
+    from ucp_dcp.toy import Topology
+
+    topo = Topology.parse(MOE[name])
+    res = D.run(_import_worker, topo.world, MOE[name], hf_mixtral_dir[0], TOKENS, None, 0, "mixtral")
+    logits = [r["logits"] for r in res if r["logits"] is not None]
+    assert logits
+    for lg in logits:
+        torch.testing.assert_close(lg, hf_mixtral_dir[1], rtol=0, atol=2e-5)
+    for r in res:
+        assert 0 < r["read"] <= r["local"], r
+
+
+@pytest.mark.slow
+def test_mixtral_export_after_training_loads_in_transformers(hf_mixtral_dir, tmp_path):
+    out = str(tmp_path / "export")
+    res = D.run(_import_worker, 4, "ep=2,tp=2", hf_mixtral_dir[0], TOKENS, out, 1, "mixtral")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(back), res[0]["trained"], rtol=0, atol=2e-5)
+    assert sum(r["written"] for r in res) == sum(p.numel() * 4 for p in back.parameters())
 
 
 @pytest.mark.slow

@@ -3,13 +3,18 @@
 * :class:`HFStorageReader`: an HF folder is one more source layout of ``dcp.load`` (with
   :class:`~ucp_dcp.UCPLoadPlanner`): names mapped by declared rules, fused targets assembled from
   separate HF tensors, rotary rows permuted, each rank reading only the byte ranges it needs.
+* :func:`load_hf`: the same in one call; :func:`export_hf`: a ucp_dcp checkpoint of any layout
+  to an HF folder (shards, index, ``config.json``), box by box, never assembling the model.
 * :mod:`.mapping`: the rules (:class:`HFRule`, :class:`HFMapping`); :mod:`.presets`: the toy LLM,
-  torchtitan's llama3 and qwen3.
+  torchtitan's llama3 and qwen3
+  (:mod:`ucp_dcp.torchtitan.hf`).
 
 See docs/huggingface.md.
 """
 
+from .api import load_hf
+from .export import ExportStats, export_hf
 from .mapping import HFMapping, HFRule
 from .reader import HFStorageReader
 
-__all__ = ["HFMapping", "HFRule", "HFStorageReader"]
+__all__ = ["ExportStats", "HFMapping", "HFRule", "HFStorageReader", "export_hf", "load_hf"]

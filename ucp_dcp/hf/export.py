@@ -52,7 +52,7 @@ class _CopyPlanner(LoadPlanner):
     """Reads each planned chunk whole into a scratch tensor and writes it into the HF files
     (``commit_tensor`` runs on the reader's file threads; each chunk's box is its own region)."""
 
-    def __init__(self, fds: dict[str, int], tensors: dict[str, HFTensor], stats: ExportStats) -> None:
+    def __init__(self, fds: dict[str, int], tensors: dict[str, list[HFTensor]], stats: ExportStats) -> None:
         self.fds, self.tensors, self.stats = fds, tensors, stats
         self._scratch: dict[int, torch.Tensor] = {}
 
@@ -78,33 +78,47 @@ class _CopyPlanner(LoadPlanner):
         return self._scratch.setdefault(id(read_item), buf)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        t = self.tensors[read_item.storage_index.fqn]
-        n = write_box(self.fds[t.file], t, tuple(read_item.storage_index.offset or ()), tensor)
+        ts = self.tensors[read_item.storage_index.fqn]
+        offsets = tuple(read_item.storage_index.offset or ())
+        n = 0
+        if len(ts) == 1 and ts[0].shape == self.metadata.state_dict_metadata[read_item.storage_index.fqn].size:
+            n = write_box(self.fds[ts[0].file], ts[0], offsets, tensor)
+        else:  # a stacked atom: slice k of the box is a box of HF tensor offsets[0] + k
+            for k in range(tensor.shape[0]):
+                t = ts[offsets[0] + k]
+                n += write_box(self.fds[t.file], t, offsets[1:], tensor[k])
         self._scratch.pop(id(read_item), None)
         self.stats.bytes_written += n
 
 
-def _mapped(md: Metadata, mapping: HFMapping, dtype: torch.dtype | None) -> dict[str, HFTensor]:
-    """Atom -> the HF tensor it becomes; every mapped atom must be a tensor its chunks cover exactly."""
-    out: dict[str, HFTensor] = {}
+def _mapped(md: Metadata, mapping: HFMapping, dtype: torch.dtype | None) -> dict[str, list[HFTensor]]:
+    """Atom -> the HF tensors it becomes (one, or one per slice of a stacked atom); every mapped
+    atom must be a tensor its saved chunks cover exactly."""
+    out: dict[str, list[HFTensor]] = {}
     names: dict[str, str] = {}
     for atom, smd in md.state_dict_metadata.items():
         hit = mapping.hf_of(atom)
         if hit is None:
             continue
-        name, rule = hit
+        rule, values = hit
         if not isinstance(smd, TensorStorageMetadata):
-            raise UCPError(f"atom '{atom}' (HF '{name}') is saved as an object, not a tensor", atom=atom)
-        if name in names:
-            raise UCPError(f"atoms '{names[name]}' and '{atom}' both map to HF tensor '{name}'", atom=atom,
-                           hint=f"fix the rules of the '{mapping.name}' mapping")
+            raise UCPError(f"atom '{atom}' (HF '{rule.hf}') is saved as an object, not a tensor", atom=atom)
         shape = tuple(int(s) for s in smd.size)
         problem = exact_cover_problem(Box((0,) * len(shape), shape),
                                       [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks])
         if problem:
             raise UCPError(f"atom '{atom}': {problem}", atom=atom, hint="the checkpoint is incomplete or damaged")
-        names[name] = atom
-        out[atom] = HFTensor(name, dtype or smd.properties.dtype, shape, rule.rotary_heads)
+        if rule.stack is not None and not shape:
+            raise UCPError(f"atom '{atom}' is a scalar; rule {rule.hf!r} stacks along dim 0", atom=atom)
+        ts = ([HFTensor(rule.hf_name(values, k), dtype or smd.properties.dtype, shape[1:]) for k in range(shape[0])]
+              if rule.stack is not None else
+              [HFTensor(rule.hf_name(values), dtype or smd.properties.dtype, shape, rule.rotary_heads)])
+        for t in ts:
+            if t.name in names:
+                raise UCPError(f"atoms '{names[t.name]}' and '{atom}' both map to HF tensor '{t.name}'", atom=atom,
+                               hint=f"fix the rules of the '{mapping.name}' mapping")
+            names[t.name] = atom
+        out[atom] = ts
     if not out:
         raise UCPError(f"no atom of the checkpoint maps to a Hugging Face name under the '{mapping.name}' mapping "
                        f"(prefix {mapping.prefix!r})", saved=sorted(md.state_dict_metadata)[:5],
@@ -139,9 +153,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, mapping: HF
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, is_coordinator=rank == 0)
     atoms = _mapped(md, mapping, dtype)
-    placed, files = plan_files(list(atoms.values()), max_shard_bytes)
+    placed, files = plan_files([t for ts in atoms.values() for t in ts], max_shard_bytes)
     by_name = {t.name: t for t in placed}
-    tensors = {a: by_name[t.name] for a, t in atoms.items()}
+    tensors = {a: [by_name[t.name] for t in ts] for a, ts in atoms.items()}
     stats = ExportStats(tensors=len(placed))
     tmp = _shared_tmp(out, rank, world)
     if rank == 0:
@@ -182,10 +196,10 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, mapping: HF
     return stats
 
 
-def _config(config: dict[str, Any], dtype: torch.dtype | None, md: Metadata, atoms: dict[str, HFTensor]) -> dict:
+def _config(config: dict[str, Any], dtype: torch.dtype | None, md: Metadata, atoms: dict[str, list[HFTensor]]) -> dict:
     cfg = dict(config)
-    first = next(iter(atoms.values()))
-    cfg["torch_dtype"] = str(dtype or first.dtype).removeprefix("torch.")
+    first = next(iter(atoms.values()))[0]
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype or first.dtype).removeprefix("torch.")  # v5 and v4 names
     return cfg
 
 

@@ -49,20 +49,42 @@ class HFRule:
     """Atom template (without the mapping's ``prefix``), e.g. ``layers.{i}.feed_forward.w1.weight``."""
     rotary_heads: int | None = None
     """Heads of a q/k projection stored by HF in rotate-half order (rows permuted within each head)."""
+    stack: str | None = None
+    """A placeholder of the HF template only: the HF tensors for its values ``0..n-1`` are the
+    slices ``[v]`` along dim 0 of one stacked atom (experts saved one tensor each by HF, held as
+    ``[E, ...]`` by the target). Each is one saved chunk of the atom."""
 
     def __post_init__(self) -> None:
-        if sorted(_PLACEHOLDER.findall(self.hf)) != sorted(_PLACEHOLDER.findall(self.atom)):
+        hf, atom = sorted(_PLACEHOLDER.findall(self.hf)), sorted(_PLACEHOLDER.findall(self.atom))
+        if self.stack is not None:
+            if self.stack not in hf or self.stack in atom:
+                raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: stack={self.stack!r} must be a placeholder "
+                               "of the HF template only")
+            hf.remove(self.stack)
+        if hf != atom:
             raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: both sides need the same placeholders")
+        if self.stack is not None and self.rotary_heads:
+            raise UCPError(f"HF rule {self.hf!r}: a stacked atom cannot have rotary rows")
         object.__setattr__(self, "_hf_re", _compile(self.hf))
         object.__setattr__(self, "_atom_re", _compile(self.atom))
 
-    def match_hf(self, name: str) -> str | None:
+    def match_hf(self, name: str) -> tuple[str, int | None] | None:
+        """The atom an HF name holds, and (stacked rules) its index along the atom's dim 0."""
         m = self._hf_re.fullmatch(name)  # type: ignore[attr-defined]
-        return None if m is None else self.atom.format(**{k: int(v) for k, v in m.groupdict().items()})
+        if m is None:
+            return None
+        vals = {k: int(v) for k, v in m.groupdict().items()}
+        index = vals.pop(self.stack) if self.stack is not None else None
+        return self.atom.format(**vals), index
 
-    def match_atom(self, name: str) -> str | None:
+    def match_atom(self, name: str) -> dict[str, int] | None:
+        """The placeholder values of an atom name this rule produces (None: not this rule's)."""
         m = self._atom_re.fullmatch(name)  # type: ignore[attr-defined]
-        return None if m is None else self.hf.format(**{k: int(v) for k, v in m.groupdict().items()})
+        return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+
+    def hf_name(self, values: dict[str, int], index: int | None = None) -> str:
+        """The HF name for placeholder ``values`` (and, stacked, the slice ``index``)."""
+        return self.hf.format(**values, **({self.stack: index} if self.stack is not None else {}))
 
 
 @dataclass(frozen=True)
@@ -82,22 +104,24 @@ class HFMapping:
     name: str = "custom"
     """Family name, for messages."""
 
-    def atom_of(self, hf_name: str) -> tuple[str, HFRule] | None:
-        """The atom an HF tensor holds (with prefix), or None if no rule maps it."""
+    def atom_of(self, hf_name: str) -> tuple[str, HFRule, int | None] | None:
+        """The atom an HF tensor holds (with prefix), the rule, and the slice index of a stacked
+        rule; None if no rule maps it."""
         for rule in self.rules:
-            atom = rule.match_hf(hf_name)
-            if atom is not None:
-                return self.prefix + atom, rule
+            hit = rule.match_hf(hf_name)
+            if hit is not None:
+                return self.prefix + hit[0], rule, hit[1]
         return None
 
-    def hf_of(self, atom: str) -> tuple[str, HFRule] | None:
-        """The HF name of an atom (with prefix), or None if it has none (optimizer state, ...)."""
+    def hf_of(self, atom: str) -> tuple[HFRule, dict[str, int]] | None:
+        """The rule and placeholder values of an atom (with prefix) that has HF names
+        (``rule.hf_name(values[, index])``), or None (optimizer state, ...)."""
         if not atom.startswith(self.prefix):
             return None
         for rule in self.rules:
-            name = rule.match_atom(atom[len(self.prefix):])
-            if name is not None:
-                return name, rule
+            values = rule.match_atom(atom[len(self.prefix):])
+            if values is not None:
+                return rule, values
         return None
 
     def ignored(self, hf_name: str) -> bool:

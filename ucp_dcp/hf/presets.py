@@ -11,7 +11,7 @@ from typing import Any
 
 from .mapping import HFMapping, HFRule
 
-__all__ = ["toy_llama", "TOY_LLAMA"]
+__all__ = ["toy_llama", "toy_mixtral", "TOY_LLAMA", "TOY_MIXTRAL"]
 
 _L = "model.layers.{i}."
 
@@ -26,14 +26,8 @@ def _llama_config(*, vocab: int, dim: int, ffn: int, layers: int, heads: int, kv
             "torch_dtype": "float32", **extra}
 
 
-def toy_llama(cfg: Any, prefix: str = "model.") -> HFMapping:
-    """The recipe's toy model (:class:`ucp_dcp.toy.ModelConfig` with ``rope_theta`` set, no MoE
-    layers, ``res_gain=False``) as a Hugging Face ``LlamaForCausalLM`` with tied embeddings; its
-    fused ``wqkv``/``w13`` and padded vocabulary come from the toy's own pattern rules."""
-    if cfg.rope_theta is None or cfg.res_gain or cfg.stacked_moe_layers or cfg.list_moe_layers:
-        raise ValueError("toy_llama needs a toy config with rope_theta set, res_gain=False and no MoE layers "
-                         "(see ucp_dcp.hf.presets.TOY_LLAMA)")
-    rules = (
+def _toy_rules(cfg: Any) -> list[HFRule]:
+    rules = [
         HFRule("model.embed_tokens.weight", "tok_embeddings.weight"),
         HFRule("model.norm.weight", "norm.weight"),
         HFRule(_L + "input_layernorm.weight", "layers.{i}.attn_norm.weight"),
@@ -45,22 +39,69 @@ def toy_llama(cfg: Any, prefix: str = "model.") -> HFMapping:
         HFRule(_L + "mlp.gate_proj.weight", "layers.{i}.ffn.w1.weight"),
         HFRule(_L + "mlp.up_proj.weight", "layers.{i}.ffn.w3.weight"),
         HFRule(_L + "mlp.down_proj.weight", "layers.{i}.ffn.w2.weight"),
-    )
+    ]
+    for i in range(cfg.n_layers):  # MoE layers by kind: stacked [E, ...] atoms or one atom per expert
+        moe = f"model.layers.{i}.block_sparse_moe."
+        kind = cfg.ffn_kind(i)
+        if kind == "dense":
+            continue
+        rules.append(HFRule(moe + "gate.weight", f"layers.{i}.moe.router.weight"))
+        for w in ("w1", "w2", "w3"):
+            rules.append(HFRule(moe + f"experts.{{e}}.{w}.weight", f"layers.{i}.moe.experts.{w}", stack="e")
+                         if kind == "stacked" else
+                         HFRule(moe + f"experts.{{e}}.{w}.weight", f"layers.{i}.moe.experts.{{e}}.{w}.weight"))
+    return rules
+
+
+def _check_toy(cfg: Any, moe: bool) -> None:
+    has_moe = bool(cfg.stacked_moe_layers or cfg.list_moe_layers)
+    all_moe = all(cfg.ffn_kind(i) != "dense" for i in range(cfg.n_layers))
+    if cfg.rope_theta is None or cfg.res_gain or (has_moe and not all_moe if moe else has_moe):
+        raise ValueError(f"{'toy_mixtral' if moe else 'toy_llama'} needs a toy config with rope_theta set, "
+                         f"res_gain=False and {'every layer MoE' if moe else 'no MoE layers'} "
+                         "(see ucp_dcp.hf.presets.TOY_LLAMA / TOY_MIXTRAL)")
+
+
+def toy_llama(cfg: Any, prefix: str = "model.") -> HFMapping:
+    """The recipe's toy model (:class:`ucp_dcp.toy.ModelConfig` with ``rope_theta`` set, no MoE
+    layers, ``res_gain=False``) as a Hugging Face ``LlamaForCausalLM`` with tied embeddings; its
+    fused ``wqkv``/``w13`` and padded vocabulary come from the toy's own pattern rules."""
+    _check_toy(cfg, moe=False)
     config = _llama_config(vocab=cfg.vocab, dim=cfg.dim, ffn=cfg.ffn_dim, layers=cfg.n_layers, heads=cfg.n_heads,
                            kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=1e-5, theta=cfg.rope_theta,
                            tied=True, max_pos=max(64, cfg.seq_len))
-    return HFMapping(rules, prefix=prefix, ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-                     config=config, name="toy-llama")
+    return HFMapping(tuple(_toy_rules(cfg)), prefix=prefix, config=config, name="toy-llama",
+                     ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
 
 
-def _toy_llama_config():
+def toy_mixtral(cfg: Any, prefix: str = "model.") -> HFMapping:
+    """The toy model with every layer MoE as a Hugging Face ``MixtralForCausalLM``: the router is
+    ``block_sparse_moe.gate``; experts are one HF tensor each (``experts.{e}.w1``), read as slices
+    of the toy's stacked ``[E, F, D]`` atoms or as its per-expert atoms (global numbers: the expert
+    map turns them into each EP rank's local ones)."""
+    _check_toy(cfg, moe=True)
+    config = _llama_config(vocab=cfg.vocab, dim=cfg.dim, ffn=cfg.expert_dim, layers=cfg.n_layers,
+                           heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=1e-5,
+                           theta=cfg.rope_theta, tied=True, max_pos=max(64, cfg.seq_len),
+                           num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, router_jitter_noise=0.0,
+                           output_router_logits=False, router_aux_loss_coef=0.0)
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    for k in ("mlp_bias", "attention_bias"):
+        config.pop(k)
+    return HFMapping(tuple(_toy_rules(cfg)), prefix=prefix, config=config, name="toy-mixtral")
+
+
+def _toy_configs() -> dict[str, Any]:
     from ..toy.model import ModelConfig
 
-    return ModelConfig(vocab=61, vocab_multiple=7, dim=48, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=52,
-                       stacked_moe_layers=(), list_moe_layers=(), rope_theta=10000.0, res_gain=False)
+    base = dict(vocab=61, vocab_multiple=7, dim=48, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=52,
+                rope_theta=10000.0, res_gain=False)
+    return {"TOY_LLAMA": ModelConfig(**base, stacked_moe_layers=(), list_moe_layers=()),
+            "TOY_MIXTRAL": ModelConfig(**base, stacked_moe_layers=(0, 2), list_moe_layers=(1, 3), n_experts=4,
+                                       top_k=2, expert_dim=24)}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TOY_LLAMA":  # lazily: the toy package imports torch.distributed pieces
-        return _toy_llama_config()
+    if name in ("TOY_LLAMA", "TOY_MIXTRAL"):  # lazily: the toy package imports torch.distributed pieces
+        return _toy_configs()[name]
     raise AttributeError(name)

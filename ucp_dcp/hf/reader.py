@@ -136,6 +136,7 @@ class HFStorageReader(UCPFileSystemReader):
         tensors = scan_hf(self.path)
         names: dict[str, str] = {}
         rotary: dict[str, int] = {}
+        stacks: dict[str, dict[int, tuple[str, str, Any]]] = {}
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
         sizes: dict[str, int] = {}
@@ -148,7 +149,10 @@ class HFStorageReader(UCPFileSystemReader):
                 if not self.mapping.ignored(name):
                     unmapped.append(name)
                 continue
-            atom, rule = hit
+            atom, rule, index = hit
+            if index is not None:  # one slice of a stacked atom: assembled below
+                stacks.setdefault(atom, {})[index] = (name, rel, info)
+                continue
             if atom in names:
                 raise UCPError(f"HF tensors '{names[atom]}' and '{name}' both map to atom '{atom}'",
                                atom=atom, hint=f"fix the rules of the '{self.mapping.name}' mapping")
@@ -160,6 +164,8 @@ class HFStorageReader(UCPFileSystemReader):
             if rule.rotary_heads:
                 hf_rows(np.zeros(0), info.shape[0], rule.rotary_heads, name)  # validates the head split
                 rotary[atom] = rule.rotary_heads
+        for atom, parts in stacks.items():
+            state[atom] = self._stacked(atom, parts, storage, names)
         if unmapped:
             raise UCPError(
                 f"{len(unmapped)} tensor(s) of the Hugging Face checkpoint match no rule of the "
@@ -167,6 +173,26 @@ class HFStorageReader(UCPFileSystemReader):
                 hint="add an HFRule for them, or list them in HFMapping.ignore if the target has no such weight")
         storage[MetadataIndex(HF_KEY)] = {"rotary": rotary, "files": sizes, "names": names}  # type: ignore[assignment]
         return Metadata(state_dict_metadata=state, planner_data={}, storage_data=storage)
+
+    def _stacked(self, atom: str, parts: dict[int, tuple[str, str, Any]], storage: dict, names: dict[str, str]
+                 ) -> TensorStorageMetadata:
+        """A stacked atom ``[n, *shape]`` whose chunk ``[k:k+1]`` is HF tensor ``k``: every index
+        ``0..n-1`` present, all of one dtype and shape."""
+        n = len(parts)
+        if atom in names or sorted(parts) != list(range(n)):
+            raise UCPError(f"atom '{atom}' is stacked from HF tensors with indices {sorted(parts)[:8]}: expected "
+                           f"0..{n - 1}, each once", atom=atom, saved=sorted(parts),
+                           hint="the checkpoint lacks some experts, or two rules map to this atom")
+        first = parts[0][2]
+        for k, (name, rel, info) in sorted(parts.items()):
+            if (info.dtype, info.shape) != (first.dtype, first.shape):
+                raise UCPError(f"'{name}' is {info.dtype}{list(info.shape)}, '{parts[0][0]}' is "
+                               f"{first.dtype}{list(first.shape)}: they cannot stack into atom '{atom}'", atom=atom)
+            storage[MetadataIndex(atom, (k,) + (0,) * len(info.shape))] = _StorageInfo(rel, info.offset, info.nbytes)
+        names[atom] = parts[0][0]
+        chunks = [ChunkStorageMetadata(torch.Size((k,) + (0,) * len(first.shape)), torch.Size((1, *first.shape)))
+                  for k in range(n)]
+        return TensorStorageMetadata(TensorProperties(dtype=first.dtype), torch.Size((n, *first.shape)), chunks)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if getattr(metadata, "_ucp_error", None) is not None:
@@ -187,8 +213,8 @@ class HFStorageReader(UCPFileSystemReader):
     # -- data ----------------------------------------------------------------------------------------
 
     def _record(self, f: Any, index: MetadataIndex, info: Any) -> TensorRecord | None:
-        dtype, shape = self._tensors[index.fqn]
-        return TensorRecord(0, dtype, shape, True)  # info.offset is the tensor's first byte
+        dtype, shape = self._chunk_meta[index]
+        return TensorRecord(0, dtype, shape, True)  # info.offset is the chunk's first byte
 
     def _read_chunk(self, f: Any, rel: str, c: Any, job: Any) -> None:
         heads = self._rotary.get(c.index.fqn)

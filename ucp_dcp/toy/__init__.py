@@ -24,6 +24,7 @@ from .parallel import (
     build_trainer,
     global_batch,
     layer_split,
+    live_logits,
     logical_state,
     my_stages,
     stage_ids,
@@ -31,5 +32,5 @@ from .parallel import (
 )
 
 __all__ = ["GLOBAL_BATCH", "Job", "ModelConfig", "StageModel", "Topology", "Trainer", "build_job", "build_trainer",
-           "global_batch", "layer_split", "logical_params", "logical_state", "my_stages", "stage_ids", "train_step",
+           "global_batch", "layer_split", "live_logits", "logical_params", "logical_state", "my_stages", "stage_ids", "train_step",
            "trainer_options", "ucp_options"]

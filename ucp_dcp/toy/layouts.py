@@ -26,12 +26,13 @@ def ucp_options(cfg: ModelConfig, topo: Topology, coord: dict[str, int], model_o
         Fused(r"(.*)\.attn\.wqkv\.weight",
               [(r"\1.attn.wq.weight", cfg.n_heads * hd), (r"\1.attn.wk.weight", cfg.n_kv_heads * hd),
                (r"\1.attn.wv.weight", cfg.n_kv_heads * hd)], blocks=cfg.n_kv_heads),   # group-major
-        Fused(r"(.*)\.ffn\.w13\.weight", [(r"\1.ffn.w1.weight", cfg.ffn_dim), (r"\1.ffn.w3.weight", cfg.ffn_dim)],
-              blocks="tp"),                                                              # [w1_r; w3_r] per TP rank
         Tied("tok_embeddings.weight", (r"output\.weight",)),
         Padded(r"tok_embeddings\.weight", size=cfg.vocab),
         Replicated(r".*norm\.weight|.*\.router\.weight|.*res_gain", check="error"),
     ]
+    if any(cfg.ffn_kind(i) == "dense" for i in range(cfg.n_layers)):  # [w1_r; w3_r] per TP rank
+        patterns.insert(1, Fused(r"(.*)\.ffn\.w13\.weight", [(r"\1.ffn.w1.weight", cfg.ffn_dim),
+                                                               (r"\1.ffn.w3.weight", cfg.ffn_dim)], blocks="tp"))
     if not model_only:
         patterns.append(Reduce(r"train_state\.tokens_seen", "sum"))
     split = layer_split(cfg, t.n_stages)

@@ -299,6 +299,31 @@ def train_step(tr: Trainer) -> float:
     return float(total)
 
 
+def live_logits(tr: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Logits over the logical vocabulary of the live (sharded) model on ``tokens`` (the same on
+    every rank), on the ranks of the last pipeline stage (None elsewhere): the hidden states go
+    stage to stage by point-to-point sends (one chunk per rank, ``vpp=1``). Collective over the job."""
+    job, t = tr.job, tr.job.topo
+    if t.vpp != 1:
+        raise ValueError("live_logits runs one model chunk per rank (vpp=1)")
+    m = tr.chunks[0]
+
+    def peer(pp: int) -> int:
+        c = dict(job.coord, pp=pp)
+        return int(job.full.mesh[c["pp"], c["dpr"], c["dp"], c["ep"], c["tp"]])
+
+    with torch.no_grad():
+        x = tokens
+        if not m.first:
+            x = torch.empty(*tokens.shape, tr.cfg.dim)
+            dist.recv(x, peer(job.coord["pp"] - 1))
+        y = m(x)
+        if not m.last:
+            dist.send(y.contiguous(), peer(job.coord["pp"] + 1))
+            return None
+        return y[..., :tr.cfg.vocab]
+
+
 def _sync_tied_grads(tr: Trainer) -> None:
     """Sum the gradients of the tied embedding (first stage) and output head (last stage)."""
     job, t = tr.job, tr.job.topo
