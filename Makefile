@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
