@@ -2,8 +2,22 @@
 
 Every stock feature is kept -- the manager runs torchtitan's own ``dcp_save``/``dcp_load`` (async
 modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoints, last-step
-model-only exports) and only hands DCP the UCP planners. HF export/import keep the stock planner:
-HF storage keys tensors by name and cannot hold several boxes per atom.
+model-only exports) and only hands DCP the UCP planners.
+
+Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
+(:mod:`ucp_dcp.torchtitan.hf` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
+
+* load: :class:`~ucp_dcp.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
+  fills the live (sharded) state from them -- the fused ``wqkv`` local shards straight from the
+  separate q/k/v tensors, rotary rows permuted on the way, each rank reading only the byte ranges
+  its shards need; no all-gather and no full tensor. Quantized HF checkpoints are refused;
+* save: the model state is saved as a ucp_dcp checkpoint in a temporary sibling folder, exported
+  collectively (:func:`~ucp_dcp.hf.export.export_hf`, box by box, every rank a share) into the
+  checkpoint folder, and the temporary folder is removed. Files are sharded by size
+  (``hf_max_shard_bytes``); the adapter's ``fqn_to_index_mapping`` is not followed.
+
+(Deferring to the stock HF path with ``fused_qkv_atoms`` on would drop q/k/v silently: the stock
+adapter skips the fused ``wqkv`` key.)
 
 What changes in the checkpoint:
 
@@ -25,6 +39,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,13 +53,14 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrapper
 from torchtitan.models.common.attention import FusedQKVLinear
 
-from ..errors import PatternError, UCPError
+from ..errors import PatternError, UCPError, ucp_errors
 from ..summary import read_metadata
 from ..load_planner import UCPLoadPlanner
-from ..patterns import Fused, Reduce, Rule, anchored_in, rule_from_json
+from ..patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
 from ..reader import UCPFileSystemReader
 from ..save_planner import UCPSavePlanner
 from ..writer import UCPFileSystemWriter
+from .hf import hf_mapping, tied_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
@@ -78,6 +96,8 @@ class UCPCheckpointManager(CheckpointManager):
         """Plain values saved under one name by several ranks must agree: error, warn or off."""
         enable_plan_caching: bool = False
         """DCP save-plan caching (the cache also compares layouts)."""
+        hf_max_shard_bytes: int = 5 * 1024**3
+        """Most data bytes per safetensors file of a Hugging Face save (``last_save_in_hf``)."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         model_parts = kwargs["model_parts"]
@@ -91,6 +111,7 @@ class UCPCheckpointManager(CheckpointManager):
             self.states[MODEL] = FusedQKVModelWrapper(model_parts)
         self.ucp = config
         self._rules = self._build_rules(config, model_parts)
+        self._model_parts = model_parts
         dataloader = kwargs.get("dataloader")
         self._data_slot = getattr(dataloader, "dp_rank", None)
 
@@ -122,19 +143,95 @@ class UCPCheckpointManager(CheckpointManager):
         return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
-        if to_hf:  # safetensors keys tensors by name: keep the stock planner
-            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if to_hf:
+            return self._save_hf(state_dict, checkpoint_id, async_mode, enable_garbage_collection)
         rules = self._call_rules(state_dict)
         with _dcp_planners(save=lambda: self._save_planner(rules)):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if from_hf:
-            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return self._load_hf(state_dict, checkpoint_id, from_quantized)
         state_dict = self._apply_dataloader_policy(state_dict, checkpoint_id)
         rules = self._call_rules(state_dict)
         with _dcp_planners(load=lambda: self._load_planner(rules)):
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    # -- Hugging Face ---------------------------------------------------------------------------------
+
+    def _hf_model_config(self) -> Any:
+        adapter_cfg = getattr(self.sd_adapter, "model_config", None)
+        if adapter_cfg is not None:
+            return adapter_cfg
+        cfg = getattr(self._model_parts[0], "config", None)
+        if cfg is None:
+            raise UCPError("a Hugging Face load or save needs the model config (from the state-dict adapter or the "
+                           "model's config)", hint="build the manager with the model's sd_adapter, as the Trainer does")
+        return cfg
+
+    def _hf_rules(self, state_dict: dict[str, Any], model_config: Any) -> list[Rule]:
+        rules = self._call_rules(state_dict)
+        if not any(isinstance(r, Tied) for r in rules):
+            rules += tied_rules(model_config)
+        return rules
+
+    def _load_hf(self, state_dict: dict[str, Any], checkpoint_id: str, from_quantized: bool) -> None:
+        """Fill the model state from the Hugging Face folder ``checkpoint_id`` (see module doc)."""
+        if from_quantized:
+            raise UCPError(
+                "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only", atom=MODEL,
+                hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)")
+        from ..hf import HFStorageReader
+
+        begin = time.monotonic()
+        cfg = self._hf_model_config()
+        mapping = hf_mapping(cfg)
+        reader = HFStorageReader(checkpoint_id, mapping)
+        with ucp_errors():
+            tt_dcp.dcp.load(state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict,
+                                                                                                         cfg)))
+        self.states[MODEL].load_state_dict(state_dict)
+        self.hf_load_stats = reader.stats
+        logger.info("UCP: loaded Hugging Face %s (%s mapping) in %.2fs, %d bytes read by this rank", checkpoint_id,
+                    mapping.name, time.monotonic() - begin, reader.stats.bytes_read)
+
+    def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
+                 enable_garbage_collection: bool) -> None:
+        """Write the model state as a Hugging Face folder at ``checkpoint_id`` (collective; see module
+        doc). torchtitan casts the state to ``export_dtype`` before the call; the files keep it."""
+        from ..hf.export import export_hf
+
+        if async_mode != tt_dcp.AsyncMode.DISABLED:
+            logger.warning("UCP: a Hugging Face save is written synchronously (async_mode %s ignored)", async_mode)
+        begin = time.monotonic()
+        cfg = self._hf_model_config()
+        mapping = hf_mapping(cfg)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        coordinator = not dist.is_initialized() or dist.get_rank() == 0
+        # not "step-N...": torchtitan would take a crashed save's scratch (it has .metadata) for a checkpoint
+        scratch = os.path.join(os.path.dirname(os.path.normpath(os.fspath(checkpoint_id))), ".ucp-hf-scratch")
+        if coordinator:
+            shutil.rmtree(scratch, ignore_errors=True)  # left by a crashed save
+        if world > 1:
+            dist.barrier()
+        try:
+            planner = self._save_planner(self._hf_rules(state_dict, cfg))
+            with ucp_errors():
+                tt_dcp.dcp.save(state_dict, storage_writer=UCPFileSystemWriter(scratch), planner=planner)
+            stats = export_hf(scratch, checkpoint_id, mapping, max_shard_bytes=self.ucp.hf_max_shard_bytes,
+                              overwrite=True)
+            if coordinator:
+                _write_single_file_index(checkpoint_id)
+            self.hf_save_stats = stats
+        finally:
+            if world > 1:
+                dist.barrier()
+            if coordinator:
+                shutil.rmtree(scratch, ignore_errors=True)
+        logger.info("UCP: saved Hugging Face %s (%s mapping, %d tensors) in %.2fs", checkpoint_id, mapping.name,
+                    stats.tensors, time.monotonic() - begin)
+        if enable_garbage_collection:
+            tt_dcp.GarbageCollection.collect("GC collection invoked by checkpointer.")
 
     def _apply_dataloader_policy(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
         """Check, before anything is read, that the saved dataloader state fits this run's loader."""
@@ -247,6 +344,22 @@ def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
             blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
         ))
     return rules
+
+
+def _write_single_file_index(folder: str) -> None:
+    """``model.safetensors.index.json`` for a one-file export too, as torchtitan's own HF save writes
+    (torchtitan recognises a step folder by ``.metadata`` or this index)."""
+    from ..hf.reader import INDEX, SINGLE
+    from ..hf.safetensors import read_header
+
+    single = os.path.join(folder, SINGLE)
+    if os.path.exists(os.path.join(folder, INDEX)) or not os.path.exists(single):
+        return
+    st = read_header(single)
+    index = {"metadata": {"total_size": sum(t.nbytes for t in st.tensors.values())},
+             "weight_map": {name: SINGLE for name in sorted(st.tensors)}}
+    with open(os.path.join(folder, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def _with_storage(kwargs: dict[str, Any], key: str, cls: type) -> dict[str, Any]:
