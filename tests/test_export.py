@@ -263,3 +263,30 @@ def test_no_dataloader_and_flag_checks(saved, assets, tmp_path, capsys):
                            "--parallelism.data_parallel_shard_degree", "2")
     assert rc == 2 and "data-parallel degree 2" in err and "--dp says 1" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_export_to_hf_of_a_full_titan_checkpoint_loads_in_transformers(saved, tmp_path, capsys):
+    """``export --to hf --mapping torchtitan`` on the run's full step-2 checkpoint (model, optimizer,
+    train state; dp_shard=2, fused wqkv saved as wq/wk/wv atoms): transformers loads the folder (no
+    missing or unexpected keys) and its logits are the saved parameters' (the oracle's)."""
+    pytest.importorskip("transformers")
+    from test_titan_hf import _close, _from_pretrained, _titan, _titan_logits
+    from torchtitan.models.llama3 import model_registry
+
+    from ucp_dcp.__main__ import main
+
+    out = tmp_path / "hf"
+    rc = main(["export", "--to", "hf", str(saved / "checkpoint" / f"step-{SAVED}"), str(out), "--mapping",
+               "torchtitan", *JOB])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    assert "exported" in text.out and (out / "config.json").exists()
+    oracle = {k.replace("._checkpoint_wrapped_module", ""): v  # activation-checkpoint wrappers' segment
+              for k, v in torch.load(saved / "oracle.pt", weights_only=False).items()}
+    model = _titan(model_registry("debugmodel").model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(oracle[f"param/{name}"])
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))
+    _close(_titan_logits(model, tokens), _from_pretrained(out)(tokens).logits)

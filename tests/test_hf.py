@@ -326,7 +326,7 @@ def test_export_after_training_loads_in_transformers(hf_dir, tmp_path, topo):
     assert not torch.allclose(trained, hf_dir[1], atol=1e-3)  # training moved the weights
     files = sorted(os.listdir(out))
     assert "model.safetensors.index.json" in files and "config.json" in files and len(files) > 3
-    assert not any(".tmp-" in f for f in os.listdir(tmp_path))
+    assert not any(f.endswith(".tmp") for f in os.listdir(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(_logits(back), trained, rtol=0, atol=2e-5)
     # every byte written once, by one rank (parameters() lists the tied embedding once)

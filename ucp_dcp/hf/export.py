@@ -5,7 +5,8 @@ Every saved chunk of every mapped atom is read once (ranged and checksum-verifie
 place in the output files, converting dtype and rotary row order on the way: memory holds a few
 chunks, never a whole tensor. Under a process group the atoms are split across the ranks, which
 write into the same pre-sized files. The folder appears under its name only when complete (written
-as ``<out>.tmp-<id>`` and renamed), so a crash never leaves a half-written export that looks whole.
+as ``.ucp-hf-export-<id>.tmp`` next to it and renamed), so a crash never leaves a half-written export
+that looks whole.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ class _CopyPlanner(LoadPlanner):
         raise UCPError(f"export_hf planned an object read ({read_item.storage_index.fqn})")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        dtype = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
-        buf = torch.empty(tuple(read_item.lengths), dtype=dtype)
-        self._scratch[id(read_item)] = buf  # the reader may resolve an item twice; one buffer
-        return self._scratch.setdefault(id(read_item), buf)
+        buf = self._scratch.get(id(read_item))
+        if buf is None:  # the reader may resolve an item twice (destination, then delivery): one buffer
+            dtype = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
+            buf = self._scratch[id(read_item)] = torch.empty(tuple(read_item.lengths), dtype=dtype)
+        return buf
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         ts = self.tensors[read_item.storage_index.fqn]
@@ -204,8 +206,11 @@ def _config(config: dict[str, Any], dtype: torch.dtype | None, md: Metadata, ato
 
 
 def _shared_tmp(out: str, rank: int, world: int) -> str:
-    """One temporary folder name for all ranks (the coordinator's choice)."""
-    name = [f"{out}.tmp-{uuid.uuid4().hex[:8]}"]
+    """One temporary folder name for all ranks (the coordinator's choice), next to ``out`` and not
+    derived from its name: a crashed export must not look like a checkpoint to tools that scan the
+    parent folder by name (torchtitan takes any name containing ``step-<N>``)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    name = [os.path.join(parent, f".ucp-hf-export-{uuid.uuid4().hex[:12]}.tmp")]
     if world > 1:
         dist.broadcast_object_list(name, src=0)
     return name[0]
