@@ -39,7 +39,7 @@ ATOL = 2e-5
 
 
 def _models() -> dict:
-    from ucp_dcp.hf.presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+    from ucp_dcp.toy.hf import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
     return {"llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
             "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig")}
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     import transformers
 
-    from ucp_dcp.hf.presets import TOY_LLAMA
+    from ucp_dcp.toy.hf import TOY_LLAMA
 
     tokens = torch.randint(0, TOY_LLAMA.vocab, (3, TOY_LLAMA.seq_len), generator=torch.Generator().manual_seed(5))
     torch.save(tokens, out / "tokens.pt")

@@ -29,7 +29,7 @@ from ucp_dcp.hf import HFMapping, HFRule, HFStorageReader
 from ucp_dcp.hf.export import export_hf
 from ucp_dcp.hf.files import HFTensor, create_files, plan_files, write_box
 from ucp_dcp.hf.mapping import atom_rows, hf_rows
-from ucp_dcp.hf.presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+from ucp_dcp.toy.hf import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 from ucp_dcp.hf.safetensors import encode_header, read_header
 
 transformers = pytest.importorskip("transformers")
@@ -338,3 +338,22 @@ def test_export_refuses_a_checkpoint_without_mapped_atoms(tmp_path):
     with pytest.raises(UCPError, match="no atom of the checkpoint maps"):
         export_hf(str(tmp_path / "c"), str(tmp_path / "o"), toy_llama(CFG))
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
+    """``export --to hf --mapping ucp_dcp.toy.hf:toy_llama_mapping`` of a one-process checkpoint of the
+    toy's logical parameters: transformers loads it and its q/k rows are in HF's rotate-half order."""
+    from ucp_dcp.__main__ import main
+    from ucp_dcp.toy.model import logical_params
+
+    params = logical_params(CFG, seed=4)
+    ucp_dcp.save({"model": params}, str(tmp_path / "ckpt"))
+    assert main(["export", "--to", "hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--mapping",
+                 "ucp_dcp.toy.hf:toy_llama_mapping", "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    q = back.model.layers[2].self_attn.q_proj.weight
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, _titan_to_hf(params["layers.2.attn.wq.weight"], CFG.n_heads).bfloat16())
+    assert torch.equal(back.model.embed_tokens.weight, params["tok_embeddings.weight"].bfloat16())
+    assert main(["export", "--to", "hf", str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--mapping", "os:getcwd"]) == 2
+    assert "not an HFMapping" in capsys.readouterr().err

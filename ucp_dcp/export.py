@@ -23,8 +23,8 @@ not used to build anything (an explicit data-parallel degree must equal --dp): t
 torchtitan reshards it at load to any FSDP/TP/PP layout whose data-parallel degree (dp_replicate x dp_shard) is --dp.
 
 --to hf writes the model atoms as a Hugging Face folder (safetensors shards, index, config.json) under a declared
-mapping: --mapping toy-llama / toy-mixtral (the recipe's toy LLM), or --mapping torchtitan with the job's --module and
---config (llama3, qwen3). Runs under torchrun too (each rank copies a share of the atoms).
+mapping: --mapping torchtitan with the job's --module and --config (llama3, qwen3), or --mapping package.module:callable
+returning an ucp_dcp.hf.HFMapping (the recipe's toy LLM: ucp_dcp.toy.hf:toy_llama_mapping). Runs under torchrun too (each rank copies a share of the atoms).
 
 examples:
   python -m ucp_dcp export --to hf outputs/checkpoint/step-100 hf-out --mapping torchtitan --module llama3 \\
@@ -49,8 +49,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=None,
                    help="--to torchtitan (required): data-parallel degree of the stock job that resumes (one "
                         "dataloader entry per rank)")
-    p.add_argument("--mapping", choices=("toy-llama", "toy-mixtral", "torchtitan"), default=None,
-                   help="--to hf (required): the model family's HF names and row orders")
+    p.add_argument("--mapping", default=None,
+                   help="--to hf (required): the model family's HF names and row orders: 'torchtitan' (with the "
+                        "job's --module and --config) or 'package.module:callable' returning an HFMapping, e.g. "
+                        "ucp_dcp.toy.hf:toy_llama_mapping")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="--to hf: dtype of the exported tensors (default: as saved)")
     p.add_argument("--max-shard-size", type=int, default=5 << 30, help="--to hf: most data bytes per file")
@@ -102,16 +104,29 @@ def _run_hf(a: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _hf_mapping(name: str | None, extra: list[str]) -> Any:
+    """``torchtitan`` (the job's --module/--config follow) or ``package.module:callable`` returning an
+    HFMapping (your own code, imported as named: nothing comes from the checkpoint)."""
     if name is None:
-        raise UCPError("export --to hf needs --mapping", hint="toy-llama, toy-mixtral or torchtitan")
+        raise UCPError("export --to hf needs --mapping", hint="torchtitan, or package.module:callable")
     if name == "torchtitan":
         try:
-            from .torchtitan.hf import mapping_from_flags
+            from .torchtitan.export import mapping_from_flags
         except ImportError as e:
             raise UCPError(f"--mapping torchtitan needs torchtitan: {e}") from None
         return mapping_from_flags(extra)
     if extra:
         raise UCPError(f"unexpected arguments for --mapping {name}: {extra}")
-    from .hf import presets
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise UCPError(f"--mapping {name!r}: expected 'torchtitan' or 'package.module:callable'")
+    import importlib
 
-    return presets.toy_llama(presets.TOY_LLAMA) if name == "toy-llama" else presets.toy_mixtral(presets.TOY_MIXTRAL)
+    from .hf.mapping import HFMapping
+
+    try:
+        mapping = getattr(importlib.import_module(module), attr)()
+    except (ImportError, AttributeError) as e:
+        raise UCPError(f"--mapping {name}: {e}") from None
+    if not isinstance(mapping, HFMapping):
+        raise UCPError(f"--mapping {name} returned a {type(mapping).__name__}, not an HFMapping")
+    return mapping

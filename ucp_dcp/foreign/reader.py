@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from .._compat import _StorageInfo
 from ..commit import Integrity
 from ..coverage import exact_cover_problem
 from ..errors import CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning

@@ -5,9 +5,8 @@
   separate HF tensors, rotary rows permuted, each rank reading only the byte ranges it needs.
 * :func:`load_hf`: the same in one call; :func:`export_hf`: a ucp_dcp checkpoint of any layout
   to an HF folder (shards, index, ``config.json``), box by box, never assembling the model.
-* :mod:`.mapping`: the rules (:class:`HFRule`, :class:`HFMapping`); :mod:`.presets`: the toy LLM,
-  torchtitan's llama3 and qwen3
-  (:mod:`ucp_dcp.torchtitan.hf`).
+* :mod:`.mapping`: the rules (:class:`HFRule`, :class:`HFMapping`). Declared mappings: torchtitan's
+  llama3 and qwen3 (:mod:`ucp_dcp.torchtitan.hf`), the recipe's toy LLM (:mod:`ucp_dcp.toy.hf`).
 
 See docs/huggingface.md.
 """

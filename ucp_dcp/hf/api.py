@@ -24,7 +24,7 @@ def load_hf(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, mapping: HFMap
             **planner_options: Any) -> ReadStats:
     """Load the Hugging Face folder ``path`` into ``state_dict`` in place (collective), at its layout.
 
-    ``mapping`` names the HF tensors' atoms (:mod:`ucp_dcp.hf.presets`); ``planner_options`` go to
+    ``mapping`` names the HF tensors' atoms (e.g. :func:`ucp_dcp.torchtitan.hf.hf_mapping`); ``planner_options`` go to
     :class:`~ucp_dcp.UCPLoadPlanner` (the target's ``patterns``, ``stage_map``, ``expert_map``,
     ``allow_partial_load`` for target weights HF does not have...). ``quiet``: do not warn that
     safetensors carries no checksums. Returns this rank's I/O figures.

@@ -138,7 +138,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, mapping: HF
     the atoms); otherwise one process does all of it with ``thread_count`` file threads.
 
     Args:
-        mapping: atom <-> HF names and row orders (:mod:`ucp_dcp.hf.presets`); its ``config`` is
+        mapping: atom <-> HF names and row orders (e.g. :func:`ucp_dcp.torchtitan.hf.hf_mapping`); its ``config`` is
             written as ``config.json`` unless ``config`` is given.
         dtype: dtype of the exported tensors (default: as saved, e.g. ``torch.bfloat16`` to halve
             an fp32 checkpoint).

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
+from .._compat import _StorageInfo
 from ..commit import Integrity
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
 from ..io_format import TensorRecord, box_grid, item_key
@@ -98,7 +98,7 @@ class HFStorageReader(UCPFileSystemReader):
 
     Use with :class:`~ucp_dcp.UCPLoadPlanner` (the target's patterns: fused, padded, tied, stage and
     expert maps) and an :class:`~ucp_dcp.hf.mapping.HFMapping` (or a preset of
-    :mod:`ucp_dcp.hf.presets`)::
+    :func:`ucp_dcp.torchtitan.hf.hf_mapping`)::
 
         dcp.load(model_sd, storage_reader=HFStorageReader(hf_dir, llama3_mapping(args)),
                  planner=UCPLoadPlanner(patterns=...))

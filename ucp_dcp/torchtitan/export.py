@@ -611,3 +611,11 @@ def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[di
         return value, f"{dp} per-rank stock entries copied as saved (dp_rank_0..{dp - 1}, world_size {dp})"
     tokenizer = cfg.tokenizer.build(tokenizer_path=cfg.hf_assets_path)
     return _cursor_to_stock(cfg, value, dp, tokenizer)
+
+
+def mapping_from_flags(argv: list[str]) -> Any:
+    """:func:`~ucp_dcp.torchtitan.hf.hf_mapping` of the model a torchtitan job's flags describe
+    (``--module llama3 --config llama3_8b ...``; ``export --to hf --mapping torchtitan``)."""
+    from .hf import hf_mapping
+
+    return hf_mapping(_job_config(_parse(argv)).model_spec.model)

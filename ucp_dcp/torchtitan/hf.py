@@ -27,7 +27,7 @@ from ..errors import UCPError
 from ..hf.mapping import HFMapping, HFRule
 from ..patterns import Tied
 
-__all__ = ["hf_mapping", "tied_rules", "model_config_of", "mapping_from_flags"]
+__all__ = ["hf_mapping", "tied_rules", "model_config_of"]
 
 _L = "model.layers.{i}."
 _A = "layers.{i}.attention."
@@ -185,10 +185,3 @@ def tied_rules(model: Any) -> list[Tied]:
     cfg = model_config_of(model)
     return [Tied("tok_embeddings.weight", (r"lm_head\.weight",))] if cfg.enable_weight_tying else []
 
-
-def mapping_from_flags(argv: list[str]) -> HFMapping:
-    """:func:`hf_mapping` of the model a torchtitan job's flags describe (``--module llama3 --config
-    llama3_8b ...``, as ``python -m ucp_dcp export --to hf --mapping torchtitan`` receives them)."""
-    from .export import _job_config, _parse
-
-    return hf_mapping(_job_config(_parse(argv)).model_spec.model)

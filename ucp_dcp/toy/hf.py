@@ -1,17 +1,19 @@
-"""Declared HF mappings: the recipe's toy LLM (as a Llama) and torchtitan's llama3 and qwen3.
+"""The toy LLM as Hugging Face models: declared HF mappings (a Llama, a Mixtral) and ready configs.
 
-Each preset is a function of the model's sizes (rotary rows are permuted per head, so the head
+Each mapping is a function of the model's sizes (rotary rows are permuted per head, so the head
 counts are part of the rule) returning an :class:`~ucp_dcp.hf.mapping.HFMapping` whose ``config``
-is the ``config.json`` an export writes for ``transformers``.
+is the ``config.json`` an export writes for ``transformers``. torchtitan's llama3 and qwen3:
+:mod:`ucp_dcp.torchtitan.hf`. ``python -m ucp_dcp export --to hf --mapping
+ucp_dcp.toy.hf:toy_llama_mapping`` exports a toy checkpoint.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .mapping import HFMapping, HFRule
+from ..hf.mapping import HFMapping, HFRule
 
-__all__ = ["toy_llama", "toy_mixtral", "TOY_LLAMA", "TOY_MIXTRAL"]
+__all__ = ["toy_llama", "toy_mixtral", "toy_llama_mapping", "toy_mixtral_mapping", "TOY_LLAMA", "TOY_MIXTRAL"]
 
 _L = "model.layers.{i}."
 
@@ -59,7 +61,7 @@ def _check_toy(cfg: Any, moe: bool) -> None:
     if cfg.rope_theta is None or cfg.res_gain or (has_moe and not all_moe if moe else has_moe):
         raise ValueError(f"{'toy_mixtral' if moe else 'toy_llama'} needs a toy config with rope_theta set, "
                          f"res_gain=False and {'every layer MoE' if moe else 'no MoE layers'} "
-                         "(see ucp_dcp.hf.presets.TOY_LLAMA / TOY_MIXTRAL)")
+                         "(see TOY_LLAMA / TOY_MIXTRAL)")
 
 
 def toy_llama(cfg: Any, prefix: str = "model.") -> HFMapping:
@@ -92,7 +94,7 @@ def toy_mixtral(cfg: Any, prefix: str = "model.") -> HFMapping:
 
 
 def _toy_configs() -> dict[str, Any]:
-    from ..toy.model import ModelConfig
+    from .model import ModelConfig
 
     base = dict(vocab=61, vocab_multiple=7, dim=48, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=52,
                 rope_theta=10000.0, res_gain=False)
@@ -101,7 +103,18 @@ def _toy_configs() -> dict[str, Any]:
                                        top_k=2, expert_dim=24)}
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("TOY_LLAMA", "TOY_MIXTRAL"):  # lazily: the toy package imports torch.distributed pieces
-        return _toy_configs()[name]
-    raise AttributeError(name)
+_CONFIGS = _toy_configs()
+TOY_LLAMA = _CONFIGS["TOY_LLAMA"]
+"""The toy LLM as a Llama: rotary embeddings, no MoE, no residual gains."""
+TOY_MIXTRAL = _CONFIGS["TOY_MIXTRAL"]
+"""The toy LLM as a Mixtral: every layer MoE (stacked experts in layers 0 and 2, expert lists in 1 and 3)."""
+
+
+def toy_llama_mapping() -> HFMapping:
+    """:func:`toy_llama` of :data:`TOY_LLAMA` (for ``export --to hf --mapping``)."""
+    return toy_llama(TOY_LLAMA)
+
+
+def toy_mixtral_mapping() -> HFMapping:
+    """:func:`toy_mixtral` of :data:`TOY_MIXTRAL`."""
+    return toy_mixtral(TOY_MIXTRAL)
