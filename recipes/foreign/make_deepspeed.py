@@ -68,9 +68,10 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-# Odd sizes on purpose: every tensor's numel is = 2 mod 4 or so, so ZeRO-1/2 pad the end of each flat
-# group at dp=2 (a group is aligned to 2 * dp elements) and ZeRO-3 pads the norms (50 elements) at dp=3.
-CFG_KW = dict(vocab=61, vocab_multiple=7, dim=50, n_layers=4, n_heads=5, n_kv_heads=1, ffn_dim=53,
+# Sizes a TP=2 target can take (even KV heads, even FFN) whose flat groups do not divide evenly: at
+# dp=3, ZeRO-1/2 pad the end of group 0 (aligned to 2 * dp elements) and ZeRO-3 pads every
+# 56-element norm (ceil(56 / 3) = 19 per rank).
+CFG_KW = dict(vocab=61, vocab_multiple=7, dim=56, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=54,
               stacked_moe_layers=(), list_moe_layers=(), rope_theta=10000.0, res_gain=False)
 BATCH_PER_RANK = 4
 

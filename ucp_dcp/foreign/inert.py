@@ -109,6 +109,13 @@ def _rebuild_parameter(data: Any, *rest: Any) -> Any:
     return data
 
 
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """A tensor subclass or a tensor with attributes (DeepSpeed's ``ds_id``): the plain tensor."""
+    if func is not _rebuild_tensor or not isinstance(args, tuple):
+        raise pickle.UnpicklingError("a typed tensor rebuilt by something other than _rebuild_tensor_v2")
+    return _rebuild_tensor(*args)
+
+
 class _InertUnpickler(pickle.Unpickler):
     def __init__(self, f: Any) -> None:
         super().__init__(f)
@@ -121,6 +128,8 @@ class _InertUnpickler(pickle.Unpickler):
             return _rebuild_tensor
         if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
             return _rebuild_parameter
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type
         if module == "torch" and name.endswith("Storage"):
             return ("storage-type", torch.storage._get_dtype_from_pickle_storage_type(name))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.device.__class__)):
