@@ -84,11 +84,11 @@ class RowLayout:
 
 def split_rows(layout: RowLayout, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]
                ) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
-    """A contiguous box of the source parameter as boxes of its atoms:
+    """A box of the source parameter, stored as its own row-major tensor, as boxes of its atoms:
     ``(atom, offsets in the atom, sizes, element offset from the box's first element)``."""
     if not shape:
         return [(layout.atoms[0], (), (), 0)]
-    row = math.prod(shape[1:])
+    row = math.prod(sizes[1:])
     lo, hi = offsets[0], offsets[0] + sizes[0]
     out = []
     for s in layout.segments:

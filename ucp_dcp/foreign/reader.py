@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from .._compat import _StorageInfo
+from .._compat import _StorageInfo, narrow_tensor_by_index
 from ..commit import Integrity
 from ..coverage import exact_cover_problem
 from ..errors import CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
@@ -44,10 +44,11 @@ FOREIGN_KEY = "__ucp_foreign__"
 
 
 def row_layout(param: str, rows: int, rules: Sequence[Rule], degrees: dict[str, int] | None = None,
-               prefix: str = "") -> RowLayout:
+               prefix: str = "", suffix: str = "") -> RowLayout:
     """How ``param`` (``rows`` long on dim 0) holds atoms in the source: the first dim-0 ``Fused``
     rule matching it (``blocks`` naming a mesh dim takes the source's degree from ``degrees``,
-    default 1) and the first dim-0 ``Padded`` rule. Atoms get ``prefix``."""
+    default 1) and the first dim-0 ``Padded`` rule. Atoms are ``prefix + part + suffix``
+    (``"model."``; ``"optim.state."`` and ``".exp_avg"``)."""
     degrees = degrees or {}
     size = rows
     for r in rules:
@@ -64,8 +65,9 @@ def row_layout(param: str, rows: int, rules: Sequence[Rule], degrees: dict[str, 
         if problem:
             raise UCPError(f"'{param}' ({rows} rows) is not fused as {r}: {problem}", atom=param, saved=rows,
                            wanted=sum(sizes), hint="check the source's degrees and the model sizes of the rules")
-        return RowLayout(tuple(prefix + m.expand(t) for t, _ in r.parts), tuple(fused_segments(sizes, blocks)), rows)
-    return RowLayout((prefix + param,), (Segment(0, rows, 0, 0),), size)
+        return RowLayout(tuple(prefix + m.expand(t) + suffix for t, _ in r.parts), tuple(fused_segments(sizes, blocks)),
+                         rows)
+    return RowLayout((prefix + param + suffix,), (Segment(0, rows, 0, 0),), size)
 
 
 class ForeignReader(UCPFileSystemReader):
@@ -121,7 +123,16 @@ class ForeignReader(UCPFileSystemReader):
         if by_atom:
             raise UCPError(f"pieces of undeclared atoms {sorted(by_atom)[:4]}")
         encoded: dict[str, bytes] = {}
+        tensors: dict[str, bytes] = {}
         for atom, value in sorted(values.items()):
+            if isinstance(value, torch.Tensor):  # a tensor the format keeps as a number (a step in a dict)
+                t = value.detach().contiguous()
+                tensors[atom] = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                zeros = (0,) * t.dim()
+                state[atom] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.size(),
+                                                    [ChunkStorageMetadata(torch.Size(zeros), t.size())])
+                storage[MetadataIndex(atom, zeros)] = _StorageInfo("", 0, len(tensors[atom]))
+                continue
             buf = io.BytesIO()
             torch.save(value, buf)
             encoded[atom] = buf.getvalue()
@@ -132,7 +143,7 @@ class ForeignReader(UCPFileSystemReader):
             if have < need:
                 raise CorruptCheckpointError(f"{self.path}/{rel} has {have} bytes; its pieces reach {need}",
                                              saved=need, wanted=have, hint="the file is truncated")
-        storage[MetadataIndex(FOREIGN_KEY)] = {"values": encoded,
+        storage[MetadataIndex(FOREIGN_KEY)] = {"values": encoded, "tensors": tensors,
                                                "files": {k: os.path.getsize(os.path.join(self.path, k))
                                                          for k in sizes}}
         return Metadata(state_dict_metadata=state, planner_data={}, storage_data=storage)
@@ -145,6 +156,7 @@ class ForeignReader(UCPFileSystemReader):
             raise UCPError(f"{type(self).__name__} was set up with metadata it did not read",
                            hint="let dcp.load call read_metadata() on this reader")
         self._values: dict[str, bytes] = table["values"]
+        self._tensors: dict[str, bytes] = table.get("tensors", {})
         self.integrity = Integrity("none", files=table["files"])
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if is_coordinator:
@@ -160,9 +172,21 @@ class ForeignReader(UCPFileSystemReader):
         # plain values are decoded from the metadata, not read from a file
         mine = set(skip)
         for i, item in enumerate(job.plan.items):
-            if i not in skip and item.type == LoadItemType.BYTE_IO and item.storage_index.fqn in self._values:
-                data = memoryview(self._values[item.storage_index.fqn])
+            fqn = item.storage_index.fqn
+            if i in skip:
+                continue
+            if item.type == LoadItemType.BYTE_IO and fqn in self._values:
+                data = memoryview(self._values[fqn])
                 job.keep_if_sent(item, data)
                 job.objects.append((item, data))
+                mine.add(i)
+            elif item.type != LoadItemType.BYTE_IO and fqn in self._tensors:
+                dtype, shape = self._chunk_meta[item.storage_index]
+                whole = torch.frombuffer(bytearray(self._tensors[fqn]), dtype=dtype).view(shape) if shape else \
+                    torch.frombuffer(bytearray(self._tensors[fqn]), dtype=dtype).view(())
+                box = narrow_tensor_by_index(whole, item.storage_offsets, item.lengths).contiguous()
+                data = memoryview(box.view(-1).view(torch.uint8).numpy()) if box.numel() else memoryview(b"")
+                job.keep_if_sent(item, data)
+                job.deliver(item, data, dtype)
                 mine.add(i)
         super()._read_local(job, mine)
