@@ -6,13 +6,13 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,torchtitan]'
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,torchtitan,foreign]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -53,6 +53,11 @@ plan-demo: $(STAMP)
 # a trained export loads back in transformers; last line HF OK / HF MISMATCH (docs/huggingface.md)
 hf-demo: $(STAMP)
 	$(BIN)/python recipes/hf_demo.py
+
+# DeepSpeed ZeRO-1/3 (+universal) and Megatron-Core torch_dist checkpoints written by the real libraries on CPU load
+# at dp2·tp2 inside dcp.load, bitwise equal to the libraries' own views; last line FOREIGN OK / MISMATCH (docs/migrating.md)
+foreign-demo: $(STAMP)
+	$(BIN)/python recipes/foreign_demo.py
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

@@ -1,0 +1,142 @@
+"""The foreign libraries' own views of their checkpoints, as the toy LLM's logical state.
+
+``make_deepspeed.py`` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
+``ds_view_optim.pt``: the live engine's moments, step and groups) and ``make_megatron.py`` Megatron's
+(``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
+toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
+bitwise. Used by ``tests/test_foreign.py`` and ``recipes/foreign_demo.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def deepspeed_config() -> Any:
+    from make_deepspeed import CFG_KW
+
+    from ucp_dcp.toy.model import ModelConfig
+
+    return ModelConfig(**CFG_KW)
+
+
+def megatron_config() -> Any:
+    from ucp_dcp.toy.hf import TOY_LLAMA
+
+    return TOY_LLAMA
+
+
+def parts(cfg: Any, name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A source parameter (fused wqkv / w13, padded embedding) as its logical parameters."""
+    from ucp_dcp.toy.model import deinterleave
+
+    hd = cfg.head_dim
+    if name.endswith("wqkv.weight"):
+        ps = deinterleave(full, [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], cfg.n_kv_heads)
+        return {name.replace("wqkv", f"w{x}"): p for x, p in zip("qkv", ps)}
+    if name.endswith("w13.weight"):
+        return {name.replace("w13", "w1"): full[:cfg.ffn_dim], name.replace("w13", "w3"): full[cfg.ffn_dim:]}
+    if name in ("tok_embeddings.weight", "output.weight"):
+        return {"tok_embeddings.weight": full[:cfg.vocab]}
+    return {name: full}
+
+
+def _source(logical: str) -> str:
+    for a, b in ((".wq.", ".wqkv."), (".wk.", ".wqkv."), (".wv.", ".wqkv."), (".w1.", ".w13."), (".w3.", ".w13.")):
+        logical = logical.replace(a, b)
+    return logical
+
+
+def megatron_name(name: str) -> str:
+    """A Megatron parameter name (``decoder.layers.0.self_attention.linear_qkv.weight``) as the toy's."""
+    n = name.replace("decoder.", "")
+    for a, b in (("self_attention.linear_qkv", "attn.wqkv"), ("self_attention.linear_proj", "attn.wo"),
+                 ("mlp.linear_fc1", "ffn.w13"), ("mlp.linear_fc2", "ffn.w2"), ("input_layernorm", "attn_norm"),
+                 ("pre_mlp_layernorm", "ffn_norm"), ("final_layernorm", "norm"),
+                 ("embedding.word_embeddings", "tok_embeddings")):
+        n = n.replace(a, b)
+    return n
+
+
+def deepspeed_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
+    """``(cfg, params, optimizer state, group of a logical param)`` as DeepSpeed sees its checkpoint."""
+    optim = torch.load(os.path.join(path, "ds_view_optim.pt"), weights_only=False)
+    by_name = {n: g for g in optim.pop("__groups__") for n in g["names"]}
+    params = torch.load(os.path.join(path, "ds_view_fp32.pt"), weights_only=False)
+    params.pop("output.weight", None)  # the tied alias (zero_to_fp32 copies it)
+    return deepspeed_config(), params, optim, lambda logical: by_name[_source(logical)]
+
+
+def megatron_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
+    """The same for a Megatron ``torch_dist`` checkpoint (groups: Megatron's default split)."""
+    from ucp_dcp.foreign.inert import load_inert
+
+    view = torch.load(os.path.join(path, "mcore_view.pt"), weights_only=False)
+    params = {megatron_name(k): v for k, v in view["params"].items()}
+    optim = {megatron_name(k): v for k, v in view["optim"].items()}
+    common = load_inert(os.path.join(path, "common.pt")).obj["optimizer"]
+    pgs = common.get("optimizer", common)["param_groups"]
+    decay = next(g for g in pgs if g["wd_mult"] == 1.0)
+    no_decay = next(g for g in pgs if g["wd_mult"] == 0.0)
+    return megatron_config(), params, optim, lambda logical: no_decay if "norm" in logical else decay
+
+
+def compare(view: tuple[Any, dict, dict, Callable[[str], dict]], state: dict) -> tuple[int, list[str]]:
+    """Bitwise: every logical parameter, both Adam moments and the step, and the groups' lr, betas,
+    eps and weight decay. Returns (tensors compared, mismatches)."""
+    cfg, params, optim, groups = view
+    bad, n = [], 0
+    for name, full in params.items():
+        for logical, want in parts(cfg, name, full).items():
+            n += 1
+            if not torch.equal(state[f"param/{logical}"], want):
+                bad.append(f"param {logical}")
+    for name, st in optim.items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            for logical, want in parts(cfg, name, st[kind]).items():
+                n += 1
+                if not torch.equal(state[f"state/{logical}/{kind}"], want):
+                    bad.append(f"{kind} {logical}")
+        for logical in parts(cfg, name, st["exp_avg"]):
+            if float(state[f"state/{logical}/step"]) != float(st["step"]):
+                bad.append(f"step {logical}")
+            hp = dict(eval(state[f"group/{logical}"], {"__builtins__": {}}))  # noqa: S307  (the oracle's own repr)
+            want = groups(logical)
+            bad += [f"group {logical} {k} {hp[k]} != {want[k]}" for k in ("lr", "betas", "eps", "weight_decay")
+                    if hp[k] != want[k]]
+    return n, bad
+
+
+def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = None) -> dict | None:
+    """On every rank of the current process group: the toy trainer at ``topo_text`` loads the
+    foreign checkpoint (model and torch AdamW) with ucp_dcp; returns the logical state on rank 0."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_dcp import UCPLoadPlanner
+    from ucp_dcp.errors import ucp_errors
+    from ucp_dcp.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.foreign.megatron import MegatronReader
+    from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
+
+    cfg = deepspeed_config() if kind == "deepspeed" else megatron_config()
+    job = build_job(Topology.parse(topo_text))
+    tr = build_trainer(cfg, job, seed=99)
+    opts = ucp_options(cfg, job.topo, job.coord, model_only=True)
+    reader_cls = DeepSpeedReader if kind == "deepspeed" else MegatronReader
+    reader = reader_cls(path, patterns=opts["patterns"], **(options or {}))
+    sd = tr.state_dict()
+    sd.pop("train_state")
+    with ucp_errors():
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(**opts))
+    tr.load_state_dict({**sd, "train_state": {"step": 0, "tokens_seen": 0}})
+    state = logical_state(tr)
+    state["__bytes_read__"] = reader.stats.bytes_read
+    return state if dist.get_rank() == 0 else None
