@@ -20,7 +20,6 @@ The last line is ``HF OK: ...`` (exit 0) or ``HF MISMATCH: ...`` (exit 1).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import os

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp_dcp import Fused, Padded, UCPLoadPlanner
-from ucp_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, ucp_errors
+from ucp_dcp.errors import CorruptCheckpointError, ucp_errors
 from ucp_dcp.foreign.inert import Opaque, TensorRef, load_inert, parse_pickle
 from ucp_dcp.foreign.pieces import Piece, flat_boxes, split_rows
 from ucp_dcp.foreign.reader import ForeignReader, row_layout

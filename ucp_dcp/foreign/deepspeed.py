@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ..patterns import Rule
-from .inert import Opaque, TensorRef, TorchFile, load_inert
+from .inert import Opaque, TensorRef, dig, TorchFile, load_inert
 from .pieces import Piece, flat_boxes, split_rows
 from .reader import ForeignReader, row_layout
 
@@ -45,17 +45,6 @@ __all__ = ["DeepSpeedReader", "STATES"]
 
 STATES = ("exp_avg", "exp_avg_sq")
 """The Adam moments read (the flat buffers of ``torch.optim.Adam``/``AdamW``)."""
-
-
-def _opt(d: Any, *keys: Any) -> Any:
-    for k in keys:
-        if isinstance(d, Opaque):
-            d = d.field(k)
-        elif isinstance(d, (dict, list, tuple)):
-            d = d[k]
-        else:
-            raise KeyError(k)
-    return d
 
 
 class DeepSpeedReader(ForeignReader):
@@ -106,7 +95,7 @@ class DeepSpeedReader(ForeignReader):
             raise CheckpointNotFoundError(f"{self.path} has no *_model_states.pt file")
         model = load_inert(os.path.join(self.path, model_files[0]))
         self._check_model(model)
-        shapes = [{str(k): tuple(int(x) for x in v) for k, v in _items(g)} for g in _opt(model.obj, "param_shapes")]
+        shapes = [{str(k): tuple(int(x) for x in v) for k, v in _items(g)} for g in dig(model.obj, "param_shapes")]
         self._shared = set(_items_dict(model.obj.get("shared_params") or {}))
         self._atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._pieces: list[Piece] = []
@@ -123,7 +112,7 @@ class DeepSpeedReader(ForeignReader):
                         part = atom[len(self.prefix):]
                         values.update({f"{self.optim}param_groups.{part}.{k}": v for k, v in hp.items()})
         for name in _buffers(model.obj):
-            self._whole(model, name, _opt(model.obj, "module", name), "")
+            self._whole(model, name, dig(model.obj, "module", name), "")
         return self._pieces, self._atoms, values
 
     def _check_model(self, model: TorchFile) -> None:
@@ -131,7 +120,7 @@ class DeepSpeedReader(ForeignReader):
         if not isinstance(o, dict) or "param_shapes" not in o:
             raise CorruptCheckpointError(f"{model.path} is not a DeepSpeed model-states file (no param_shapes)",
                                          hint="DeepSpeed's own MoE expert files (layer_*_expert_*) are not read")
-        if int(o.get("mp_world_size") or 1) != 1 or int(_opt(o.get("checkpoint_parallel_dimensions") or {"pp_degree": 1},
+        if int(o.get("mp_world_size") or 1) != 1 or int(dig(o.get("checkpoint_parallel_dimensions") or {"pp_degree": 1},
                                                              "pp_degree")) != 1:
             raise UCPError(f"{model.path}: a DeepSpeed checkpoint with model parallelism (mp_world_size="
                            f"{o.get('mp_world_size')}) is not read yet",
@@ -190,33 +179,33 @@ class DeepSpeedReader(ForeignReader):
         groups: list[Any] = []
         for r, fname in files:
             tf = load_inert(os.path.join(self.path, fname))
-            osd = _opt(tf.obj, "optimizer_state_dict")
+            osd = dig(tf.obj, "optimizer_state_dict")
             if self.kind == "zero3":
-                fp32, base = _opt(osd, "fp32_flat_groups"), _opt(osd, "optimizer_state_dict")
-                count = int(_opt(osd, "partition_count"))
+                fp32, base = dig(osd, "fp32_flat_groups"), dig(osd, "optimizer_state_dict")
+                count = int(dig(osd, "partition_count"))
             else:
-                fp32, base = _opt(osd, "single_partition_of_fp32_groups"), _opt(osd, "base_optimizer_state")
-                count = int(_opt(osd, "partition_count")[0])
+                fp32, base = dig(osd, "single_partition_of_fp32_groups"), dig(osd, "base_optimizer_state")
+                count = int(dig(osd, "partition_count")[0])
             if count != dp:
                 raise CorruptCheckpointError(f"{fname} was written by one of {count} ranks, the folder has {dp} files",
                                              hint="the checkpoint is incomplete or mixes two saves")
             if len(fp32) != len(shapes):
                 raise UCPError(f"{fname}: {len(fp32)} flat groups for {len(shapes)} param groups (ZeRO-3 sub-groups "
                                "smaller than a group are not read)", hint="save with a sub_group_size above the model size")
-            state = _opt(base, "state")
+            state = dig(base, "state")
             for g, group in enumerate(shapes):
                 st = state[g] if g in state else state[str(g)]
-                bufs = {"": fp32[g], **{"." + k: _opt(st, k) for k in STATES}}
+                bufs = {"": fp32[g], **{"." + k: dig(st, k) for k in STATES}}
                 if self.kind == "zero3":
                     self._zero3_group(tf, r, dp, group, bufs)
                 else:
-                    pads = _opt(osd, "param_alignment_paddings")[g]
+                    pads = dig(osd, "param_alignment_paddings")[g]
                     self._zero12_group(tf, r, dp, group, pads, bufs)
                 if r == 0:
                     for name, shape in group.items():
-                        self._step(tf, name, shape, _opt(st, "step"))
+                        self._step(tf, name, shape, dig(st, "step"))
             if r == 0:
-                groups = list(_opt(base, "param_groups"))
+                groups = list(dig(base, "param_groups"))
         return groups
 
     def _zero12_group(self, tf: TorchFile, r: int, dp: int, group: dict[str, tuple[int, ...]], pads: Sequence[int],
@@ -268,7 +257,7 @@ class DeepSpeedReader(ForeignReader):
     def _universal(self, shapes: list[dict[str, tuple[int, ...]]]) -> list[Any]:
         zero = os.path.join(self.path, "zero")
         opt = load_inert(os.path.join(zero, "optimizer_state.pt"))
-        groups = list(_opt(opt.obj, "param_groups"))
+        groups = list(dig(opt.obj, "param_groups"))
         for g, group in enumerate(shapes):
             for name, shape in group.items():
                 folder = os.path.join(zero, name)
@@ -285,8 +274,8 @@ class DeepSpeedReader(ForeignReader):
                     tf = load_inert(step_file)
                     self._step(tf, name, shape, tf.obj)
                 else:  # ZeRO-3 universal: the step of the group in the optimizer state
-                    st = _opt(opt.obj, "optimizer_state_dict", "state")
-                    self._step(opt, name, shape, _opt(st[g] if g in st else st[str(g)], "step"))
+                    st = dig(opt.obj, "optimizer_state_dict", "state")
+                    self._step(opt, name, shape, dig(st[g] if g in st else st[str(g)], "step"))
         return groups
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["Opaque", "TensorRef", "TorchFile", "load_inert", "parse_pickle"]
+__all__ = ["Opaque", "TensorRef", "TorchFile", "dig", "load_inert", "parse_pickle"]
 
 
 class Opaque:
@@ -66,6 +66,13 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"<{self.qualname} args={self.args!r} state={self.state!r}>"
+
+
+def dig(obj: Any, *keys: Any) -> Any:
+    """``obj[k1][k2]...`` through dicts, lists and :class:`Opaque` fields."""
+    for k in keys:
+        obj = obj.field(k) if isinstance(obj, Opaque) else obj[k]
+    return obj
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ installed; nothing in the files runs).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from .._compat import _create_file_view
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ..io_format import parse_tensor_record
 from ..patterns import Rule
-from .inert import Opaque, TensorRef, load_inert, parse_pickle
+from .inert import Opaque, TensorRef, dig, load_inert, parse_pickle
 from .pieces import Piece, split_rows
 from .reader import ForeignReader, row_layout
 
@@ -110,8 +109,8 @@ class MegatronReader(ForeignReader):
         common = load_inert(os.path.join(self.path, "common.pt"))
         self._check_args(common.obj.get("args"))
         md = self._metadata_file()
-        state = _opt(md, "state_dict_metadata")
-        storage = _storage_index(_opt(md, "storage_data"))
+        state = dig(md, "state_dict_metadata")
+        storage = _storage_index(dig(md, "storage_data"))
         optimizer = common.obj.get("optimizer") or {}
         sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
         if sharding == "dp_reshardable" or any(str(k).startswith("optimizer.distributed.") for k in state):
@@ -192,8 +191,8 @@ class MegatronReader(ForeignReader):
 
     def _key_pieces(self, key: str, rule: MegatronRule, kind: str | None, smd: Any, storage: Any,
                     pieces: list[Piece], atoms: dict) -> None:
-        size = tuple(int(x) for x in _opt(smd, "size"))
-        dtype = _dtype(_opt(smd, "properties"), key)
+        size = tuple(int(x) for x in dig(smd, "size"))
+        dtype = _dtype(dig(smd, "properties"), key)
         shape = size[1:] if rule.stacked else size
         layers = size[0] if rule.stacked else 1
         suffix = f".{kind}" if kind else ""
@@ -204,15 +203,15 @@ class MegatronReader(ForeignReader):
             for k, atom in enumerate(layout.atoms):
                 rows = sum(s.length for s in layout.segments if s.part == k) if len(layout.atoms) > 1 else layout.size
                 atoms.setdefault(atom, (dtype, (rows, *shape[1:]) if shape else ()))
-        for chunk in _opt(smd, "chunks"):
-            offs = tuple(int(x) for x in _opt(chunk, "offsets"))
-            sizes = tuple(int(x) for x in _opt(chunk, "sizes"))
+        for chunk in dig(smd, "chunks"):
+            offs = tuple(int(x) for x in dig(chunk, "offsets"))
+            sizes = tuple(int(x) for x in dig(chunk, "sizes"))
             info = storage.get((key, offs))
             if info is None:
                 raise CorruptCheckpointError(f".metadata lists chunk {list(offs)} of '{key}' but no storage entry for "
                                              "it", atom=key, hint="the checkpoint's metadata is damaged")
-            rel = str(_opt(info, "relative_path"))
-            at = self._item_data(rel, int(_opt(info, "offset")), int(_opt(info, "length")), key, dtype, sizes)
+            rel = str(dig(info, "relative_path"))
+            at = self._item_data(rel, int(dig(info, "offset")), int(dig(info, "length")), key, dtype, sizes)
             stride = int(torch.Size(sizes[1:]).numel()) if rule.stacked else 0
             for j in range(sizes[0] if rule.stacked else 1):
                 layer = offs[0] + j if rule.stacked else 0
@@ -297,12 +296,6 @@ def _split_key(key: str) -> tuple[str | None, str]:
     return None, key
 
 
-def _opt(obj: Any, *names: str) -> Any:
-    for n in names:
-        obj = obj.field(n) if isinstance(obj, Opaque) else obj[n]
-    return obj
-
-
 def _storage_index(storage: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
     """``(key, chunk offsets) -> storage info`` of an inertly parsed ``storage_data``."""
     if not isinstance(storage, dict):
@@ -311,5 +304,5 @@ def _storage_index(storage: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
     for index, info in storage.items():
         if isinstance(index, Opaque):
             offset = (index.state or {}).get("offset") if isinstance(index.state, dict) else None
-            out[(str(_opt(index, "fqn")), tuple(int(x) for x in (offset or ())))] = info
+            out[(str(dig(index, "fqn")), tuple(int(x) for x in (offset or ())))] = info
     return out

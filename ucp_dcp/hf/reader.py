@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from .._compat import _StorageInfo
 from ..commit import Integrity
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
-from ..io_format import TensorRecord, box_grid, item_key
+from ..io_format import TensorRecord, box_grid
 from ..reader import UCPFileSystemReader
 from .mapping import HFMapping, hf_rows
 from .safetensors import SafetensorsFile, read_header
