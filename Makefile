@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ucp-dcp-installed
 
-.PHONY: demo test test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-e2e test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,14 +20,19 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
-# everything on the CPU (tests/gpu only with --gpu): the multi-process cases, one per item, on the session's
-# pool of gloo workers (tests/dist.py), the recipe and torchtitan runs in subprocesses; the 20 slowest listed
+# everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
+# multi-process cases, one per item, on the session's pool of gloo workers (tests/dist.py); the 20 slowest listed
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=20
+	$(BIN)/python -m pytest -m "not e2e" --durations=20
+
+# the end-to-end tier (marker e2e): real torchtitan Trainers under torchrun, DeepSpeed and Megatron-Core runs writing
+# the foreign checkpoints, recipe scripts and fault injection in subprocesses. CI runs it after `make test`.
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -m e2e --durations=10
 
 # the inner loop: the single-process tests plus one small multi-process case (marker quick), about a minute
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow or quick"
+	$(BIN)/python -m pytest -m "(not slow and not e2e) or quick"
 
 # the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
 # Without CUDA it prints one line and succeeds; `make test` never collects it.

@@ -19,7 +19,7 @@ pytest.importorskip("torchtitan")
 import titan_harness as tr  # noqa: E402
 import torch  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 STEPS, SAVED, GBS, SEQ = 3, 2, 8, 64
 JOB = ["--module", "llama3", "--config", "llama3_debugmodel"]  # the stock job (same model as llama3_debugmodel_ucp)

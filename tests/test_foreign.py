@@ -23,7 +23,7 @@ from ucp_dcp.errors import UCPError
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

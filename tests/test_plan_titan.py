@@ -24,7 +24,7 @@ from ucp_dcp.plan import plan_load  # noqa: E402
 from ucp_dcp.plan.titan import TitanTarget  # noqa: E402
 from ucp_dcp.summary import open_path  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 RESTART = 'ucp_dcp.torchtitan.overrides.checkpointer={"dataloader_policy": "restart"}'
 

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _recipe(*args):

@@ -327,6 +327,7 @@ def test_verify_catches_a_flip_in_an_item_frame(tmp_path):
 # -- the fault-injection recipe, small ----------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind,args,expect", [
     ("flips", ["--flips", "16"], "flips 16/16 caught"),
     ("truncations", ["--truncations", "6"], "truncations 6/6"),

@@ -438,6 +438,7 @@ def _recipe(out, *args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.e2e
 def test_fsdp1_to_fsdp2_recipe(tmp_path):
     """The recipe end to end in fresh processes: FSDP1 on 4 ranks saved with ucp_dcp, FSDP2 on 3 resumes;
     a stock FSDP1 checkpoint (dcp.save) resumed at 2 ranks with one loaded element flipped is refused."""

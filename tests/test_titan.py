@@ -14,7 +14,7 @@ pytest.importorskip("torchtitan")
 import titan_harness as tr  # noqa: E402
 from titan_harness import ROOT, titan_env  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):

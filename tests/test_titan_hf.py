@@ -146,6 +146,7 @@ def test_moe_models_are_refused_with_the_reason():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_trainer_loads_and_saves_hf_through_ucp(tmp_path):
     """HF folder (transformers, GQA llama3 debug model) -> Trainer at tp=2 with the one-flag option
     (HFStorageReader + Fused rule into TP shards of wqkv) and stock (the same layout, so the same
