@@ -42,7 +42,7 @@ def _make(script: str, *args: str) -> float:
     t0 = time.perf_counter()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "recipes" / "foreign" / script), *args], env=env,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, timeout=900)
     if res.returncode:
         print(res.stdout[-2000:], res.stderr[-4000:])
         raise SystemExit(f"FOREIGN MISMATCH: {script} {' '.join(args)} failed (exit {res.returncode})")

@@ -147,7 +147,8 @@ def test_moe_models_are_refused_with_the_reason():
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_trainer_loads_and_saves_hf_through_ucp(tmp_path):
+@pytest.mark.parametrize("topo", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     """HF folder (transformers, GQA llama3 debug model) -> Trainer at tp=2 with the one-flag option
     (HFStorageReader + Fused rule into TP shards of wqkv) and stock (the same layout, so the same
     batches): equal first losses.
@@ -164,10 +165,10 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path):
     flags = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
              "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "--checkpoint.interval", "10"]
     ours, stock = tmp_path / "ours", tmp_path / "stock"
-    tr.run_job({"tp": 2}, ours, assets, 2, flags,
+    tr.run_job(topo, ours, assets, 2, flags,
                {"UCP_TITAN_METRICS": str(ours / "loss.json"), "UCP_TITAN_STATE": str(ours / "trained.pt"),
                 "UCP_TITAN_STATE_STEP": "2"}, config=tr.STOCK_CONFIG, overrides=[tr.ONE_FLAG])
-    tr.run_job({"tp": 2}, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")},
+    tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")},
                config=tr.STOCK_CONFIG)
     log = (ours / "log.txt").read_text()
     assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
