@@ -110,9 +110,14 @@ class UCPFileSystemReader(FileSystemReader):
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
 
+    def _open(self) -> tuple[Metadata, Integrity]:
+        """The checkpoint's metadata and how far it can be verified (readers of other formats
+        override this and inherit the error handling of :meth:`read_metadata`)."""
+        return open_checkpoint(self.fs, self.path, trust=self.trust)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
-            md, self.integrity = open_checkpoint(self.fs, self.path, trust=self.trust)
+            md, self.integrity = self._open()
         except UCPError as e:
             # dcp.load turns read_metadata's exceptions into a bare AssertionError string; hand back
             # an empty Metadata carrying the error, raised by set_up_storage_reader / the planner

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from .._compat import _StorageInfo, narrow_tensor_by_index
@@ -85,16 +85,8 @@ class ForeignReader(UCPFileSystemReader):
         """``(pieces, atom dtype and shape, plain values by atom)`` of the checkpoint at ``self.path``."""
         raise NotImplementedError
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            md = self._metadata()
-        except UCPError as e:
-            md = Metadata(state_dict_metadata={}, storage_data={})
-            md._ucp_error = e  # type: ignore[attr-defined]  # raised at set-up (see UCPFileSystemReader)
-            return md
-        md.storage_meta = StorageMeta(load_id=self.load_id)
-        md._ucp_integrity = "none"  # type: ignore[attr-defined]  # this reader warns, in its own words
-        return md
+    def _open(self) -> tuple[Metadata, Integrity]:
+        return self._metadata(), Integrity("none")  # no checksums: this reader warns, in its own words
 
     def _metadata(self) -> Metadata:
         pieces, atoms, values = self.describe()

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
 from .._compat import _StorageInfo
@@ -121,16 +121,8 @@ class HFStorageReader(UCPFileSystemReader):
         self.hf_names: dict[str, str] = {}
         """Atom -> the HF tensor it is read from (set when the metadata is read)."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            md = self._metadata()
-        except UCPError as e:
-            md = Metadata(state_dict_metadata={}, storage_data={})
-            md._ucp_error = e  # type: ignore[attr-defined]  # raised by set-up (see UCPFileSystemReader)
-            return md
-        md.storage_meta = StorageMeta(load_id=self.load_id)
-        md._ucp_integrity = "none"  # type: ignore[attr-defined]  # this reader warns, in its own words
-        return md
+    def _open(self) -> tuple[Metadata, Integrity]:
+        return self._metadata(), Integrity("none")  # no checksums: this reader warns, in its own words
 
     def _metadata(self) -> Metadata:
         tensors = scan_hf(self.path)
