@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .digests import value_digest
 from .entries import is_sharded
@@ -70,10 +71,18 @@ def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey,
         elif not is_sharded(r.value):  # a DTensor's or ShardedTensor's pieces differ by design
             if checked:
                 whole(r, bool(r.tied))
-        elif r.tied or (r.replicated is not None and checked):
+        elif r.tied or (checked and mode != "off" and (r.replicated is not None or replicated_pieces(r.value))):
             for f in r.fragments:
                 out[(f.atom, f.box)] = value_digest(f.view(r.local))
     return out
+
+
+def replicated_pieces(value: Any) -> bool:
+    """Whether other ranks hold the same pieces of this DTensor (a ``Replicate`` placement over a
+    mesh dim of more than one rank: HSDP replicas, TP-replicated norms): they must agree."""
+    if not isinstance(value, DTensor):
+        return False
+    return any(p.is_replicate() and n > 1 for p, n in zip(value.placements, value.device_mesh.shape))
 
 
 def tie_mismatches(ties: Sequence[tuple[Resolved, Resolved]]) -> list[str]:

@@ -25,6 +25,7 @@ from .options import UCPOptions, options_first, protocol_error, require_flat, sp
 from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
+from .structure import check_mesh_collisions, target_meshes, unpack_meshes, with_map_note
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -190,7 +191,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             logger.warning("UCP partial load: %d atom(s) not in the checkpoint were left as they are: %s",
                            len(self.missing_atoms), ", ".join(self.missing_atoms[:10]))
         if problems:
-            raise combine_problems(problems)
+            raise with_map_note(combine_problems(problems), (self._catalog or {}).get("maps", []),
+                                [m.key for m in self.maps])
         self._patterns.note_names(saved_names(self.metadata, self._catalog))
         # reads into device targets are cut to the staging buffer's size (bounded host memory,
         # also for pieces other ranks send)
@@ -200,7 +202,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         usage = RuleUsage(sorted(self._patterns.used), [c for r in self._targets.values() for c in r.index_claims],
                           {m.key: m.total for m in self.maps})
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
-        return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True))
+        return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True,
+                                                          meshes=target_meshes(self._targets.values())))
 
     def _saved_index(self) -> SavedIndex:
         """The checkpoint's keys by atom name (``ucp_dcp.plan`` shares one across the ranks it plans)."""
@@ -222,6 +225,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         patterns = getattr(self, "_patterns", None)
         if patterns is None:
             patterns = Patterns(self.rules, strict=self.strict)
+        # facts before declarations: one atom wanted whole on two meshes is a forgotten map
+        check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
         return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]

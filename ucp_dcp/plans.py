@@ -276,6 +276,9 @@ class LoadPlanPayload(_Compact):
     keeps_items: bool = True
     """The planner puts its read items back in ``finish_plan``: the reader may leave them out of
     the gathered plan."""
+    meshes: dict[tuple[int, ...], bytes] = field(default_factory=dict)
+    """This rank's DTensor target atoms by their mesh's rank set (:func:`ucp_dcp.structure.target_meshes`):
+    one atom wanted whole on two meshes is a forgotten stage/expert map."""
 
 
 @dataclass(frozen=True)

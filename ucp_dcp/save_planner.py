@@ -20,6 +20,7 @@ from .options import UCPOptions, options_first, protocol_error, require_flat, sp
 from .patterns import Patterns
 from .plans import LocalPlanPayload, PlanStructure, RankAnswer
 from .resolve import Resolver
+from .structure import catalog_meshes, check_mesh_collisions, tied_atoms
 from .save_plan import build_local, final_items, global_plan, live_entries, local_payload, merge_cached, \
     structures_by_hash
 
@@ -162,6 +163,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         maps = {m.key: m.total for m in self.maps}
         check_rule_usage(self._patterns, [p.usage for p in payloads], maps, "at save")
         structures = structures_by_hash([p.packed for p in payloads], cache.structures)
+        # facts before declarations: whole tensors from different meshes are not replicas
+        check_mesh_collisions(catalog_meshes([st.catalog for st in structures.values()]),
+                              tied_atoms(self._patterns, structures.values()), "at save")
         check_replica_digests(payloads, structures, self.check_replicas)
         self._reduced = reduce_all(self._patterns, payloads)
         if self._enable_plan_caching and not any(p.usable for p in all_plans) and cache.global_plan is not None:

@@ -1,0 +1,132 @@
+"""Structural facts the state itself holds, checked instead of trusting declarations.
+
+A DTensor is a whole logical tensor over its mesh. Two DTensors that produce one atom from meshes
+of *different ranks* (each pipeline stage's own FSDP mesh, each expert-parallel rank's) are
+therefore two whole tensors, not pieces of one: unless the atom is declared ``Tied`` (and then its
+copies are compared), they are stage-local or expert-local names that collided because a
+``stage_map``/``expert_map`` is missing. Without this check DCP-style dedup keeps one copy per box,
+and may even stitch one atom from both stages' pieces.
+
+The same fact is checked at save (over the ranks' catalog records) and at load (over the ranks'
+target meshes), so a map forgotten on either side is refused before a byte is written or read.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+
+from .errors import AmbiguousLayoutError
+from .layout import mesh_info
+
+__all__ = ["mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms", "target_meshes",
+           "unpack_meshes"]
+
+_INDEXED = re.compile(r"(?:^|\.)(layers|experts)\.(\d+)(?:\.|$)")
+
+
+def likely_map(atom: str) -> str:
+    """Which index map a colliding name most likely lacks."""
+    keys = [m.group(1) for m in _INDEXED.finditer(atom)]
+    if "experts" in keys:
+        return "expert_map"
+    if "layers" in keys:
+        return "stage_map"
+    return "stage_map/expert_map"
+
+
+def mesh_collisions(atom_meshes: Mapping[str, Iterable[tuple[int, ...]]], tied: set[str]) -> dict[str, list[tuple[int, ...]]]:
+    """Atoms held by DTensors on meshes of different rank sets (``tuple`` of global ranks), except
+    the ``tied`` parameters' atoms, with those rank sets."""
+    out = {}
+    for atom, meshes in atom_meshes.items():
+        distinct = sorted({tuple(sorted(m)) for m in meshes})
+        if len(distinct) > 1 and atom not in tied:
+            out[atom] = distinct
+    return out
+
+
+def check_mesh_collisions(atom_meshes: Mapping[str, Iterable[tuple[int, ...]]], tied: set[str], where: str) -> None:
+    """Refuse atoms that come from DTensors on different meshes (see the module docstring)."""
+    bad = mesh_collisions(atom_meshes, tied)
+    if not bad:
+        return
+    first = min(bad)
+    lines = [f"  {a}: ranks " + " and ".join(str(list(m)) for m in bad[a]) for a in sorted(bad)[:8]]
+    more = f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else ""
+    fix = likely_map(first)
+    raise AmbiguousLayoutError(
+        f"{len(bad)} atom(s) {where} come from DTensors on different meshes, each a whole tensor of its own, "
+        f"so they are not replicas of one tensor:\n" + "\n".join(lines) + more,
+        atom=first, saved=[list(m) for m in bad[first]],
+        hint=f"the names are local to each pipeline stage or expert-parallel rank: pass a {fix} "
+        "(ucp_dcp.stage_map / expert_map) on every rank, at save and at load; if the copies really are one "
+        "tensor (an embedding tied to the output head), declare Tied",
+    )
+
+
+def catalog_meshes(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[tuple[int, ...]]]:
+    """Per atom, the rank sets of the meshes its DTensor records name, over per-rank catalogs."""
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for cat in local_cats:
+        if not cat:
+            continue
+        meshes = [tuple(m["ranks"]) for m in cat["meshes"]]
+        for name, rec in cat["atoms"].items():
+            layout = rec.get("layout")
+            if layout is not None:
+                out.setdefault(name, []).append(meshes[layout["mesh"]])
+    return out
+
+
+def tied_atoms(patterns: Any, structures: Iterable[Any]) -> set[str]:
+    """Atoms of parameters a ``Tied`` rule declares one tensor (their copies may sit on any mesh)."""
+    params = {r.param for r in patterns.rules if r.kind == "tied"}
+    return {name for st in structures for name, rec in st.catalog["atoms"].items() if rec.get("param") in params}
+
+
+def target_meshes(resolved: Iterable[Any]) -> dict[tuple[int, ...], bytes]:
+    """A loading rank's DTensor target atoms by the rank set of their mesh (names zlib-packed: the
+    coordinator compares them with every other rank's). Tied copies may sit on any mesh."""
+    by: dict[tuple[int, ...], list[str]] = {}
+    for r in resolved:
+        if r.present and not r.tied and isinstance(r.value, DTensor):
+            by.setdefault(tuple(sorted(mesh_info(r.value).ranks)), []).extend(r.atoms)
+    return {k: zlib.compress("\n".join(sorted(v)).encode(), 1) for k, v in by.items()}
+
+
+def unpack_meshes(per_rank: Iterable[Mapping[tuple[int, ...], bytes]]) -> dict[str, list[tuple[int, ...]]]:
+    """Per atom, the rank sets of the meshes the loading ranks want it on."""
+    out: dict[str, list[tuple[int, ...]]] = {}
+    seen: set[tuple[tuple[int, ...], bytes]] = set()
+    for meshes in per_rank:
+        for ranks, packed in meshes.items():
+            if (ranks, packed) in seen:  # every rank of a mesh sends the same list
+                continue
+            seen.add((ranks, packed))
+            for name in zlib.decompress(packed).decode().split("\n") if packed else ():
+                if name:
+                    out.setdefault(name, []).append(ranks)
+    return out
+
+
+_MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
+
+
+def with_map_note(err: Any, saved_maps: Iterable[str], load_maps: Iterable[str]) -> Any:
+    """``err`` with the index maps the checkpoint was saved with and this load lacks named first:
+    a forgotten map shows up as missing or mismatched atoms, whose own message would hide it."""
+    lacking = sorted(set(saved_maps) - set(load_maps))
+    if not lacking:
+        return err
+    args = ", ".join(_MAP_ARG.get(k, f"IndexMap({k!r})") for k in lacking)
+    note = (f"The checkpoint was saved with index map(s) {lacking} ({args}) and this load passes none: if this "
+            "layout numbers its layers or experts locally (pipeline stages, expert-parallel ranks), pass the "
+            f"{args} for this rank's layout.")
+    return type(err)(f"{err.message}\n{note}", atom=err.atom, saved=err.saved, wanted=err.wanted,
+                     hint=f"pass {args} for the new layout (or, if its names are global, check the names); "
+                     + (err.hint or ""))
