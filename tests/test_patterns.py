@@ -102,8 +102,8 @@ def test_fused_and_unfused_load_into_each_other(tmp_path):
 def test_padding_any_new_padded_size(tmp_path):
     torch.manual_seed(0)
     logical = torch.randn(61, 4)
-    rule = Padded(r"emb\.weight", size=61)
-    padded = torch.cat([logical, torch.randn(3, 4)])  # padding holds garbage: never saved
+    rule = Padded(r"emb\.weight", size=61, discard=True)
+    padded = torch.cat([logical, torch.randn(3, 4)])  # padding holds garbage: declared, never saved
     dcp.save({"model": {"emb.weight": padded}}, checkpoint_id=tmp_path, planner=UCPSavePlanner(patterns=[rule]))
     md = dcp.FileSystemReader(tmp_path).read_metadata()
     assert tuple(md.state_dict_metadata["model.emb.weight"].size) == (61, 4)
@@ -192,3 +192,15 @@ def test_rules_are_recorded_in_the_catalog(tmp_path):
     assert cat["rules"][0]["kind"] == "fused" and cat["rules"][0]["blocks"] == G
     rec = cat["atoms"]["model.l.wk.weight"]
     assert rec["pattern"] == "fused" and rec["live"] == "l.wqkv.weight" and rec["shape"] == [KV, D]
+
+
+def test_padding_that_holds_data_is_not_dropped_silently(tmp_path):
+    """A Padded size that is too small (or padding that is not padding) would drop real rows."""
+    emb = torch.randn(64, 4)
+    err = expect_ucp_error(lambda: dcp.save({"model": {"emb.weight": emb}}, checkpoint_id=tmp_path,
+                                            planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)])),
+                           ucp_dcp.PatternError)
+    assert err.atom == "model.emb.weight" and "12 of their 12 values" in str(err) and "discard=True" in err.hint
+    zero_padded = torch.cat([emb[:61], torch.zeros(3, 4)])  # real padding: saved without a word
+    dcp.save({"model": {"emb.weight": zero_padded}}, checkpoint_id=tmp_path,
+             planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)]))

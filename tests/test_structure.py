@@ -56,7 +56,7 @@ def test_stage_local_names_without_a_stage_map_are_refused_at_save():
     assert out is not None, "a pp=2 save with stage-local names and no stage_map went through"
     name, atom, text = out
     assert name == "AmbiguousLayoutError" and "layers.0" in atom and "stage_map" in text, out
-    assert "ranks [0, 1] and [2, 3]" in text, text
+    assert "ranks [0, 1] (pp=0) and [2, 3] (pp=1)" in text, text
     assert not written
 
 
@@ -82,9 +82,8 @@ def test_a_stage_map_forgotten_at_load_is_refused():
 
 def _two_meshes_worker(rank, world, root):
     """The guide's situation without the toy: each 'stage' shards its own layers.0 over its own mesh."""
-    mine = DeviceMesh("cpu", [0, 1]) if rank < 2 else DeviceMesh("cpu", [2, 3])
-    others = DeviceMesh("cpu", [2, 3]) if rank < 2 else DeviceMesh("cpu", [0, 1])
-    del others
+    meshes = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]  # every rank creates both groups, in order
+    mine = meshes[rank // 2]
     torch.manual_seed(rank // 2)  # each stage its own values
     w = distribute_tensor(torch.randn(4, 3), mine, [Shard(0)], src_data_rank=None)
     return _failure(lambda: dcp.save({"layers.0.w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/c"),
@@ -95,6 +94,7 @@ def _two_meshes_worker(rank, world, root):
 def test_dtensors_of_one_name_on_two_meshes_are_not_replicas():
     out = D.run(_two_meshes_worker, 4, D.tmpdir())[0]
     assert out is not None and out[0] == "AmbiguousLayoutError" and out[1] == "layers.0.w", out
+    assert "stage_map" in out[2] and "[0, 1] and [2, 3]" in out[2], out[2]
 
 
 def _replica_dtensor_worker(rank, world, root, check):
@@ -118,15 +118,15 @@ def test_the_replica_check_can_be_turned_off():
     assert D.run(_replica_dtensor_worker, 4, D.tmpdir(), "off")[0] is None
 
 
-def _two_meshes_load_worker(rank, world, root):
+def _two_meshes_load_worker(rank, world_size, root):
     """Saved with global layer names; loaded by two 'stages' that each call their first layer layers.0
     on their own mesh and pass no stage_map."""
     full = DeviceMesh("cpu", torch.arange(4))
     torch.manual_seed(0)
     sd = {f"layers.{i}.w": distribute_tensor(torch.randn(4, 3), full, [Shard(0)]) for i in range(2)}
     ucp_dcp.save(sd, f"{root}/g")
-    mine = DeviceMesh("cpu", [0, 1]) if rank < 2 else DeviceMesh("cpu", [2, 3])
-    target = {"layers.0.w": distribute_tensor(torch.zeros(4, 3), mine, [Shard(0)], src_data_rank=None)}
+    world = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("pp", "dp"))
+    target = {"layers.0.w": distribute_tensor(torch.zeros(4, 3), world["dp"], [Shard(0)], src_data_rank=None)}
     return _failure(lambda: ucp_dcp.load(target, f"{root}/g"))
 
 
@@ -135,3 +135,20 @@ def test_one_name_wanted_whole_on_two_meshes_is_refused_at_load():
     out = D.run(_two_meshes_load_worker, 4, D.tmpdir())[0]
     assert out is not None and out[0] == "AmbiguousLayoutError" and out[1] == "layers.0.w", out
     assert "at load" in out[2] and "stage_map" in out[2], out[2]
+
+
+def _tp_only_replicas_worker(rank, world_size, root):
+    """DDP x TP: each data-parallel rank holds a whole copy on its own TP mesh. Those are replicas:
+    saved once and loaded into every copy, at save compared (equal here)."""
+    world = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    w = distribute_tensor(torch.randn(4, 3), world["tp"], [Shard(0)])
+    ucp_dcp.save({"w": w}, f"{root}/tp")
+    target = {"w": distribute_tensor(torch.zeros(4, 3), world["tp"], [Shard(1)])}
+    ucp_dcp.load(target, f"{root}/tp")
+    return torch.equal(target["w"].full_tensor(), w.full_tensor())
+
+
+@pytest.mark.slow
+def test_tp_meshes_of_data_parallel_ranks_hold_replicas():
+    assert D.run(_tp_only_replicas_worker, 4, D.tmpdir()) == [True] * 4

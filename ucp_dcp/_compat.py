@@ -34,7 +34,7 @@ from .errors import UnsupportedTorchError
 __all__ = ["check_torch", "default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor",
            "flatten_state_dict", "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo",
            "_StoragePrefix", "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset", "fake_store",
-           "mesh_for_rank", "dtensor_from_local"]
+           "mesh_for_rank", "dtensor_from_local", "root_mesh"]
 
 
 def default_group() -> "_c10d.ProcessGroup":
@@ -84,6 +84,12 @@ def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def root_mesh(mesh: "torch.distributed.device_mesh.DeviceMesh") -> "torch.distributed.device_mesh.DeviceMesh":
+    """The mesh ``mesh`` was sliced from (itself if it was not sliced)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
 
 
 TESTED_TORCH = ((2, 13),)

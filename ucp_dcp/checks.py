@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ._compat import root_mesh
 from .digests import value_digest
 from .entries import is_sharded
-from .errors import CoverageError, PatternError, ReplicaMismatchError
+from .errors import AmbiguousLayoutError, CoverageError, PatternError, ReplicaMismatchError
 from .index_maps import check_ownership
+from .layout import mesh_info
 from .patterns import Patterns
 from .plans import ItemKind, LocalPlanPayload, PlanStructure, ReplicaKey, RuleUsage
+from .structure import collision_hint, likely_map
 
 if TYPE_CHECKING:
     from .resolve import Resolved
@@ -78,11 +81,21 @@ def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey,
 
 
 def replicated_pieces(value: Any) -> bool:
-    """Whether other ranks hold the same pieces of this DTensor (a ``Replicate`` placement over a
-    mesh dim of more than one rank: HSDP replicas, TP-replicated norms): they must agree."""
+    """Whether other ranks may hold the same pieces of this DTensor, which must then agree: a
+    ``Replicate`` placement over a mesh dim of more than one rank (HSDP replicas, TP-replicated
+    norms), or a mesh whose sibling slices hold copies (each data-parallel rank's TP mesh), or a
+    mesh of only some of the ranks that was not sliced from a larger one (nothing tells its copies
+    apart: comparing them is the only check)."""
     if not isinstance(value, DTensor):
         return False
-    return any(p.is_replicate() and n > 1 for p, n in zip(value.placements, value.device_mesh.shape))
+    mesh = value.device_mesh
+    if any(p.is_replicate() and n > 1 for p, n in zip(value.placements, mesh.shape)):
+        return True
+    info = mesh_info(value)
+    if info.replica_siblings:
+        return True
+    return not info.position and root_mesh(mesh) is mesh and dist.is_initialized() \
+        and len(info.ranks) < dist.get_world_size()
 
 
 def tie_mismatches(ties: Sequence[tuple[Resolved, Resolved]]) -> list[str]:
@@ -112,7 +125,7 @@ class ReplicaGroup:
 
 
 def check_replica_digests(payloads: Sequence[LocalPlanPayload], structures: Mapping[bytes, PlanStructure],
-                   mode: str) -> None:
+                          mode: str, atom_meshes: Mapping[str, Sequence[Any]] | None = None) -> None:
     """Replica agreement over all ranks, comparing each distinct set of digests once."""
     groups: dict[tuple, ReplicaGroup] = {}
     for rank, p in enumerate(payloads):
@@ -123,7 +136,7 @@ def check_replica_digests(payloads: Sequence[LocalPlanPayload], structures: Mapp
             groups[key] = ReplicaGroup([], dict(zip(keys, digests)), list(p.tie_mismatches))
         groups[key].ranks.append(rank)
     warn = {a for p in payloads for a in p.warn_atoms}
-    check_digests(list(groups.values()), mode, warn_atoms=warn)
+    check_digests(list(groups.values()), mode, warn_atoms=warn, atom_meshes=atom_meshes)
 
 
 def _label(key: ReplicaKey) -> str:
@@ -131,9 +144,12 @@ def _label(key: ReplicaKey) -> str:
     return atom if box is None else f"{atom}@{list(box.offsets)}/{list(box.sizes)}"
 
 
-def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str] | None = None) -> None:
+def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str] | None = None,
+                  atom_meshes: Mapping[str, Sequence[Any]] | None = None) -> None:
     """Refuse (``mode="error"``) or log (``"warn"``) values saved under one key whose digests
-    differ between ranks. Atoms in ``warn_atoms`` only warn whatever the mode."""
+    differ between ranks. Atoms in ``warn_atoms`` only warn whatever the mode. Copies that came from
+    meshes of different ranks (``atom_meshes``: atom -> mesh keys) are reported as names local to
+    a stage or expert rank."""
     if mode == "off":
         return
     # key -> digest -> the rank lists holding it (lists of whole groups: flattened only for a report)
@@ -153,6 +169,14 @@ def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str
         groups_txt = "; ".join(f"ranks {sorted({r for ranks in lists for r in ranks})}" for lists in by_digest.values())
         lines.append(f"  {label}: {len(by_digest)} different values ({groups_txt})")
     more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+    first = bad[min(hard or bad)][0]
+    meshes = sorted(set((atom_meshes or {}).get(first, ())))
+    if len({ranks for ranks, _ in meshes}) > 1 and first not in (warn_atoms or ()) and mode == "error":
+        raise AmbiguousLayoutError(
+            f"{len(bad)} value(s) that must be identical across copies differ, and '{first}' comes from "
+            f"DTensors on meshes of different ranks ({' and '.join(str(list(r)) for r, _ in meshes)}): they are "
+            "not replicas of one tensor:\n" + "\n".join(lines) + more,
+            atom=first, saved=[list(r) for r, _ in meshes], hint=collision_hint(likely_map(first, meshes)))
     err = ReplicaMismatchError(
         f"{len(bad)} value(s) that must be identical across copies differ; DCP would keep one copy and "
         "silently drop the others:\n" + "\n".join(lines) + more,

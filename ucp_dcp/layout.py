@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ._compat import ShardedTensor, _StridedShard
+from ._compat import ShardedTensor, _StridedShard, root_mesh
 from .errors import AmbiguousLayoutError
 
 __all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo", "LocalShard", "sharded_tensor_shards",
@@ -111,13 +111,23 @@ class MeshInfo:
     """``mesh_dim_names`` or None."""
     ranks: tuple[int, ...]
     """Global ranks of the mesh in row-major order (``mesh.mesh.flatten()``)."""
+    position: tuple[tuple[str, int], ...] = ()
+    """Where a mesh sliced from a larger one sits along that root mesh's pipeline and expert dims
+    (``(("pp", 1),)`` for stage 1's FSDP mesh): the dims it does not span, with this rank's
+    coordinate. Empty for a mesh that is not a slice, or spans them all."""
+    replica_siblings: bool = False
+    """The root mesh also has non-trivial dims of another kind the slice does not span (data-parallel
+    ranks of a TP-only job each hold a whole copy on their own TP mesh): sibling slices hold replicas."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "shape": list(self.shape),
             "dim_names": list(self.dim_names) if self.dim_names is not None else None,
             "ranks": list(self.ranks),
         }
+        if self.position:
+            out["position"] = [list(p) for p in self.position]
+        return out
 
 
 @dataclass(frozen=True)
@@ -168,11 +178,43 @@ def mesh_info(t: DTensor) -> MeshInfo:
     if info is None:
         names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
         ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        info = MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks)
+        position, siblings = _slice_position(mesh, ranks)
+        info = MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
         # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
         with contextlib.suppress(AttributeError):
             mesh._ucp_dcp_mesh_info = info
     return info
+
+
+_STAGE_DIMS = {"pp", "pipe", "pipeline", "stage", "stages"}
+_EXPERT_DIMS = {"ep", "expert", "experts"}
+
+
+def is_stage_or_expert_dim(name: str) -> bool:
+    """Whether a mesh dim named ``name`` numbers pipeline stages or expert-parallel ranks."""
+    return bool(set(name.lower().split("_")) & (_STAGE_DIMS | _EXPERT_DIMS))
+
+
+def _slice_position(mesh: Any, ranks: tuple[int, ...]) -> tuple[tuple[tuple[str, int], ...], bool]:
+    """:attr:`MeshInfo.position` and :attr:`MeshInfo.replica_siblings` of ``mesh``, read off the
+    root mesh it was sliced (or flattened) from: the root dims along which all of its ranks share
+    one coordinate."""
+    root = root_mesh(mesh)
+    if root is mesh or not root.mesh_dim_names:
+        return (), False
+    grid = root.mesh
+    coords = [tuple(int(c) for c in (grid == r).nonzero()[0].tolist()) for r in ranks if (grid == r).any()]
+    if len(coords) != len(ranks):
+        return (), False
+    position, siblings = [], False
+    for d, name in enumerate(root.mesh_dim_names):
+        if grid.shape[d] == 1 or len({c[d] for c in coords}) > 1:
+            continue  # trivial, or spanned by the slice
+        if is_stage_or_expert_dim(name):
+            position.append((name, coords[0][d]))
+        else:
+            siblings = True
+    return tuple(position), siblings
 
 
 def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:

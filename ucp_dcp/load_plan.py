@@ -140,7 +140,7 @@ class GroupCollector:
         items = list(self.values.items())
         p0, v0 = items[0]
         for p, v in items[1:]:
-            if not _same(v, v0):
+            if not same_value(v, v0):
                 raise ParamGroupError(
                     f"param group {self.g.index} of '{'.'.join(map(str, self.g.prefix))}': "
                     f"'{self.hp}' is {v0!r} for '{p0}' but {v!r} for '{p}' in the checkpoint",
@@ -151,7 +151,8 @@ class GroupCollector:
         self.g.group[self.hp] = v0
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two decoded values are equal (tensors bitwise); a failing comparison is 'different'."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     try:
@@ -311,7 +312,7 @@ def group_reads(g: GroupTarget, saved: SavedIndex, resolver: Resolver
     stems = {p: _group_stem(resolver, g, p, g.hyperparams[0]) for p in g.params} if g.hyperparams else {}
     for hp in g.hyperparams:
         sink_key = f"{GROUP_SINK}:{id(g)}:{hp}"
-        atoms = {p: stems[p] + hp if stems[p] is not None else _group_atom(resolver, g, p, hp) for p in g.params}
+        atoms = {p: stems[p] + hp if stems[p] is not None else group_atom(resolver, g, p, hp) for p in g.params}
         found = {p: saved.lookup(a) for p, a in atoms.items()}
         if g.params and all(k is not None for k in found.values()):
             collector = GroupCollector(g, hp, len(g.params), atoms)
@@ -330,11 +331,11 @@ def group_reads(g: GroupTarget, saved: SavedIndex, resolver: Resolver
 
 def _group_stem(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str | None:
     """The atom name of ``param``'s hyperparameter ``hp`` without ``hp`` (None if it does not end so)."""
-    atom = _group_atom(resolver, g, param, hp)
+    atom = group_atom(resolver, g, param, hp)
     return atom[: -len(hp)] if atom.endswith("." + hp) else None
 
 
-def _group_atom(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str:
+def group_atom(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str:
     """The atom holding hyperparameter ``hp`` of ``param`` (after tie and fused resolution)."""
     name = AtomName(tuple(g.prefix) + ("param_groups",), param, (hp,), "param_group", form=OptimizerForm.NESTED)
     return next(iter(resolver.resolve(Entry(name.name, name, None, name.path)).atoms))

@@ -19,12 +19,14 @@ from .checks import check_rule_usage, zero_like
 from .device import needs_staging, split_reads, staging_forced
 from .dtypes import check_range, conversion
 from .errors import UCPError, UnverifiedCheckpointWarning
-from .load_plan import (SavedIndex, combine_problems, decode_value, entry_reads, group_reads, itemsize,
+from .entries import GroupTarget
+from .load_plan import (SavedIndex, combine_problems, decode_value, entry_reads, group_atom, group_reads, itemsize,
                         missing_error, saved_names)
 from .options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
+from .stock_groups import StockGroups
 from .structure import check_mesh_collisions, target_meshes, unpack_meshes, with_map_note
 
 __all__ = ["UCPLoadPlanner"]
@@ -156,6 +158,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._zero: list[Resolved] = []
         self.missing_atoms = []
+        self._stock_reads: list[ReadItem] = []
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
@@ -176,7 +179,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
                 self._sinks[r.entry.key] = lambda v, path=r.entry.path: set_element(self.original_state_dict, path, v)
-        for g in self._groups:
+        for g in self._stock_groups(saved, problems):
             try:
                 group, sinks, missing = group_reads(g, saved, self._resolver)
             except UCPError as err:
@@ -185,6 +188,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             reads += group
             self._sinks.update(sinks)
             self.missing_atoms += missing
+        reads += self._stock_reads
         if self.missing_atoms and not self.allow_partial_load:
             problems.insert(0, missing_error(self.missing_atoms, saved, keys))
         elif self.missing_atoms:
@@ -204,6 +208,25 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
         return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True,
                                                           meshes=target_meshes(self._targets.values())))
+
+    def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
+        """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
+        membership, :class:`StockGroups`); returns the target groups left to the per-parameter path."""
+        rest: list[GroupTarget] = []
+        by_prefix: dict[str, list[GroupTarget]] = {}
+        for g in self._groups:
+            by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
+        for prefix, groups in by_prefix.items():
+            per_param = any(saved.lookup(group_atom(self._resolver, g, p, hp))
+                            for g in groups for p in g.params[:1] for hp in g.hyperparams[:1])
+            stock = None if per_param else StockGroups.find(prefix, groups, saved.by_atom, self.name_rules)
+            if stock is None:
+                rest.extend(groups)
+                continue
+            self._stock_reads += stock.reads
+            self._sinks.update(stock.sinks)
+            self.missing_atoms += stock.missing()
+        return rest
 
     def _saved_index(self) -> SavedIndex:
         """The checkpoint's keys by atom name (``ucp_dcp.plan`` shares one across the ranks it plans)."""

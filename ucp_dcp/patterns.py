@@ -79,6 +79,10 @@ class Padded(_Rule):
     """Value written into the padding of model tensors at load."""
     state_fill: float = 0.0
     """Value written into the padding of optimizer state at load."""
+    discard: bool = False
+    """The padding may hold other values than ``fill``/``state_fill`` (it was trained, or holds
+    garbage) and is dropped at save anyway. By default a save refuses padding that holds anything
+    else: a wrong ``size`` would otherwise drop real rows without a word."""
     kind: ClassVar[str] = "padded"
 
 

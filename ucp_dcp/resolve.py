@@ -45,6 +45,8 @@ class Resolved:
     """Local boxes backed by no atom (padding); filled with ``fill_value`` at load."""
     fill_value: float = 0.0
     """Value for ``fills``."""
+    padding_rule: Padded | None = None
+    """The ``Padded`` rule that cut ``fills`` off (a save checks they hold only ``fill_value``)."""
     fanout: bool = False
     """A scalar/object under a fused parameter: the same value belongs to every part atom."""
     present: bool = True
@@ -224,6 +226,7 @@ class Resolver:
             )
         r.fragments, r.fills = clip_padding(base, rule.dim, rule.size)
         r.fill_value = rule.fill if r.atom.kind == "model" else rule.state_fill
+        r.padding_rule = rule
         logical = list(shape)
         logical[rule.dim] = rule.size
         r.atoms[r.name] = {**rec, "shape": logical, "pattern": "padded", "live_shape": list(shape),

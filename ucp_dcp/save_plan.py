@@ -34,11 +34,11 @@ from .averaging import average_writers, is_averaged
 from .checks import check_coverage, replica_digests, tie_mismatches
 from .dedup import Rows, choose_writers
 from .entries import is_sharded
-from .errors import AmbiguousLayoutError
+from .errors import AmbiguousLayoutError, PatternError
 from .fragments import Fragment
 from .layout import Layout
 from .options import UCPOptions
-from .patterns import Patterns
+from .patterns import Patterns, describe
 from .plans import (
     ItemKind,
     LocalItems,
@@ -135,6 +135,7 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
     reduced: dict[str, Any] = {}
     for r in resolved:
         tensor = isinstance(r.value, torch.Tensor)
+        check_padding(r)
         if r.reduce is not None:  # not written here: the coordinator writes the reduced value
             for name in r.atoms:
                 table.id(name, tuple(r.atoms[name]["shape"]) if tensor else None, r.value.dtype if tensor else None)
@@ -152,6 +153,27 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
     )
     values = np.array([digests[k] for k in structure.replica_keys], dtype=np.uint64)
     return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced)
+
+
+def check_padding(r: Resolved) -> None:
+    """A ``Padded`` rule drops the rows beyond the logical size: refuse when they hold anything but
+    the fill value (a wrong size would drop real data), unless the rule says ``discard=True``."""
+    rule = r.padding_rule
+    if rule is None or rule.discard or not r.fills or not isinstance(r.local, torch.Tensor):
+        return
+    for box in r.fills:
+        region = r.local
+        for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+            region = region.narrow(d, o, n)
+        bad = region != r.fill_value
+        if bool(bad.any()):
+            raise PatternError(
+                f"rule {describe(rule)} drops rows {rule.size}.. of dim {rule.dim} of '{r.name}' as padding, but "
+                f"{int(bad.sum())} of their {region.numel()} values here are not the fill value {r.fill_value}: "
+                "a save would lose them",
+                atom=r.name, saved=f"logical size {rule.size}", wanted=f"live size {tuple(r.value.shape)}",
+                hint="check the rule's size (the logical, unpadded length); if the padding is trained or holds "
+                "garbage you do not need, declare Padded(..., discard=True)")
 
 
 def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:

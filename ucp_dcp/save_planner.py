@@ -164,9 +164,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         check_rule_usage(self._patterns, [p.usage for p in payloads], maps, "at save")
         structures = structures_by_hash([p.packed for p in payloads], cache.structures)
         # facts before declarations: whole tensors from different meshes are not replicas
-        check_mesh_collisions(catalog_meshes([st.catalog for st in structures.values()]),
-                              tied_atoms(self._patterns, structures.values()), "at save")
-        check_replica_digests(payloads, structures, self.check_replicas)
+        meshes = catalog_meshes([st.catalog for st in structures.values()])
+        check_mesh_collisions(meshes, tied_atoms(self._patterns, structures.values()), "at save")
+        check_replica_digests(payloads, structures, self.check_replicas, meshes)
         self._reduced = reduce_all(self._patterns, payloads)
         if self._enable_plan_caching and not any(p.usable for p in all_plans) and cache.global_plan is not None:
             return [SavePlan([], usable=False)] * len(all_plans), cache.global_plan[1]

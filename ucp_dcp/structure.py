@@ -1,11 +1,14 @@
 """Structural facts the state itself holds, checked instead of trusting declarations.
 
 A DTensor is a whole logical tensor over its mesh. Two DTensors that produce one atom from meshes
-of *different ranks* (each pipeline stage's own FSDP mesh, each expert-parallel rank's) are
-therefore two whole tensors, not pieces of one: unless the atom is declared ``Tied`` (and then its
-copies are compared), they are stage-local or expert-local names that collided because a
-``stage_map``/``expert_map`` is missing. Without this check DCP-style dedup keeps one copy per box,
-and may even stitch one atom from both stages' pieces.
+sliced at *different pipeline or expert coordinates* of one root mesh (stage 0's and stage 1's FSDP
+meshes) are two whole tensors, not pieces of one: unless the atom is declared ``Tied`` (its copies
+are then compared), they are stage-local or expert-local names that collided because a
+``stage_map``/``expert_map`` is missing. Without this check, dedup would keep one copy per box, and
+could even stitch one atom from both stages' pieces. Meshes of different ranks that are *not* told
+apart by such a coordinate (each data-parallel rank's TP mesh in a TP-only job, or meshes built
+without a root) may hold replicas: their pieces are compared by digest at save instead
+(:mod:`ucp_dcp.checks`), and a mismatch there is reported with the same hint.
 
 The same fact is checked at save (over the ranks' catalog records) and at load (over the ranks'
 target meshes), so a map forgotten on either side is refused before a byte is written or read.
@@ -23,59 +26,73 @@ from torch.distributed.tensor import DTensor
 from .errors import AmbiguousLayoutError
 from .layout import mesh_info
 
-__all__ = ["mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms", "target_meshes",
-           "unpack_meshes"]
+__all__ = ["MeshKey", "mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms",
+           "target_meshes", "unpack_meshes", "with_map_note", "collision_hint"]
+
+MeshKey = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
+"""A mesh as the checks see it: its sorted ranks and its position along pipeline/expert dims."""
 
 _INDEXED = re.compile(r"(?:^|\.)(layers|experts)\.(\d+)(?:\.|$)")
 
 
-def likely_map(atom: str) -> str:
+def likely_map(atom: str, meshes: Iterable[MeshKey] = ()) -> str:
     """Which index map a colliding name most likely lacks."""
+    dims = {name for _, pos in meshes for name, _ in pos}
     keys = [m.group(1) for m in _INDEXED.finditer(atom)]
-    if "experts" in keys:
+    if "experts" in keys or (dims and all(set(d.lower().split("_")) & {"ep", "expert", "experts"} for d in dims)):
         return "expert_map"
-    if "layers" in keys:
+    if "layers" in keys or dims:
         return "stage_map"
     return "stage_map/expert_map"
 
 
-def mesh_collisions(atom_meshes: Mapping[str, Iterable[tuple[int, ...]]], tied: set[str]) -> dict[str, list[tuple[int, ...]]]:
-    """Atoms held by DTensors on meshes of different rank sets (``tuple`` of global ranks), except
-    the ``tied`` parameters' atoms, with those rank sets."""
+def collision_hint(fix: str) -> str:
+    return (f"the names are local to each pipeline stage or expert-parallel rank: pass a {fix} "
+            "(ucp_dcp.stage_map / expert_map) on every rank, at save and at load; if the copies really are one "
+            "tensor (an embedding tied to the output head), declare Tied")
+
+
+def mesh_collisions(atom_meshes: Mapping[str, Iterable[MeshKey]], tied: set[str]) -> dict[str, list[MeshKey]]:
+    """Atoms (except ``tied`` ones) whose DTensors sit at different pipeline/expert positions."""
     out = {}
     for atom, meshes in atom_meshes.items():
-        distinct = sorted({tuple(sorted(m)) for m in meshes})
-        if len(distinct) > 1 and atom not in tied:
+        distinct = sorted(set(meshes))
+        positions = {pos for _, pos in distinct if pos}
+        if len(positions) > 1 and atom not in tied:
             out[atom] = distinct
     return out
 
 
-def check_mesh_collisions(atom_meshes: Mapping[str, Iterable[tuple[int, ...]]], tied: set[str], where: str) -> None:
-    """Refuse atoms that come from DTensors on different meshes (see the module docstring)."""
-    bad = mesh_collisions(atom_meshes, tied)
+def _where(key: MeshKey) -> str:
+    ranks, pos = key
+    at = ", ".join(f"{n}={c}" for n, c in pos)
+    return f"{list(ranks)}" + (f" ({at})" if at else "")
+
+
+def check_mesh_collisions(atom_meshes: Mapping[str, Iterable[MeshKey]], tied: set[str], where: str,
+                          bad: dict[str, list[MeshKey]] | None = None) -> None:
+    """Refuse atoms that come from DTensors at different pipeline/expert positions (see the module
+    docstring), or the given ``bad`` ones."""
+    bad = mesh_collisions(atom_meshes, tied) if bad is None else bad
     if not bad:
         return
     first = min(bad)
-    lines = [f"  {a}: ranks " + " and ".join(str(list(m)) for m in bad[a]) for a in sorted(bad)[:8]]
+    lines = [f"  {a}: ranks " + " and ".join(_where(m) for m in bad[a]) for a in sorted(bad)[:8]]
     more = f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else ""
-    fix = likely_map(first)
     raise AmbiguousLayoutError(
         f"{len(bad)} atom(s) {where} come from DTensors on different meshes, each a whole tensor of its own, "
         f"so they are not replicas of one tensor:\n" + "\n".join(lines) + more,
-        atom=first, saved=[list(m) for m in bad[first]],
-        hint=f"the names are local to each pipeline stage or expert-parallel rank: pass a {fix} "
-        "(ucp_dcp.stage_map / expert_map) on every rank, at save and at load; if the copies really are one "
-        "tensor (an embedding tied to the output head), declare Tied",
+        atom=first, saved=[_where(m) for m in bad[first]], hint=collision_hint(likely_map(first, bad[first])),
     )
 
 
-def catalog_meshes(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[tuple[int, ...]]]:
+def catalog_meshes(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[MeshKey]]:
     """Per atom, the rank sets of the meshes its DTensor records name, over per-rank catalogs."""
-    out: dict[str, list[tuple[int, ...]]] = {}
+    out: dict[str, list[MeshKey]] = {}
     for cat in local_cats:
         if not cat:
             continue
-        meshes = [tuple(m["ranks"]) for m in cat["meshes"]]
+        meshes = [(tuple(sorted(m["ranks"])), tuple(tuple(p) for p in m.get("position", ()))) for m in cat["meshes"]]
         for name, rec in cat["atoms"].items():
             layout = rec.get("layout")
             if layout is not None:
@@ -89,20 +106,21 @@ def tied_atoms(patterns: Any, structures: Iterable[Any]) -> set[str]:
     return {name for st in structures for name, rec in st.catalog["atoms"].items() if rec.get("param") in params}
 
 
-def target_meshes(resolved: Iterable[Any]) -> dict[tuple[int, ...], bytes]:
+def target_meshes(resolved: Iterable[Any]) -> dict[MeshKey, bytes]:
     """A loading rank's DTensor target atoms by the rank set of their mesh (names zlib-packed: the
     coordinator compares them with every other rank's). Tied copies may sit on any mesh."""
-    by: dict[tuple[int, ...], list[str]] = {}
+    by: dict[MeshKey, list[str]] = {}
     for r in resolved:
         if r.present and not r.tied and isinstance(r.value, DTensor):
-            by.setdefault(tuple(sorted(mesh_info(r.value).ranks)), []).extend(r.atoms)
+            info = mesh_info(r.value)
+            by.setdefault((tuple(sorted(info.ranks)), info.position), []).extend(r.atoms)
     return {k: zlib.compress("\n".join(sorted(v)).encode(), 1) for k, v in by.items()}
 
 
-def unpack_meshes(per_rank: Iterable[Mapping[tuple[int, ...], bytes]]) -> dict[str, list[tuple[int, ...]]]:
+def unpack_meshes(per_rank: Iterable[Mapping[MeshKey, bytes]]) -> dict[str, list[MeshKey]]:
     """Per atom, the rank sets of the meshes the loading ranks want it on."""
-    out: dict[str, list[tuple[int, ...]]] = {}
-    seen: set[tuple[tuple[int, ...], bytes]] = set()
+    out: dict[str, list[MeshKey]] = {}
+    seen: set[tuple[MeshKey, bytes]] = set()
     for meshes in per_rank:
         for ranks, packed in meshes.items():
             if (ranks, packed) in seen:  # every rank of a mesh sends the same list
