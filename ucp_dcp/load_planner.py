@@ -27,7 +27,8 @@ from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
-from .structure import check_mesh_collisions, target_meshes, unpack_meshes, with_map_note
+from .declarations import alias_problems, tie_problem, with_map_note
+from .structure import check_mesh_collisions, target_meshes, unpack_meshes
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -142,6 +143,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 UnverifiedCheckpointWarning, stacklevel=2)
         self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
         saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
+        self._saved_rules = saved_rules
         self._patterns = Patterns(self.rules, strict=self.strict).merged(saved_rules)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, self._groups = self._resolver.resolve_state_dict(state_dict, for_load=True)
@@ -162,8 +164,13 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
+        problems += alias_problems(list(self._targets.values()))
         for r in self._targets.values():
             if not r.present:
+                continue
+            tied = tie_problem(r, saved.lookup, self._saved_rules, self.rules)
+            if tied is not None:
+                problems.append(tied)
                 continue
             keeps_total = self.is_coordinator if self.data_slot is None else self.data_slot == 0
             if r.reduce is not None and r.reduce.op == "sum" and not keeps_total:

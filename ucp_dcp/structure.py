@@ -27,7 +27,7 @@ from .errors import AmbiguousLayoutError
 from .layout import mesh_info
 
 __all__ = ["MeshKey", "mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms",
-           "target_meshes", "unpack_meshes", "with_map_note", "collision_hint"]
+           "target_meshes", "unpack_meshes", "collision_hint"]
 
 MeshKey = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
 """A mesh as the checks see it: its sorted ranks and its position along pipeline/expert dims."""
@@ -131,20 +131,3 @@ def unpack_meshes(per_rank: Iterable[Mapping[MeshKey, bytes]]) -> dict[str, list
                     out.setdefault(name, []).append(ranks)
     return out
 
-
-_MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
-
-
-def with_map_note(err: Any, saved_maps: Iterable[str], load_maps: Iterable[str]) -> Any:
-    """``err`` with the index maps the checkpoint was saved with and this load lacks named first:
-    a forgotten map shows up as missing or mismatched atoms, whose own message would hide it."""
-    lacking = sorted(set(saved_maps) - set(load_maps))
-    if not lacking:
-        return err
-    args = ", ".join(_MAP_ARG.get(k, f"IndexMap({k!r})") for k in lacking)
-    note = (f"The checkpoint was saved with index map(s) {lacking} ({args}) and this load passes none: if this "
-            "layout numbers its layers or experts locally (pipeline stages, expert-parallel ranks), pass the "
-            f"{args} for this rank's layout.")
-    return type(err)(f"{err.message}\n{note}", atom=err.atom, saved=err.saved, wanted=err.wanted,
-                     hint=f"pass {args} for the new layout (or, if its names are global, check the names); "
-                     + (err.hint or ""))
