@@ -101,6 +101,9 @@ def _replica_dtensor_worker(rank, world, root, check):
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dpr", "dp"))
     local = torch.arange(6.0).reshape(3, 2) + 6.0 * (rank % 2) + (100.0 if rank == 3 else 0.0)  # rank 3 drifted
     w = ucp_dcp._compat.dtensor_from_local(local, mesh, [Replicate(), Shard(0)], torch.Size((6, 2)), (2, 1))
+    if check == "writer":  # ucp_dcp.save: compared after the write, from the writer's block checksums
+        out = _failure(lambda: ucp_dcp.save({"w": w}, f"{root}/r"))
+        return out and out + (os.path.exists(f"{root}/r/.metadata"),)
     kw = {} if check is None else {"check_replicas": check}
     return _failure(lambda: dcp.save({"w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/r"),
                                      planner=UCPSavePlanner(**kw)))
@@ -111,6 +114,13 @@ def test_replicated_dtensor_copies_that_differ_are_refused_by_default():
     out = D.run(_replica_dtensor_worker, 4, D.tmpdir(), None)[0]
     assert out is not None and out[0] == "ReplicaMismatchError" and out[1] == "w", out
     assert "ranks [1]" in out[2] and "ranks [3]" in out[2], out[2]
+
+
+@pytest.mark.slow
+def test_replicated_copies_that_differ_are_refused_from_the_writers_checksums():
+    out = D.run(_replica_dtensor_worker, 4, D.tmpdir(), "writer")[0]
+    assert out is not None and out[0] == "ReplicaMismatchError" and out[1] == "w", out
+    assert "rank 3's copy differs" in out[2] and out[3] is False, out  # nothing committed
 
 
 @pytest.mark.slow

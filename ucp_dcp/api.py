@@ -31,6 +31,8 @@ def save(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, *, process_group:
     go to :class:`UCPSavePlanner` (``patterns``, ``stage_map``, ``check_replicas``, ...).
     """
     writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
+    if checksums:  # replicas are compared from the block checksums the writer computes anyway
+        planner_options.setdefault("replica_digests", "writer")
     with ucp_errors():
         dcp.save(state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options),
                  process_group=process_group)

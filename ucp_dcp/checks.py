@@ -50,10 +50,13 @@ logger = logging.getLogger(__name__)
 # -- replica agreement -----------------------------------------------------------------------------
 
 
-def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey, int]:
+def replica_digests(resolved: Sequence[Resolved], mode: str,
+                    deferred: list[tuple[str, Any]] | None = None) -> dict[ReplicaKey, int]:
     """This rank's digests of values that other copies must match: plain tensors and objects saved
     under a shared name (only in a multi-rank save, or for tied copies, and not with ``mode="off"``)
-    and the pieces of tied or ``Replicated`` DTensors."""
+    and the pieces of tied, ``Replicated`` or replicated DTensors. With ``deferred`` (a list), the
+    replicated DTensor pieces are not hashed here but listed there as ``(atom, box)``: the storage
+    writer compares their copies after the write, from the block checksums it computes anyway."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
     out: dict[ReplicaKey, int] = {}
 
@@ -75,6 +78,9 @@ def replica_digests(resolved: Sequence[Resolved], mode: str) -> dict[ReplicaKey,
             if checked:
                 whole(r, bool(r.tied))
         elif r.tied or (checked and mode != "off" and (r.replicated is not None or replicated_pieces(r.value))):
+            if deferred is not None and not r.tied and (r.replicated is None or r.replicated.check == "error"):
+                deferred.extend((f.atom, f.box) for f in r.fragments)
+                continue
             for f in r.fragments:
                 out[(f.atom, f.box)] = value_digest(f.view(r.local))
     return out

@@ -216,6 +216,18 @@ class LocalPlanPayload(_Compact):
     """This rank is DCP's coordinator (it writes the reduced values)."""
     global_rank: int
     """This rank in the default group (averaging messages go between global ranks)."""
+    deferred: list[tuple[str, Offsets, Offsets]] = field(default_factory=list)
+    """Replicated pieces this rank holds whose digests it did not compute (``replica_digests="writer"``):
+    ``(atom, offsets, sizes)``."""
+    writer_verifies: bool = False
+    """This rank's storage writer compares replicated pieces after the write (it said so in
+    ``prepare_local_plan``, :meth:`acknowledge_writer`)."""
+
+    def acknowledge_writer(self) -> LocalPlanPayload:
+        """This payload, marked: the storage writer compares the deferred replicated pieces."""
+        out = object.__new__(LocalPlanPayload)
+        out.__dict__.update(self.__dict__, writer_verifies=True)
+        return out
 
     def with_packed(self, packed: PackedPlan | None) -> LocalPlanPayload:
         """This payload with another packed plan (``dataclasses.replace`` without its cost)."""
@@ -250,6 +262,9 @@ class RankAnswer(_Compact):
     """Averaged pieces this rank holds -> ``(global rank that writes the mean, global ranks holding a copy)``."""
     exchange: bool = False
     """Some rank averages: every rank takes part in setting up the exchange."""
+    verify: list[PieceKey] = field(default_factory=list)
+    """Replicated pieces this rank holds and another rank writes: the storage writer hashes this
+    rank's copy and compares it with the written one's block checksums before the commit."""
 
     @classmethod
     def from_mask(cls, keep: np.ndarray, **rest: Any) -> RankAnswer:

@@ -34,7 +34,7 @@ from .averaging import average_writers, is_averaged
 from .checks import check_coverage, replica_digests, tie_mismatches
 from .dedup import Rows, choose_writers
 from .entries import is_sharded
-from .errors import AmbiguousLayoutError, PatternError
+from .errors import AmbiguousLayoutError, PatternError, UCPError
 from .fragments import Fragment
 from .layout import Layout
 from .options import UCPOptions
@@ -107,6 +107,8 @@ class LocalPlan:
     """zlib-compressed uint64 digests, in ``structure.replica_keys`` order."""
     reduced: dict[str, Any]
     """``Reduce`` atom -> this rank's value."""
+    deferred: list[tuple[str, Offsets, Offsets]]
+    """Replicated pieces whose copies the storage writer compares after the write: ``(atom, offsets, sizes)``."""
 
 
 class _AtomTable:
@@ -127,7 +129,8 @@ class _AtomTable:
         return self._index[name]
 
 
-def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replicas: str) -> LocalPlan:
+def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replicas: str,
+                defer_pieces: bool = False) -> LocalPlan:
     """This rank's items (one per piece of local memory, or per object), reduced values and digests."""
     table = _AtomTable()
     rows: list[tuple[int, ItemKind, Offsets, Offsets]] = []
@@ -145,14 +148,16 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
             a = table.id(name, tuple(r.atoms[name]["shape"]) if tensor else None, r.local.dtype if tensor else None)
             rows.append((a, kind, offsets, sizes))
             pieces[(name, offsets if tensor else None)] = (r, frag)
-    digests = replica_digests(resolved, check_replicas)
+    deferred: list[tuple[str, Any]] | None = [] if defer_pieces else None
+    digests = replica_digests(resolved, check_replicas, deferred)
     structure = PlanStructure(
         table.names, table.shapes, table.dtypes, mappings, _local_catalog(resolved),
         whole_digests=sorted(a for a, box in digests if box is None),
         piece_digests=sorted((a, box.offsets, box.sizes) for a, box in digests if box is not None),
     )
     values = np.array([digests[k] for k in structure.replica_keys], dtype=np.uint64)
-    return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced)
+    return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced,
+                     [(a, tuple(box.offsets), tuple(box.sizes)) for a, box in deferred or ()])
 
 
 def check_padding(r: Resolved) -> None:
@@ -223,6 +228,7 @@ def local_payload(local: LocalPlan, resolved: list[Resolved], ties: list[tuple[R
         averaged=sorted({(f.atom, f.box.offsets) for r in resolved if is_averaged(r) for f in r.fragments}),
         coordinator=is_coordinator,
         global_rank=dist.get_rank() if dist.is_initialized() else 0,
+        deferred=local.deferred,
     )
 
 
@@ -363,11 +369,44 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)
     averages = average_writers(payloads, result.items, result.keep,
                                [result.structures[s] for s in result.structure_of])
+    verify = replica_copies_to_verify(payloads, result)
     exchange = any(averages.values())  # every rank, so a side group (NCCL-only jobs) is created by all
     answers = [RankAnswer.from_mask(keep, reduced=reduced_items if rank == coordinator else [],
-                                    averages=averages.get(rank, {}), exchange=exchange)
+                                    averages=averages.get(rank, {}), exchange=exchange, verify=verify.get(rank, []))
                for rank, keep in enumerate(result.keep)]
     return answers, Metadata(state_dict_metadata=sdm, planner_data=planner_data)
+
+
+def replica_copies_to_verify(payloads: Sequence[LocalPlanPayload], result: GlobalSave) -> dict[int, list[PieceKey]]:
+    """Per rank, the deferred replicated pieces it holds but another rank writes: it hashes its
+    copy during the write and the storage writer compares it with the written one's checksums.
+    Refuses deferred pieces when some rank's storage writer does not compare them."""
+    deferred = {(a, tuple(o)) for p in payloads for a, o, _ in p.deferred}
+    if not deferred:
+        return {}
+    blind = [rank for rank, p in enumerate(payloads) if p.deferred and not p.writer_verifies]
+    if blind:
+        raise UCPError(
+            f"rank(s) {blind[:8]} left their replica comparison to the storage writer "
+            "(UCPSavePlanner(replica_digests='writer')), but their writer does not compare replicas",
+            hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
+            "leave replica_digests at 'plan'")
+    writer: dict[PieceKey, int] = {}
+    for rank, (st_i, items, keep) in enumerate(zip(result.structure_of, result.items, result.keep)):
+        st = result.structures[st_i]
+        for i in np.nonzero(keep)[0].tolist():
+            name = st.names[int(items.atom[i])]
+            if st.shapes[int(items.atom[i])] is None:
+                continue
+            key = (name, tuple(items.off[i, :len(st.shapes[int(items.atom[i])])].tolist()))
+            if key in deferred:
+                writer[key] = rank
+    out: dict[int, list[PieceKey]] = {}
+    for rank, p in enumerate(payloads):
+        mine = [(a, tuple(o)) for a, o, _ in p.deferred if writer.get((a, tuple(o)), rank) != rank]
+        if mine:
+            out[rank] = mine
+    return out
 
 
 def merge_cached(payloads: list[LocalPlanPayload], cached: list[LocalPlanPayload] | None) -> list[LocalPlanPayload]:

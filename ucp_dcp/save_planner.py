@@ -5,11 +5,11 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, STATE_DICT_TYPE, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, STATE_DICT_TYPE, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ._version import __version__
@@ -28,7 +28,8 @@ __all__ = ["UCPSavePlanner"]
 
 logger = logging.getLogger(__name__)
 
-_CHECK_MODES = ("error", "warn", "off")
+CheckMode = Literal["error", "warn", "off"]
+_CHECK_MODES = get_args(CheckMode)
 
 
 def _from_options(name: str) -> property:
@@ -59,8 +60,14 @@ class UCPSavePlanner(DefaultSavePlanner):
         options: the layout description shared with the load planner (:class:`UCPOptions`:
             ``patterns``, ``strict``, ``stage_map``, ``expert_map``, ``name_rules``, ``data_slot``),
             or those fields as keyword arguments.
-        check_replicas: what to do when a plain tensor or object saved under one name by several
-            ranks differs between them: ``"error"`` (default), ``"warn"`` or ``"off"``.
+        check_replicas: what to do when copies of one value differ between ranks (plain tensors
+            and objects saved under one name, replicated DTensor pieces, copies on meshes of other
+            ranks): ``"error"`` (default), ``"warn"`` or ``"off"``.
+        replica_digests: where replicated DTensor pieces are compared. ``"plan"`` (default): each
+            holder hashes its copy while planning, with any storage writer. ``"writer"``: the copy
+            that is written is compared after the write from the block checksums
+            :class:`UCPFileSystemWriter` computes anyway (the other holders hash theirs meanwhile),
+            before the commit; needs that writer with checksums on (``ucp_dcp.save`` uses it).
 
     Call order (DCP's): ``set_up_planner`` → ``create_local_plan`` → [coordinator:
     ``create_global_plan``] → ``finish_plan`` → ``resolve_data``. As with DCP's planner,
@@ -78,7 +85,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         enable_plan_caching: bool = False,
         *,
         options: UCPOptions | None = None,
-        check_replicas: str = "error",
+        check_replicas: CheckMode = "error",
+        replica_digests: Literal["plan", "writer"] = "plan",
         **layout: Any,
     ) -> None:
         options = options_first(flatten_state_dict, options, "UCPSavePlanner")
@@ -92,11 +100,14 @@ class UCPSavePlanner(DefaultSavePlanner):
         if check_replicas not in _CHECK_MODES:
             raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
+        if replica_digests not in ("plan", "writer"):
+            raise ValueError(f"replica_digests must be 'plan' or 'writer', got {replica_digests!r}")
+        self.replica_digests = replica_digests
         self.options = split_options(options, layout)
         self._config = {"flatten_state_dict": self.flatten_state_dict,
                         "flatten_sharded_tensors": self.flatten_sharded_tensors,
                         "check_replicas": check_replicas, "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
-                        "enable_plan_caching": enable_plan_caching}
+                        "enable_plan_caching": enable_plan_caching, "replica_digests": replica_digests}
         self._pending_local: tuple[bytes, bytes] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -130,7 +141,8 @@ class UCPSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         if not hasattr(self, "_resolved"):
             raise protocol_error("create_local_plan", "set_up_planner(state_dict)")
-        self._local = build_local(self._resolved, self.mappings, self.check_replicas)
+        self._local = build_local(self._resolved, self.mappings, self.check_replicas,
+                                  defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error")
         payload = local_payload(self._local, self._resolved, self._ties, self._patterns, self.options,
                                 self.is_coordinator)
         self.plan = SavePlan([], planner_data=payload)
@@ -202,6 +214,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         answer: RankAnswer = new_plan.planner_data
         items = final_items(self._local.structure, self._local.items, answer)
         self._averaged = exchange_averages(answer.averages, self._resolved) if answer.exchange else {}
+        self._verify = list(answer.verify)
         self.plan = replace(new_plan, items=items, planner_data=None)
         return self.plan
 
@@ -221,6 +234,15 @@ class UCPSavePlanner(DefaultSavePlanner):
             return torch.empty(tuple(r.atoms[name]["shape"]), dtype=r.local.dtype)
         averaged = getattr(self, "_averaged", {}).get((name, offsets))
         return averaged if averaged is not None else f.view(r.local).detach()
+
+    def replica_copies(self) -> list[tuple[MetadataIndex, torch.Tensor]]:
+        """This rank's copies of replicated pieces another rank writes (``replica_digests="writer"``):
+        the storage writer hashes them and compares them with the written copy before the commit."""
+        out = []
+        for name, offsets in getattr(self, "_verify", ()):
+            r, f = self._local.pieces[(name, tuple(offsets))]
+            out.append((MetadataIndex(name, torch.Size(offsets)), f.view(r.local).detach()))
+        return out
 
     def _cache(self) -> PlanCache:
         if not self._enable_plan_caching:

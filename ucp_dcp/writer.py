@@ -15,8 +15,10 @@ checkpoint it was replacing.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
+from dataclasses import dataclass
 import queue
 import threading
 from collections.abc import Iterator
@@ -36,7 +38,7 @@ from torch.futures import Future
 
 from ._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from .commit import commit, new_token
-from .errors import UCPError
+from .errors import ReplicaMismatchError, UCPError
 from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
 from .device import staging_forced
@@ -113,6 +115,41 @@ def _address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
+@dataclass(frozen=True)
+class ReplicaCopy:
+    """``WriteResult.storage_data`` of a replicated piece this rank holds but did not write."""
+
+    sums: list[int]
+    """Block checksums of this rank's copy (as the writer of the piece computed for its copy)."""
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def check_replica_copies(copies: list[tuple[int, WriteResult]], table: dict[str, Any]) -> None:
+    """Every rank's copy of a replicated piece must have the written copy's block checksums."""
+    bad = []
+    for rank, wr in copies:
+        written = table.get(item_key(wr.index))
+        if written is not None and list(written[1]) != list(wr.storage_data.sums):
+            bad.append((wr.index, rank))
+    if bad:
+        index, rank = bad[0]
+        lines = "\n".join(f"  {i.fqn}@{list(i.offset or ())}: rank {r}'s copy differs from the written one"
+                          for i, r in bad[:10])
+        raise ReplicaMismatchError(
+            f"{len(bad)} replicated piece(s) differ between the ranks holding them; the save keeps one copy and "
+            "would silently drop the others:\n" + lines,
+            atom=index.fqn, saved=f"rank {rank}'s copy", wanted="identical replicas",
+            hint="replicas drifted (non-deterministic updates, a rank that missed a step): fix the training, or "
+            "pass check_replicas='warn' / 'off' to save anyway")
+
+
 class UCPFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` with checksums of every byte and an atomic commit (local folders).
 
@@ -178,6 +215,9 @@ class UCPFileSystemWriter(FileSystemWriter):
         if not self.overwrite and self.fs.exists(self._get_metadata_path()):
             raise UCPError(f"a checkpoint exists in {self.path} and overwrite=False",
                            hint="save into another folder, or pass overwrite=True")
+        ack = getattr(plan.planner_data, "acknowledge_writer", None)
+        if ack is not None and self.checksums:  # UCPSavePlanner: this writer compares replicated pieces
+            plan = dataclasses.replace(plan, planner_data=ack())
         return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -218,6 +258,11 @@ class UCPFileSystemWriter(FileSystemWriter):
                 t.join()
         if errors:
             raise errors[0]
+        # copies of replicated pieces another rank wrote: their checksums, compared in finish()
+        copies = getattr(planner, "replica_copies", None)
+        for index, t in (copies() if copies is not None and self.checksums else ()):
+            results.append(WriteResult(index=index, size_in_bytes=0,
+                                       storage_data=ReplicaCopy(block_checksums(_raw_bytes(t), BLOCK, DEFAULT_HASH))))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -279,13 +324,18 @@ class UCPFileSystemWriter(FileSystemWriter):
         table: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         files: dict[str, int] = {}
-        for rank_results in results:
+        copies: list[tuple[int, WriteResult]] = []
+        for rank, rank_results in enumerate(results):
             for wr in rank_results:
+                if isinstance(wr.storage_data, ReplicaCopy):
+                    copies.append((rank, wr))
+                    continue
                 info, extra = wr.storage_data if isinstance(wr.storage_data, tuple) else (wr.storage_data, None)
                 if extra is not None:
                     table[item_key(wr.index)] = extra
                 storage[wr.index] = info
                 files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
+        check_replica_copies(copies, table)  # before the commit: a refused save leaves the last checkpoint
         storage[MetadataIndex(IO_KEY)] = {"version": IO_VERSION, "block": BLOCK,
                                           "algo": DEFAULT_HASH if self.checksums else None, "items": table}
         metadata.version = CURRENT_DCP_VERSION

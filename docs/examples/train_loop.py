@@ -208,11 +208,16 @@ def apply_state_dict(tr: Trainer, sd: dict) -> None:
 
 
 def ucp_options(tr: Trainer) -> dict:
-    """What this model's layout needs declared: a per-slot counter, and stage-local layer names."""
+    """What this model's layout needs declared: a per-slot counter, and stage-local layer names
+    (``--forget-stage-map``: the mistake of leaving the map out, which ucp_dcp refuses)."""
     opts = {"patterns": [Reduce(r"train_state\.tokens_seen", "sum")], "data_slot": tr.dp_rank}
-    if tr.lay.pp > 1:
+    if tr.lay.pp > 1 and not FORGET_STAGE_MAP:
         opts["stage_map"] = stage_map(tr.layer_ids, total=tr.cfg.n_layers, stage=tr.pp_rank)
     return opts
+
+
+FORGET_STAGE_MAP = False
+"""``--forget-stage-map``."""
 
 
 def save(a: argparse.Namespace, tr: Trainer, path: Path):
@@ -403,7 +408,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--phase", choices=["save", "load", "all"], default="all",
                     help="under torchrun: one phase per launch; otherwise both, on spawned ranks")
     ap.add_argument("--out", default=None, help="output folder (default runs/guide/<save>_to_<load>)")
+    ap.add_argument("--forget-stage-map", action="store_true", help="leave the stage_map out (a mistake ucp_dcp refuses)")
     a = ap.parse_args(argv)
+    global FORGET_STAGE_MAP
+    FORGET_STAGE_MAP = a.forget_stage_map
     if a.async_save and a.checkpointer == "dcp":
         ap.error("--async-save uses ucp_dcp's planner and writer")
     return a
@@ -427,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     for save_lay, load_lay in pairs:
         child = ["--save", save_lay, "--load", load_lay, "--steps", str(a.steps), "--checkpointer", a.checkpointer]
         child += ["--async-save"] if a.async_save else []
+        child += ["--forget-stage-map"] if a.forget_stage_map else []
         out = a.out if a.out and a.save else _default_out(_args(child))
         Path(out).mkdir(parents=True, exist_ok=True)
         for phase in phases:
