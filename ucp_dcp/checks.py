@@ -25,7 +25,7 @@ from .entries import is_sharded
 from .errors import AmbiguousLayoutError, CoverageError, PatternError, ReplicaMismatchError
 from .index_maps import check_ownership
 from .layout import mesh_info
-from .patterns import Patterns
+from .patterns import Patterns, describe
 from .plans import ItemKind, LocalPlanPayload, PlanStructure, ReplicaKey, RuleUsage
 from .structure import collision_hint, likely_map
 
@@ -43,6 +43,7 @@ __all__ = [
     "zero_like",
     "check_rule_usage",
     "check_coverage",
+    "check_padding",
 ]
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,31 @@ def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str
         logger.warning("%s", err)
         return
     raise err
+
+
+# -- rules that would drop data -------------------------------------------------------------------
+
+
+def check_padding(r: Resolved) -> None:
+    """A ``Padded`` rule drops the rows beyond the logical size: refuse when they hold anything but
+    the fill value (a wrong size would drop real data), unless the rule says ``discard=True``."""
+    rule = r.padding_rule
+    if rule is None or rule.discard or not r.fills or not isinstance(r.local, torch.Tensor):
+        return
+    for box in r.fills:
+        region = r.local
+        for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+            region = region.narrow(d, o, n)
+        bad = region != r.fill_value
+        if bool(bad.any()):
+            raise PatternError(
+                f"rule {describe(rule)} drops rows {rule.size}.. of dim {rule.dim} of '{r.name}' as padding, but "
+                f"{int(bad.sum())} of their {region.numel()} values here are not the fill value {r.fill_value}: "
+                "a save would lose them",
+                atom=r.name, saved=f"logical size {rule.size}", wanted=f"live size {tuple(r.value.shape)}",
+                hint="check the rule's size (the logical, unpadded length); if the padding is trained or holds "
+                "garbage you do not need, declare Padded(..., discard=True)")
+
 
 
 # -- reductions ------------------------------------------------------------------------------------

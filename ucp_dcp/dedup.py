@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plans import LocalItems
+from collections.abc import Sequence
 
-__all__ = ["Rows", "choose_writers"]
+from .errors import UCPError
+from .plans import LocalItems, LocalPlanPayload, PieceKey, PlanStructure
+
+__all__ = ["Rows", "choose_writers", "replica_copies_to_verify"]
 
 
 @dataclass
@@ -85,3 +88,35 @@ def choose_writers(rows: Rows, nbytes: np.ndarray, ranks: int, lowest_rank: bool
         keep[w] = True
         load[rank[w]] += int(nbytes[w])
     return keep
+
+
+def replica_copies_to_verify(payloads: Sequence[LocalPlanPayload], structures: Sequence[PlanStructure],
+                             items: Sequence[LocalItems], keep: Sequence[np.ndarray]) -> dict[int, list[PieceKey]]:
+    """Per rank, the deferred replicated pieces it holds but another rank writes: it hashes its
+    copy during the write and the storage writer compares it with the written one's checksums.
+    Refuses deferred pieces when some rank's storage writer does not compare them."""
+    deferred = {(a, tuple(o)) for p in payloads for a, o, _ in p.deferred}
+    if not deferred:
+        return {}
+    blind = [rank for rank, p in enumerate(payloads) if p.deferred and not p.writer_verifies]
+    if blind:
+        raise UCPError(
+            f"rank(s) {blind[:8]} left their replica comparison to the storage writer "
+            "(UCPSavePlanner(replica_digests='writer')), but their writer does not compare replicas",
+            hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
+            "leave replica_digests at 'plan'")
+    writer: dict[PieceKey, int] = {}
+    for rank, (st, its, kept) in enumerate(zip(structures, items, keep)):
+        for i in np.nonzero(kept)[0].tolist():
+            a = int(its.atom[i])
+            if st.shapes[a] is None:
+                continue
+            key = (st.names[a], tuple(its.off[i, :len(st.shapes[a])].tolist()))
+            if key in deferred:
+                writer[key] = rank
+    out: dict[int, list[PieceKey]] = {}
+    for rank, p in enumerate(payloads):
+        mine = [(a, tuple(o)) for a, o, _ in p.deferred if writer.get((a, tuple(o)), rank) != rank]
+        if mine:
+            out[rank] = mine
+    return out

@@ -31,14 +31,14 @@ from torch.distributed.tensor import DTensor
 
 from . import catalog as cat_mod
 from .averaging import average_writers, is_averaged
-from .checks import check_coverage, replica_digests, tie_mismatches
-from .dedup import Rows, choose_writers
+from .checks import check_coverage, check_padding, replica_digests, tie_mismatches
+from .dedup import Rows, choose_writers, replica_copies_to_verify
 from .entries import is_sharded
-from .errors import AmbiguousLayoutError, PatternError, UCPError
+from .errors import AmbiguousLayoutError
 from .fragments import Fragment
 from .layout import Layout
 from .options import UCPOptions
-from .patterns import Patterns, describe
+from .patterns import Patterns
 from .plans import (
     ItemKind,
     LocalItems,
@@ -158,27 +158,6 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
     values = np.array([digests[k] for k in structure.replica_keys], dtype=np.uint64)
     return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced,
                      [(a, tuple(box.offsets), tuple(box.sizes)) for a, box in deferred or ()])
-
-
-def check_padding(r: Resolved) -> None:
-    """A ``Padded`` rule drops the rows beyond the logical size: refuse when they hold anything but
-    the fill value (a wrong size would drop real data), unless the rule says ``discard=True``."""
-    rule = r.padding_rule
-    if rule is None or rule.discard or not r.fills or not isinstance(r.local, torch.Tensor):
-        return
-    for box in r.fills:
-        region = r.local
-        for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
-            region = region.narrow(d, o, n)
-        bad = region != r.fill_value
-        if bool(bad.any()):
-            raise PatternError(
-                f"rule {describe(rule)} drops rows {rule.size}.. of dim {rule.dim} of '{r.name}' as padding, but "
-                f"{int(bad.sum())} of their {region.numel()} values here are not the fill value {r.fill_value}: "
-                "a save would lose them",
-                atom=r.name, saved=f"logical size {rule.size}", wanted=f"live size {tuple(r.value.shape)}",
-                hint="check the rule's size (the logical, unpadded length); if the padding is trained or holds "
-                "garbage you do not need, declare Padded(..., discard=True)")
 
 
 def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:
@@ -369,44 +348,13 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)
     averages = average_writers(payloads, result.items, result.keep,
                                [result.structures[s] for s in result.structure_of])
-    verify = replica_copies_to_verify(payloads, result)
+    verify = replica_copies_to_verify(payloads, [result.structures[i] for i in result.structure_of], result.items,
+                                      result.keep)
     exchange = any(averages.values())  # every rank, so a side group (NCCL-only jobs) is created by all
     answers = [RankAnswer.from_mask(keep, reduced=reduced_items if rank == coordinator else [],
                                     averages=averages.get(rank, {}), exchange=exchange, verify=verify.get(rank, []))
                for rank, keep in enumerate(result.keep)]
     return answers, Metadata(state_dict_metadata=sdm, planner_data=planner_data)
-
-
-def replica_copies_to_verify(payloads: Sequence[LocalPlanPayload], result: GlobalSave) -> dict[int, list[PieceKey]]:
-    """Per rank, the deferred replicated pieces it holds but another rank writes: it hashes its
-    copy during the write and the storage writer compares it with the written one's checksums.
-    Refuses deferred pieces when some rank's storage writer does not compare them."""
-    deferred = {(a, tuple(o)) for p in payloads for a, o, _ in p.deferred}
-    if not deferred:
-        return {}
-    blind = [rank for rank, p in enumerate(payloads) if p.deferred and not p.writer_verifies]
-    if blind:
-        raise UCPError(
-            f"rank(s) {blind[:8]} left their replica comparison to the storage writer "
-            "(UCPSavePlanner(replica_digests='writer')), but their writer does not compare replicas",
-            hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
-            "leave replica_digests at 'plan'")
-    writer: dict[PieceKey, int] = {}
-    for rank, (st_i, items, keep) in enumerate(zip(result.structure_of, result.items, result.keep)):
-        st = result.structures[st_i]
-        for i in np.nonzero(keep)[0].tolist():
-            name = st.names[int(items.atom[i])]
-            if st.shapes[int(items.atom[i])] is None:
-                continue
-            key = (name, tuple(items.off[i, :len(st.shapes[int(items.atom[i])])].tolist()))
-            if key in deferred:
-                writer[key] = rank
-    out: dict[int, list[PieceKey]] = {}
-    for rank, p in enumerate(payloads):
-        mine = [(a, tuple(o)) for a, o, _ in p.deferred if writer.get((a, tuple(o)), rank) != rank]
-        if mine:
-            out[rank] = mine
-    return out
 
 
 def merge_cached(payloads: list[LocalPlanPayload], cached: list[LocalPlanPayload] | None) -> list[LocalPlanPayload]:
