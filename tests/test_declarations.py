@@ -48,3 +48,25 @@ def test_target_keys_sharing_memory_with_different_saved_atoms_are_refused(tmp_p
     assert "share memory" in str(err) and "Tied" in err.hint
     assert torch.equal(shared, torch.zeros(5, 3)), "nothing was loaded"
     del saved
+
+
+def test_a_fused_rule_that_differs_from_the_saved_one_is_refused(tmp_path):
+    from ucp_dcp.patterns import Fused
+
+    saved_rule = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=2)
+    other = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=1)
+    w = torch.randn(8, 3)
+    dcp.save({"attn.wqkv.weight": w}, checkpoint_id=tmp_path, planner=UCPSavePlanner(patterns=[saved_rule]))
+    target = {"attn.wqkv.weight": torch.zeros(8, 3)}
+    err = expect_ucp_error(lambda: dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[other])),
+                           ucp_dcp.PatternError)
+    assert "blocks 2 at save, 1 now" in str(err) and err.atom and "strict=False" in err.hint
+    dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner())  # the saved rule applies by itself
+    assert torch.equal(target["attn.wqkv.weight"], w)
+
+
+def test_an_unused_rule_names_itself_as_the_atom(tmp_path):
+    err = expect_ucp_error(lambda: dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path,
+                                            planner=UCPSavePlanner(patterns=[Tied("emb.weight", (r"out\.weight",))])),
+                           ucp_dcp.PatternError)
+    assert err.atom == "emb.weight" and "matched no name" in str(err)

@@ -17,9 +17,9 @@ import torch
 
 from .entries import local_tensor
 from .errors import AmbiguousLayoutError, PatternError, UCPError
-from .patterns import Rule, Tied, describe
+from .patterns import Rule, Tied, describe, rule_to_json
 
-__all__ = ["with_map_note", "tie_problem", "alias_problems"]
+__all__ = ["with_map_note", "tie_problem", "alias_problems", "rule_conflicts"]
 
 _MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
 
@@ -83,3 +83,43 @@ def alias_problems(resolved: Sequence[Any]) -> list[UCPError]:
                     hint="if they are one tied parameter, declare Tied(<param>, [<alias>]) at save and load (its "
                     "copies are then one atom); otherwise give each key its own tensor"))
     return out
+
+
+_LAYOUT_FIELDS = {"fused": ("parts", "dim", "blocks"), "tied": ("param", "aliases"), "reduce": ("op",),
+                  "padded": ("size", "dim")}
+"""The fields of a rule that decide how saved atoms relate to live values (not ``fill``, ``check``)."""
+
+
+def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: dict[str, Any] | None) -> list[UCPError]:
+    """Rules this load declares that describe a parameter the checkpoint holds differently from the
+    rule it was saved with (same kind, both match one saved name, other layout fields): the saved
+    atoms were cut by the saved rule, so the declared one would put their rows in the wrong places."""
+    import re
+
+    atoms = (catalog or {}).get("atoms", {})
+    names: set[str] = set()
+    for name, rec in atoms.items():
+        names.update(x for x in (rec.get("param"), rec.get("live"), name) if x)
+    out: list[UCPError] = []
+    for d in declared:
+        fields = _LAYOUT_FIELDS.get(d.kind)
+        if fields is None or d in saved_rules:
+            continue
+        for s in saved_rules:
+            if s.kind != d.kind or all(getattr(s, f) == getattr(d, f) for f in fields):
+                continue
+            both = sorted(n for n in names if re.fullmatch(s.pattern, n) and re.fullmatch(d.pattern, n))
+            if both:
+                out.append(PatternError(
+                    f"rule {describe(d)} declared at load describes '{both[0]}' differently from the rule it was "
+                    f"saved with, {describe(s)}: " + ", ".join(f"{f} {getattr(s, f)!r} at save, {getattr(d, f)!r} now"
+                                                           for f in fields if getattr(s, f) != getattr(d, f)),
+                    atom=both[0], saved=rule_json(s), wanted=rule_json(d),
+                    hint="pass the rule the checkpoint was saved with (or none: the saved rules apply by themselves); "
+                    "if the target model really lays this parameter out differently, load with strict=False"))
+                break
+    return out
+
+
+def rule_json(rule: Rule) -> dict[str, Any]:
+    return rule_to_json(rule)

@@ -27,7 +27,7 @@ from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
-from .declarations import alias_problems, tie_problem, with_map_note
+from .declarations import alias_problems, rule_conflicts, tie_problem, with_map_note
 from .structure import check_mesh_collisions, target_meshes, unpack_meshes
 
 __all__ = ["UCPLoadPlanner"]
@@ -144,6 +144,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
         saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
         self._saved_rules = saved_rules
+        conflicts = rule_conflicts(self.rules, saved_rules, self._catalog)
+        if conflicts and self.strict:
+            raise combine_problems(conflicts)
+        for c in conflicts:
+            logger.warning("UCP (strict=False): %s", c)
         self._patterns = Patterns(self.rules, strict=self.strict).merged(saved_rules)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, self._groups = self._resolver.resolve_state_dict(state_dict, for_load=True)

@@ -317,8 +317,10 @@ class Patterns:
             return
         unused = [self.rules[i] for i in self.declared if i not in used and not self.rules[i].optional]
         if unused:
+            first = unused[0]
             raise PatternError(
                 f"{len(unused)} declared rule(s) matched no name {where}: " + ", ".join(describe(r) for r in unused),
+                atom=first.param if isinstance(first, Tied) else first.pattern,
                 hint="fix the regex (it must match the whole canonical parameter name, e.g. "
                 r"'layers\.\d+\.attn\.wqkv\.weight'), declare the rule optional=True if it concerns state "
                 "that only some saves hold, or pass strict=False",
