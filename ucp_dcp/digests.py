@@ -20,10 +20,11 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
-__all__ = ["value_digest"]
+__all__ = ["value_digest", "tensor_bytes"]
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's values as row-major bytes (copied to the host and made compact when needed)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -48,7 +49,7 @@ def _tensor_token(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
         t = t.resolve_neg()
     if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
         raise _NotComparable
-    return str(t.dtype), tuple(t.shape), xxhash.xxh3_64_digest(_tensor_bytes(t)) if t.numel() else b""
+    return str(t.dtype), tuple(t.shape), xxhash.xxh3_64_digest(tensor_bytes(t)) if t.numel() else b""
 
 
 class _ValuePickler(pickle.Pickler):
@@ -98,7 +99,7 @@ def value_digest(value: Any) -> int | None:
     if isinstance(value, torch.Tensor):
         h.update(f"{value.dtype}{tuple(value.shape)}".encode())
         if value.numel():
-            raw = _tensor_bytes(value)
+            raw = tensor_bytes(value)
             h.update(xxhash.xxh3_64_digest(raw))
     else:
         try:

@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from ._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from .commit import commit, new_token
+from .digests import tensor_bytes
 from .errors import ReplicaMismatchError, UCPError
 from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
@@ -121,14 +122,6 @@ class ReplicaCopy:
 
     sums: list[int]
     """Block checksums of this rank's copy (as the writer of the piece computed for its copy)."""
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def check_replica_copies(copies: list[tuple[int, WriteResult]], table: dict[str, Any]) -> None:
@@ -262,7 +255,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         copies = getattr(planner, "replica_copies", None)
         for index, t in (copies() if copies is not None and self.checksums else ()):
             results.append(WriteResult(index=index, size_in_bytes=0,
-                                       storage_data=ReplicaCopy(block_checksums(_raw_bytes(t), BLOCK, DEFAULT_HASH))))
+                                       storage_data=ReplicaCopy(block_checksums(tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK, DEFAULT_HASH))))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
