@@ -4,9 +4,21 @@ DCP keeps one rank's copy of any plain tensor or object saved under a shared nam
 rest; if the copies differ that is a silent loss. Each rank sends an 8-byte digest per such value
 in its (small) plan, and the coordinator compares them before anything is written.
 
-Objects are digested through their pickle, but tensors inside them (in containers, or attributes of
-custom objects) are replaced by a digest of their dtype, shape and bytes: torch pickles a tensor's
-storage under a per-process id, so equal tensors would otherwise never compare equal across ranks.
+Two values digest equal when keeping either one loses nothing: same types, same representation.
+What a process does not control is left out:
+
+* tensors (also inside objects, in containers or attributes) count by dtype, shape and bytes,
+  never by the per-process storage id torch pickles them under; conjugate and negative views by
+  the values they show;
+* dicts and sets count by their items, not their order (dict and set equality ignores it; a set's
+  order follows the process's string-hash seed); an ``OrderedDict`` keeps its order, as its
+  equality does;
+* objects shared by reference count as copies (pickle's memo would tell ``[s, s]`` from
+  ``[s, copy(s)]``).
+
+Floats are compared bitwise, in tensors and in objects: ``0.0`` and ``-0.0`` differ (``1/x`` tells
+them apart), NaNs with equal bits agree. ``1``, ``1.0`` and ``True``, or ``bytes`` and
+``bytearray``, differ too (the type would change on load), although ``==`` holds.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ __all__ = ["value_digest", "tensor_bytes"]
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's values as row-major bytes (copied to the host and made compact when needed)."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # the values shown, not the memory under the view
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
@@ -43,19 +55,30 @@ def _tensor_token(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
     if isinstance(t, DTensor):  # a local shard: its peers legitimately hold other values
         raise _NotComparable
     t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
     if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
         raise _NotComparable
     return str(t.dtype), tuple(t.shape), xxhash.xxh3_64_digest(tensor_bytes(t)) if t.numel() else b""
 
 
 class _ValuePickler(pickle.Pickler):
-    """Pickles an object with every tensor and storage in it replaced by a token of its value."""
+    """Pickles an object canonically (see the module docstring): no memo, tensors and storages as
+    tokens of their values, dicts and sets as their items in a fixed order."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=4)
+        self.fast = True  # no memo: shared references pickle as copies (a cycle raises: not compared)
 
     def persistent_id(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is dict:
+            items = list(obj.items())
+            if all(type(k) is str for k in obj):
+                items.sort(key=lambda kv: kv[0])
+            else:  # any keys: order by their canonical bytes, a total order
+                items.sort(key=lambda kv: _object_bytes(kv[0]))
+            return ("ucp-dict", items)
+        if t is set or t is frozenset:
+            return ("ucp-set", t.__name__, sorted(map(_object_bytes, obj)))
         if isinstance(obj, torch.Tensor):
             return ("ucp-tensor",) + _tensor_token(obj)
         if isinstance(obj, torch.TypedStorage):
@@ -66,26 +89,9 @@ class _ValuePickler(pickle.Pickler):
         return None
 
 
-def _canonical(value: Any) -> Any:
-    """``value`` with every set (and frozenset) in plain containers sorted: a set pickles in
-    iteration order, which follows each process's string-hash seed, so ranks would disagree."""
-    if type(value) in (set, frozenset):
-        items = [_canonical(v) for v in value]
-        try:
-            items.sort()
-        except TypeError:
-            items.sort(key=repr)
-        return ("\x00ucp-set", type(value).__name__, items)
-    if type(value) is dict:
-        return {k: _canonical(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_canonical(v) for v in value)
-    return value
-
-
 def _object_bytes(value: Any) -> bytes:
     buf = io.BytesIO()
-    _ValuePickler(buf, protocol=4).dump(_canonical(value))
+    _ValuePickler(buf).dump(value)
     return buf.getvalue()
 
 

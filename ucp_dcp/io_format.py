@@ -66,7 +66,7 @@ class _MetaUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *a: ("tensor", storage, offset, tuple(size), tuple(stride))
+            return _tensor_args
         if module == "torch" and name.endswith("Storage"):
             return torch.storage._get_dtype_from_pickle_storage_type(name)
         if (module, name) == ("collections", "OrderedDict"):
@@ -80,6 +80,15 @@ class _MetaUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         return pid
+
+
+def _tensor_args(storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False, hooks: Any = None,
+                 metadata: Any = None, *rest: Any) -> tuple[Any, ...]:
+    """``_rebuild_tensor_v2``'s arguments; a tensor whose metadata sets bits (a conjugate or negative
+    view: the stored bytes are not the values) is not a plain record."""
+    if metadata or rest:
+        return ("view",)
+    return ("tensor", storage, offset, tuple(size), tuple(stride))
 
 
 def parse_tensor_record(item: io.IOBase) -> TensorRecord | None:

@@ -6,9 +6,11 @@ group, the checks on what was saved, and the errors that explain a failed plan.
 from __future__ import annotations
 
 import difflib
+import importlib
 import io
 import pickle
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,22 +32,60 @@ __all__ = ["GROUP_SINK", "SavedIndex", "GroupCollector", "entry_reads", "group_r
            "decode_value", "itemsize", "saved_names", "missing_error", "combine_problems"]
 
 
+_PLAIN_DATA = {"_io.BytesIO": ("io", "BytesIO"), "builtins.frozenset": ("builtins", "frozenset"),
+               "builtins.slice": ("builtins", "slice"), "builtins.range": ("builtins", "range"),
+               "builtins.Ellipsis": ("builtins", "Ellipsis"),
+               "numpy.ndarray": ("numpy", "ndarray"), "numpy.dtype": ("numpy", "dtype"),
+               "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
+               "numpy.core.multiarray._reconstruct": ("numpy.core.multiarray", "_reconstruct"),
+               "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
+               "numpy.core.multiarray.scalar": ("numpy.core.multiarray", "scalar")}
+"""Globals outside ``torch.load(weights_only=True)``'s own set that only build plain data (no
+side effects, no attribute lookups by name), so stock DCP's values of these types load safely:
+DCP's byte-stream items (``io.BytesIO``), frozensets, slices, ranges, numpy arrays and scalars
+(e.g. ``numpy.random.get_state()``). Looked up in this fixed table only, never by a saved name."""
+_PLAIN_DATA_LOCK = threading.Lock()
+"""``torch.serialization.safe_globals`` edits a process-wide list: one decode at a time adds ours."""
+
+
 def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
-    """A saved non-tensor value, decoded with a closed set of types unless ``trust``."""
+    """A saved non-tensor value, decoded with a closed set of types unless ``trust``: what
+    ``torch.load(weights_only=True)`` allows, plus :data:`_PLAIN_DATA`."""
     if trust:
         return torch.load(data, weights_only=False)
     try:
         return torch.load(data, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|Trying to [^.]*)[^\n.]*", str(e))
-        first = found.group(0).strip() if found else type(e).__name__
-        raise UnsafeCheckpointError(
-            f"value of atom '{atom}' holds a type outside the safe set (tensors, numbers, strings, lists, dicts, "
-            f"tuples, ...): decoding it could run code ({first})",
-            atom=atom, saved="pickled object",
-            hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
-            "or UCPLoadPlanner(trust=True)), or allow the type with torch.serialization.add_safe_globals([...])",
-        ) from None
+        error = e
+    data.seek(0)
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(data)
+    data.seek(0)
+    outside = [g for g in unsafe if g not in _PLAIN_DATA]
+    if unsafe and not outside:
+        plain = [(getattr(importlib.import_module(m), n), g) for g, (m, n) in ((g, _PLAIN_DATA[g]) for g in unsafe)]
+        if "numpy.dtype" in unsafe:  # a numpy dtype is rebuilt into its class (numpy.dtypes.Float32DType, ...)
+            dtypes = importlib.import_module("numpy.dtypes")
+            plain += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+        with _PLAIN_DATA_LOCK, torch.serialization.safe_globals(plain):
+            try:
+                return torch.load(data, weights_only=True)
+            except pickle.UnpicklingError as e:
+                error = e
+    if outside:
+        cause = f"types outside the safe set: {', '.join(outside)}"
+        allow = f"torch.serialization.add_safe_globals([{', '.join(outside)}])"
+    else:
+        found = re.search(r"(?:Unsupported global: GLOBAL [\w.]+|Unsupported operand \S+|Trying to [^.\n]*)",
+                          str(error))
+        cause = f"an operation outside the safe set ({found.group(0) if found else type(error).__name__})"
+        allow = "torch.serialization.add_safe_globals([...]) for the types it names"
+    raise UnsafeCheckpointError(
+        f"value of atom '{atom}' holds {cause}; decoding it could run code, so it was not decoded "
+        "(tensors, numbers, strings, bytes, lists, dicts, tuples, sets, io.BytesIO and numpy arrays are)",
+        atom=atom, saved="pickled object",
+        hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
+        f"or UCPLoadPlanner(trust=True)); or, if those types only hold data, allow them with {allow}",
+    ) from None
 
 
 def itemsize(md: Metadata, item: ReadItem) -> int:

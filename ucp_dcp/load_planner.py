@@ -297,18 +297,20 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         target = self._target_region(read_item)
         saved = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
-        if saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range":
+        viewed = target.is_conj() or target.is_neg()  # its memory holds other bytes than its values
+        if not viewed and (saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"):
             return target  # the reader writes (and converts) straight into the target
         # a narrowing conversion: read into a scratch tensor of the saved dtype, range-check the
-        # values in commit_tensor, then convert into the target
+        # values in commit_tensor, then convert into the target (copy_ also writes through views)
         return torch.empty(tuple(read_item.lengths), dtype=saved)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = self._target_region(read_item)
-        if tensor.dtype == target.dtype:
+        if tensor.dtype == target.dtype and not (target.is_conj() or target.is_neg()):
             return  # the target itself (see resolve_tensor)
         r = self._targets[read_item.dest_index.fqn]
-        check_range(r.fragments[read_item.dest_index.index].atom, tensor, target.dtype)
+        if tensor.dtype != target.dtype:
+            check_range(r.fragments[read_item.dest_index.index].atom, tensor, target.dtype)
         with torch.no_grad():
             target.copy_(tensor)
 

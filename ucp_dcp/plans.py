@@ -43,6 +43,7 @@ __all__ = [
     "PieceKey",
     "ReplicaKey",
     "dtype_code",
+    "has_dtype_code",
     "dtype_of",
     "PlanStructure",
     "LocalItems",
@@ -75,8 +76,16 @@ class ItemKind(enum.IntEnum):
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
-           torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)
+           torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+           # appended (codes never move): the rest of what stock DCP saves
+           torch.complex32, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+           torch.float4_e2m1fn_x2)
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def has_dtype_code(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be saved (stock DCP saves no other dtype either)."""
+    return dtype in _CODE
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -425,7 +425,9 @@ class UCPFileSystemReader(FileSystemReader):
             raise CorruptCheckpointError(f"the record of '{c.index.fqn}' holds a {type(tensor).__name__}, not a tensor",
                                          atom=c.index.fqn)
         for item in c.items:
-            piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).contiguous()
+            # a conjugate or negative view (stock DCP saves them as such): its values, not its memory
+            piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).resolve_conj().resolve_neg()
+            piece = piece.contiguous()
             job.keep_if_sent(item, memoryview(bytearray(piece.view(-1).view(torch.uint8).numpy().tobytes())))
             job.deliver(item, memoryview(piece.view(-1).view(torch.uint8).numpy()), piece.dtype)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, STATE_DICT_TYPE, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -18,7 +19,7 @@ from .checks import check_replica_digests, check_rule_usage, reduce_all
 from .errors import UCPError
 from .options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .patterns import Patterns
-from .plans import LocalPlanPayload, PlanStructure, RankAnswer
+from .plans import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .resolve import Resolver
 from .structure import catalog_meshes, check_mesh_collisions, tied_atoms
 from .save_plan import build_local, final_items, global_plan, live_entries, local_payload, merge_cached, \
@@ -134,6 +135,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
         self._resolved, self._ties = live_entries(resolved)
+        for r in self._resolved:
+            _check_savable(r.name, r.value)
         self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()}
         self.state_dict = {r.name: r.value for r in self._resolved}
         self.is_coordinator = is_coordinator
@@ -233,7 +236,10 @@ class UCPSavePlanner(DefaultSavePlanner):
         if f is None:
             return torch.empty(tuple(r.atoms[name]["shape"]), dtype=r.local.dtype)
         averaged = getattr(self, "_averaged", {}).get((name, offsets))
-        return averaged if averaged is not None else f.view(r.local).detach()
+        if averaged is not None:
+            return averaged
+        # a conjugate or negative view is saved as the values it shows (the writer copies bytes)
+        return f.view(r.local).detach().resolve_conj().resolve_neg()
 
     def replica_copies(self) -> list[tuple[MetadataIndex, torch.Tensor]]:
         """This rank's copies of replicated pieces another rank writes (``replica_digests="writer"``):
@@ -248,6 +254,25 @@ class UCPSavePlanner(DefaultSavePlanner):
         if not self._enable_plan_caching:
             return PlanCache()
         return _CACHE.setdefault(self._cached_plans_key, PlanCache())
+
+
+def _check_savable(name: str, value: Any) -> None:
+    """Refuse, naming the atom, a tensor DCP cannot save (stock DCP fails on it too, deep inside)."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if not has_dtype_code(value.dtype):
+        raise UCPError(
+            f"atom '{name}': tensors of dtype {value.dtype} cannot be saved (DCP has no storage for it; stock "
+            "dcp.save fails on it too)", atom=name, saved=str(value.dtype),
+            hint="save its packed bytes as a torch.uint8 tensor (t.view(torch.uint8) where torch allows it) or "
+            "convert it to a standard dtype, and convert back after loading")
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if isinstance(local, torch.Tensor) and local.layout != torch.strided:
+        raise UCPError(
+            f"atom '{name}': a {local.layout} tensor cannot be saved (DCP saves dense strided tensors; stock "
+            "dcp.save fails on it too)", atom=name, saved=str(local.layout),
+            hint="save t.to_dense(), or the tensor's parts (e.g. indices() and values()) as separate entries, "
+            "and rebuild it after loading")
 
 
 def _as_data(value: Any, item: WriteItem) -> torch.Tensor | io.BytesIO:
