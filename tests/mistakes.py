@@ -25,6 +25,7 @@ result to ``<root>/results.jsonl`` as it finishes, so a hang still leaves the ru
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -267,14 +268,42 @@ def _save(cfg, tr, job, variant, folder) -> dict | None:
                 x.copy_(old)
 
 
-def _load(cfg, job, variant, folder) -> tuple[dict | None, dict | None]:
-    """Load into a fresh trainer (seed 1); returns (failure, loaded logical state)."""
+class FreshTrainer:
+    """A load trainer (seed 1, groups reordered or not) built once per transition and put back into its
+    initial state before each run: a load that skips an entry must find the seed-1 value there, never the
+    previous run's correct one. Cheaper than a build per run (FSDP, TP, optimizers)."""
+
+    def __init__(self, cfg: ModelConfig, job, reorder: bool) -> None:
+        self.tr = build_trainer(cfg, job, seed=1)
+        if reorder:
+            reorder_groups(self.tr)
+        self.tr.state_dict()  # creates the optimizer state (zeros), as the first load's target would
+        self.params = [(x, x.detach().clone()) for m in self.tr.chunks for x in map(_local_of, m.parameters())]
+        self.optims = [copy.deepcopy(o.state_dict()) for o in self.tr.optims]
+
+    def reset(self):
+        with torch.no_grad():
+            for x, old in self.params:
+                x.copy_(old)
+        for o, saved in zip(self.tr.optims, self.optims):
+            o.load_state_dict(copy.deepcopy(saved))
+        self.tr.step = self.tr.tokens_seen = 0
+        return self.tr
+
+
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict | None]:
+    """Load into a reset trainer (seed 1); returns (failure, loaded logical state)."""
     import ucp_dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-    tr = build_trainer(cfg, job, seed=1)
-    if variant == ("reorder",):
-        reorder_groups(tr)
+    reorder = variant == ("reorder",)
+    if reorder not in trainers:
+        trainers[reorder] = FreshTrainer(cfg, job, reorder)
+    tr = trainers[reorder].reset()
     failure = None
     try:
         sd = tr.state_dict()
@@ -326,6 +355,7 @@ def transition_worker(rank: int, world: int, root: str, save: str, load: str, na
     results: list[dict] = []
     log = os.path.join(root, "results.jsonl")
     variants: dict[tuple, list[Mistake]] = {}
+    trainers: dict[bool, FreshTrainer] = {}
     for m in mistakes:
         variants.setdefault(m.save_variant, []).append(m)
     for i, (sv, runs) in enumerate(variants.items()):
@@ -337,7 +367,7 @@ def transition_worker(rank: int, world: int, root: str, save: str, load: str, na
             if saved is not None:
                 res = _verdict(m, saved, None)
             else:
-                failure, loaded = _load(cfg, l_job, m.load_variant, folder) if l_job.member else (None, None)
+                failure, loaded = _load(trainers, cfg, l_job, m.load_variant, folder) if l_job.member else (None, None)
                 res = _verdict(m, failure, compare_state(oracle, loaded) if rank == 0 and loaded is not None else None)
             dist.barrier()
             if rank == 0:
