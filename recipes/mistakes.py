@@ -4,7 +4,7 @@ transition of the reconfiguration set; each run must load bitwise right or end i
 and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
 ``MISTAKES FAILED: ...``. The harness is tests/mistakes.py (run in-process on the tests' worker pool).
 
-    python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v]
+    python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
 """
 
 from __future__ import annotations
@@ -48,15 +48,20 @@ def run_transition(save: str, load: str, names: list[str], timeout: float = 1500
 
 
 def main() -> int:
-    from mistakes import plan, summary
+    from mistakes import SAME_LAYOUT, plan, summary
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="transitions whose 'save -> load' text contains this")
     ap.add_argument("--json", default="", help="write every run's result here")
     ap.add_argument("-v", action="store_true", help="one line per run")
+    ap.add_argument("--summarize", default="", help="print the summary of an earlier --json FILE (runs nothing)")
     a = ap.parse_args()
-    picked = [t for t in TRANSITIONS if a.only in f"{t[0]} -> {t[1]}"]
-    jobs, skipped = plan(picked)
+    if a.summarize:
+        lines, ok = summary(json.loads(Path(a.summarize).read_text()), skipped=plan(TRANSITIONS)[1])  # the whole set's
+        print("\n".join(lines))
+        return 0 if ok else 1
+    pick = lambda ts: [t for t in ts if a.only in f"{t[0]} -> {t[1]}"]
+    jobs, skipped = plan(pick(TRANSITIONS), same_layout=pick(SAME_LAYOUT))
     t0, results = time.perf_counter(), []
     for save, load, names in jobs:
         t1 = time.perf_counter()

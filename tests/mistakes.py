@@ -47,6 +47,9 @@ ALTERABLE = ("fused_wqkv", "fused_w13", "tied", "padded", "reduce", "stage_map",
 """Rules with a meaningful wrong value (:func:`_altered`); a ``Replicated`` rule has none (its ``check`` mode
 matters only with a perturbed replica, which ``perturb`` covers)."""
 PERTURB = ("tp_norm", "hsdp", "plain")
+VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_map", "param group")
+"""Words a refusal's message or hint may use to name the cause; a refusal that does not name the mistaken
+rule (:func:`names_cause`) still counts as refused but is listed apart ("refused, other cause")."""
 STEPS = 2
 
 Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader"]
@@ -83,8 +86,10 @@ class Mistake:
     def load_variant(self) -> tuple[str, ...]:
         if self.kind in ("drop", "alter") and self.side in ("load", "both"):
             return (self.kind, self.target)
-        if self.kind == "reorder" or (self.kind == "writer" and self.target == "reorder"):
+        if self.kind == "reorder":
             return ("reorder",)
+        if self.kind == "writer" and self.target:  # a stock checkpoint loaded by ucp_dcp without rules
+            return ("reorder", "norules") if self.target == "reorder" else ("norules",)
         if self.kind == "reader":
             return ("stock",)
         return ("correct",)
@@ -100,14 +105,22 @@ def all_mistakes(writer_swap: bool = True) -> list[Mistake]:
     out.append(Mistake("reorder"))
     out += [Mistake("perturb", p) for p in PERTURB]
     if writer_swap:
-        out += [Mistake("writer"), Mistake("writer", "reorder"), Mistake("reader")]
+        out += SWAPS
     return out
+
+
+SWAPS = [Mistake("writer"), Mistake("writer", "norules"), Mistake("writer", "reorder"), Mistake("reader")]
+"""The writer/reader swaps: a stock checkpoint loaded by ucp_dcp with the toy's rules, without rules, without
+rules into reordered param groups; our checkpoint loaded by stock DCP."""
 
 
 WRITER_SWAP_TRANSITIONS = {("dp=4", "dp=2,tp=2"), ("dp=2,tp=2,pp=2", "dp=2,tp=2"), ("ep=4", "dp=4"),
                            ("dp=4", "dpr=2,dp=2")}
 """Where the writer/reader swaps run: a plain reshard, pipeline stages merged, expert lists, HSDP (the swaps
 exercise the reader and writer, not the transition; four cover every kind of piece the toy has)."""
+SAME_LAYOUT = [("dp=4", "dp=4"), ("tp=2,pp=2", "tp=2,pp=2")]
+"""Same-layout runs of the swaps only (plus the baseline): where stock DCP's own checkpoint and planner are
+expected to be right, so a difference is ours (e.g. param groups matched by list position)."""
 
 USER_OWNED: dict[str, str] = {
     "drop-fused_w13-both": "w13's per-TP-rank [w1_r; w3_r] blocks are what the tensor means; declared at neither side, "
@@ -234,8 +247,9 @@ def _classify_exc(e: BaseException) -> dict:
         return {"outcome": "crash", "error": f"{type(e).__name__}: {str(e)[:300]}",
                 "where": traceback.format_exception(e)[-1][:200]}
     clear = bool(err.atom) and bool(err.hint)
+    text = f"{err.message} {err.hint or ''}".lower()
     return {"outcome": "refused" if clear else "unclear", "error": f"{type(err).__name__}: {err.message[:300]}",
-            "atom": err.atom, "hint": (err.hint or "")[:200]}
+            "atom": err.atom, "hint": (err.hint or "")[:200], "mentions": [w for w in VOCAB if w in text]}
 
 
 def _agree(job, mine: dict | None) -> dict | None:
@@ -300,7 +314,7 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
     import ucp_dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-    reorder = variant == ("reorder",)
+    reorder = variant[0] == "reorder"
     if reorder not in trainers:
         trainers[reorder] = FreshTrainer(cfg, job, reorder)
     tr = trainers[reorder].reset()
@@ -310,8 +324,9 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
         if variant == ("stock",):
             dcp.load(sd, storage_reader=FileSystemReader(folder), planner=DefaultLoadPlanner(), process_group=job.group)
         else:
+            opts = {} if "norules" in variant else options(cfg, job, variant)
             dcp.load(sd, storage_reader=ucp_dcp.UCPFileSystemReader(folder), process_group=job.group,
-                     planner=ucp_dcp.UCPLoadPlanner(**options(cfg, job, variant)))
+                     planner=ucp_dcp.UCPLoadPlanner(**opts))
         tr.load_state_dict(sd)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -386,10 +401,11 @@ def _bcast(x):
 
 # -- the set ----------------------------------------------------------------------------------------
 
-def plan(transitions: list[tuple[str, str]], sample: list[tuple[str, str, str]] | None = None):
+def plan(transitions: list[tuple[str, str]], sample: list[tuple[str, str, str]] | None = None,
+         same_layout: list[tuple[str, str]] = ()):
     """(save, load, [mistake names]) per transition and the skipped count: every mistake class on
     every transition where it is not a no-op, the writer swaps on :data:`WRITER_SWAP_TRANSITIONS`;
-    ``sample``: only these (save, load, mistake name) runs."""
+    the baseline and the swaps alone at ``same_layout`` (e.g. :data:`SAME_LAYOUT`); ``sample``: only these (save, load, mistake name) runs."""
     jobs, skipped = [], 0
     for save, load in transitions:
         ms = all_mistakes(writer_swap=(save, load) in WRITER_SWAP_TRANSITIONS)
@@ -399,7 +415,17 @@ def plan(transitions: list[tuple[str, str]], sample: list[tuple[str, str, str]] 
         skipped += len(ms) - len(keep)
         if keep:
             jobs.append((save, load, [m.name for m in keep]))
+    jobs += [(save, load, ["none"] + [m.name for m in SWAPS]) for save, load in same_layout]
     return jobs, skipped
+
+
+def names_cause(r: dict) -> bool:
+    """Whether a refusal's message or hint names the mistaken rule or map (or, for a perturbed replica, the
+    replicas; for reordered groups, the param groups)."""
+    target = r["mistake"].split("-")[1] if "-" in r["mistake"] else r["mistake"]
+    word = {"fused_wqkv": "fused", "fused_w13": "fused", "replicated": "replica", "tp_norm": "replica",
+            "hsdp": "replica", "plain": "replica", "reorder": "param group"}.get(target, target)
+    return word in r.get("mentions", [word])
 
 
 def counted(r: dict) -> str:
@@ -424,7 +450,12 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
     n = {k: sum(1 for r in results if counted(r) == k) for k in
          ("silent", "crash", "unclear", "ok", "refused", "user-owned")}
     stock = sum(1 for r in results if r["outcome"].startswith("stock-"))
-    tail = (f"({n['ok']} ok, {n['refused']} refused, {n['user-owned']} user-owned, {stock} stock-loaded, "
+    other = [r for r in results if r["outcome"] == "refused" and r["mistake"] != "writer" and not names_cause(r)]
+    for r in other:
+        lines.append(f"{'REFUSED?':<12} {r['save']} -> {r['load']}: {r['mistake']}: the error names another cause: "
+                     f"{r['error'][:160]}")
+    tail = (f"({n['ok']} ok, {n['refused']} refused ({len(other)} naming another cause), {n['user-owned']} user-owned, "
+            f"{stock} stock-loaded, "
             f"{skipped} skipped as no-ops)")
     ok = n["silent"] == n["crash"] == n["unclear"] == 0
     if ok:
