@@ -68,6 +68,13 @@ foreign-demo: $(STAMP)
 reconfig: $(STAMP)
 	$(BIN)/python recipes/reconfig.py
 
+# mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
+# perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/mistakes.py); one line per silent,
+# crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
+.PHONY: mistakes
+mistakes: $(STAMP)
+	$(BIN)/python recipes/mistakes.py
+
 # UCP against DCP's default planners and storage, one run: table + JSON (docs/performance.md)
 bench: $(STAMP)
 	$(BIN)/python recipes/benchmark.py --json runs/benchmark.json

@@ -1,0 +1,86 @@
+"""The mistake-injection tier: every ordinary mistake (a rule or map dropped or altered at save, at load or
+both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's) on every
+transition of the reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
+and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
+``MISTAKES FAILED: ...``. The harness is tests/mistakes.py (run in-process on the tests' worker pool).
+
+    python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the harness (tests/mistakes.py) and the pool; reconfig is found beside this file
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+from reconfig import TRANSITIONS  # noqa: E402
+
+
+def run_transition(save: str, load: str, names: list[str], timeout: float = 1500) -> list[dict]:
+    """One transition's runs on the pool (4 or 8 workers); a task that fails or hangs keeps the runs that
+    finished before it and reports the others as crashed."""
+    import dist as D
+    from mistakes import transition_worker
+    from ucp_dcp.toy import Topology
+
+    world = 4 if max(Topology.parse(save).world, Topology.parse(load).world) <= 4 else 8
+    root = D.tmpdir()
+    try:
+        return D.run(transition_worker, world, root, save, load, names, timeout=timeout)[0]
+    except AssertionError as e:
+        path = os.path.join(root, "results.jsonl")
+        done = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+        seen = {r["mistake"] for r in done}
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else "task failed"
+        print(f"# {save} -> {load}: the task failed after {len(done)} runs:\n{str(e)[-6000:]}", file=sys.stderr)
+        return done + [{"save": save, "load": load, "mistake": n, "outcome": "crash", "error": f"task failed: {why}"}
+                       for n in names if n not in seen]
+
+
+def main() -> int:
+    from mistakes import SAME_LAYOUT, plan, summary
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="transitions whose 'save -> load' text contains this")
+    ap.add_argument("--json", default="", help="write every run's result here")
+    ap.add_argument("-v", action="store_true", help="one line per run")
+    ap.add_argument("--summarize", default="", help="print the summary of an earlier --json FILE (runs nothing)")
+    a = ap.parse_args()
+    if a.summarize:
+        lines, ok = summary(json.loads(Path(a.summarize).read_text()), skipped=plan(TRANSITIONS)[1])  # the whole set's
+        print("\n".join(lines))
+        return 0 if ok else 1
+    pick = lambda ts: [t for t in ts if a.only in f"{t[0]} -> {t[1]}"]
+    jobs, skipped = plan(pick(TRANSITIONS), same_layout=pick(SAME_LAYOUT))
+    t0, results = time.perf_counter(), []
+    for save, load, names in jobs:
+        t1 = time.perf_counter()
+        rs = run_transition(save, load, names)
+        results += rs
+        bad = sum(1 for r in rs if r["outcome"] in ("silent", "crash", "unclear"))
+        print(f"# {save} -> {load}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s",
+              flush=True)
+        if a.v:
+            for r in rs:
+                print(f"#   {r['mistake']:<28} {r['outcome']:<14} {r.get('error', '') or r.get('first', '')}", flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+    lines, ok = summary(results, skipped)
+    print(f"# {time.perf_counter() - t0:.0f}s in all")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
