@@ -243,19 +243,24 @@ class UCPFileSystemWriter(FileSystemWriter):
                     results.extend(out)
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(1, min(self.thread_count, work.qsize()))]
+        # copies of replicated pieces another rank writes: hashed while the writes run, compared in finish()
+        copies = getattr(planner, "replica_copies", None)
+        copies = copies() if copies is not None and self.checksums else []
+        hasher = ThreadPoolExecutor(1) if copies else None
+        copy_sums = [hasher.submit(block_checksums, tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK,
+                                   DEFAULT_HASH) for _, t in copies] if hasher is not None else []
         with _zip_crc32(self.zip_crc32):
             for t in threads:
                 t.start()
             worker()
             for t in threads:
                 t.join()
+        for (index, _), sums in zip(copies, copy_sums):
+            results.append(WriteResult(index=index, size_in_bytes=0, storage_data=ReplicaCopy(sums.result())))
+        if hasher is not None:
+            hasher.shutdown()
         if errors:
             raise errors[0]
-        # copies of replicated pieces another rank wrote: their checksums, compared in finish()
-        copies = getattr(planner, "replica_copies", None)
-        for index, t in (copies() if copies is not None and self.checksums else ()):
-            results.append(WriteResult(index=index, size_in_bytes=0,
-                                       storage_data=ReplicaCopy(block_checksums(tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK, DEFAULT_HASH))))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
