@@ -70,3 +70,27 @@ def test_an_unused_rule_names_itself_as_the_atom(tmp_path):
                                             planner=UCPSavePlanner(patterns=[Tied("emb.weight", (r"out\.weight",))])),
                            ucp_dcp.PatternError)
     assert err.atom == "emb.weight" and "matched no name" in str(err)
+
+
+def test_a_reduce_rule_only_at_load_is_refused(tmp_path):
+    from ucp_dcp.patterns import Reduce
+
+    dcp.save({"train_state": {"tokens_seen": 5}}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
+    target = {"train_state": {"tokens_seen": 0}}
+    err = expect_ucp_error(lambda: dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner(
+        patterns=[Reduce(r"train_state\.tokens_seen", "sum")])), ucp_dcp.PatternError)
+    assert err.atom == "train_state.tokens_seen" and "without a reduction" in str(err)
+
+
+def test_map_orders_read_off_the_claims():
+    from types import SimpleNamespace as U
+
+    from ucp_dcp.structure import check_map_orders, map_orders
+
+    up = [U(claims=[("experts", 0, 0), ("experts", 1, 0)]), U(claims=[("experts", 2, 1), ("experts", 3, 1)])]
+    down = [U(claims=[("experts", 2, 0)]), U(claims=[("experts", 0, 1)])]
+    assert map_orders(up) == {"experts": "ascending"} and map_orders(down) == {"experts": "descending"}
+    assert map_orders([U(claims=[("layers", 0, 0), ("layers", 1, 0)])]) == {}  # one owner: nothing known
+    check_map_orders({"experts": "ascending"}, {"experts": "ascending"})
+    with pytest.raises(ucp_dcp.AmbiguousLayoutError, match="descending order"):
+        check_map_orders({"experts": "ascending"}, {"experts": "descending"})

@@ -19,7 +19,7 @@ from .entries import local_tensor
 from .errors import AmbiguousLayoutError, PatternError, UCPError
 from .patterns import Rule, Tied, describe, rule_to_json
 
-__all__ = ["with_map_note", "tie_problem", "alias_problems", "rule_conflicts"]
+__all__ = ["with_map_note", "tie_problem", "alias_problems", "rule_conflicts", "reduce_problem"]
 
 _MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
 
@@ -123,3 +123,18 @@ def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalo
 
 def rule_json(rule: Rule) -> dict[str, Any]:
     return rule_to_json(rule)
+
+
+def reduce_problem(r: Any, catalog: dict[str, Any] | None) -> UCPError | None:
+    """A ``Reduce`` rule applied at load to an atom the checkpoint saved without one: what was saved
+    is one rank's copy (checked equal across ranks), which the load would take for the reduced total."""
+    if r.reduce is None or not catalog:
+        return None
+    rec = catalog.get("atoms", {}).get(r.name)
+    if rec is None or str(rec.get("pattern", "")).startswith("reduce:"):
+        return None
+    return PatternError(
+        f"rule {describe(r.reduce)} reduces '{r.name}' at load, but the checkpoint saved it without a reduction "
+        f"(pattern {rec.get('pattern')!r}: one rank's copy): the load would take that copy for the {r.reduce.op}",
+        atom=r.name, saved=rec.get("pattern"), wanted=f"reduce:{r.reduce.op}",
+        hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it")

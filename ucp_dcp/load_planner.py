@@ -27,8 +27,8 @@ from .plans import LoadPlanPayload, RuleUsage
 from .patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
-from .declarations import alias_problems, rule_conflicts, tie_problem, with_map_note
-from .structure import check_mesh_collisions, target_meshes, unpack_meshes
+from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
+from .structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -174,6 +174,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             if not r.present:
                 continue
             tied = tie_problem(r, saved.lookup, self._saved_rules, self.rules)
+            if tied is None:
+                tied = reduce_problem(r, self._catalog)
             if tied is not None:
                 problems.append(tied)
                 continue
@@ -263,6 +265,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         # facts before declarations: one atom wanted whole on two meshes is a forgotten map
         check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
+        if getattr(self, "_catalog", None):
+            check_map_orders(self._catalog.get("map_orders", {}), map_orders(usages))
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
         return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
 

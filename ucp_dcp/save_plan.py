@@ -322,7 +322,7 @@ def _metadata(atoms: _Atoms, atom: np.ndarray, off: np.ndarray, size: np.ndarray
 
 def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], lowest_rank: bool,
                 writer: dict[str, str], rules_json: list[dict[str, Any]],
-                map_keys: list[str]) -> tuple[list[RankAnswer], Metadata]:
+                map_keys: list[str], map_orders: dict[str, str] | None = None) -> tuple[list[RankAnswer], Metadata]:
     """Every rank's answer (a keep mask, reduced items for the coordinator, averaging duties) and
     the metadata (flatten mappings and the catalog in ``planner_data``)."""
     result = plan_global([p.packed for p in payloads], lowest_rank)
@@ -343,6 +343,8 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
                                            world_size=len(payloads))
     catalog["rules"] = rules_json
     catalog["maps"] = sorted(map_keys)
+    if map_orders:
+        catalog["map_orders"] = dict(sorted(map_orders.items()))
     planner_data: dict[str, Any] = {k: mappings[k] for k in sdm if k in mappings}
     planner_data[cat_mod.CATALOG_KEY] = catalog
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)

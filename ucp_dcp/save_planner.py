@@ -21,7 +21,7 @@ from .options import UCPOptions, options_first, protocol_error, require_flat, sp
 from .patterns import Patterns
 from .plans import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .resolve import Resolver
-from .structure import catalog_meshes, check_mesh_collisions, tied_atoms
+from .structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
 from .save_plan import build_local, final_items, global_plan, live_entries, local_payload, merge_cached, \
     structures_by_hash
 
@@ -186,7 +186,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         if self._enable_plan_caching and not any(p.usable for p in all_plans) and cache.global_plan is not None:
             return [SavePlan([], usable=False)] * len(all_plans), cache.global_plan[1]
         answers, metadata = global_plan(payloads, self._reduced, self.dedup_save_to_lowest_rank, _writer_info(),
-                                        self._patterns.to_json(), [m.key for m in self.maps])
+                                        self._patterns.to_json(), [m.key for m in self.maps],
+                                        map_orders([p.usage for p in payloads]))
         plans = [SavePlan([], planner_data=a) for a in answers]
         if self._enable_plan_caching:
             cache.payloads, cache.structures, cache.global_plan = payloads, structures, (plans, metadata)

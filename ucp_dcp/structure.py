@@ -27,7 +27,7 @@ from .errors import AmbiguousLayoutError
 from .layout import mesh_info
 
 __all__ = ["MeshKey", "mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms",
-           "target_meshes", "unpack_meshes", "collision_hint"]
+           "target_meshes", "unpack_meshes", "collision_hint", "map_orders", "check_map_orders"]
 
 MeshKey = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
 """A mesh as the checks see it: its sorted ranks and its position along pipeline/expert dims."""
@@ -131,3 +131,38 @@ def unpack_meshes(per_rank: Iterable[Mapping[MeshKey, bytes]]) -> dict[str, list
                     out.setdefault(name, []).append(ranks)
     return out
 
+
+
+def map_orders(usages: Iterable[Any]) -> dict[str, str]:
+    """How each index map numbers its owners' entries, from all ranks' claims ``(key, global index,
+    owner)``: ``ascending`` when owners in id order hold ever higher indices (stage 0 the first
+    layers, EP rank 0 the first experts), ``descending`` for the reverse, ``other`` otherwise. With
+    a single owner nothing is known (left out). Recorded in the catalog at save and compared at load:
+    two maps that number in opposite directions put every layer or expert in another's place."""
+    lows: dict[str, dict[int, int]] = {}
+    for u in usages:
+        for key, g, owner in u.claims:
+            if owner is not None:
+                lows.setdefault(key, {})[owner] = min(g, lows.get(key, {}).get(owner, g))
+    out = {}
+    for key, by_owner in lows.items():
+        seq = [by_owner[o] for o in sorted(by_owner)]
+        if len(seq) < 2:
+            continue
+        up = all(a < b for a, b in zip(seq, seq[1:]))
+        down = all(a > b for a, b in zip(seq, seq[1:]))
+        out[key] = "ascending" if up else "descending" if down else "other"
+    return out
+
+
+def check_map_orders(saved: Mapping[str, str], now: Mapping[str, str]) -> None:
+    """Refuse a load whose index maps number in another direction than the checkpoint's did."""
+    for key in sorted(set(saved) & set(now)):
+        if saved[key] != now[key] and "other" not in (saved[key], now[key]):
+            arg = {"layers": "stage_map", "experts": "expert_map"}.get(key, f"IndexMap({key!r})")
+            raise AmbiguousLayoutError(
+                f"the checkpoint's {arg} numbered '{key}' in {saved[key]} order of their owners (stage / expert "
+                f"rank), this load's {arg} in {now[key]} order: every {key[:-1]} would land in another's place",
+                atom=f"{key}.0", saved=saved[key], wanted=now[key],
+                hint=f"build the {arg} the same way at save and at load (global index = owner's first index + "
+                "local index, owners in mesh order)")
