@@ -103,8 +103,10 @@ def _snapshot(model, opt, sched):
 def _equal(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
     return a == b
 
 
