@@ -43,3 +43,18 @@ def validate_dataset(*args, **kwargs):
     from torchtitan.hf_datasets.text_datasets import _validate_dataset
 
     return _validate_dataset(*args, **kwargs)
+
+
+def datasets_iterable_kinds(ds) -> set[str] | None:
+    """Class names of the example iterables a ``datasets.IterableDataset`` is built from (its private
+    ``_ex_iterable`` chain: their states do not all name their type), None if it has no such chain."""
+    root = getattr(ds, "_ex_iterable", None)
+    if root is None:
+        return None
+    kinds, todo = set(), [root]
+    while todo:
+        it = todo.pop()
+        kinds.add(type(it).__name__)
+        todo += [x for x in [getattr(it, "ex_iterable", None)] if x is not None]
+        todo += list(getattr(it, "ex_iterables", None) or [])
+    return kinds

@@ -10,6 +10,11 @@ divides ``B`` step ``s`` trains on windows ``[sB, (s+1)B)``: the same global bat
 global value, identical on every rank -- the number of windows consumed (``cursor``) plus where
 window ``cursor`` starts in the stream -- so a resume at another degree continues at window
 ``cursor`` with no window repeated or skipped.
+
+Streaming datasets resume in each epoch's actual order and every resume checks the document it
+lands on (:mod:`ucp_dcp.torchtitan.stream`). With ``num_workers > 0`` worker ``k`` produces this
+rank's batches ``k, k + n, ...``; each batch carries the global state after it, so the state saved
+is the one of the last batch handed to the trainer, whatever the workers have prefetched.
 """
 
 from __future__ import annotations
@@ -20,94 +25,27 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from ..errors import UCPError
 from ._compat import validate_dataset as _validate_dataset
+from .stream import Documents, Pos, TokenStream, WindowSource
 
-__all__ = ["GlobalWindowDataset", "GlobalCursorTextDataLoader", "STATE_VERSION"]
+__all__ = ["GlobalWindowDataset", "GlobalCursorTextDataLoader", "STATE_VERSION", "STATE_KEYS"]
 
-STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class _Pos:
-    """A point in the global token stream."""
-
-    epoch: int
-    doc: int
-    """Index of the document in this epoch's order."""
-    offset: int
-    """Token entries of that document already consumed."""
-
-
-class _Stream:
-    """The global token stream: documents in epoch order, each tokenized with BOS/EOS and shifted
-    within itself (inputs ``t[:-1]``, labels ``t[1:]``, per-document positions)."""
-
-    def __init__(self, data: Any, tokenizer: Any, text_of: Any, seq_len: int, infinite: bool) -> None:
-        self.data, self.tokenizer, self.text_of = data, tokenizer, text_of
-        self.seq_len, self.infinite = seq_len, infinite
-        self._n = len(data) if hasattr(data, "__len__") else None
-
-    def _order(self, epoch: int):
-        if epoch == 0 or self._n is None:
-            return None
-        g = torch.Generator().manual_seed(42 + epoch)
-        return torch.randperm(self._n, generator=g).tolist()
-
-    def _docs(self, pos: _Pos) -> Iterator[tuple[_Pos, list[int]]]:
-        epoch, doc = pos.epoch, pos.doc
-        while True:
-            order = self._order(epoch)
-            if self._n is not None:
-                for i in range(doc, self._n):
-                    sample = self.data[order[i] if order else i]
-                    yield _Pos(epoch, i, 0), self.tokenizer.encode(self.text_of(sample), add_bos=True, add_eos=True)
-            else:  # iterable datasets: no random access, skip forward
-                src = self.data.skip(doc) if doc else self.data
-                if hasattr(src, "set_epoch"):
-                    src.set_epoch(epoch)
-                for i, sample in enumerate(src, start=doc):
-                    yield _Pos(epoch, i, 0), self.tokenizer.encode(self.text_of(sample), add_bos=True, add_eos=True)
-            if not self.infinite:
-                return
-            epoch, doc = epoch + 1, 0
-
-    def windows(self, start: _Pos) -> Iterator[tuple[_Pos, tuple[list[int], list[int], list[int]]]]:
-        """``(start position, (inputs, labels, positions))`` of every window from ``start`` on."""
-        inputs: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        head: _Pos | None = None  # stream position of inputs[0]
-        for dpos, toks in self._docs(start):
-            skip = start.offset if (dpos.epoch, dpos.doc) == (start.epoch, start.doc) else 0
-            n = len(toks) - 1
-            for j in range(skip, n):
-                if head is None:
-                    head = _Pos(dpos.epoch, dpos.doc, j)
-                inputs.append(toks[j])
-                labels.append(toks[j + 1])
-                positions.append(j)
-                if len(inputs) == self.seq_len:
-                    yield head, (inputs, labels, _normalize(positions))
-                    inputs, labels, positions, head = [], [], [], None
-
-
-def _normalize(positions: list[int]) -> list[int]:
-    """Positions of a window that starts mid-document restart from 0, as in torchtitan."""
-    first = positions[0]
-    if first > 0:
-        for i, p in enumerate(positions):
-            if p == 0:
-                break
-            positions[i] = p - first
-    return positions
+STATE_VERSION = 2
+"""1: no ``text_hash``/``resume`` (streaming data resumed in the wrong order after epoch 0)."""
+STATE_KEYS = ("version", "cursor", "epoch", "doc", "offset", "text_hash", "resume", "seq_len", "dataset")
+"""The keys of the loader's state, the same for every dataset kind and on every rank."""
 
 
 class GlobalWindowDataset(IterableDataset, Stateful):
-    """Rank ``dp_rank``'s share of the global window stream: windows ``cursor + dp_rank + k * dp``."""
+    """Rank ``dp_rank``'s share of the global window stream: windows ``cursor + dp_rank + k * dp``.
+
+    In a DataLoader worker ``i`` of ``n`` it yields only the windows of this rank's batches
+    ``i, i + n, ...`` (``batch_size`` windows each), in the order the DataLoader hands batches out.
+    """
 
     def __init__(
         self,
@@ -118,55 +56,64 @@ class GlobalWindowDataset(IterableDataset, Stateful):
         dp_rank: int,
         dp_world_size: int,
         infinite: bool = True,
+        batch_size: int = 1,
     ) -> None:
         path, loader, text_of = _validate_dataset(dataset_name.lower(), dataset_path)
         self.dataset_name = dataset_name.lower()
-        self.seq_len = seq_len
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self._stream = _Stream(loader(path), tokenizer, text_of, seq_len, infinite)
+        self._stream = TokenStream(Documents(loader(path), text_of, infinite, self.dataset_name), tokenizer, seq_len)
         self.cursor = 0
         """Windows consumed by the whole job (every DP rank's pulls in lockstep)."""
-        self._start = _Pos(0, 0, 0)
-        """Stream position of window ``self._base``."""
+        self._start = Pos(0, 0, 0)
+        """Stream position of window ``self._base``, where the current iteration began."""
         self._base = 0
-        self._yielded = 0
-        self._last: tuple[int, _Pos] = (0, self._start)
+        self._src: WindowSource | None = None
 
     def iter_windows(self) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
-        """``(global window id, inputs, labels)`` for this rank, from the current cursor."""
+        """``(global window id, inputs, labels)`` for this rank (this worker), from the current cursor."""
         base, d, r = self.cursor, self.dp_world_size, self.dp_rank
-        self._start = self._position_of(base)
-        self._base, self._yielded = base, 0
-        for w, (pos, (inp, lab, positions)) in enumerate(self._stream.windows(self._start), start=base):
-            self._last = (w, pos)
-            if (w - base) % d != r:
+        info = get_worker_info()
+        workers, me = (info.num_workers, info.id) if info is not None else (1, 0)
+        self._base, self._start = base, self._position_of(base)
+        self._src = src = WindowSource(self._stream, base, self._start)
+        j = -1
+        while True:
+            j += 1
+            if workers > 1 and (j // self.batch_size) % workers != me:
                 continue
-            self._yielded += 1
-            self.cursor = base + d * self._yielded
+            w = base + d * j + r
+            got = src.take(w)
+            if got is None:
+                return
+            _, (inp, lab, positions) = got
+            self.cursor = base + d * (j + 1)
             yield w, {"input": torch.LongTensor(inp), "positions": torch.LongTensor(positions)}, torch.LongTensor(lab)
 
     def __iter__(self):
+        """``(inputs, labels, state after this sample)``: the loader strips the state (see its collate)."""
         for _, inputs, labels in self.iter_windows():
-            yield inputs, labels
+            yield inputs, labels, self.state_dict()
 
-    def _position_of(self, window: int) -> _Pos:
-        """Stream position where ``window`` starts (scanning at most a few windows ahead)."""
-        if window == self._base:
+    def _position_of(self, window: int) -> Pos:
+        if window == self._base or self._src is None:
             return self._start
-        w, pos = self._last
-        if window == w:
-            return pos
-        for w2, (p, _) in enumerate(self._stream.windows(pos), start=w):
-            if w2 == window:
-                return p
-        raise UCPError(f"dataset {self.dataset_name} ended before window {window}")
+        pos = self._src.pos(window)
+        return pos if pos is not None else Pos(-1, -1, 0)
 
     def state_dict(self) -> dict[str, Any]:
         pos = self._position_of(self.cursor)
         return {"version": STATE_VERSION, "cursor": self.cursor, "epoch": pos.epoch, "doc": pos.doc,
-                "offset": pos.offset, "seq_len": self.seq_len, "dataset": self.dataset_name}
+                "offset": pos.offset, "text_hash": pos.text_hash, "resume": pos.resume,
+                "seq_len": self.seq_len, "dataset": self.dataset_name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise UCPError(
+                f"dataloader state version {state.get('version')} is not this loader's ({STATE_VERSION})",
+                atom="dataloader.version", saved=state.get("version"), wanted=STATE_VERSION,
+                hint="version 1 (ucp_dcp before streaming-exact resume) cannot say where a streaming epoch "
+                     "resumes; skip it with checkpoint.exclude_from_loading=['dataloader']")
         if state.get("seq_len") != self.seq_len or state.get("dataset") != self.dataset_name:
             raise UCPError(
                 f"dataloader state is for dataset {state.get('dataset')!r} with seq_len {state.get('seq_len')}, "
@@ -175,17 +122,24 @@ class GlobalWindowDataset(IterableDataset, Stateful):
                 wanted=(self.dataset_name, self.seq_len),
                 hint="windows are cut at seq_len: resume with the same dataset and training.seq_len",
             )
-        self.cursor = int(state["cursor"])
-        if self.cursor % self.dp_world_size:
+        cursor = int(state["cursor"])
+        if cursor % self.dp_world_size:
             raise UCPError(
-                f"the saved global cursor ({self.cursor} windows) is not a multiple of the new data-parallel "
+                f"the saved global cursor ({cursor} windows) is not a multiple of the new data-parallel "
                 f"degree {self.dp_world_size}: ranks cannot split the next global batch",
-                atom="dataloader.cursor", saved=self.cursor, wanted=self.dp_world_size,
+                atom="dataloader.cursor", saved=cursor, wanted=self.dp_world_size,
                 hint="choose a data-parallel degree that divides the global batch size",
             )
-        self._start = _Pos(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
-        self._base = self.cursor
-        self._last = (self.cursor, self._start)
+        self.cursor = self._base = cursor
+        self._start = Pos(int(state["epoch"]), int(state["doc"]), int(state["offset"]), str(state["text_hash"]),
+                          str(state["resume"]))
+        self._src = None
+
+
+def _collate(samples: list[tuple[Any, Any, dict[str, Any]]]) -> tuple[Any, Any, dict[str, Any]]:
+    """Collate ``(inputs, labels)`` as stock and pass on the state after the batch's last sample."""
+    inputs, labels = default_collate([(i, lab) for i, lab, _ in samples])
+    return inputs, labels, samples[-1][2]
 
 
 class GlobalCursorTextDataLoader(ParallelAwareDataloader):
@@ -200,7 +154,8 @@ class GlobalCursorTextDataLoader(ParallelAwareDataloader):
         dataset: str = "c4_test"
         """Dataset name (torchtitan's text dataset registry)."""
         infinite: bool = True
-        """Loop over the dataset forever (each epoch in a seeded shuffled order)."""
+        """Loop over the dataset forever (map-style: each later epoch in a seeded shuffled order;
+        streaming: each epoch in the order ``datasets`` gives after ``set_epoch``)."""
 
     def __init__(
         self,
@@ -214,15 +169,27 @@ class GlobalCursorTextDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        if config.num_workers:
-            raise UCPError("GlobalCursorTextDataLoader needs num_workers=0 (its cursor lives in the main process)")
         ds = GlobalWindowDataset(config.dataset, config.dataset_path, tokenizer, seq_len, dp_rank, dp_world_size,
-                                 config.infinite)
-        super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size)
+                                 config.infinite, batch_size=local_batch_size)
+        super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
+                         collate_fn=_collate, num_workers=config.num_workers,
+                         persistent_workers=config.persistent_workers, pin_memory=config.pin_memory,
+                         prefetch_factor=config.prefetch_factor, snapshot_every_n_steps=snapshot_every_n_steps)
+        self._state: dict[str, Any] | None = None
+        """The global state after the last batch handed out (None: none since the last load)."""
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        if self._state is not None:  # a new iterator continues where the last one stopped
+            self.dataset.load_state_dict(self._state)
+            self._state = None
+        for inputs, labels, state in super().__iter__():
+            self._state = state
+            yield inputs, labels
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict()
+        return dict(self._state) if self._state is not None else self.dataset.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:
+        if state_dict:  # empty: nothing saved, start from the beginning (as stock)
             self.dataset.load_state_dict(state_dict)
+            self._state = None

@@ -66,7 +66,9 @@ _HINT_FLAGS = ("give the job's own torchtitan flags after the export's, e.g. --m
                "llama3_debugmodel --hf_assets_path ... --dataloader.dataset_path ... --training.seq_len ...")
 _NO_DATA = ("or export without the data position (--no-dataloader) and resume stock torchtitan with "
             "--checkpoint.exclude_from_loading dataloader (its data stream restarts from the beginning)")
-_CURSOR_KEYS = ("version", "cursor", "epoch", "doc", "offset", "seq_len", "dataset")
+_CURSOR_KEYS = ("version", "cursor", "epoch", "doc", "offset", "text_hash", "resume", "seq_len", "dataset")
+"""The global-cursor loader's state keys (``dataloader.STATE_KEYS``, without importing torchtitan here)."""
+_TEXT_KEYS = ("dataset", "text_hash", "resume")
 
 
 @dataclass
@@ -600,7 +602,7 @@ def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[di
                 hint=f"export with --dp {len(ranks)}, " + _NO_DATA)
         template = {**{n: b"" for n in ranks}, "world_size": 0}
     else:
-        template = {k: ("" if k == "dataset" else 0) for k in _CURSOR_KEYS}
+        template = {k: ("" if k in _TEXT_KEYS else 0) for k in _CURSOR_KEYS}
     got = _Captured(template)
     dcp.load({"dataloader": got}, storage_reader=UCPFileSystemReader(src), planner=UCPLoadPlanner())
     value = got.value

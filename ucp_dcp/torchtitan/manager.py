@@ -24,7 +24,8 @@ What changes in the checkpoint:
 * fused ``wqkv`` weights are no longer all-gathered to be split by a state-dict hook: the fused
   local shards are written as ``wq``/``wk``/``wv`` atoms by a ``Fused`` rule (group-major layout,
   one block per KV head), and their optimizer moments become ``wq``/``wk``/``wv`` moments too;
-* ``train_state.ntokens_seen`` (a per-rank count) is summed over data-parallel slots at save;
+* ``train_state.ntokens_seen`` (a per-rank count) is summed over data-parallel slots at save (the
+  rule is declared only when the manager holds a ``train_state`` with that field);
 * a save or load that leaves training state out on purpose (the last-step model-only export,
   ``initial_load_model_only``, step-0 loads, ``exclude_from_loading``) does not declare the rules
   anchored in that state (``train_state\\.ntokens_seen``): strict mode judges each call on the
@@ -119,7 +120,7 @@ class UCPCheckpointManager(CheckpointManager):
         rules: list[Rule] = []
         if config.fused_qkv_atoms:
             rules += fused_qkv_rules(model_parts)
-        if config.ntokens_seen == "sum":
+        if config.ntokens_seen == "sum" and _holds_ntokens_seen(self.states.get(TRAIN_STATE)):
             rules.append(Reduce(r"train_state\.ntokens_seen", "sum"))
         for text in config.rules:
             try:
@@ -239,7 +240,7 @@ class UCPCheckpointManager(CheckpointManager):
         if loader is None:
             return state_dict
         target = loader.state_dict() if hasattr(loader, "state_dict") else loader  # DCP loads Stateful objects
-        if not isinstance(target, dict):
+        if not isinstance(target, dict) or not target:  # nothing to load (a loader without state), as stock
             return state_dict
         saved = {k[len(DATALOADER) + 1:] for k in read_metadata(checkpoint_id).state_dict_metadata
                  if k.startswith(DATALOADER + ".")}
@@ -256,6 +257,19 @@ class UCPCheckpointManager(CheckpointManager):
             hint="use ucp_dcp's GlobalCursorTextDataLoader (resumes at any DP degree), set "
             "checkpoint.dataloader_policy='restart', or exclude_from_loading=['dataloader']",
         )
+
+
+TRAIN_STATE = "train_state"
+"""The Trainer's own state in the manager's ``states`` (``{"step", "ntokens_seen"}``)."""
+
+
+def _holds_ntokens_seen(state: Any) -> bool:
+    """Does the manager's ``train_state`` have an ``ntokens_seen`` (the built-in Reduce rule's target)?
+    torchtitan's Trainer always does; a trainer built on the manager may hold none or another one."""
+    if state is None:
+        return False
+    sd = state.state_dict() if hasattr(state, "state_dict") else state
+    return isinstance(sd, dict) and "ntokens_seen" in sd
 
 
 def rules_for_call(rules: list[Rule], left_out: list[str]) -> list[Rule]:
