@@ -130,6 +130,10 @@ USER_OWNED: dict[str, str] = {
                          "saved and reapplied as declared",
     "alter-expert_map-both": "a consistent permutation of expert numbers at both sides: experts are symmetric in "
                              "shape, so a wrong but consistent numbering is indistinguishable from a real one",
+    "alter-expert_map-save": "refused wherever both sides have several expert owners (the catalog's map order differs "
+                             "from the load's); against a load with one owner (ep=1) nothing fixes a direction, and a "
+                             "self-consistent reversed numbering is a valid one",
+    "alter-expert_map-load": "the same, with the roles swapped",
 }
 """Mistakes whose silent outcome is the user's to own (excluded from the silent count, still listed)."""
 
