@@ -139,10 +139,9 @@ test-torch:
 
 # the wheels NOVENV=1 needs on a machine without network (the GPU machine: Python 3.12, torch 2.11+cu130):
 # every requirement of ucp-dcp[$(EXTRAS)] this venv resolved, but the torch/CUDA/triton stack and what
-# WHEELS_HAVE names (already on that machine), for PY_VERSION, as binary wheels (sdists built here)
+# WHEELS_HAVE names (torch's own requirements and numpy: on any machine with torch), for PY_VERSION, as binary wheels (sdists built here)
 PY_VERSION ?= 3.12
-WHEELS_HAVE ?= numpy xxhash pytest hypothesis safetensors transformers fsspec tokenizers huggingface-hub pyyaml \
-	regex tqdm packaging requests filelock jinja2 markupsafe sympy mpmath networkx typing-extensions setuptools
+WHEELS_HAVE ?= numpy jinja2 markupsafe sympy mpmath networkx typing-extensions setuptools filelock
 wheels: $(STAMP)
 	$(REQS) > .wheels-requirements.txt
 	$(PIP) tools/wheels.py --requirements .wheels-requirements.txt --have "$(WHEELS_HAVE)" --python-version $(PY_VERSION) \
