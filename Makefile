@@ -1,72 +1,125 @@
 # Quick start on a fresh machine (Python 3.11 only):  make demo   |   make test
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The default venv gets the CPU build of torch 2.13.0 from this machine's disk, installed first: an unpinned
+# resolve could pull a multi-GB CUDA build. Any torch 2.11-2.15 works (docs/compatibility.md).
+DEFAULT_TORCH := 2.13.0
+TORCH  ?= $(DEFAULT_TORCH)
 VENV   ?= .venv
-BIN    := $(VENV)/bin
-# The CPU build of torch must be installed first: an unpinned resolve could pull a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+EXTRAS ?= dev,torchtitan,foreign
+# `make test-torch TORCH=2.15 [TIER=test-quick]`: one venv per release outside the checkout, reused
+TORCH_VENVS ?= $(HOME)/.cache/ucp-dcp/venvs
+TIER   ?= test
+# NOVENV=1: run on $(PYTHON) as it is (a machine whose Python already has a CUDA torch), missing pure-Python
+# dependencies installed from the wheels `make wheels` put in $(WHEELS) into .novenv/site (both git-ignored)
+NOVENV ?=
+WHEELS ?= wheels
+# torch==2.15 -> torch==2.15.* (the newest patch release); torch==2.14.1 as given
+TORCH_REQ = torch==$(TORCH)$(if $(word 3,$(subst ., ,$(TORCH))),,.*)
+REQS = $(PIP) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	print('\n'.join(p['dependencies'] + [r for e in '$(EXTRAS)'.split(',') if e for r in p['optional-dependencies'][e]]))"
+
+# PY runs the code (tests, recipes); PIP installs (never with PYTHONPATH: a checkout's egg-info would look installed)
+ifneq ($(NOVENV),)
+PIP    := $(PYTHON)
+STAMP  := .novenv/.ready
+PY     := PYTHONPATH=$(CURDIR):$(CURDIR)/.novenv/site $(PYTHON)
+else
+PIP    := $(VENV)/bin/python
 STAMP  := $(VENV)/.ucp-dcp-installed
+ifeq ($(VENV),.venv)
+PY     := $(PIP)
+else
+# a venv outside the checkout holds the dependencies only; the code under test is this checkout's
+PY     := PYTHONPATH=$(CURDIR) $(PIP)
+endif
+endif
 
-.PHONY: demo test test-e2e test-quick test-gpu faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,torchtitan,foreign]'
-	touch $(STAMP)
+# A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
+# PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
+$(VENV)/.ucp-dcp-installed: pyproject.toml Makefile constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) -m pip install -q --upgrade pip
+	$(PIP) -c "import torch, sys; sys.exit(not torch.__version__.startswith('$(TORCH)'))" 2>/dev/null || \
+		$(PIP) -m pip install -q '$(TORCH_REQ)' || PIP_CONSTRAINT=/dev/null $(PIP) -m pip install -q '$(TORCH_REQ)'
+	$(PIP) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(if $(filter $(DEFAULT_TORCH),$(TORCH)),grep -v '^torch==' constraints.txt >> $(VENV)/constraints.txt,true)
+ifeq ($(VENV),.venv)
+	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -e '.[$(EXTRAS)]'
+else
+	$(REQS) > $(VENV)/requirements.txt
+	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -r $(VENV)/requirements.txt
+endif
+	touch $@
+
+# no venv: what $(PYTHON) lacks of the requirements is resolved against what it has (a dry run, no index, only
+# $(WHEELS)) and installed without dependencies into .novenv/site, which PYTHONPATH puts after the checkout
+.novenv/.ready: pyproject.toml Makefile
+	mkdir -p .novenv/site
+	$(REQS) > .novenv/requirements.txt
+	PIP_BREAK_SYSTEM_PACKAGES=1 $(PIP) -m pip install -q --dry-run --report .novenv/report.json --no-index \
+		--find-links $(WHEELS) -r .novenv/requirements.txt || { echo "NOVENV: a dependency is missing from $(WHEELS)/ \
+		(run \`make wheels\` on a machine with network, for this Python: PY_VERSION=3.12)"; exit 1; }
+	$(PIP) -c "import json; r = json.load(open('.novenv/report.json')); \
+		print('\n'.join(f\"{i['metadata']['name']}=={i['metadata']['version']}\" for i in r['install']))" > .novenv/missing.txt
+	@echo "NOVENV: $(PIP) ($$($(PIP) -c 'import torch; print("torch", torch.__version__)')); installing from $(WHEELS)/: $$(tr '\n' ' ' < .novenv/missing.txt)"
+	test ! -s .novenv/missing.txt || DS_BUILD_OPS=0 $(PIP) -m pip install -q --no-deps --no-index --find-links $(WHEELS) \
+		--target .novenv/site --upgrade -r .novenv/missing.txt
+	touch $@
 
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
+	$(PY) recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
 # multi-process cases, one per item, on the session's pool of gloo workers (tests/dist.py); the 20 slowest listed
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e" --durations=20
+	$(PY) -m pytest -m "not e2e" --durations=20
 
 # the end-to-end tier (marker e2e): real torchtitan Trainers under torchrun, DeepSpeed and Megatron-Core runs writing
 # the foreign checkpoints, recipe scripts and fault injection in subprocesses. CI runs it after `make test`.
 test-e2e: $(STAMP)
-	$(BIN)/python -m pytest -m e2e --durations=10
+	$(PY) -m pytest -m e2e --durations=10
 
 # the inner loop: the single-process tests plus one small multi-process case (marker quick), about a minute
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -m "(not slow and not e2e) or quick"
+	$(PY) -m pytest -m "(not slow and not e2e) or quick"
 
 # the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
 # Without CUDA it prints one line and succeeds; `make test` never collects it.
 test-gpu: $(STAMP)
-	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(BIN)/python -m pytest --gpu tests/gpu -p no:cacheprovider -ra; \
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -m pytest --gpu tests/gpu -p no:cacheprovider -ra; \
 	else echo "test-gpu: SKIPPED, no CUDA GPU on this machine (torch.cuda.is_available() is False)"; fi
 
 # fault injection: 100 bit flips, 20 truncations, 20 kills mid-save, crafted pickles; last line is the summary
 faults: $(STAMP)
-	$(BIN)/python recipes/faults.py
+	$(PY) recipes/faults.py
 
 # a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
 titan-demo: $(STAMP)
-	$(BIN)/python recipes/titan_resume.py
+	$(PY) recipes/titan_resume.py
 
 # will a checkpoint load at a layout? `ucp_dcp plan` on the recipe's checkpoint, up to 4096 ranks, one CPU process
 # each, incl. a shape change it must name; last line PLAN OK / PLAN MISMATCH (docs/plan.md)
 plan-demo: $(STAMP)
-	$(BIN)/python recipes/plan_demo.py
+	$(PY) recipes/plan_demo.py
 
 # Hugging Face in and out: transformers' own tiny Llama/Mixtral load at dp2·tp2, pp2, ep2·tp2 with equal logits,
 # a trained export loads back in transformers; last line HF OK / HF MISMATCH (docs/huggingface.md)
 hf-demo: $(STAMP)
-	$(BIN)/python recipes/hf_demo.py
+	$(PY) recipes/hf_demo.py
 
 # DeepSpeed ZeRO-1/3 (+universal) and Megatron-Core torch_dist checkpoints written by the real libraries on CPU load
 # at dp2·tp2 inside dcp.load, bitwise equal to the libraries' own views; last line FOREIGN OK / MISMATCH (docs/migrating.md)
 foreign-demo: $(STAMP)
-	$(BIN)/python recipes/foreign_demo.py
+	$(PY) recipes/foreign_demo.py
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)
-	$(BIN)/python recipes/reconfig.py
+	$(PY) recipes/reconfig.py
 
 # mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
 # perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/mistakes.py); one line per silent,
@@ -77,14 +130,30 @@ mistakes: $(STAMP)
 
 # UCP against DCP's default planners and storage, one run: table + JSON (docs/performance.md)
 bench: $(STAMP)
-	$(BIN)/python recipes/benchmark.py --json runs/benchmark.json
+	$(PY) recipes/benchmark.py --json runs/benchmark.json
 
 # what atomic commit + checksums cost at save, and verify's rate vs a raw read (docs/reliability.md)
 bench-trust: $(STAMP)
-	$(BIN)/python recipes/bench_trust.py --json runs/bench_trust.json
+	$(PY) recipes/bench_trust.py --json runs/bench_trust.json
 
 bench-quick: $(STAMP)
-	$(BIN)/python recipes/benchmark.py --quick --json runs/benchmark-quick.json
+	$(PY) recipes/benchmark.py --quick --json runs/benchmark-quick.json
+
+# the whole suite (TIER=test, or test-quick / test-e2e) on another torch release: `make test-torch TORCH=2.15`
+# builds $(TORCH_VENVS)/torch-2.15 once (torch from PyPI, the rest as for .venv) and runs this checkout on it
+test-torch:
+	$(MAKE) $(TIER) VENV=$(TORCH_VENVS)/torch-$(TORCH) TORCH=$(TORCH)
+
+# the wheels NOVENV=1 needs on a machine without network (the GPU machine: Python 3.12, torch 2.11+cu130):
+# every requirement of ucp-dcp[$(EXTRAS)] this venv resolved, but the torch/CUDA/triton stack and what
+# WHEELS_HAVE names (torch's own requirements and numpy: on any machine with torch), for PY_VERSION, as binary wheels (sdists built here)
+PY_VERSION ?= 3.12
+WHEELS_HAVE ?= numpy jinja2 markupsafe sympy mpmath networkx typing-extensions setuptools filelock
+wheels: $(STAMP)
+	$(REQS) > .wheels-requirements.txt
+	$(PIP) tools/wheels.py --requirements .wheels-requirements.txt --have "$(WHEELS_HAVE)" --python-version $(PY_VERSION) \
+		--dest $(WHEELS)
+	rm -f .wheels-requirements.txt
 
 clean:
-	rm -rf runs .pytest_cache .hypothesis
+	rm -rf runs .pytest_cache .hypothesis .novenv

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -62,3 +63,14 @@ def rewrite_metadata(folder, md) -> None:
         if rel is not None:
             files[rel] = max(files.get(rel, 0), info.offset + info.length)
     commit(str(folder), data, encode_sidecar(md, data, files), set(files), sync=False)
+
+
+def skip_unless_torchtitan_runs() -> None:
+    """Skip the calling test module on a torch older than torchtitan 0.3.0 needs: its trainer and models import
+    ``torch.distributed.fsdp.DataParallelMeshDims``, new in torch 2.12 (the GPU machine's torch is 2.11)."""
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims); "
+                    f"this is torch {torch.__version__}", allow_module_level=True)
+

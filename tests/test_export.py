@@ -15,6 +15,9 @@ from contextlib import redirect_stdout
 import pytest
 
 pytest.importorskip("torchtitan")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
 
 import titan_harness as tr  # noqa: E402
 import torch  # noqa: E402

@@ -16,6 +16,9 @@ import os
 import pytest
 
 pytest.importorskip("torchtitan")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
 
 import titan_harness as tr  # noqa: E402
 

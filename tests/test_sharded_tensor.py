@@ -414,8 +414,11 @@ def _dtensor_in_shard_worker(rank, world, root):
     md = ShardMetadata([0, 0], [4, 6], f"rank:{rank}/cpu")
     meta = ShardedTensorMetadata([ShardMetadata([0, 0], [4, 6], "rank:0/cpu")], torch.Size([4, 6]),
                                  TensorProperties(dtype=torch.float32))
-    st = ShardedTensor._init_from_local_shards_and_global_metadata([Shard(dt, md)], meta, init_rrefs=False) \
-        if rank == 0 else ShardedTensor._init_from_local_shards_and_global_metadata([], meta, init_rrefs=False)
+    # built around a plain shard, then the DTensor put in its place (torch 2.11 refuses to build it directly)
+    shards = [Shard(torch.zeros(4, 6), md)] if rank == 0 else []
+    st = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, init_rrefs=False)
+    if rank == 0:
+        st.local_shards()[0].tensor = dt
     try:
         dcp.save({"w": st}, checkpoint_id=root, planner=UCPSavePlanner())
     except BaseException as e:  # noqa: BLE001  (DCP's CheckpointException is a BaseException)

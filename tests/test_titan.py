@@ -10,6 +10,9 @@ import sys
 import pytest
 
 pytest.importorskip("torchtitan")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
 
 import titan_harness as tr  # noqa: E402
 from titan_harness import ROOT, titan_env  # noqa: E402

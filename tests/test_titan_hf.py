@@ -19,6 +19,9 @@ import torch
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 

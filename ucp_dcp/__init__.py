@@ -10,7 +10,7 @@ which is ``dcp.save``/``dcp.load`` with :class:`UCPSavePlanner`/:class:`UCPLoadP
 """
 
 from ._version import __version__
-from ._compat import check_torch as _check_torch
+from ._probes import check_torch as _check_torch
 
 _check_torch()
 
@@ -34,6 +34,7 @@ from .errors import (  # noqa: E402
     UCPError,
     UnsafeCheckpointError,
     UnsupportedTorchError,
+    UntestedTorchWarning,
     UnverifiedCheckpointWarning,
     first_ucp_error,
     raise_first_ucp_error,
@@ -90,6 +91,7 @@ __all__ = [
     "ReplicaMismatchError",
     "ShapeMismatchError",
     "UnsupportedTorchError",
+    "UntestedTorchWarning",
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",

@@ -1,16 +1,30 @@
-"""Every private torch API ucp_dcp uses, in one place, and the torch releases they were checked on.
+"""Every private torch API ucp_dcp uses, and every difference between the torch releases it supports.
 
 ucp_dcp relies on private DTensor/DCP internals (``_StridedShard`` semantics, DCP's storage-info
-records and file views, its state-dict traversal helpers). A different torch may change them
-silently, which in a checkpoint layer means silently wrong loads, so an untested torch fails at
-import time (:func:`check_torch`), and no other module imports a private torch name directly:
-they import it from here. Each was checked against torch 2.13.0.
+records and file views, its state-dict traversal helpers). No other module imports a private torch
+name directly: they import it from here. Whether the installed torch still behaves the way the code
+relies on is not judged by its version but checked at import by :mod:`ucp_dcp._probes`.
+
+Supported: torch 2.11 through 2.15 (``TESTED_TORCH``). Where the releases differ, the difference
+lives here:
+
+* DCP's fsspec ``FileSystem`` moved: ``checkpoint.fsspec_filesystem._FileSystem`` from 2.15
+  (the old ``checkpoint._fsspec_filesystem.FileSystem`` warns there), before it only the old path.
+* ``_StridedShard.local_shard_size_and_offset`` returns every index with
+  ``offset_mode=_StridedShardOffsetMode.ALL`` from 2.12; 2.11 has no ``_StridedShardOffsetMode``
+  and takes ``return_first_offset=False`` (:func:`strided_shard_indices`).
+* ``torch.distributed.checkpoint.CheckpointableTensor`` (a plain tensor carrying its global
+  shape and shard boxes, pytorch#189492) exists from 2.14; before it such attributes mean nothing to
+  DCP, and nothing to ucp_dcp (:func:`is_checkpointable_tensor` is False).
+* FSDP2's ``fully_shard`` refuses every ``nn.ModuleList``/``ModuleDict`` on 2.11, also one with its
+  own ``forward`` (2.12+ refuses only those without). The toy model (which by design imports
+  nothing from ucp_dcp) therefore keeps its per-rank experts in a plain ``nn.Module``
+  (``ucp_dcp.toy.model.ListExperts``), with the same state-dict names on every release.
+* ``dcp.async_save`` asserts that its process group has a CPU backend (every release 2.11-2.15):
+  under an NCCL-only default group, pass a gloo group (:func:`group_has_cpu_backend`).
 """
 
 from __future__ import annotations
-
-import os
-import warnings
 
 import torch
 
@@ -26,15 +40,28 @@ from torch.distributed.checkpoint.filesystem import (  # DCP's file layout: our 
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict  # materialize lazy targets
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # a rank's piece of a DTensor
+from torch.distributed.tensor._utils import (  # a rank's piece of a DTensor (of a mesh / at a coordinate)
+    _compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
+)
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 x TP non-contiguous shards
 
-from .errors import UnsupportedTorchError
+try:  # torch >= 2.12
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+except ImportError:  # torch 2.11
+    _StridedShardOffsetMode = None
 
-__all__ = ["check_torch", "default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor",
-           "flatten_state_dict", "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo",
-           "_StoragePrefix", "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset", "fake_store",
-           "mesh_for_rank", "dtensor_from_local", "root_mesh"]
+try:  # torch >= 2.14 (pytorch#189492)
+    from torch.distributed.checkpoint import CheckpointableTensor
+except ImportError:
+    CheckpointableTensor = None
+
+__all__ = ["default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor", "flatten_state_dict",
+           "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo", "_StoragePrefix",
+           "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset",
+           "_compute_local_shape_and_global_offset", "fake_store", "mesh_for_rank", "dtensor_from_local",
+           "CheckpointableTensor", "is_checkpointable_tensor", "strided_shard_indices", "split_tensor",
+           "group_has_cpu_backend", "TESTED_TORCH", "ALLOW_ENV", "torch_release", "root_mesh"]
 
 
 def default_group() -> "_c10d.ProcessGroup":
@@ -43,8 +70,12 @@ def default_group() -> "_c10d.ProcessGroup":
 
 
 def fsspec_filesystem() -> type:
-    """DCP's fsspec-backed ``FileSystem`` (imported on use: it needs fsspec)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+    """DCP's fsspec-backed ``FileSystem`` (imported on use: it needs fsspec). torch 2.15 moved it to
+    ``fsspec_filesystem._FileSystem``; the old module still exists there but warns on import."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import _FileSystem as FileSystem
+    except ImportError:  # torch <= 2.14
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     return FileSystem
 
@@ -92,26 +123,53 @@ def root_mesh(mesh: "torch.distributed.device_mesh.DeviceMesh") -> "torch.distri
     return get() if get is not None else mesh
 
 
-TESTED_TORCH = ((2, 13),)
-"""``(major, minor)`` releases the test-suite runs on."""
+TESTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+"""``(major, minor)`` releases the test-suite ran on (docs/compatibility.md). Another torch whose
+probes (:mod:`ucp_dcp._probes`) pass imports with a warning; one whose probes fail is refused."""
 ALLOW_ENV = "UCP_DCP_ALLOW_UNTESTED_TORCH"
+"""``1``: import even when a probe fails (a warning instead of the error), for emergencies."""
 
 
-def check_torch() -> None:
-    base = torch.__version__.split("+")[0]
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``2.14.1+cu130`` -> ``(2, 14)``); ``(-1, -1)``
+    when it does not parse."""
+    base = (version or torch.__version__).split("+")[0]
     try:
         major, minor = (int(x) for x in base.split(".")[:2])
     except ValueError:
-        major, minor = -1, -1
-    if (major, minor) in TESTED_TORCH:
-        return
-    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TORCH)
-    msg = (
-        f"ucp_dcp is tested with torch {tested}, found torch {torch.__version__}. It depends on private "
-        f"DTensor/DCP internals that change between releases; install a tested torch "
-        f"(e.g. `pip install torch==2.13.0`) or set {ALLOW_ENV}=1 to try anyway at your own risk."
-    )
-    if os.environ.get(ALLOW_ENV) == "1":
-        warnings.warn(msg, stacklevel=3)
-        return
-    raise UnsupportedTorchError(msg, hint=f"pip install torch==2.13.0 (or set {ALLOW_ENV}=1)")
+        return -1, -1
+    return major, minor
+
+
+def is_checkpointable_tensor(value: object) -> bool:
+    """Whether DCP treats ``value`` as a :class:`CheckpointableTensor` (torch >= 2.14): a plain
+    tensor (not a DTensor, not a ShardedTensor) carrying ``global_shape``, ``global_offsets``,
+    ``local_offsets`` and ``local_sizes``. Always False on a torch without the protocol."""
+    if CheckpointableTensor is None or not isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor):
+        return False
+    if hasattr(value, "__create_write_items__"):  # DTensor: DCP asks it first, so do we
+        return False
+    return isinstance(value, CheckpointableTensor)
+
+
+def strided_shard_indices(p: _StridedShard, n: int, k: int, i: int) -> list[int]:
+    """The global indices (in local order) that chunk ``i`` of ``k`` holds when ``_StridedShard``
+    ``p`` splits a dim of size ``n``, as torch's own helper states them."""
+    if _StridedShardOffsetMode is not None:  # torch >= 2.12
+        _, offsets = p.local_shard_size_and_offset(n, k, i, offset_mode=_StridedShardOffsetMode.ALL)
+    else:  # torch 2.11
+        _, offsets = p.local_shard_size_and_offset(n, k, i, return_first_offset=False)
+    return [int(o) for o in offsets]
+
+
+def split_tensor(p: object, t: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The ``k`` pieces placement ``p`` (``Shard``/``_StridedShard``) cuts ``t`` into, unpadded:
+    what ``distribute_tensor`` gives each coordinate of that mesh dim."""
+    return p._split_tensor(t, k, with_padding=False, contiguous=True)[0]
+
+
+def group_has_cpu_backend(group: "_c10d.ProcessGroup | None" = None) -> bool:
+    """Whether ``group`` (default: the default group) has a backend for CPU tensors, which
+    ``dcp.async_save`` asserts (``cpu:gloo,cuda:nccl`` has, plain ``nccl`` has not)."""
+    pg = group if group is not None else default_group()
+    return torch.device("cpu") in pg._device_types

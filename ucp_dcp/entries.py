@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import ShardedTensor, flatten_state_dict
+from ._compat import ShardedTensor, flatten_state_dict, is_checkpointable_tensor
 from .errors import ParamGroupError
 from .fragments import LocalShards
 from .layout import LocalShard, sharded_tensor_shards
@@ -178,9 +178,9 @@ def _get(d: Mapping[str, Any], path: Path) -> Any:
 
 
 def is_sharded(value: Any) -> bool:
-    """A tensor whose ranks hold different pieces (DTensor, ShardedTensor): never compared whole
-    across ranks, always saved as pieces."""
-    return isinstance(value, (DTensor, ShardedTensor))
+    """A tensor whose ranks hold different pieces (DTensor, ShardedTensor, torch 2.14's
+    ``CheckpointableTensor``): never compared whole across ranks, always saved as pieces."""
+    return isinstance(value, (DTensor, ShardedTensor)) or is_checkpointable_tensor(value)
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor | LocalShards:

@@ -33,6 +33,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
+    "UntestedTorchWarning",
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",
@@ -160,7 +161,12 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 
 class UnsupportedTorchError(UCPError, ImportError):
-    """The installed torch is outside the range ucp_dcp is tested with."""
+    """The installed torch fails a probe of the private behaviour ucp_dcp relies on (``ucp_dcp._probes``)."""
+
+
+class UntestedTorchWarning(UserWarning):
+    """The installed torch passes ucp_dcp's probes but is outside the releases its tests ran on (or a
+    probe failed and ``UCP_DCP_ALLOW_UNTESTED_TORCH=1`` let the import go on)."""
 
 
 def first_ucp_error(exc: BaseException) -> UCPError | None:

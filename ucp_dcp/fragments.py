@@ -34,6 +34,7 @@ __all__ = [
     "local_shape",
     "layout_fragments",
     "shard_fragments",
+    "boxes_fragments",
     "whole_fragment",
 ]
 
@@ -233,6 +234,18 @@ def shard_fragments(atom: str, shards: Sequence[tuple[Sequence[int], Sequence[in
         box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in sizes))
         if box.volume:
             frags.append(Fragment(atom, box, Box((0,) * len(box.sizes), box.sizes), shard=i if indexed else None))
+    return frags
+
+
+def boxes_fragments(atom: str, shards: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> list[Fragment]:
+    """Fragments of one local tensor that states its pieces as ``(global offsets, local offsets,
+    sizes)`` (a ``CheckpointableTensor``): box ``sizes`` at the global offsets of the atom, held at the
+    local offsets of the local tensor. Empty boxes have no fragment."""
+    frags = []
+    for goffs, loffs, sizes in shards:
+        box = Box(tuple(int(o) for o in goffs), tuple(int(n) for n in sizes))
+        if box.volume:
+            frags.append(Fragment(atom, box, Box(tuple(int(o) for o in loffs), box.sizes)))
     return frags
 
 

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ._compat import ShardedTensor, _StridedShard, root_mesh
+from ._compat import ShardedTensor, _StridedShard, is_checkpointable_tensor, root_mesh
 from .errors import AmbiguousLayoutError
 
 __all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo", "LocalShard", "sharded_tensor_shards",
-           "sharded_tensor_record", "SHARD_RECORD_LIMIT"]
+           "sharded_tensor_record", "SHARD_RECORD_LIMIT", "CheckpointableShard", "checkpointable_shards",
+           "global_shape"]
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
 
@@ -338,3 +339,61 @@ def sharded_tensor_record(st: Any) -> dict[str, Any]:
     if any(isinstance(s.tensor, ShardedTensor) for s in st.local_shards()):
         rec["nested"] = True
     return rec
+
+
+# -- CheckpointableTensor (torch >= 2.14) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointableShard:
+    """One shard of a ``CheckpointableTensor``: a box of the global tensor held at a box of the local one."""
+
+    global_offsets: tuple[int, ...]
+    """Where the shard starts in the global tensor."""
+    local_offsets: tuple[int, ...]
+    """Where it starts in the local tensor (one local tensor may hold several shards, and padding)."""
+    sizes: tuple[int, ...]
+    """Its extent per dim (the same in both)."""
+
+
+def global_shape(value: torch.Tensor) -> tuple[int, ...]:
+    """The logical shape of a tensor value: a ``CheckpointableTensor``'s ``global_shape``, else its
+    shape (a DTensor's and a ShardedTensor's shape is already the global one)."""
+    if is_checkpointable_tensor(value):
+        return tuple(int(n) for n in value.global_shape)
+    return tuple(int(n) for n in value.shape)
+
+
+def checkpointable_shards(value: torch.Tensor, name: str) -> list[CheckpointableShard]:
+    """The shards a ``CheckpointableTensor`` (DCP's protocol, pytorch#189492) states: one per entry of
+    ``global_offsets``/``local_offsets``/``local_sizes``. Checked as DCP checks them (equal counts,
+    ranks, every box inside the global and the local shape), but as an error naming the atom."""
+    shape = global_shape(value)
+    local = tuple(int(n) for n in value.shape)
+    goffs, loffs, sizes = (list(getattr(value, f)) for f in ("global_offsets", "local_offsets", "local_sizes"))
+    problem = None
+    if not len(goffs) == len(loffs) == len(sizes):
+        problem = (f"global_offsets, local_offsets and local_sizes have {len(goffs)}, {len(loffs)} and {len(sizes)} "
+                   "entries")
+    out = []
+    for i, (g, lo, n) in enumerate(zip(goffs, loffs, sizes)):
+        if problem:
+            break
+        g, lo, n = tuple(int(x) for x in g), tuple(int(x) for x in lo), tuple(int(x) for x in n)
+        if not len(g) == len(n) == len(shape) or len(lo) != len(local) or len(n) != len(local):
+            problem = (f"shard {i} has {len(g)}-d global offsets, {len(lo)}-d local offsets and {len(n)}-d sizes for "
+                       f"a {len(shape)}-d global and {len(local)}-d local tensor")
+        elif any(o < 0 or k < 0 or o + k > d for o, k, d in zip(g, n, shape)):
+            problem = f"shard {i} at global offsets {list(g)} with sizes {list(n)} lies outside global_shape {list(shape)}"
+        elif any(o < 0 or k < 0 or o + k > d for o, k, d in zip(lo, n, local)):
+            problem = f"shard {i} at local offsets {list(lo)} with sizes {list(n)} lies outside the local shape {list(local)}"
+        else:
+            out.append(CheckpointableShard(g, lo, n))
+    if problem:
+        raise AmbiguousLayoutError(
+            f"'{name}': a CheckpointableTensor states inconsistent shards: {problem}", atom=name,
+            saved=list(shape), wanted=list(local),
+            hint="set global_shape, global_offsets, local_offsets and local_sizes as torch's "
+            "torch.distributed.checkpoint.CheckpointableTensor documents them",
+        )
+    return out

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._compat import ShardedTensor
+from ._compat import ShardedTensor, is_checkpointable_tensor
 from .errors import PatternError
-from .fragments import Box, Fragment, LocalShards, layout_fragments, shard_fragments, whole_fragment
-from .layout import Layout, dtensor_coordinate, dtype_name, mesh_info, sharded_tensor_record, sharded_tensor_shards
+from .fragments import Box, Fragment, LocalShards, boxes_fragments, layout_fragments, shard_fragments, whole_fragment
+from .layout import (Layout, checkpointable_shards, dtensor_coordinate, dtype_name, global_shape, mesh_info,
+                     sharded_tensor_record, sharded_tensor_shards)
 from .naming import AtomName, NameRules, Path
 from .patterns import Fused, Padded, Patterns, Reduce, Replicated, Tied, describe
 from .index_maps import IndexMap
@@ -125,7 +126,8 @@ class Resolver:
         r.reduce = self.patterns.reduce(atom.name)
         hit = self.patterns.tensor_rule(atom.param)
         rule, match = hit if hit else (None, None)
-        if r.reduce is not None and isinstance(e.value, (DTensor, ShardedTensor)):
+        checkpointable = is_checkpointable_tensor(e.value)
+        if r.reduce is not None and (isinstance(e.value, (DTensor, ShardedTensor)) or checkpointable):
             raise PatternError(
                 f"reduce rule {describe(r.reduce)} matches '{atom.name}', a {type(e.value).__name__}; reductions "
                 "are for per-rank plain values", atom=atom.name, hint="narrow the pattern to plain per-rank values",
@@ -133,7 +135,7 @@ class Resolver:
         if not isinstance(e.value, torch.Tensor):
             return self._resolve_object(r, rule, match)
         value: torch.Tensor = e.value
-        shape = tuple(int(s) for s in value.shape)
+        shape = global_shape(value)
         sharded = None
         if isinstance(value, DTensor):
             coord = dtensor_coordinate(value)
@@ -151,11 +153,17 @@ class Resolver:
             r.memory = shard_memory(value, shards)
             base = shard_fragments(atom.name, [(s.offsets, s.sizes) for s in shards], indexed=len(shards) != 1)
             sharded = sharded_tensor_record(value)
+        elif checkpointable:
+            # torch >= 2.14's CheckpointableTensor: a plain tensor stating its boxes of a global tensor
+            # (several, with padding between, in one local tensor): each is one fragment of the atom
+            base = boxes_fragments(atom.name, [(c.global_offsets, c.local_offsets, c.sizes)
+                                               for c in checkpointable_shards(value, atom.name)])
         else:
             base = layout_fragments(atom.name, shape, layout, coord) if math.prod(shape) else []
+        pattern = "dtensor" if rec_layout else "sharded_tensor" if sharded else "checkpointable" if checkpointable else "plain"
         rec = {
             "value": "tensor", "shape": list(shape), "dtype": dtype_name(r.local.dtype), "kind": atom.kind,
-            "param": atom.param, "pattern": "dtensor" if rec_layout else "sharded_tensor" if sharded else "plain",
+            "param": atom.param, "pattern": pattern,
         }
         if rec_layout:
             rec["layout"] = rec_layout
@@ -165,6 +173,12 @@ class Resolver:
             rec["live"] = e.atom.param
         if r.reduce is not None:
             rec["pattern"] = f"reduce:{r.reduce.op}"
+        if rule is not None and checkpointable:  # its boxes are stated by the tensor, not derived by a rule
+            raise PatternError(
+                f"rule {describe(rule)} matches '{atom.name}', a CheckpointableTensor; pattern rules apply to "
+                "DTensors, ShardedTensors and plain tensors", atom=atom.name,
+                hint="narrow the rule's pattern, or state the tensor's pieces as separate atoms",
+            )
         if rule is None or value.ndim <= rule.dim:
             if isinstance(rule, Fused):  # a scalar (e.g. `step`) of a fused parameter: one per part
                 return self._fanout(r, rule, match, rec, value, base)

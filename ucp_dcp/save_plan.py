@@ -36,7 +36,7 @@ from .dedup import Rows, choose_writers, replica_copies_to_verify
 from .entries import is_sharded
 from .errors import AmbiguousLayoutError
 from .fragments import Fragment
-from .layout import Layout
+from .layout import Layout, global_shape
 from .options import UCPOptions
 from .patterns import Patterns
 from .plans import (
@@ -165,7 +165,7 @@ def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Frag
     if not isinstance(r.value, torch.Tensor):
         return [(name, ItemKind.BYTES, (), (), None) for name in r.atoms]
     frags: list[tuple[str, Fragment | None]] = [(f.atom, f) for f in r.fragments]
-    if math.prod(r.value.shape) == 0:  # keep empty atoms visible in the metadata: one empty chunk each
+    if math.prod(global_shape(r.value)) == 0:  # keep empty atoms visible in the metadata: one empty chunk each
         frags = [(name, None) for name in r.atoms]
     dt = is_sharded(r.value)
     out = []

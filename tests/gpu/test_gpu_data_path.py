@@ -19,6 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp._compat import group_has_cpu_backend
 from ucp_dcp.collectives import p2p_group
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -128,7 +129,11 @@ def _nccl_worker(rank, world, root):
     state = _dtensors(saved, "dp", world)
     ucp_dcp.save(state, os.path.join(root, "sync"))
     path = os.path.join(root, "async")
-    fut = dcp.async_save(state, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner())
+    # dcp.async_save asserts a CPU backend in its group (torch 2.11-2.15): under plain NCCL, give it the gloo
+    # side group ucp_dcp uses for host bytes anyway
+    group = None if group_has_cpu_backend() else p2p_group()
+    fut = dcp.async_save(state, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(),
+                         process_group=group)
     for v in state.values():  # training goes on: the staged copy, not the live tensors, is saved
         v.to_local().add_(1.0)
     fut.result()

@@ -29,6 +29,9 @@ pytestmark = [
 ]
 
 pytest.importorskip("torchtitan")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
 
 import titan_harness as tr  # noqa: E402  (the tests' own harness: no sys.path into recipes/)
 

@@ -306,11 +306,26 @@ class Expert(nn.Module):
         return _local(self.w2(F.silu(_local(self.w1(x))) * _local(self.w3(x))))
 
 
-class ListExperts(nn.ModuleList):
-    """This EP rank's experts, numbered locally 0..E/ep-1 (global = ep_rank * E/ep + local)."""
+class ListExperts(nn.Module):
+    """This EP rank's experts, numbered locally 0..E/ep-1 (global = ep_rank * E/ep + local).
+
+    A plain Module with ``nn.ModuleList``'s child names (``0``, ``1``, ...) and iteration, not a
+    ModuleList: torch 2.11's ``fully_shard`` refuses every ModuleList, also one with a ``forward``
+    (2.12+ only those without one); the state-dict names are the same either way."""
 
     def __init__(self, cfg: ModelConfig, n_local: int) -> None:
-        super().__init__(Expert(cfg) for _ in range(n_local))
+        super().__init__()
+        for i in range(n_local):
+            self.add_module(str(i), Expert(cfg))
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return self._modules[str(i % len(self))]
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         return torch.stack([e(x) for e in self])  # TP is inside each Expert (Colwise/Rowwise)

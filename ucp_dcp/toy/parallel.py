@@ -270,7 +270,8 @@ def train_step(tr: Trainer) -> float:
     slot = (job.coord["dpr"] * t.dp + job.coord["dp"]) * t.ep + job.coord["ep"]
     per = GLOBAL_BATCH // t.data_parallel
     local = tokens[slot * per:(slot + 1) * per]
-    inp, tgt = local[:, :-1], local[:, 1:]
+    # contiguous: torch 2.11's pipeline stages check each microbatch's strides against the first's
+    inp, tgt = local[:, :-1].contiguous(), local[:, 1:]
     loss_fn = _loss_fn(cfg, t)
     last = (t.n_stages - 1) in tr.stage_ids
     if tr.schedule is None:
@@ -280,7 +281,8 @@ def train_step(tr: Trainer) -> float:
     else:
         losses: list[torch.Tensor] = []
         first = 0 in tr.stage_ids
-        tr.schedule.step(inp if first else None, target=tgt if last else None, losses=losses if last else None)
+        # no positional input on later stages (torch 2.11 takes even a None there for shape-inference args)
+        tr.schedule.step(*((inp,) if first else ()), target=tgt if last else None, losses=losses if last else None)
         local_loss = torch.stack(losses).sum().detach() if last else torch.zeros(())
     _sync_tied_grads(tr)
     if t.ep > 1:  # experts saw the tokens of all EP ranks: undo the ep-fold gradient
