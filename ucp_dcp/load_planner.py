@@ -192,7 +192,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self.missing_atoms += missing
             keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
-                self._sinks[r.entry.key] = lambda v, path=r.entry.path: set_element(self.original_state_dict, path, v)
+                self._sinks[r.entry.key] = lambda v, path=r.entry.path: _set_value(self.original_state_dict, path, v)
         for g in self._stock_groups(saved, problems):
             try:
                 group, sinks, missing = group_reads(g, saved, self._resolver)
@@ -324,6 +324,30 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         r = self._targets[read_item.dest_index.fqn]
         region = r.fragments[read_item.dest_index.index].view(r.local)
         return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
+
+
+def _set_value(root: STATE_DICT_TYPE, path: tuple[Any, ...], value: Any) -> None:
+    """Put a loaded object at its flatten ``path`` in the target. DCP's paths hold dict keys as
+    strings: the existing key that prints as the segment (``1`` for ``"1"``) is the one replaced,
+    where DCP's ``set_element`` adds a second key ``"1"`` and leaves ``1`` as it was."""
+    node: Any = root
+    for i, seg in enumerate(path):
+        if isinstance(node, dict):
+            key = seg if seg in node else next((k for k in node if str(k) == seg), _ABSENT)
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            key = seg
+        else:
+            key = _ABSENT
+        if key is _ABSENT:
+            break
+        if i == len(path) - 1:
+            node[key] = value
+            return
+        node = node[key]
+    set_element(root, path, value)  # a path the target lacks: DCP's way (it creates it)
+
+
+_ABSENT = object()
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:

@@ -303,7 +303,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         taken from the write that carried them. Returns ``[data_offset, sums, frame]`` where ``sums``
         is a future: they are computed concurrently from the tensor's own memory (which the planner
         keeps alive until the write finishes); ``frame`` is the checksum of the item's other bytes."""
-        t = tensor.detach()
+        t = tensor.detach().resolve_conj().resolve_neg()  # a conjugate/negative view: the values it shows
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
