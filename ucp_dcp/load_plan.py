@@ -34,16 +34,13 @@ __all__ = ["GROUP_SINK", "SavedIndex", "GroupCollector", "entry_reads", "group_r
 
 _PLAIN_DATA = {"_io.BytesIO": ("io", "BytesIO"), "builtins.frozenset": ("builtins", "frozenset"),
                "builtins.slice": ("builtins", "slice"), "builtins.range": ("builtins", "range"),
-               "builtins.Ellipsis": ("builtins", "Ellipsis"),
-               "numpy.ndarray": ("numpy", "ndarray"), "numpy.dtype": ("numpy", "dtype"),
-               "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
-               "numpy.core.multiarray._reconstruct": ("numpy.core.multiarray", "_reconstruct"),
-               "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
-               "numpy.core.multiarray.scalar": ("numpy.core.multiarray", "scalar")}
+               "builtins.Ellipsis": ("builtins", "Ellipsis")}
 """Globals outside ``torch.load(weights_only=True)``'s own set that only build plain data (no
 side effects, no attribute lookups by name), so stock DCP's values of these types load safely:
-DCP's byte-stream items (``io.BytesIO``), frozensets, slices, ranges, numpy arrays and scalars
-(e.g. ``numpy.random.get_state()``). Looked up in this fixed table only, never by a saved name."""
+DCP's byte-stream items (``io.BytesIO``), frozensets, slices, ranges. Looked up in this fixed table
+only, never by a saved name. numpy values are not in it: their decoding under a temporary allowance
+depended on what the process had loaded before (a suite-order failure), so they stay refused unless
+the user allows them (``trust=True`` or ``add_safe_globals``)."""
 _PLAIN_DATA_LOCK = threading.Lock()
 """``torch.serialization.safe_globals`` edits a process-wide list: one decode at a time adds ours."""
 
@@ -63,9 +60,6 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
     outside = [g for g in unsafe if g not in _PLAIN_DATA]
     if unsafe and not outside:
         plain = [(getattr(importlib.import_module(m), n), g) for g, (m, n) in ((g, _PLAIN_DATA[g]) for g in unsafe)]
-        if "numpy.dtype" in unsafe:  # a numpy dtype is rebuilt into its class (numpy.dtypes.Float32DType, ...)
-            dtypes = importlib.import_module("numpy.dtypes")
-            plain += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
         with _PLAIN_DATA_LOCK, torch.serialization.safe_globals(plain):
             try:
                 return torch.load(data, weights_only=True)
@@ -81,7 +75,7 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
         allow = "torch.serialization.add_safe_globals([...]) for the types it names"
     raise UnsafeCheckpointError(
         f"value of atom '{atom}' holds {cause}; decoding it could run code, so it was not decoded "
-        "(tensors, numbers, strings, bytes, lists, dicts, tuples, sets, io.BytesIO and numpy arrays are)",
+        "(tensors, numbers, strings, bytes, lists, dicts, tuples, sets and io.BytesIO are)",
         atom=atom, saved="pickled object",
         hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
         f"or UCPLoadPlanner(trust=True)); or, if those types only hold data, allow them with {allow}",
