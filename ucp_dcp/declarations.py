@@ -106,19 +106,26 @@ def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalo
         if fields is None or d in saved_rules:
             continue
         for s in saved_rules:
-            if s.kind != d.kind or all(getattr(s, f) == getattr(d, f) for f in fields):
+            if s.kind != d.kind or all(_layout_field(s, f) == _layout_field(d, f) for f in fields):
                 continue
             both = sorted(n for n in names if re.fullmatch(s.pattern, n) and re.fullmatch(d.pattern, n))
             if both:
                 out.append(PatternError(
                     f"rule {describe(d)} declared at load describes '{both[0]}' differently from the rule it was "
                     f"saved with, {describe(s)}: " + ", ".join(f"{f} {getattr(s, f)!r} at save, {getattr(d, f)!r} now"
-                                                           for f in fields if getattr(s, f) != getattr(d, f)),
+                                                           for f in fields if _layout_field(s, f) != _layout_field(d, f)),
                     atom=both[0], saved=rule_json(s), wanted=rule_json(d),
                     hint="pass the rule the checkpoint was saved with (or none: the saved rules apply by themselves); "
                     "if the target model really lays this parameter out differently, load with strict=False"))
                 break
     return out
+
+
+def _layout_field(rule: Rule, name: str) -> Any:
+    """A rule field as the conflict check compares it: a Fused rule's part *names* (their sizes are the
+    model's shapes: a size change is a shape mismatch, reported as one, with both shapes)."""
+    value = getattr(rule, name)
+    return tuple(t for t, _ in value) if name == "parts" else value
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
