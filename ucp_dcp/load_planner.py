@@ -82,6 +82,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
 
     _materialize = True
     """Give meta-device targets memory at set-up (``ucp_dcp.plan`` plans without any)."""
+    _check_meshes = True
+    """Refuse one atom wanted whole at two pipeline/expert positions (``ucp_dcp.plan`` leaves it to the load)."""
 
     def __init__(
         self,
@@ -263,7 +265,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if patterns is None:
             patterns = Patterns(self.rules, strict=self.strict)
         # facts before declarations: one atom wanted whole on two meshes is a forgotten map
-        check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
+        if self._check_meshes:
+            check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         if getattr(self, "_catalog", None):
             check_map_orders(self._catalog.get("map_orders", {}), map_orders(usages))

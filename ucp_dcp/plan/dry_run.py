@@ -109,6 +109,9 @@ class _DryLoadPlanner(UCPLoadPlanner):
     """The real planner, minus memory for targets; staging decided by the simulated device."""
 
     _materialize = False
+    _check_meshes = False
+    """The per-rank mesh copies the dry run rebinds do not carry their slice position faithfully yet, so
+    the load-side mesh-collision check (ucp_dcp.structure) runs in real loads only (docs/plan.md)."""
     device = "cuda"
     shared: dict[str, Any] = {}
     """Per-checkpoint work every rank would repeat (the saved-key index), set by :func:`plan_load`."""
