@@ -65,6 +65,20 @@ def test_a_fused_rule_that_differs_from_the_saved_one_is_refused(tmp_path):
     assert torch.equal(target["attn.wqkv.weight"], w)
 
 
+def test_a_fused_rule_of_another_model_config_reports_the_shapes(tmp_path):
+    """Other KV heads: other part sizes and blocks. That is a model change, reported as the shape
+    mismatch naming both shapes, not as a rule conflict (the e2e tier's other-config plan expects it)."""
+    from ucp_dcp.patterns import Fused
+
+    saved_rule = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=2)
+    other = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 4), (r"\1wv.weight", 4)], blocks=4)
+    dcp.save({"attn.wqkv.weight": torch.randn(8, 3)}, checkpoint_id=tmp_path, planner=UCPSavePlanner(patterns=[saved_rule]))
+    target = {"attn.wqkv.weight": torch.zeros(12, 3)}
+    err = expect_ucp_error(lambda: dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[other])),
+                           ucp_dcp.ShapeMismatchError)
+    assert err.atom == "attn.wk.weight" and "(2, 3)" in str(err) and "(4, 3)" in str(err), err
+
+
 def test_an_unused_rule_names_itself_as_the_atom(tmp_path):
     err = expect_ucp_error(lambda: dcp.save({"a": torch.ones(2)}, checkpoint_id=tmp_path,
                                             planner=UCPSavePlanner(patterns=[Tied("emb.weight", (r"out\.weight",))])),

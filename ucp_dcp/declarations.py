@@ -108,6 +108,10 @@ def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalo
         for s in saved_rules:
             if s.kind != d.kind or all(_layout_field(s, f) == _layout_field(d, f) for f in fields):
                 continue
+            if d.kind == "fused" and _part_sizes(s) != _part_sizes(d):
+                # another model config (e.g. other KV heads, so other sizes and blocks): the part atoms'
+                # shapes differ, which the load reports as a ShapeMismatchError naming both shapes
+                continue
             both = sorted(n for n in names if re.fullmatch(s.pattern, n) and re.fullmatch(d.pattern, n))
             if both:
                 out.append(PatternError(
@@ -126,6 +130,10 @@ def _layout_field(rule: Rule, name: str) -> Any:
     model's shapes: a size change is a shape mismatch, reported as one, with both shapes)."""
     value = getattr(rule, name)
     return tuple(t for t, _ in value) if name == "parts" else value
+
+
+def _part_sizes(rule: Rule) -> tuple[int, ...]:
+    return tuple(n for _, n in getattr(rule, "parts", ()))
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
