@@ -40,7 +40,8 @@ from ._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from .commit import commit, new_token
 from .digests import tensor_bytes
 from .errors import ReplicaMismatchError, UCPError
-from .io_format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums, item_key
+from .io_format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
+from .tiles import tile_entry
 from .sidecar import encode_sidecar
 from .device import staging_forced
 from .staging import HostCopies
@@ -296,6 +297,8 @@ class UCPFileSystemWriter(FileSystemWriter):
                 extra = wr.storage_data[1]
                 if extra is not None and not isinstance(extra[1], list):
                     extra[1] = extra[1].result()
+                if extra is not None and len(extra) > 3 and hasattr(extra[3], "result"):
+                    extra[3] = extra[3].result()
         return results
 
     def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
@@ -310,13 +313,16 @@ class UCPFileSystemWriter(FileSystemWriter):
             t = t.contiguous().clone()  # compact row-major storage: boxes become byte runs
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         sums = hash_pool.submit(block_checksums, raw, BLOCK, DEFAULT_HASH) if self.checksums and t.numel() else None
+        # tile sums too (chunks of 2+ dims): a column slice is then verified without reading whole rows
+        tiles = hash_pool.submit(tile_entry, raw, tuple(t.shape), t.element_size(), HASHES[DEFAULT_HASH]) \
+            if self.checksums and t.numel() and t.dim() >= 2 else None
         start = out.pos
         out.expect(raw)
         torch.save(t, out)
         data_offset = out.found - start if out.found is not None else -1
         frame = int(out.frame.intdigest()) if self.checksums else None
         out.frame = None
-        return [data_offset, sums if sums is not None else [], frame]
+        return [data_offset, sums if sums is not None else [], frame, tiles]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         table: dict[str, Any] = {}
