@@ -130,6 +130,8 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from ucp_dcp._compat import default_stager_reusable
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -150,12 +152,18 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     ckpt_pg = dist.new_group(backend="gloo")
     kind = AsyncCheckpointerType.PROCESS if cfg["checkpointer"] == "process" else AsyncCheckpointerType.THREAD
     stager = None
-    if cfg["stager"] == "default":
+
+    def new_stager():
         cuda = device.type == "cuda"
         # synchronous, so async_save returns once the copy is done (the blocked time is all of it);
         # shared memory when a checkpoint process receives the staged state (no copy to pickle it)
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=cfg["checkpointer"] == "process",
-                                              use_async_staging=False, use_non_blocking_copy=cuda))
+        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=cfg["checkpointer"] == "process",
+                                            use_async_staging=False, use_non_blocking_copy=cuda))
+
+    # torch 2.11's DefaultStager cannot stage twice (it closes itself after each stage): one per save there
+    reuse = default_stager_reusable()
+    if cfg["stager"] == "default" and reuse:
+        stager = new_stager()
 
     def writer(system: str, path: str):
         return ucp_dcp.UCPFileSystemWriter(path) if system == "ucp" else dcp.FileSystemWriter(path)
@@ -174,12 +182,15 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         dist.barrier()
         f0 = _minor_faults()
         t0 = time.perf_counter()
+        this = stager if reuse or cfg["stager"] != "default" else new_stager()
         fut = dcp.async_save(sd, checkpoint_id=path, storage_writer=writer(system, path), planner=planner(system),
-                             process_group=ckpt_pg, async_checkpointer_type=kind, async_stager=stager)
+                             process_group=ckpt_pg, async_checkpointer_type=kind, async_stager=this)
         t1 = time.perf_counter()
         f1 = _minor_faults()
         fut.result()
         t2 = time.perf_counter()
+        if this is not stager:
+            this.close()
         times.append({"blocked": t1 - t0, "total": t2 - t0, "faults": f1 - f0})
         dist.barrier()
     if stager is not None:
