@@ -157,12 +157,12 @@ def test_resume_without_the_saved_interleaver_state_differs(assets):
 
 # -- finite sources: torchtitan's stopping strategies -------------------------------------------------------
 
-@pytest.mark.parametrize(("strategy", "mix"), [
-    ("on_first_exhausted", (("map", 1.0), ("four", 2.0))),
-    ("all_exhausted", (("one", 1.0), ("four", 3.0))),
-    ("all_exhausted", (("map", 1.0), ("four", 2.0), ("one", 0.5))),
+@pytest.mark.parametrize(("strategy", "mix", "reloops"), [
+    ("on_first_exhausted", (("map", 1.0), ("four", 2.0)), [0, 0]),
+    ("all_exhausted", (("one", 1.0), ("four", 3.0)), [1, 0]),
+    ("all_exhausted", (("map", 1.0), ("four", 2.0), ("one", 0.5)), [0, 2, 1]),  # four shards: reordered epoch 2
 ])
-def test_finite_sources_stop_as_torchtitans_interleaver(assets, strategy, mix):
+def test_finite_sources_stop_as_torchtitans_interleaver(assets, strategy, mix, reloops):
     """At dp=1 the windows are torchtitan's own loader's, to the last one (its draws, its exhaustion
     and re-loops; a re-looped map-style source would differ: its epoch shuffle is not torchtitan's)."""
     cfg = InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(False, mix), seed=SEED,
@@ -173,7 +173,7 @@ def test_finite_sources_stop_as_torchtitans_interleaver(assets, strategy, mix):
     got = [(x["input"].tolist(), y.tolist(), x["positions"].tolist()) for _, _, x, y in ours.iter_windows()]
     assert got == want
     st = ours.state_dict()
-    assert strategy == "on_first_exhausted" or max(st["reloops"]) >= 1, st["reloops"]
+    assert st["reloops"] == reloops
     resumed = InterleavedWindowDataset(_sources(False, mix), _tok(assets), SEQ, 0, 1, SEED, strategy)
     resumed.load_state_dict(st)
     assert list(resumed.iter_windows()) == [], "resumed after the last window, the data ends there again"
@@ -297,9 +297,20 @@ def test_mid_step_cursor_and_other_loaders_states_are_refused(assets):
     st = ds[0].state_dict()
     with pytest.raises(UCPError, match="not a multiple of the new data-parallel degree 2"):
         _datasets(assets, 2, st)
+    with pytest.raises(UCPError, match="saved with seq_len=64"):
+        _datasets(assets, 1, {**st, "seq_len": 2 * SEQ})
     single = GlobalWindowDataset("ilv_map", None, _tok(assets), SEQ, 0, 1)
     with pytest.raises(UCPError, match="single-source loader's"):
         _datasets(assets, 1, single.state_dict())
     with pytest.raises(UCPError, match="an interleaved loader's"):
         single.load_state_dict(st)
 
+
+
+def test_export_to_torchtitan_refuses_the_interleaved_state():
+    from ucp_dcp.torchtitan.export import _dataloader_entries, _saved_dataloader
+
+    keys = {f"dataloader.{k}" for k in STATE_KEYS}
+    assert _saved_dataloader(keys)[0] == "interleaved", "not taken for the single-source cursor (it has its keys)"
+    with pytest.raises(UCPError, match="interleaved loader's state"):
+        _dataloader_entries(None, "step-3", keys, 1)
