@@ -229,8 +229,9 @@ def test_loader_with_workers_resumes_exactly_at_new_dp(assets):
 def test_override_swaps_torchtitans_interleaved_loader_keeping_its_fields(assets):
     from ucp_dcp.torchtitan.overrides import interleaved_dataloader
 
-    stock = InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED, stopping_strategy="all_exhausted",
-                                                        num_workers=2, prefetch_factor=3)
+    stock = InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED,
+                                                        stopping_strategy="all_exhausted", num_workers=2,
+                                                        prefetch_factor=3)
     cfg = interleaved_dataloader(stock)
     assert type(cfg) is InterleavedGlobalCursorDataLoader.Config
     assert (cfg.sources, cfg.seed, cfg.stopping_strategy, cfg.num_workers, cfg.prefetch_factor) == \

@@ -35,5 +35,7 @@ def dataloader(cfg: HuggingFaceTextDataLoader.Config) -> GlobalCursorTextDataLoa
 
 @override(target=InterleavedHuggingFaceTextDataLoader.Config, exact=True,
           description="ucp_dcp: global-cursor interleaved dataloader")
-def interleaved_dataloader(cfg: InterleavedHuggingFaceTextDataLoader.Config) -> InterleavedGlobalCursorDataLoader.Config:
+def interleaved_dataloader(
+    cfg: InterleavedHuggingFaceTextDataLoader.Config,
+) -> InterleavedGlobalCursorDataLoader.Config:
     return derive(cfg, InterleavedGlobalCursorDataLoader.Config)
