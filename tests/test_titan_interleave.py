@@ -240,6 +240,32 @@ def test_override_swaps_torchtitans_interleaved_loader_keeping_its_fields(assets
     assert isinstance(dl, InterleavedGlobalCursorDataLoader)
 
 
+def test_both_loader_overrides_apply_to_one_config_tree():
+    """Listed together, each claims only its own loader: the interleaved config's sources (subclasses of
+    the single-source config) are left alone, and the two claims do not conflict."""
+    from dataclasses import dataclass
+
+    from torchtitan.config import Configurable
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    from ucp_dcp.torchtitan.dataloader import GlobalCursorTextDataLoader
+
+    @dataclass(kw_only=True, slots=True)
+    class Root(Configurable.Config):
+        train: InterleavedHuggingFaceTextDataLoader.Config
+        validation: HuggingFaceTextDataLoader.Config
+
+    root = Root(train=InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED),
+                validation=HuggingFaceTextDataLoader.Config(dataset="ilv_map"))
+    lines = apply_overrides(OverrideConfig(imports=["ucp_dcp.torchtitan.overrides.dataloader",
+                                                    "ucp_dcp.torchtitan.overrides.interleaved_dataloader"]), root)
+    assert len(lines) == 2, lines
+    assert type(root.train) is InterleavedGlobalCursorDataLoader.Config
+    assert type(root.validation) is GlobalCursorTextDataLoader.Config
+    assert [type(s) for s in root.train.sources] == [HFDataSource] * len(MIX)
+
+
 # -- state: keys, refusals ---------------------------------------------------------------------------------
 
 def test_state_keys_are_the_same_on_every_rank_and_round_trip(assets):
