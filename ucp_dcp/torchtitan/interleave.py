@@ -8,7 +8,7 @@ sequence of ``seq_len`` windows and window ``w`` goes to data-parallel rank ``w 
 * each source is its own global token stream (:mod:`ucp_dcp.torchtitan.stream`: map-style or
   streaming with one or many shards, epoch after epoch), packed into windows;
 * the interleaver's RNG is seeded with ``seed`` and makes the same draws as torchtitan's, one per
-  window; window ``w`` is the next window of the source drawn for it. Every rank replays the same
+  window (and one per exhaustion, below); window ``w`` is the next window of the source drawn for it. Every rank replays the same
   draws, so every rank and every DP degree agree on which source's which window ``w`` is;
 * finite sources (``infinite=False`` on every source) stop as torchtitan's do: a draw whose source
   has no next window is *exhausted* and gives no window. ``on_first_exhausted`` ends the data there;
