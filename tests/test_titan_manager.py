@@ -300,17 +300,25 @@ def test_checkpoint_key_set_is_stocks(ntokens):
     assert {k for k in keys if k.startswith("optimizer.state.")} == {k for k in opt if k.startswith("optimizer.state.")}
 
 
-def _global_loader_state(rank, world, folder, assets):
+def _global_loader_state(rank, world, folder, assets, interleaved=False):
     """Our loader's state goes through the manager as one global value and resumes the stream."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HFDataSource
 
     from ucp_dcp.summary import read_metadata
-    from ucp_dcp.torchtitan import GlobalCursorTextDataLoader
+    from ucp_dcp.torchtitan import GlobalCursorTextDataLoader, InterleavedGlobalCursorDataLoader
 
     def loader():
-        cfg = GlobalCursorTextDataLoader.Config(dataset="c4_test", dataset_path=os.path.join(assets, "dataset"))
+        tok = HuggingFaceTokenizer(tokenizer_path=os.path.join(assets, "tokenizer"))
+        path = os.path.join(assets, "dataset")
+        if interleaved:  # the same file twice: two sources, each with its own position
+            cfg = InterleavedGlobalCursorDataLoader.Config(sources=[
+                HFDataSource(dataset="c4_test", dataset_path=path, weight=w) for w in (1.0, 3.0)])
+            return InterleavedGlobalCursorDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=32,
+                                                     local_batch_size=4, tokenizer=tok)
+        cfg = GlobalCursorTextDataLoader.Config(dataset="c4_test", dataset_path=path)
         return GlobalCursorTextDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4,
-                                          tokenizer=HuggingFaceTokenizer(tokenizer_path=os.path.join(assets, "tokenizer")))
+                                          tokenizer=tok)
 
     model, opt, sched = _parts(0)
     dl = loader()
@@ -340,5 +348,17 @@ def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
     keys, same, _ = D.run(_global_loader_state, 1, D.tmpdir(), str(assets))[0]
+    assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
+    assert same, "the batches after the load are the ones the saved loader would have given next"
+
+
+def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_factory):
+    """The interleaved state (lists per source, the RNG state as JSON) is saved as one global value each."""
+    from titan_harness import make_assets
+
+    from ucp_dcp.torchtitan.interleave import STATE_KEYS
+
+    assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
+    keys, same, _ = D.run(_global_loader_state, 1, D.tmpdir(), str(assets), True)[0]
     assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
     assert same, "the batches after the load are the ones the saved loader would have given next"

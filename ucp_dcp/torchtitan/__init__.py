@@ -2,6 +2,7 @@
 
 * ``UCPCheckpointManager``: torchtitan's checkpoint manager with ucp_dcp's planners;
 * ``GlobalCursorTextDataLoader``: a text loader that resumes at any data-parallel degree;
+* ``InterleavedGlobalCursorDataLoader``: the same for weighted interleaved sources;
 * ``--override.imports ucp_dcp.torchtitan.overrides.checkpointer,ucp_dcp.torchtitan.overrides.dataloader``
   switches a stock config; ``--module ucp_dcp.torchtitan --config llama3_debugmodel_ucp`` is a
   registry entry. See docs/torchtitan.md.
@@ -19,6 +20,8 @@ from ._compat import TESTED_TORCHTITAN, check_torchtitan  # noqa: E402
 check_torchtitan()
 
 from .dataloader import GlobalCursorTextDataLoader, GlobalWindowDataset  # noqa: E402
+from .interleave import InterleavedGlobalCursorDataLoader  # noqa: E402
 from .manager import UCPCheckpointManager  # noqa: E402
 
-__all__ = ["UCPCheckpointManager", "GlobalCursorTextDataLoader", "GlobalWindowDataset", "TESTED_TORCHTITAN"]
+__all__ = ["UCPCheckpointManager", "GlobalCursorTextDataLoader", "GlobalWindowDataset",
+           "InterleavedGlobalCursorDataLoader", "TESTED_TORCHTITAN"]

@@ -108,6 +108,12 @@ class GlobalWindowDataset(IterableDataset, Stateful):
                 "seq_len": self.seq_len, "dataset": self.dataset_name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sources" in state:
+            raise UCPError(
+                f"the dataloader state is an interleaved loader's (sources {state['sources']}), this run reads "
+                f"the one dataset {self.dataset_name!r}", atom="dataloader.dataset", saved=state.get("sources"),
+                wanted=self.dataset_name, hint="resume with the saved interleaved sources, or skip the loader's "
+                                               "state: checkpoint.exclude_from_loading=['dataloader']")
         if state.get("version") != STATE_VERSION:
             raise UCPError(
                 f"dataloader state version {state.get('version')} is not this loader's ({STATE_VERSION})",

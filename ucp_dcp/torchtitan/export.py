@@ -148,12 +148,14 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
 
 
 def _saved_dataloader(keys: set[str]) -> tuple[str, list[str]]:
-    """``("cursor" | "per_rank" | "none" | "other", names)`` of the saved dataloader entries."""
+    """``("cursor" | "interleaved" | "per_rank" | "none" | "other", names)`` of the saved dataloader entries."""
     names = sorted(k[len("dataloader."):] for k in keys if k.startswith("dataloader."))
     if not names:
         return "none", names
     if any(n.startswith("dp_rank_") for n in names):
         return "per_rank", names
+    if "sources" in names:  # the interleaved loader's (it also has the single-source keys)
+        return "interleaved", names
     if set(_CURSOR_KEYS) <= set(names):
         return "cursor", names
     return "other", names
@@ -590,6 +592,9 @@ def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[di
     if kind == "none":
         raise UCPError(f"{src} holds no dataloader state", atom="dataloader",
                        hint="export with --no-dataloader and resume with --checkpoint.exclude_from_loading dataloader")
+    if kind == "interleaved":
+        raise UCPError(f"{src} holds the global-cursor interleaved loader's state: the export writes only the "
+                       "single-source loader's stock state", atom="dataloader", hint=_NO_DATA[3:])
     if kind == "other":
         raise UCPError(f"the checkpoint's dataloader state ({', '.join(names[:4])}) is neither ucp_dcp's global "
                        "cursor nor torchtitan's per-rank state", atom="dataloader", hint=_NO_DATA[3:])

@@ -175,8 +175,9 @@ class TokenStream:
     def __init__(self, docs: Documents, tokenizer: Any, seq_len: int) -> None:
         self.docs, self.tokenizer, self.seq_len = docs, tokenizer, seq_len
 
-    def windows(self, start: Pos) -> Iterator[tuple[Pos, tuple[list[int], list[int], list[int]]]]:
-        """``(start position, (inputs, labels, positions))`` of every window from ``start`` on."""
+    def windows(self, start: Pos) -> Iterator[tuple[Pos, tuple[list[int], list[int], list[int]], int]]:
+        """``(start position, (inputs, labels, positions), epoch of its last token)`` of every window
+        from ``start`` on."""
         inputs: list[int] = []
         labels: list[int] = []
         positions: list[int] = []
@@ -191,7 +192,7 @@ class TokenStream:
                 labels.append(toks[j + 1])
                 positions.append(j)
                 if len(inputs) == self.seq_len:
-                    yield head, (inputs, labels, _normalize(positions))
+                    yield head, (inputs, labels, _normalize(positions)), dpos.epoch
                     inputs, labels, positions, head = [], [], [], None
 
 
@@ -208,11 +209,12 @@ def _normalize(positions: list[int]) -> list[int]:
 
 class WindowSource:
     """Windows ``first, first + 1, ...`` of a stream read once, with a look-ahead buffer: ``take(w)``
-    hands out window ``w`` (dropping those before it), ``pos(w)`` tells where ``w`` starts."""
+    hands out window ``w`` (dropping those before it), ``pos(w)`` tells where ``w`` starts and
+    ``end_epoch(w)`` the epoch its last token is in."""
 
     def __init__(self, stream: TokenStream, first: int, start: Pos) -> None:
         self._it = stream.windows(start)
-        self._buf: deque[tuple[int, Pos, Any]] = deque()
+        self._buf: deque[tuple[int, Pos, Any, int]] = deque()
         self._next = first
         self._start = (first, start)
 
@@ -231,9 +233,16 @@ class WindowSource:
             return self._start[1]
         if not self._fill(w):
             return None
-        for w2, p, _ in self._buf:
-            if w2 == w:
-                return p
+        return self._entry(w)[1]
+
+    def end_epoch(self, w: int) -> int | None:
+        """The epoch of window ``w``'s last token (not yet dropped); None if the data ends before it."""
+        return self._entry(w)[3] if self._fill(w) else None
+
+    def _entry(self, w: int) -> tuple[int, Pos, Any, int]:
+        for entry in self._buf:
+            if entry[0] == w:
+                return entry
         raise AssertionError(f"window {w} was already dropped")
 
     def take(self, w: int) -> tuple[Pos, Any] | None:
@@ -241,5 +250,5 @@ class WindowSource:
             return None
         while self._buf[0][0] < w:
             self._buf.popleft()
-        _, p, win = self._buf[0]
+        _, p, win, _ = self._buf[0]
         return p, win
