@@ -185,7 +185,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     if stager is not None:
         stager.close()
     if rank == 0:  # the last checkpoints are complete: check ours once
-        from ucp_dcp.verify import verify
+        from ucp_dcp.tools.verify import verify
 
         status = verify(f"{cfg['out']}/ucp").status
     else:

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.plans import (ItemKind, LoadPlanPayload, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure,
+from ucp_dcp.planning.payloads import (ItemKind, LoadPlanPayload, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure,
                            ReadSummary, RuleUsage, dtype_code)
-from ucp_dcp.transport import read_summary
-from ucp_dcp.patterns import Patterns
+from ucp_dcp.storage.transport import read_summary
+from ucp_dcp.layout.patterns import Patterns
 
 ROWS, COLS = 8, 256  # rows per rank and columns of every sharded tensor
 

@@ -141,7 +141,7 @@ def _raw_read(files: list[str], threads: int) -> float:
 
 
 def bench_verify(path: str, reps: int) -> dict:
-    from ucp_dcp.verify import verify
+    from ucp_dcp.tools.verify import verify
 
     files = [str(p) for p in Path(path).iterdir() if p.is_file()]
     total = sum(os.path.getsize(f) for f in files)

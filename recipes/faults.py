@@ -216,7 +216,7 @@ def _files(folder: str) -> list[str]:
 def _judge(path: str, want: dict[str, Any], world: int, rows: int) -> tuple[str, bool]:
     """(load outcome, verify flagged it): outcome is 'raised', 'harmless', 'silent' or 'foreign:<type>'."""
     import ucp_dcp
-    from ucp_dcp.verify import verify
+    from ucp_dcp.tools.verify import verify
 
     try:
         got = load_single(path, world, rows)
@@ -300,7 +300,7 @@ def crash_trials(n: int, work: str, rng: random.Random, system: str = "ucp") -> 
     if not back_ok:
         lost += 1
         notes.append("the save after the crashes did not load back")
-    import ucp_dcp.summary as ins
+    import ucp_dcp.storage.opening as ins
 
     _, integ = ins.open_path(folder)
     if integ.strays and system == "ucp":
@@ -351,7 +351,7 @@ def code_exec_cases(work: str, base: str) -> tuple[int, int, list[str]]:
     Path(evil_md, ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     check("inspect of a crafted .metadata", marker, lambda: subprocess.run(
         [sys.executable, "-m", "ucp_dcp", "inspect", evil_md], capture_output=True, timeout=120))
-    check("verify of a crafted .metadata", marker, lambda: __import__("ucp_dcp.verify").verify.verify(evil_md))
+    check("verify of a crafted .metadata", marker, lambda: __import__("ucp_dcp.tools.verify").verify.verify(evil_md))
     check("load of a crafted .metadata", marker, lambda: load_single(evil_md, 2, ROWS))
 
     # 4: a hostile writer stores a crafted object under a valid checksum

@@ -70,7 +70,7 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
 
     import torch.distributed.checkpoint as dcp
     from ucp_dcp import UCPLoadPlanner
-    from ucp_dcp.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
 
     cfg = deepspeed_config()
     job = build_job(Topology.parse(topo))

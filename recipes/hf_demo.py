@@ -8,10 +8,10 @@
 2. Fresh processes load the Llama into the toy LLM at dp=2·tp=2 (fused QKV and SwiGLU, padded
    vocabulary, rotary rows permuted) and at pp=2 (stage-local layer names), and the Mixtral at
    ep=2·tp=2 (experts as slices of stacked ``[E, F, D]`` DTensors and as EP-local lists), inside
-   ``dcp.load`` (``ucp_dcp.hf.load_hf``); each compares its logits with transformers' and counts
+   ``dcp.load`` (``ucp_dcp.sources.hf.load_hf``); each compares its logits with transformers' and counts
    the bytes each rank read against the bytes its own shards hold.
 3. The dp=2·tp=2 job trains K steps, saves a ucp_dcp checkpoint and exports it collectively with
-   ``ucp_dcp.hf.export_hf``; ``transformers`` loads the export and its logits must equal the trained
+   ``ucp_dcp.sources.hf.export_hf``; ``transformers`` loads the export and its logits must equal the trained
    model's.
 
 The last line is ``HF OK: ...`` (exit 0) or ``HF MISMATCH: ...`` (exit 1).
@@ -38,7 +38,7 @@ ATOL = 2e-5
 
 
 def _models() -> dict:
-    from ucp_dcp.toy.hf import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
     return {"llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
             "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig")}
@@ -67,7 +67,7 @@ def _job(rank: int, world: int, port: int, out: str, kind: str, topo_text: str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     import ucp_dcp
-    from ucp_dcp.hf import export_hf, load_hf
+    from ucp_dcp.sources.hf import export_hf, load_hf
     from ucp_dcp.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
 
     cfg, preset = _models()[kind][:2]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     import transformers
 
-    from ucp_dcp.toy.hf import TOY_LLAMA
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA
 
     tokens = torch.randint(0, TOY_LLAMA.vocab, (3, TOY_LLAMA.seq_len), generator=torch.Generator().manual_seed(5))
     torch.save(tokens, out / "tokens.pt")

@@ -1,7 +1,7 @@
 """torchtitan's stock Hugging Face path vs ucp_dcp's, measured on the same HF folder.
 
 One run: a random ``transformers`` Llama (the torchtitan llama3 model below, config.json from
-``ucp_dcp.torchtitan.hf.hf_mapping``) is saved with ``save_pretrained`` in bf16; then, for each
+``ucp_dcp.torchtitan.mappings.hf_mapping``) is saved with ``save_pretrained`` in bf16; then, for each
 layout (2 ranks: ``dp_shard=2`` and ``tp=2``) and each path, a ``torchrun`` job builds the model
 with torchtitan's own ``parallelize_fn`` and checkpoint manager and
 
@@ -116,7 +116,7 @@ def _count_stock_reads(hf_folder: str) -> list[int]:
     """Wrap the stock HF reader: bytes of every slice it takes from a file."""
     import torch.distributed.checkpoint.hf_storage as hfs
 
-    from ucp_dcp.hf.reader import scan_hf
+    from ucp_dcp.sources.hf.source import scan_hf
 
     itemsize = {name: st.tensors[name].dtype.itemsize for name, (_, st) in scan_hf(hf_folder).items()}
     total = [0]
@@ -247,7 +247,7 @@ def make_hf_folder(size: str, folder: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ucp_dcp.torchtitan.hf import hf_mapping
+    from ucp_dcp.torchtitan.mappings import hf_mapping
 
     mapping = hf_mapping(model_config(size))
     cfg = dict(mapping.config)

@@ -53,8 +53,8 @@ def rewrite_metadata(folder, md) -> None:
     write ``md`` would have left), so a test can change a table without tripping the sidecar check."""
     import pickle
 
-    from ucp_dcp.commit import commit
-    from ucp_dcp.sidecar import encode_sidecar
+    from ucp_dcp.storage.commit import commit
+    from ucp_dcp.storage.sidecar import encode_sidecar
 
     data = pickle.dumps(md)
     files = {}

@@ -164,8 +164,8 @@ def _altered(key: str, value, cfg: ModelConfig, topo: Topology):
     """A wrong value of the rule/map ``key``: Fused blocks=1 (the layout is blocked), Padded one row short
     (drops a real row), Tied with the canonical name and the alias swapped, Reduce 'max' for 'sum', a
     stage_map listing the layers in reverse global order, an expert_map with the EP ranks' experts swapped."""
-    from ucp_dcp.index_maps import Chunk, IndexMap
-    from ucp_dcp.patterns import Tied
+    from ucp_dcp.layout.index_maps import Chunk, IndexMap
+    from ucp_dcp.layout.patterns import Tied
 
     if key in ("fused_wqkv", "fused_w13"):
         return dataclasses.replace(value, blocks=1)

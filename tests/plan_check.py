@@ -1,5 +1,5 @@
 """A plan next to the real load it predicts: per-rank storage figures and errors of a load on the pool,
-and the comparison with ``ucp_dcp.plan.plan_load`` for the same checkpoint and target layout."""
+and the comparison with ``ucp_dcp.tools.dryrun.plan_load`` for the same checkpoint and target layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 import dist as D  # tests/dist.py, the pool (`dist` here is torch.distributed)
-from ucp_dcp.plan import RecipeTarget, plan_load
+from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
 from ucp_dcp.toy import ModelConfig, Topology
 
 RANKS_PER_HOST = 2

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemWriter, UCPSavePlanner
-from ucp_dcp.verify import verify
+from ucp_dcp.tools.verify import verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]

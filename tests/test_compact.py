@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from ucp_dcp.plans import ItemKind, LocalItems, PackedPlan, PlanStructure, dtype_code
-from ucp_dcp.save_plan import plan_global
+from ucp_dcp.planning.payloads import ItemKind, LocalItems, PackedPlan, PlanStructure, dtype_code
+from ucp_dcp.planning.save_steps import plan_global
 from ucp_dcp.errors import CoverageError
 
 SHARD, TENSOR, BYTES = ItemKind.SHARD, ItemKind.TENSOR, ItemKind.BYTES

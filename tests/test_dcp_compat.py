@@ -249,7 +249,7 @@ class _CachingPlanner(UCPSavePlanner):
 
 
 def test_enable_plan_caching_positional_reuses_the_plan_and_saves_new_values(tmp_path):
-    from ucp_dcp.save_planner import _CACHE
+    from ucp_dcp.planning.save_planner import _CACHE
 
     _CACHE.pop("_CachingPlanner", None)
     for i in range(3):
@@ -572,7 +572,7 @@ def test_planners_built_positionally_pickle_with_their_configuration():
 
 def test_planner_pickles_of_the_previous_format_still_load():
     """Before DCP's parameters came first, a planner pickled as (options, our options only)."""
-    from ucp_dcp import load_planner, save_planner
+    from ucp_dcp.planning import load_planner, save_planner
 
     s = save_planner._rebuild(UCPSavePlanner, UCPOptions(strict=False), {"check_replicas": "off",
                                                                           "dedup_save_to_lowest_rank": True,

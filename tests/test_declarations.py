@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 import ucp_dcp
 from helpers import expect_ucp_error
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.patterns import Tied
+from ucp_dcp.layout.patterns import Tied
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TIE = Tied("emb.weight", (r"out\.weight",))
@@ -51,7 +51,7 @@ def test_target_keys_sharing_memory_with_different_saved_atoms_are_refused(tmp_p
 
 
 def test_a_fused_rule_that_differs_from_the_saved_one_is_refused(tmp_path):
-    from ucp_dcp.patterns import Fused
+    from ucp_dcp.layout.patterns import Fused
 
     saved_rule = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=2)
     other = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=1)
@@ -68,7 +68,7 @@ def test_a_fused_rule_that_differs_from_the_saved_one_is_refused(tmp_path):
 def test_a_fused_rule_of_another_model_config_reports_the_shapes(tmp_path):
     """Other KV heads: other part sizes and blocks. That is a model change, reported as the shape
     mismatch naming both shapes, not as a rule conflict (the e2e tier's other-config plan expects it)."""
-    from ucp_dcp.patterns import Fused
+    from ucp_dcp.layout.patterns import Fused
 
     saved_rule = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 2), (r"\1wv.weight", 2)], blocks=2)
     other = Fused(r"(.*)wqkv\.weight", [(r"\1wq.weight", 4), (r"\1wk.weight", 4), (r"\1wv.weight", 4)], blocks=4)
@@ -87,7 +87,7 @@ def test_an_unused_rule_names_itself_as_the_atom(tmp_path):
 
 
 def test_a_reduce_rule_only_at_load_is_refused(tmp_path):
-    from ucp_dcp.patterns import Reduce
+    from ucp_dcp.layout.patterns import Reduce
 
     dcp.save({"train_state": {"tokens_seen": 5}}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
     target = {"train_state": {"tokens_seen": 0}}
@@ -99,7 +99,7 @@ def test_a_reduce_rule_only_at_load_is_refused(tmp_path):
 def test_map_orders_read_off_the_claims():
     from types import SimpleNamespace as U
 
-    from ucp_dcp.structure import check_map_orders, map_orders
+    from ucp_dcp.layout.structure import check_map_orders, map_orders
 
     up = [U(claims=[("experts", 0, 0), ("experts", 1, 0)]), U(claims=[("experts", 2, 1), ("experts", 3, 1)])]
     down = [U(claims=[("experts", 2, 0)]), U(claims=[("experts", 0, 1)])]

@@ -368,7 +368,7 @@ def test_replica_check_runs_under_a_cached_plan():
 # -- rules that need several ranks: reductions, replica checks and averaging ----------------------------
 
 def _reduce_worker(rank, world, root):
-    from ucp_dcp.patterns import Reduce
+    from ucp_dcp.layout.patterns import Reduce
 
     g2 = dist.new_group([0, 1])
     reduce = [Reduce(r"ts\.tokens", "sum"), Reduce(r"ts\.loss", "mean"), Reduce(r"ts\.peak", "max"),
@@ -390,7 +390,7 @@ def test_reductions_sum_mean_max_loaded_on_two_ranks():
 
 
 def _equal_rule_worker(rank, world, root):
-    from ucp_dcp.patterns import Reduce
+    from ucp_dcp.layout.patterns import Reduce
 
     try:
         dcp.save({"ts": {"v": rank}}, checkpoint_id=f"{root}/equal", planner=UCPSavePlanner(patterns=[Reduce(r"ts\.v", "equal")]))
@@ -404,7 +404,7 @@ def test_reduce_equal_refuses_values_that_differ():
 
 
 def _reduce_dtensor_worker(rank, world, root):
-    from ucp_dcp.patterns import Reduce
+    from ucp_dcp.layout.patterns import Reduce
 
     mesh4 = DeviceMesh("cpu", torch.arange(4))
     try:
@@ -422,7 +422,7 @@ def test_reduce_rule_on_a_dtensor_is_an_error():
 
 def _drift_worker(rank, world, root, check):
     """Replicated over a (2, 2) mesh's second dim, with values that drifted apart on the replicas."""
-    from ucp_dcp.patterns import Replicated
+    from ucp_dcp.layout.patterns import Replicated
 
     mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
     drift = DTensor.from_local(torch.full((2, 3), float(rank)), mesh22, [Shard(0), Replicate()], run_check=False)
@@ -453,7 +453,7 @@ def test_replicas_that_drifted_apart(check):
 
 def _stage_claim_worker(rank, world, root):
     """A stage map that gives one global layer to two stages (ranks 0, 1 = stage 0; ranks 2, 3 = stage 1)."""
-    from ucp_dcp.index_maps import stage_map
+    from ucp_dcp.layout.index_maps import stage_map
 
     try:
         dcp.save({"model": {"layers.0.w": torch.ones(2)}}, checkpoint_id=f"{root}/stages",

@@ -224,9 +224,9 @@ def test_refused_when_the_rest_of_the_epoch_does_not_fit_the_stock_buffers(saved
                                                                             monkeypatch):
     """--dp 2 needs the rest of the epoch in the stock loaders' buffers: beyond the bound the export
     refuses before writing anything, and names --dp 1 and --no-dataloader."""
-    import ucp_dcp.torchtitan.export as ex
+    import ucp_dcp.torchtitan.stock_loader as sl
 
-    monkeypatch.setattr(ex, "BUFFER_COPIES", 1 << 10)
+    monkeypatch.setattr(sl, "BUFFER_COPIES", 1 << 10)
     rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "out", 2, "--step", str(SAVED),
                            *_job_flags(assets))
     assert rc == 2 and "at data-parallel degree 2" in err and "--dp 1" in err and "--no-dataloader" in err, err
@@ -236,15 +236,16 @@ def test_refused_when_the_rest_of_the_epoch_does_not_fit_the_stock_buffers(saved
 def test_refused_when_the_cursor_is_past_the_first_epoch(assets):
     """A later epoch of the global cursor has its own document order, which stock torchtitan does
     not reproduce: no --dp keeps the position."""
-    import ucp_dcp.torchtitan.export as ex
     from ucp_dcp.errors import UCPError
+    from ucp_dcp.torchtitan.job import job_config, parse_job
+    from ucp_dcp.torchtitan.stock_loader import cursor_to_stock
 
-    cfg = ex._job_config(ex._parse(_job_flags(assets)))
+    cfg = job_config(parse_job(_job_flags(assets), hint=""), unsharded=True)
     tok = cfg.tokenizer.build(tokenizer_path=cfg.hf_assets_path)
     cursor = {"version": 1, "cursor": 4000, "epoch": 1, "doc": 3, "offset": 0, "seq_len": SEQ, "dataset": "c4_test"}
     for dp in (1, 2):
         with pytest.raises(UCPError, match="epoch 1.*no data-parallel degree keeps the position"):
-            ex._cursor_to_stock(cfg, cursor, dp, tok)
+            cursor_to_stock(cfg, cursor, dp, tok)
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ def test_megatron_dp_reshardable_is_refused_with_the_fix(megatron_runs, tmp_path
     """Flat distributed-optimizer buffers carry no parameter names: refused before any read."""
     import shutil
 
-    from ucp_dcp.foreign.megatron import MegatronReader
+    from ucp_dcp.sources.foreign.megatron import MegatronReader
 
     bad = tmp_path / "dp"
     shutil.copytree(megatron_runs / "full", bad)
@@ -124,7 +124,7 @@ def test_megatron_dp_reshardable_is_refused_with_the_fix(megatron_runs, tmp_path
 
 
 def test_megatron_rotary_mismatch_is_refused(megatron_runs):
-    from ucp_dcp.foreign.megatron import MegatronReader
+    from ucp_dcp.sources.foreign.megatron import MegatronReader
 
     md = MegatronReader(megatron_runs / "plain", target_rotary="rotate_half").read_metadata()
     with pytest.raises(UCPError, match="interleaved rotary embeddings, the target uses rotate_half"):
@@ -134,7 +134,7 @@ def test_megatron_rotary_mismatch_is_refused(megatron_runs):
 def test_deepspeed_files_are_parsed_without_importing_deepspeed(deepspeed_runs):
     """A fresh interpreter reads a ZeRO-3 checkpoint's metadata with deepspeed made unimportable."""
     code = ("import sys; sys.modules['deepspeed'] = None\n"
-            "from ucp_dcp.foreign.deepspeed import DeepSpeedReader\n"
+            "from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader\n"
             f"md = DeepSpeedReader({str(deepspeed_runs / 'zero3')!r}).read_metadata()\n"
             "assert getattr(md, '_ucp_error', None) is None, md._ucp_error\n"
             "print(len(md.state_dict_metadata))")

@@ -1,4 +1,4 @@
-"""The foreign-checkpoint math (ucp_dcp.foreign): flat ranges as boxes, source rows as atom boxes,
+"""The foreign-checkpoint math (ucp_dcp.sources.foreign): flat ranges as boxes, source rows as atom boxes,
 the inert reading of torch.save files, and a ForeignReader over hand-made flat partitions loading
 into plain targets bitwise. Single process."""
 
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from ucp_dcp import Fused, Padded, UCPLoadPlanner
 from ucp_dcp.errors import CorruptCheckpointError, ucp_errors
-from ucp_dcp.foreign.inert import Opaque, TensorRef, load_inert, parse_pickle
-from ucp_dcp.foreign.pieces import Piece, flat_boxes, split_rows
-from ucp_dcp.foreign.reader import ForeignReader, row_layout
+from ucp_dcp.sources.foreign.inert import Opaque, TensorRef, load_inert, parse_pickle
+from ucp_dcp.sources.foreign.pieces import Piece, flat_boxes, split_rows
+from ucp_dcp.sources.foreign.base import ForeignReader, row_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::ucp_dcp.errors.UnverifiedCheckpointWarning")
 

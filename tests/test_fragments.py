@@ -11,8 +11,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ucp_dcp._compat import strided_shard_indices
-from ucp_dcp.fragments import Box, chunk_range, dim_runs, layout_fragments, local_shape
-from ucp_dcp.layout import Layout, Placement
+from ucp_dcp.layout.fragments import Box, chunk_range, dim_runs, layout_fragments, local_shape
+from ucp_dcp.layout.placements import Layout, Placement
 
 
 def _dtensor_local(global_t, mesh_shape, coord, placements):

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors in and out (ucp_dcp.hf), proven with the real ``transformers``.
+"""Hugging Face safetensors in and out (ucp_dcp.sources.hf), proven with the real ``transformers``.
 
 ``transformers`` builds a tiny random Llama from the config our toy mapping emits and
 ``save_pretrained``s it (no download); we load it into the toy LLM at dp=2·tp=2, dp=4 (FSDP cuts
@@ -25,12 +25,12 @@ import ucp_dcp
 from ucp_dcp import UCPLoadPlanner
 from ucp_dcp.errors import (CheckpointNotFoundError, CorruptCheckpointError, MissingAtomsError, TruncatedFileError,
                             UCPError, ucp_errors)
-from ucp_dcp.hf import HFMapping, HFRule, HFStorageReader
-from ucp_dcp.hf.export import export_hf
-from ucp_dcp.hf.files import HFTensor, create_files, plan_files, write_box
-from ucp_dcp.hf.mapping import atom_rows, hf_rows
-from ucp_dcp.toy.hf import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
-from ucp_dcp.hf.safetensors import encode_header, read_header
+from ucp_dcp.sources.hf import HFMapping, HFRule, HFStorageReader
+from ucp_dcp.sources.hf.publish import export_hf
+from ucp_dcp.sources.hf.files import HFTensor, create_files, plan_files, write_box
+from ucp_dcp.sources.hf.mapping import atom_rows, hf_rows
+from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+from ucp_dcp.sources.hf.safetensors import encode_header, read_header
 
 transformers = pytest.importorskip("transformers")
 
@@ -341,7 +341,7 @@ def test_export_refuses_a_checkpoint_without_mapped_atoms(tmp_path):
 
 
 def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
-    """``export --to hf --mapping ucp_dcp.toy.hf:toy_llama_mapping`` of a one-process checkpoint of the
+    """``export --to hf --mapping ucp_dcp.toy.hf_presets:toy_llama_mapping`` of a one-process checkpoint of the
     toy's logical parameters: transformers loads it and its q/k rows are in HF's rotate-half order."""
     from ucp_dcp.__main__ import main
     from ucp_dcp.toy.model import logical_params
@@ -349,7 +349,7 @@ def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
     params = logical_params(CFG, seed=4)
     ucp_dcp.save({"model": params}, str(tmp_path / "ckpt"))
     assert main(["export", "--to", "hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--mapping",
-                 "ucp_dcp.toy.hf:toy_llama_mapping", "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
+                 "ucp_dcp.toy.hf_presets:toy_llama_mapping", "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     q = back.model.layers[2].self_attn.q_proj.weight
     assert q.dtype == torch.bfloat16

@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import ucp_dcp
 from ucp_dcp.__main__ import main
-from ucp_dcp.io_format import IO_KEY, item_key
-from ucp_dcp.summary import atom_kinds, format_summary, open_path, read_metadata, summarize
+from ucp_dcp.storage.format import IO_KEY, item_key
+from ucp_dcp.storage.opening import open_path, read_metadata
+from ucp_dcp.tools.summary import atom_kinds, format_summary, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

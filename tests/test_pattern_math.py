@@ -8,11 +8,11 @@ from hypothesis import given, strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ucp_dcp.coverage import ChunkIndex, exact_cover_problem
-from ucp_dcp.fragments import layout_fragments
-from ucp_dcp.layout import Layout, Placement
-from ucp_dcp.index_maps import Chunk, IndexMap, check_ownership
-from ucp_dcp.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
+from ucp_dcp.layout.coverage import ChunkIndex, exact_cover_problem
+from ucp_dcp.layout.fragments import layout_fragments
+from ucp_dcp.layout.placements import Layout, Placement
+from ucp_dcp.layout.index_maps import Chunk, IndexMap, check_ownership
+from ucp_dcp.layout.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
 
 import pytest
 from ucp_dcp.errors import PatternError

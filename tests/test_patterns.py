@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import ucp_dcp
 from helpers import expect_ucp_error, tensors_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.patterns import Fused, Padded, Reduce, Replicated, Tied
-from ucp_dcp.index_maps import Chunk, IndexMap, stage_map
+from ucp_dcp.layout.patterns import Fused, Padded, Reduce, Replicated, Tied
+from ucp_dcp.layout.index_maps import Chunk, IndexMap, stage_map
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -1,4 +1,4 @@
-"""``ucp_dcp.plan``: a plan is the load's own figures and errors, not an estimate.
+"""``ucp_dcp.tools.dryrun``: a plan is the load's own figures and errors, not an estimate.
 
 A load that fails (a shape change) must fail in the plan, made in this process (fake process group,
 meta tensors), with the same error on the same ranks as the real load on the pool. The symmetry the
@@ -17,9 +17,9 @@ from helpers import ROOT
 from plan_check import compare_errors, plan, rank_stats, real_load
 from ucp_dcp import UCPError
 from ucp_dcp._compat import _StridedShard
-from ucp_dcp.plan import RecipeTarget, plan_load
-from ucp_dcp.plan.report import format_report, parse_rate, rank_ranges, report_json
-from ucp_dcp.plan.world import fake_rank, rebind, structure
+from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
+from ucp_dcp.tools.dryrun.report import format_report, parse_rate, rank_ranges, report_json
+from ucp_dcp.tools.dryrun.world import fake_rank, rebind, structure
 from ucp_dcp.toy import ModelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -136,7 +136,7 @@ def test_plan_of_a_one_process_load_is_its_read_stats(tmp_path, writer):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import ucp_dcp
-    from ucp_dcp.plan import FunctionTarget
+    from ucp_dcp.tools.dryrun import FunctionTarget
 
     plan_fsdp2 = _example()
     model, optim = plan_fsdp2.build(device="cpu")

@@ -23,9 +23,9 @@ skip_unless_torchtitan_runs()
 import titan_harness as tr  # noqa: E402
 
 from ucp_dcp import UCPError  # noqa: E402
-from ucp_dcp.plan import plan_load  # noqa: E402
-from ucp_dcp.plan.titan import TitanTarget  # noqa: E402
-from ucp_dcp.summary import open_path  # noqa: E402
+from ucp_dcp.tools.dryrun import plan_load  # noqa: E402
+from ucp_dcp.torchtitan.plan_target import TitanTarget  # noqa: E402
+from ucp_dcp.storage.opening import open_path  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -46,7 +46,7 @@ _STATS_HOOK = '''
 import os
 if os.environ.get("RANK") is not None and os.environ.get("UCP_PLAN_STATS"):
     import json
-    from ucp_dcp.reader import UCPFileSystemReader
+    from ucp_dcp.storage.reader import UCPFileSystemReader
 
     _read = UCPFileSystemReader.read_data
 

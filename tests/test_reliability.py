@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import ucp_dcp
 from helpers import ROOT, expect_ucp_error, rewrite_metadata
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.summary import open_path
-from ucp_dcp.verify import verify
+from ucp_dcp.storage.opening import open_path
+from ucp_dcp.tools.verify import verify
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -23,9 +23,9 @@ import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, device, staging
 from helpers import expect_ucp_error
 from ucp_dcp.errors import ChecksumError, DtypeConversionError
-from ucp_dcp.collectives import carries_cpu
-from ucp_dcp.device import split_box, split_reads
-from ucp_dcp.staging import HostCopies, StagingPool
+from ucp_dcp.planning.collectives import carries_cpu
+from ucp_dcp.planning.device import split_box, split_reads
+from ucp_dcp.storage.staging import HostCopies, StagingPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -192,7 +192,7 @@ def _logical(shape, salt):
 def _reshard_worker(rank, world, root, side):
     import os
 
-    from ucp_dcp import collectives
+    from ucp_dcp.planning import collectives
 
     before = dict(collectives._SIDE)
     saved_env, saved_bytes = os.environ.get("UCP_DCP_P2P"), device.STAGE_BYTES

@@ -30,7 +30,7 @@ import dist as D
 import ucp_dcp
 from helpers import ucp_failure
 from ucp_dcp import UCPError, UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.digests import value_digest
+from ucp_dcp.planning.digests import value_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -22,7 +22,7 @@ import dist as D
 import ucp_dcp
 from helpers import expect_ucp_error, rewrite_metadata
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.io_format import IO_KEY, box_grid, box_runs, gather_grid, merge_intervals, parse_tensor_record, split_grid
+from ucp_dcp.storage.format import IO_KEY, box_grid, box_runs, gather_grid, merge_intervals, parse_tensor_record, split_grid
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -76,7 +76,7 @@ def test_merge_intervals_is_the_union(iv):
 
 @given(st.integers(1, 6), st.data())
 def test_assign_readers_reads_every_shared_piece_once_and_orders_messages(n, data):
-    from ucp_dcp.transport import assign_readers
+    from ucp_dcp.storage.transport import assign_readers
 
     universe = data.draw(st.integers(1, 12))
     size_of = [data.draw(st.integers(0, 40)) for _ in range(universe)]
@@ -210,14 +210,14 @@ class _no_mapping:
         self.on = on
 
     def __enter__(self):
-        import ucp_dcp.reader as R
+        import ucp_dcp.storage.chunk_reads as R
 
         self.saved = R.regular_fd
         if self.on:
             R.regular_fd = lambda f: None
 
     def __exit__(self, *exc):
-        import ucp_dcp.reader as R
+        import ucp_dcp.storage.chunk_reads as R
 
         R.regular_fd = self.saved
 

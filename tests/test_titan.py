@@ -49,7 +49,7 @@ def _written_by_ucp(step_dir):
     storage (integrity sidecar verified)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ucp_dcp.summary import open_path
+    from ucp_dcp.storage.opening import open_path
 
     keys = set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)
     assert "optimizer.state.layers.0.attention.qkv_linear.wq.weight.exp_avg" in keys, sorted(keys)[:8]
@@ -111,7 +111,7 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     keys = set(FileSystemReader(export).read_metadata().state_dict_metadata)
     assert "layers.0.attention.qkv_linear.wk.weight" in keys and not [k for k in keys if "wqkv" in k], sorted(keys)[:8]
     assert not [k for k in keys if k.split(".")[0] in ("optimizer", "train_state", "lr_scheduler", "dataloader")]
-    from ucp_dcp.summary import open_path
+    from ucp_dcp.storage.opening import open_path
 
     assert open_path(export)[1].status == "verified", "the option saves through ucp_dcp's storage (checksums, commit)"
     tr.run_job({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),

@@ -1,4 +1,4 @@
-"""Hugging Face in and out for torchtitan models (ucp_dcp.torchtitan.hf, UCPCheckpointManager's HF path).
+"""Hugging Face in and out for torchtitan models (ucp_dcp.torchtitan.mappings, UCPCheckpointManager's HF path).
 
 Single process: a random ``transformers`` Llama / Qwen3 built from the config our mapping emits is
 loaded into torchtitan's llama3 / qwen3 debug model through ``HFStorageReader`` + ``UCPLoadPlanner``
@@ -28,9 +28,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import ucp_dcp  # noqa: E402
 from ucp_dcp import UCPLoadPlanner  # noqa: E402
 from ucp_dcp.errors import UCPError  # noqa: E402
-from ucp_dcp.hf import HFStorageReader  # noqa: E402
-from ucp_dcp.hf.export import export_hf  # noqa: E402
-from ucp_dcp.torchtitan.hf import hf_mapping, tied_rules  # noqa: E402
+from ucp_dcp.sources.hf import HFStorageReader  # noqa: E402
+from ucp_dcp.sources.hf.publish import export_hf  # noqa: E402
+from ucp_dcp.torchtitan.mappings import hf_mapping, tied_rules  # noqa: E402
 from ucp_dcp.torchtitan.manager import FusedQKVModelWrapper, fused_qkv_rules  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

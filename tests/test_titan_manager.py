@@ -245,7 +245,7 @@ def test_exclude_from_loading_leaves_those_states_alone():
 
 
 def _last_step_model_only_and_initial_load(rank, world, folder):
-    from ucp_dcp.summary import read_metadata
+    from ucp_dcp.storage.opening import read_metadata
 
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched, states={"train_state": TrainState()}, last_save_model_only=True,
@@ -273,7 +273,7 @@ def test_last_step_model_only_export_and_initial_model_only_load():
 
 
 def _key_sets(rank, world, folder, ntokens):
-    from ucp_dcp.summary import read_metadata
+    from ucp_dcp.storage.opening import read_metadata
 
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched, states={"train_state": TrainState()}, ntokens_seen=ntokens)
@@ -304,7 +304,7 @@ def _global_loader_state(rank, world, folder, assets):
     """Our loader's state goes through the manager as one global value and resumes the stream."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from ucp_dcp.summary import read_metadata
+    from ucp_dcp.storage.opening import read_metadata
     from ucp_dcp.torchtitan import GlobalCursorTextDataLoader
 
     def loader():

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 import ucp_dcp
 from helpers import expect_ucp_error
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.patterns import Fused, Padded, Reduce, anchored_in, literal_prefix, rule_from_json
+from ucp_dcp.layout.patterns import Fused, Padded, Reduce, anchored_in, literal_prefix, rule_from_json
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -12,7 +12,7 @@ import dist as D
 import ucp_dcp
 from helpers import expect_ucp_error, ucp_failure
 from ucp_dcp import DtypeConversionError, UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.digests import value_digest
+from ucp_dcp.planning.digests import value_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -327,7 +327,7 @@ def test_sets_digest_alike_whatever_the_hash_seed():
     import subprocess
     import sys
 
-    code = ("from ucp_dcp.digests import value_digest; "
+    code = ("from ucp_dcp.planning.digests import value_digest; "
             "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()

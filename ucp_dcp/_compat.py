@@ -81,14 +81,14 @@ def fsspec_filesystem() -> type:
 
 def fake_store() -> "torch.distributed.Store":
     """A store for torch's fake process group (``init_process_group("fake", ...)``): one process
-    plays any rank of any world size, collectives do nothing (``ucp_dcp.plan``)."""
+    plays any rank of any world size, collectives do nothing (``ucp_dcp.tools.dryrun``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     return FakeStore()
 
 
 def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, cache: dict) -> "torch.distributed.device_mesh.DeviceMesh":
-    """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.plan``): a copy with the same layout over
+    """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.tools.dryrun``): a copy with the same layout over
     the same root rank map whose stored rank and coordinate are ``rank``'s (DeviceMesh's private
     ``_rank``/``_coordinate_on_dim``/``_root_mesh``; ``DeviceMesh.mesh`` slices at the default
     group's rank, which must be ``rank``). No process groups are created. ``cache``: id -> copy."""
@@ -97,7 +97,7 @@ def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, c
         return hit
     new = object.__new__(type(mesh))  # not copy.copy: DeviceMesh.__setstate__ looks groups up again
     new.__dict__.update(mesh.__dict__)
-    new.__dict__.pop("_ucp_dcp_mesh_info", None)  # ucp_dcp.layout's per-mesh cache: the copy has other ranks
+    new.__dict__.pop("_ucp_dcp_mesh_info", None)  # ucp_dcp.layout.placements's per-mesh cache: the copy has other ranks
     new._rank = rank
     new._hash = None
     if mesh._root_mesh is not None:

@@ -36,8 +36,8 @@ from torch.distributed.tensor import Shard
 
 from . import _compat as C
 from .errors import UnsupportedTorchError, UntestedTorchWarning
-from .fragments import layout_fragments
-from .layout import Layout, Placement
+from .layout.fragments import layout_fragments
+from .layout.placements import Layout, Placement
 
 __all__ = ["PROBES", "run_probes", "check_torch"]
 

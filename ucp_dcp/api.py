@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
 from .errors import ucp_errors
-from .load_planner import UCPLoadPlanner
-from .reader import ReadStats, UCPFileSystemReader
-from .save_planner import UCPSavePlanner
-from .writer import UCPFileSystemWriter
+from .planning.load_planner import UCPLoadPlanner
+from .storage.reader import ReadStats, UCPFileSystemReader
+from .planning.save_planner import UCPSavePlanner
+from .storage.writer import UCPFileSystemWriter
 
 __all__ = ["save", "load"]
 

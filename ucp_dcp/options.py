@@ -15,9 +15,9 @@ from typing import Any
 from ._compat import flatten_state_dict
 from .errors import UCPError
 
-from .index_maps import IndexMap
-from .naming import NameRules
-from .patterns import Patterns, Rule
+from .layout.index_maps import IndexMap
+from .layout.naming import NameRules
+from .layout.patterns import Patterns, Rule
 
 __all__ = ["UCPOptions", "split_options", "options_first", "require_flat", "protocol_error"]
 

@@ -28,7 +28,7 @@ def deepspeed_config() -> Any:
 
 
 def megatron_config() -> Any:
-    from ucp_dcp.toy.hf import TOY_LLAMA
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA
 
     return TOY_LLAMA
 
@@ -76,7 +76,7 @@ def deepspeed_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
 
 def megatron_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
     """The same for a Megatron ``torch_dist`` checkpoint (groups: Megatron's default split)."""
-    from ucp_dcp.foreign.inert import load_inert
+    from ucp_dcp.sources.foreign.inert import load_inert
 
     view = torch.load(os.path.join(path, "mcore_view.pt"), weights_only=False)
     params = {megatron_name(k): v for k, v in view["params"].items()}
@@ -122,8 +122,8 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
 
     from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.errors import ucp_errors
-    from ucp_dcp.foreign.deepspeed import DeepSpeedReader
-    from ucp_dcp.foreign.megatron import MegatronReader
+    from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
 
     cfg = deepspeed_config() if kind == "deepspeed" else megatron_config()

@@ -20,7 +20,7 @@ import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp._compat import group_has_cpu_backend
-from ucp_dcp.collectives import p2p_group
+from ucp_dcp.planning.collectives import p2p_group
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -69,7 +69,7 @@ def _check(tmp_path, oracle, loaded, ref, res, save_log, resume_log):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ucp_dcp.summary import open_path
+    from ucp_dcp.storage.opening import open_path
 
     step_dir = tmp_path / "save" / "checkpoint" / f"step-{K}"
     keys = set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)

@@ -5,14 +5,14 @@ modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoi
 model-only exports) and only hands DCP the UCP planners.
 
 Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
-(:mod:`ucp_dcp.torchtitan.hf` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
+(:mod:`ucp_dcp.torchtitan.mappings` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
 
-* load: :class:`~ucp_dcp.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
+* load: :class:`~ucp_dcp.sources.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
   fills the live (sharded) state from them -- the fused ``wqkv`` local shards straight from the
   separate q/k/v tensors, rotary rows permuted on the way, each rank reading only the byte ranges
   its shards need; no all-gather and no full tensor. Quantized HF checkpoints are refused;
 * save: the model state is saved as a ucp_dcp checkpoint in a temporary sibling folder, exported
-  collectively (:func:`~ucp_dcp.hf.export.export_hf`, box by box, every rank a share) into the
+  collectively (:func:`~ucp_dcp.sources.hf.publish.export_hf`, box by box, every rank a share) into the
   checkpoint folder, and the temporary folder is removed. Files are sharded by size
   (``hf_max_shard_bytes``); the adapter's ``fqn_to_index_mapping`` is not followed.
 
@@ -33,6 +33,10 @@ What changes in the checkpoint:
 * the dataloader state is either global (``GlobalCursorTextDataLoader``: loads at any DP degree) or,
   for loaders that cannot be remapped, handled by ``dataloader_policy`` -- never a silent wrong
   position.
+
+Kept in one module (over 400 lines): one class, a subclass of torchtitan's ``CheckpointManager`` whose
+overrides share its state (planner options, HF paths, the dataloader policy); split, the overrides of one
+class would sit in several files.
 """
 
 from __future__ import annotations
@@ -55,13 +59,13 @@ from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrap
 from torchtitan.models.common.attention import FusedQKVLinear
 
 from ..errors import PatternError, UCPError, ucp_errors
-from ..summary import read_metadata
-from ..load_planner import UCPLoadPlanner
-from ..patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
-from ..reader import UCPFileSystemReader
-from ..save_planner import UCPSavePlanner
-from ..writer import UCPFileSystemWriter
-from .hf import hf_mapping, tied_rules
+from ..storage.opening import read_metadata
+from ..planning.load_planner import UCPLoadPlanner
+from ..layout.patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
+from ..storage.reader import UCPFileSystemReader
+from ..planning.save_planner import UCPSavePlanner
+from ..storage.writer import UCPFileSystemWriter
+from .mappings import hf_mapping, tied_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
@@ -76,7 +80,7 @@ class UCPCheckpointManager(CheckpointManager):
         rules: list[str] = field(default_factory=list)
         """Extra ucp_dcp pattern rules, one JSON object each, e.g.
         '{"kind": "padded", "pattern": "tok_embeddings\\\\.weight", "size": 2000}'
-        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.patterns, including
+        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.layout.patterns, including
         "optional": true for a rule strict mode should not count). A rule anchored in a training
         state (its pattern starts with the state's name and an escaped dot, 'train_state\\.') is
         declared only in saves and loads that include that state."""
@@ -182,7 +186,7 @@ class UCPCheckpointManager(CheckpointManager):
             raise UCPError(
                 "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only", atom=MODEL,
                 hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)")
-        from ..hf import HFStorageReader
+        from ..sources.hf import HFStorageReader
 
         begin = time.monotonic()
         cfg = self._hf_model_config()
@@ -200,7 +204,7 @@ class UCPCheckpointManager(CheckpointManager):
                  enable_garbage_collection: bool) -> None:
         """Write the model state as a Hugging Face folder at ``checkpoint_id`` (collective; see module
         doc). torchtitan casts the state to ``export_dtype`` before the call; the files keep it."""
-        from ..hf.export import export_hf
+        from ..sources.hf.publish import export_hf
 
         if async_mode != tt_dcp.AsyncMode.DISABLED:
             logger.warning("UCP: a Hugging Face save is written synchronously (async_mode %s ignored)", async_mode)
@@ -363,8 +367,8 @@ def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
 def _write_single_file_index(folder: str) -> None:
     """``model.safetensors.index.json`` for a one-file export too, as torchtitan's own HF save writes
     (torchtitan recognises a step folder by ``.metadata`` or this index)."""
-    from ..hf.reader import INDEX, SINGLE
-    from ..hf.safetensors import read_header
+    from ..sources.hf.source import INDEX, SINGLE
+    from ..sources.hf.safetensors import read_header
 
     single = os.path.join(folder, SINGLE)
     if os.path.exists(os.path.join(folder, INDEX)) or not os.path.exists(single):

@@ -1,6 +1,6 @@
 """The small decoder-only transformer of the recipes and tests, and its pp x dpr x dp x ep x tp trainer.
 
-Not part of the checkpointing library proper: no core ucp_dcp module imports it (``ucp_dcp.plan``
+Not part of the checkpointing library proper: no core ucp_dcp module imports it (``ucp_dcp.tools.dryrun``
 may). It is the one copy of the model and trainer the recipes (``recipes/elastic_resume.py``), the
 multi-process tests and ``python -m ucp_dcp plan --target recipe`` use:
 

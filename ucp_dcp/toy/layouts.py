@@ -9,8 +9,8 @@ The result is the keyword arguments of ``UCPSavePlanner`` / ``UCPLoadPlanner`` (
 
 from __future__ import annotations
 
-from ..index_maps import Chunk, IndexMap
-from ..patterns import Fused, Padded, Reduce, Replicated, Tied
+from ..layout.index_maps import Chunk, IndexMap
+from ..layout.patterns import Fused, Padded, Reduce, Replicated, Tied
 from .model import ModelConfig
 from .parallel import Topology, Trainer, layer_split, stage_ids
 

@@ -10,12 +10,16 @@
 * learned per-layer residual gains with two entries (empty FSDP shards at dp x ep >= 3),
 * optionally (``rope_theta``) rotary position embeddings in Meta's interleaved-pair order (as
   torchtitan's llama): with ``res_gain=False`` and no MoE layers the model is a Llama, so a Hugging
-  Face Llama checkpoint loads into it (:mod:`ucp_dcp.hf`).
+  Face Llama checkpoint loads into it (:mod:`ucp_dcp.sources.hf`).
 
 Parameters are generated in their *logical* form (:func:`logical_params`) from a seed and turned
 into the live layout of a topology, so every topology starts from the same model. Nothing here
 imports the rest of ucp_dcp (the oracle must not depend on the code under test), and only public
 torch APIs are used.
+
+Kept in one module (over 400 lines): the model's layers, their fused/padded/tied/expert layouts and
+:func:`logical_params` (the oracle's view of the same weights) must be read side by side; split, each layout
+would live apart from the inverse that checks it.
 """
 
 from __future__ import annotations

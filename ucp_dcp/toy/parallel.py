@@ -9,6 +9,9 @@ job's own groups, so a test can run several jobs on sub-groups of one process wo
 :func:`build_trainer` with ``device="meta"`` builds the same sharded structure without weights (no
 pipeline schedule): its ``state_dict()`` is what a load at that layout hands to ``dcp.load``, for
 planning a load without running it (e.g. on torch's fake process group).
+
+Kept in one module (over 400 lines): the parallelization and the oracle (:func:`logical_state`) are
+each other's inverse over the same mesh dims; they are read and changed together.
 """
 
 from __future__ import annotations
