@@ -74,7 +74,7 @@ demo: $(STAMP)
 	$(PY) recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
-# multi-process cases, one per item, on the session's pool of gloo workers (tests/dist.py); the 20 slowest listed
+# multi-process cases, one per item, on the session's pool of gloo workers (tests/support/dist.py); the 20 slowest listed
 test: $(STAMP)
 	$(PY) -m pytest -m "not e2e" --durations=20
 
@@ -122,7 +122,7 @@ reconfig: $(STAMP)
 	$(PY) recipes/reconfig.py
 
 # mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
-# perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/mistakes.py); one line per silent,
+# perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/support/mistakes.py); one line per silent,
 # crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
 .PHONY: mistakes
 mistakes: $(STAMP)

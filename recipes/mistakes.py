@@ -2,7 +2,7 @@
 both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's) on every
 transition of the reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
 and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
-``MISTAKES FAILED: ...``. The harness is tests/mistakes.py (run in-process on the tests' worker pool).
+``MISTAKES FAILED: ...``. The harness is tests/support/mistakes.py (run in-process on the tests' worker pool).
 
     python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
 """
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the harness (tests/mistakes.py) and the pool; reconfig is found beside this file
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the harness (tests/support/mistakes.py) and the pool; reconfig is found beside this file
 
 import warnings  # noqa: E402
 

@@ -4,7 +4,7 @@
 ``ds_view_optim.pt``: the live engine's moments, step and groups) and ``make_megatron.py`` Megatron's
 (``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/test_foreign.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations

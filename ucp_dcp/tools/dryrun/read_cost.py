@@ -2,7 +2,7 @@
 computed without reading: the same decisions, in the same order, as the reader's ``_read_chunk``
 (mapped window / direct runs / merged union / whole-item fallback), its checksum widening and its
 edge reads for verification. ``ReadCost`` counts what ``ReadStats`` counts, so a plan's figures
-are the load's figures; ``tests/test_plan.py`` holds the two side by side.
+are the load's figures; ``tests/tools/test_dryrun.py`` holds the two side by side.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ RESTART = 'ucp_dcp.torchtitan.overrides.checkpointer={"dataloader_policy": "rest
 
 
 def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
-    """The Trainer flags of the save job (tests/titan_harness.py ``run_job``) at another topology."""
+    """The Trainer flags of the save job (tests/support/titan_harness.py ``run_job``) at another topology."""
     return ["--module", "ucp_dcp.torchtitan", "--config", config,
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "dataset"),
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ign
 
 def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "tests" / "titan_driver.py"),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "tests" / "support" / "titan_driver.py"),
          str(tmp_path / f"d{dp}{tp}{fused}{backend}"), str(dp), str(tp), str(int(fused)), backend],
         capture_output=True, text=True, timeout=600, env=titan_env())
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

@@ -2,7 +2,7 @@
 fragments: any shard plan into any other, into FSDP2 DTensors at another world size and back, into a
 plain tensor in one process; FSDP1 checkpoints written by our planner and by DCP's default planner
 resumed by FSDP2; nested (2-D) ShardedTensors. Multi-process cases run on the session's pool of gloo
-workers (tests/dist.py), one case per item; the workers return values and the test process compares
+workers (tests/support/dist.py), one case per item; the workers return values and the test process compares
 them bitwise with the saved logical values."""
 
 import os
@@ -34,7 +34,7 @@ from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _value(shape, seed, dtype=torch.float32):

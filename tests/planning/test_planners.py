@@ -85,7 +85,7 @@ def test_round_trip_between_optimizer_forms(tmp_path, save_flat, load_flat):
     _assert_same_training_state(m, opt, m2, opt2)
     assert sd["meta"]["epoch"] == 3
     # hyperparameters are per-parameter atoms, named like flatten_optimizer_state_dict's keys; a nested
-    # optimizer also gets DCP's own list-index entries, for stock readers (tests/test_stock_compat.py)
+    # optimizer also gets DCP's own list-index entries, for stock readers (tests/storage/test_stock_readable.py)
     names = set(dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata)
     assert "optim.param_groups.emb.weight.lr" in names
     assert any(".param_groups.0." in n for n in names) == (not save_flat)

@@ -3,7 +3,7 @@ transition: those of at most 4 ranks on the 4-process pool (sub-groups), the two
 8-process pool. `make reconfig` runs the whole set in fresh processes per job, with timings.
 
 The set is the recipe's (``TRANSITIONS`` in recipes/reconfig.py, read as data: nothing from recipes/
-is imported); the model and trainer are ``ucp_dcp.toy``'s, the resume check the tests' own (tests/training.py).
+is imported); the model and trainer are ``ucp_dcp.toy``'s, the resume check the tests' own (tests/support/training.py).
 """
 
 import ast

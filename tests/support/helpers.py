@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ucp_failure(exc: BaseException) -> ucp_dcp.UCPError:

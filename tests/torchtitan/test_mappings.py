@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
 from helpers import skip_unless_torchtitan_runs  # noqa: E402
+from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
@@ -45,21 +46,6 @@ def _spec(family: str, flavor: str = "debugmodel"):
     return model_registry(flavor)
 
 
-def _titan(model_config):
-    with torch.device("meta"):
-        m = model_config.build()
-    m.to_empty(device="cpu")
-    with torch.no_grad():
-        m.init_weights(buffer_device=None)
-    return m.eval()
-
-
-def _titan_logits(m, tokens):
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        return m(tokens, positions=pos, attention_masks=m.get_attention_masks(pos))
-
-
 def _hf_model(mapping, folder, seed=0):
     """A random transformers model built from the mapping's config.json, saved to ``folder``."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,23 +61,6 @@ def _hf_model(mapping, folder, seed=0):
             p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
     hf.save_pretrained(folder)
     return hf
-
-
-def _from_pretrained(folder):
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                        output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return hf.eval()
-
-
-def _close(a, b):
-    """fp32 logits of two implementations: max |a - b| <= 1e-5 of the logit scale."""
-    diff, scale = (a - b).abs().max().item(), a.abs().max().item()
-    assert scale > 1.0 and diff <= 1e-5 * scale, (diff, scale)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])

@@ -3,7 +3,7 @@
 A load that fails (a shape change) must fail in the plan, made in this process (fake process group,
 meta tensors), with the same error on the same ranks as the real load on the pool. The symmetry the
 plan uses (one state dict built per pipeline stage, rebound to the other ranks) is checked against a
-build of every rank. The figures of every layout of the reconfiguration set: tests/test_reconfig_plan.py.
+build of every rank. The figures of every layout of the reconfiguration set: tests/tools/test_dryrun_reconfig.py.
 """
 
 from __future__ import annotations

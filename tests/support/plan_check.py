@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-import dist as D  # tests/dist.py, the pool (`dist` here is torch.distributed)
+import dist as D  # tests/support/dist.py, the pool (`dist` here is torch.distributed)
 from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
 from ucp_dcp.toy import ModelConfig, Topology
 

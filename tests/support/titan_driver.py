@@ -1,10 +1,10 @@
-"""Driven by tests/test_titan.py under torchrun: torchtitan components without the Trainer.
+"""Driven by tests/e2e/test_titan_trainer.py under torchrun: torchtitan components without the Trainer.
 
 Builds the GQA debug model with torchtitan's own parallelize function (FSDP2, optionally TP), one
 AdamW step, then saves and loads with the checkpoint manager while counting ``DTensor.redistribute``
 calls on fused ``wqkv`` tensors. Prints one JSON line on rank 0.
 
-    PYTHONPATH=recipes/titan torchrun --nproc-per-node 2 tests/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
+    PYTHONPATH=recipes/titan torchrun --nproc-per-node 2 tests/support/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
 
 SPMD_BACKEND is torchtitan's ``parallelism.spmd_backend`` (default ``partial_dtensor``); under
 ``spmd_types`` the forward runs inside torchtitan's SPMD context, as the Trainer runs it, and FSDP
@@ -14,7 +14,7 @@ needs the launcher's patch (s) (data-parallel layouts only).
 import json
 import sys
 
-import cpu_launch  # recipes/titan, on PYTHONPATH (tests/test_titan.py runs this under torchrun)
+import cpu_launch  # recipes/titan, on PYTHONPATH (tests/e2e/test_titan_trainer.py runs this under torchrun)
 
 cpu_launch._patch_device()
 cpu_launch._patch_torchtitan()

@@ -2,7 +2,7 @@
 either bitwise equal to the correct reshard or in a ``UCPError`` that names the atom and the fix.
 
 A *mistake* is one change to a correct save -> load run of the toy trainer (``ucp_dcp.toy``), the run of
-``recipes/elastic_resume.py`` and tests/training.py::elastic_resume:
+``recipes/elastic_resume.py`` and tests/support/training.py::elastic_resume:
 
 * ``drop`` / ``alter`` a declared rule or map (:data:`RULES`) at ``save``, at ``load`` or at ``both``;
 * ``reorder`` the target optimizer's two param groups (decay / no-decay: different weight decay) at load;
@@ -17,7 +17,7 @@ with ``atom`` and ``hint``), ``unclear`` (a ``UCPError`` without them), ``crash`
 (returned with wrong state; for a ``perturb``: returned at all, the divergence went unreported). Runs loaded
 by stock DCP's planner are ours to report, not to fix: their outcomes get a ``stock-`` prefix and count apart.
 
-Cost: each transition is one task on the shared worker pool (tests/dist.py): one training run and its oracle,
+Cost: each transition is one task on the shared worker pool (tests/support/dist.py): one training run and its oracle,
 one save per save-side variant, every load-side variant reusing that checkpoint, a fresh load trainer per run
 (a load that skips an entry must not find the previous run's correct value there). Rank 0 appends each
 result to ``<root>/results.jsonl`` as it finishes, so a hang still leaves the runs before it.

@@ -87,7 +87,7 @@ def elastic_resume(save: Topology, load: Topology, steps: int, folder: str) -> d
                  planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)))
         tr.load_state_dict(sd)
         out["io"] = io_stats(reader, job)
-        out["load_stats"] = gather(rank_stats(reader), job.group)  # what tests/test_reconfig_plan.py plans
+        out["load_stats"] = gather(rank_stats(reader), job.group)  # what tests/tools/test_dryrun_reconfig.py plans
         out["ckpt"] = f"{folder}/ckpt"
         loaded = logical_state(tr)
         out["state_diffs"] = compare_state(oracle, loaded) if oracle is not None else None

@@ -1,4 +1,4 @@
-"""The tests' own harness for real torchtitan jobs (tests/test_titan.py, tests/test_titan_dataloader.py).
+"""The tests' own harness for real torchtitan jobs (tests/e2e/test_titan_trainer.py, tests/torchtitan/test_dataloader.py).
 
 A job is ``torchrun`` of the recipe's CPU launcher (recipes/titan/cpu_launch.py, with its CPU patches)
 as a subprocess; nothing from recipes/ is imported here. :func:`make_assets` is a copy of
@@ -13,12 +13,13 @@ import os
 import random
 import shutil
 import subprocess
+import warnings
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TITAN = ROOT / "recipes" / "titan"
 TOL_FIRST, TOL_LAST = 1e-5, 1e-4  # relative loss difference at the first resumed and the last step
 
@@ -194,3 +195,38 @@ def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple
         return False, f"{name}: " + "; ".join(problems)
     return True, (f"{name}: {len(oracle)} state entries bitwise equal, loss rel diff {rels[0]:.1e} at step {k + 1}, "
                   f"{rels[-1]:.1e} at step {steps}")
+
+
+# -- torchtitan models against transformers (tests/torchtitan/test_mappings.py, tests/e2e/test_to_stock.py) --
+
+
+def _titan(model_config):
+    with torch.device("meta"):
+        m = model_config.build()
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+    return m.eval()
+
+
+def _titan_logits(m, tokens):
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return m(tokens, positions=pos, attention_masks=m.get_attention_masks(pos))
+
+
+def _from_pretrained(folder):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return hf.eval()
+
+
+def _close(a, b):
+    """fp32 logits of two implementations: max |a - b| <= 1e-5 of the logit scale."""
+    diff, scale = (a - b).abs().max().item(), a.abs().max().item()
+    assert scale > 1.0 and diff <= 1e-5 * scale, (diff, scale)

@@ -1,4 +1,4 @@
-"""Multi-process gloo tests on the session's pool of workers (tests/dist.py): one case per pytest item,
+"""Multi-process gloo tests on the session's pool of workers (tests/support/dist.py): one case per pytest item,
 each a small function submitted to the 4-process pool (sub-groups give the 1..3-rank layouts)."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""The session's pool of gloo workers (tests/dist.py): results, failure reports, recovery from a
+"""The session's pool of gloo workers (tests/support/dist.py): results, failure reports, recovery from a
 failing, dying or hanging rank, and what one task leaves for the next on the same workers."""
 
 import os

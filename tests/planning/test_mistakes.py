@@ -1,4 +1,4 @@
-"""The mistake-injection tier (tests/mistakes.py): every ordinary mistake on every transition of the
+"""The mistake-injection tier (tests/support/mistakes.py): every ordinary mistake on every transition of the
 reconfiguration set loads bitwise right or is refused with a UCPError naming the atom and the fix.
 
 The harness's own logic is checked here without processes; a sample of runs (4 ranks) is in ``make test``;

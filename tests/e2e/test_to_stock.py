@@ -275,7 +275,7 @@ def test_export_to_hf_of_a_full_titan_checkpoint_loads_in_transformers(saved, tm
     train state; dp_shard=2, fused wqkv saved as wq/wk/wv atoms): transformers loads the folder (no
     missing or unexpected keys) and its logits are the saved parameters' (the oracle's)."""
     pytest.importorskip("transformers")
-    from test_titan_hf import _close, _from_pretrained, _titan, _titan_logits
+    from titan_harness import _close, _from_pretrained, _titan, _titan_logits
     from torchtitan.models.llama3 import model_registry
 
     from ucp_dcp.__main__ import main

@@ -5,7 +5,7 @@
 inside rotary heads) and pp=2, and its logits equal transformers' on the same tokens; after
 training steps we export (collectively, box by box) and ``from_pretrained`` of the export gives our
 logits. Single-process tests cover the format, the row math and the refusals. Multi-process cases
-run on the session's pool of gloo workers (tests/dist.py), one case per item.
+run on the session's pool of gloo workers (tests/support/dist.py), one case per item.
 """
 
 import json
