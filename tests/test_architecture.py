@@ -1,6 +1,22 @@
-"""The package's layering, read from the source: planners above storage, no cycles, private torch
-names only through ``_compat``, the core independent of the torchtitan integration and of the toy
-model (``ucp_dcp.toy``), whose model and trainer depend on no other ucp_dcp module."""
+"""The package's architecture, read from the source: layers as folders, no import running back up, no
+cycles, the toy model apart from the library, and private torch / torchtitan names only through the
+``_compat`` modules -- imported or reached by attribute.
+
+Layers, lowest first (a module imports only its own layer and those below it, anywhere in the file,
+also inside functions):
+
+    base      ucp_dcp.errors, ucp_dcp._compat, ucp_dcp._version
+    layout    ucp_dcp/layout/ (names, placements, fragments, patterns, ...), ucp_dcp.options, ucp_dcp._probes
+    planning  ucp_dcp/planning/ (the two planners and their steps)
+    storage   ucp_dcp/storage/ (format, commit, reader, writer, ...), ucp_dcp.api (save/load: planners + storage)
+    sources   ucp_dcp/sources/ (Hugging Face, other frameworks' checkpoints)
+    torchtitan  ucp_dcp/torchtitan/ (the integration)
+    tools     ucp_dcp/tools/ (the command line), ucp_dcp.__main__
+
+``ucp_dcp.toy`` (the recipes' and tests' model) stands apart: it may use layout and sources (its rules
+and HF presets), only the tools import it, and its model and trainer import no other ucp_dcp module.
+The package ``ucp_dcp`` (its ``__init__``) only re-exports and is imported by no module.
+"""
 
 import ast
 import sys
@@ -9,7 +25,18 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "ucp_dcp"
-PLANNERS = {"save_planner", "load_planner"}
+LAYERS = ("base", "layout", "planning", "storage", "sources", "torchtitan", "tools")
+TOP_LEVEL = {
+    "ucp_dcp.errors": "base", "ucp_dcp._compat": "base", "ucp_dcp._version": "base",
+    "ucp_dcp.options": "layout", "ucp_dcp._probes": "layout",
+    "ucp_dcp.api": "storage",
+    "ucp_dcp.__main__": "tools",
+}
+"""The layer of each module at the top of the package (the folders give the others)."""
+TOY_MAY_IMPORT = ("base", "layout", "sources")
+COMPAT = ("ucp_dcp._compat", "ucp_dcp.torchtitan._compat")
+"""The only modules that may name private torch / torchtitan names."""
+PRIVATE_ROOTS = ("torch", "torchtitan")
 
 
 def _module(path: Path) -> str:
@@ -20,30 +47,48 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> tuple[set[str], list[tuple[str, str]]]:
-    """ucp_dcp modules a file imports (anywhere in it, also inside functions), and every
-    ``(torch module, name)`` it imports from torch."""
-    name = _module(path)
-    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    deps, torch_names = set(), []
-    for node in ast.walk(ast.parse(path.read_text())):
+SOURCES = {_module(p): ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
+KNOWN = set(SOURCES)
+
+
+def _is_pkg(name: str) -> bool:
+    return (PKG.parent / Path(*name.split(".")) / "__init__.py").exists()
+
+
+def _imports(name: str) -> set[str]:
+    """ucp_dcp modules ``name`` imports (anywhere in it, also inside functions)."""
+    pkg = name if _is_pkg(name) else name.rsplit(".", 1)[0]
+    deps = set()
+    for node in ast.walk(SOURCES[name]):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
-                deps.update([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
-            elif node.module and node.module.startswith("ucp_dcp"):
-                deps.add(node.module)
-            elif node.module and node.module.split(".")[0] == "torch":
-                torch_names += [(node.module, a.name) for a in node.names]
+            elif node.module and node.module.split(".")[0] == "ucp_dcp":
+                mod = node.module
+            else:
+                continue
+            if node.module:
+                deps.add(mod)
+            deps.update(f"{mod}.{a.name}" for a in node.names)  # `from . import catalog`: a module
         elif isinstance(node, ast.Import):
-            deps.update(a.name for a in node.names if a.name.startswith("ucp_dcp"))
-            torch_names += [(a.name, "") for a in node.names if a.name.split(".")[0] == "torch"]
-    known = {_module(p) for p in PKG.rglob("*.py")}
-    return {d for d in deps if d in known and d != name}, torch_names
+            deps.update(a.name for a in node.names if a.name.split(".")[0] == "ucp_dcp")
+    return {d for d in deps if d in KNOWN and d != name}
 
 
-GRAPH = {_module(p): _imports(p)[0] for p in PKG.rglob("*.py")}
+GRAPH = {m: _imports(m) for m in SOURCES}
+
+
+def _layer(m: str) -> str | None:
+    """The layer of module ``m``; ``toy`` and ``package`` for those two; None: not placed."""
+    if m == "ucp_dcp":
+        return "package"
+    if m in TOP_LEVEL:
+        return TOP_LEVEL[m]
+    folder = m.split(".")[1]
+    if folder == "toy":
+        return "toy"
+    return folder if folder in LAYERS else None
 
 
 def _closure(start: str) -> set[str]:
@@ -56,38 +101,45 @@ def _closure(start: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("planner", sorted(PLANNERS))
-def test_planners_import_no_storage_module(planner):
-    reached = {m for m in _closure(f"ucp_dcp.planning.{planner}") if m.startswith(("ucp_dcp.storage", "ucp_dcp.tools"))}
-    assert not reached, f"ucp_dcp.planning.{planner} reaches storage modules {sorted(reached)}"
+def _inside(m: str, pkg: str) -> bool:
+    return m == pkg or m.startswith(pkg + ".")
 
 
-def test_core_imports_nothing_from_the_torchtitan_integration():
-    # the tools (ucp_dcp.tools: plan, export) sit above the integration and import it only when asked for it
-    core = [m for m in GRAPH if not m.startswith(("ucp_dcp.torchtitan", "ucp_dcp.tools"))]
-    bad = {m: sorted(d for d in GRAPH[m] if d.startswith("ucp_dcp.torchtitan")) for m in core}
-    assert not any(bad.values()), bad
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in SOURCES if _layer(m) is None)
+    assert not unplaced, f"modules in no layer folder (or add them to TOP_LEVEL with a reason): {unplaced}"
 
 
-def test_core_imports_nothing_from_the_toy_model():
-    """``ucp_dcp.toy`` (the recipes' and tests' model and trainer) is not part of the library: only
-    ``ucp_dcp.tools.dryrun`` (which plans loads for it) may import it."""
-    def inside(m: str, pkg: str) -> bool:
-        return m == pkg or m.startswith(pkg + ".")
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if _layer(m) in LAYERS))
+def test_module_imports_no_higher_layer(module):
+    rank = LAYERS.index(_layer(module))
+    up = sorted(d for d in GRAPH[module] if _layer(d) in LAYERS and LAYERS.index(_layer(d)) > rank)
+    assert not up, f"{module} ({_layer(module)}) imports a higher layer: {[(d, _layer(d)) for d in up]}"
 
-    core = [m for m in GRAPH if not inside(m, "ucp_dcp.toy") and not inside(m, "ucp_dcp.tools.dryrun")]
-    bad = {m: sorted(d for d in GRAPH[m] if inside(d, "ucp_dcp.toy")) for m in core}
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if _layer(m) == "toy"))
+def test_toy_imports_only_what_it_may(module):
+    bad = sorted(d for d in GRAPH[module] if _layer(d) not in TOY_MAY_IMPORT + ("toy",))
+    assert not bad, f"{module} imports {bad}; the toy model may use {TOY_MAY_IMPORT} only"
+
+
+def test_only_the_tools_import_the_toy_model():
+    bad = {m: sorted(d for d in GRAPH[m] if _layer(d) == "toy") for m in SOURCES if _layer(m) not in ("toy", "tools")}
     assert not any(bad.values()), {m: d for m, d in bad.items() if d}
 
 
 def test_toy_model_and_trainer_depend_on_no_other_ucp_dcp_module():
-    """The oracle (``ucp_dcp.toy.parallel.logical_state``) must not depend on the code under test:
-    the model and trainer reach only each other; ``layouts`` (the description to ucp_dcp) may use
-    the library's rule types."""
-    assert {"ucp_dcp.toy.model", "ucp_dcp.toy.parallel", "ucp_dcp.toy.layouts"} <= set(GRAPH)
+    """The oracle (``ucp_dcp.toy.parallel.logical_state``) must not depend on the code under test."""
+    assert {"ucp_dcp.toy.model", "ucp_dcp.toy.parallel", "ucp_dcp.toy.layouts"} <= KNOWN
     for m in ("ucp_dcp.toy.model", "ucp_dcp.toy.parallel"):
         outside = sorted(d for d in _closure(m) if not d.startswith("ucp_dcp.toy."))
         assert not outside, f"{m} reaches {outside}"
+
+
+@pytest.mark.parametrize("planner", ["save_planner", "load_planner"])
+def test_planners_reach_no_storage_module(planner):
+    reached = sorted(m for m in _closure(f"ucp_dcp.planning.{planner}") if _layer(m) not in ("base", "layout", "planning"))
+    assert not reached, f"ucp_dcp.planning.{planner} reaches {reached}"
 
 
 def test_no_import_cycles():
@@ -98,17 +150,88 @@ def test_no_import_cycles():
     assert not any("ucp_dcp" in deps for m, deps in GRAPH.items() if m != "ucp_dcp"), "a module imports the package"
 
 
-def test_private_torch_names_only_through_compat():
-    bad = []
-    for path in PKG.rglob("*.py"):
-        if path.name == "_compat.py":
-            continue
-        for mod, name in _imports(path)[1]:
-            if any(part.startswith("_") for part in mod.split(".")) or name.startswith("_"):
-                bad.append(f"{_module(path)}: from {mod} import {name}")
-    assert not bad, bad
+def test_the_package_init_only_re_exports():
+    """``ucp_dcp/__init__.py`` holds imports, ``__all__`` and the import-time probe, no definitions."""
+    defs = [n.name for n in SOURCES["ucp_dcp"].body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not defs, defs
 
 
 def test_no_module_shadows_the_standard_library():
     shadows = [m for m in GRAPH if m.rsplit(".", 1)[-1] in sys.stdlib_module_names]
     assert not shadows, shadows
+
+
+# -- private torch / torchtitan names only through _compat ------------------------------------------------
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_here() -> set[str]:
+    """Every name ucp_dcp itself defines or binds: functions, classes, attributes it assigns, variables, and
+    what the ``_compat`` modules import (they hand private names on under a name of their own)."""
+    out = set()
+    for m, tree in SOURCES.items():
+        for n in ast.walk(tree):
+            if m in COMPAT and isinstance(n, ast.alias):
+                out.add(n.asname or n.name)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                out.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+            elif isinstance(n, ast.arg):
+                out.add(n.arg)
+    return out
+
+
+def _private_uses(name: str, defined: set[str]) -> list[str]:
+    """Private names of torch / torchtitan that module ``name`` uses: imported (``from torch._x import y``,
+    ``from torch.x import _y``), reached along an attribute chain from an imported torch / torchtitan name
+    (``torch.storage._get_dtype...``, ``dist.distributed_c10d._world``), or reached on an object by a private
+    attribute that ucp_dcp does not define itself (``manager._states_to_load()``, ``t._local_tensor``)."""
+    tree, found, roots = SOURCES[name], [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in PRIVATE_ROOTS:
+                for a in node.names:
+                    if any(_private(p) for p in node.module.split(".")) or _private(a.name):
+                        found.append(f"from {node.module} import {a.name}")
+                    roots.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PRIVATE_ROOTS:
+                    if any(_private(p) for p in a.name.split(".")):
+                        found.append(f"import {a.name}")
+                    roots.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        chain, base = [node.attr], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in roots:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif node.attr not in defined:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_torch_and_torchtitan_names_only_through_compat():
+    defined = _defined_here()
+    bad = {m: _private_uses(m, defined) for m in SOURCES if m not in COMPAT}
+    bad = {m: uses for m, uses in bad.items() if uses}
+    assert not bad, f"private names outside {COMPAT} (add a named function there): {bad}"
+
+
+def test_the_private_name_scan_sees_attribute_access():
+    """The scan itself: an attribute chain from torch and a private method of a library object are caught."""
+    src = "import torch\nfrom torchtitan.x import M\ntorch.storage._get_dtype(1)\nM._y\nm._flattened_model_states_sd()\n"
+    SOURCES["ucp_dcp._scan_probe"] = ast.parse(src)
+    try:
+        uses = _private_uses("ucp_dcp._scan_probe", set())
+    finally:
+        del SOURCES["ucp_dcp._scan_probe"]
+    assert sorted(u.split(": ", 1)[1] for u in uses) == ["M._y", "m._flattened_model_states_sd", "torch.storage._get_dtype"]

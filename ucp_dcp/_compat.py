@@ -26,6 +26,8 @@ lives here:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from torch.distributed import distributed_c10d as _c10d
@@ -61,7 +63,9 @@ __all__ = ["default_group", "fsspec_filesystem", "narrow_tensor_by_index", "Shar
            "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset",
            "_compute_local_shape_and_global_offset", "fake_store", "mesh_for_rank", "dtensor_from_local",
            "CheckpointableTensor", "is_checkpointable_tensor", "strided_shard_indices", "split_tensor",
-           "group_has_cpu_backend", "TESTED_TORCH", "ALLOW_ENV", "torch_release", "root_mesh"]
+           "group_has_cpu_backend", "TESTED_TORCH", "ALLOW_ENV", "torch_release", "root_mesh", "local_tensor",
+           "dtype_of_storage_type", "torch_file_reader", "plan_caching", "cached_plans_key", "metadata_path",
+           "state_dict_hooks"]
 
 
 def default_group() -> "_c10d.ProcessGroup":
@@ -173,3 +177,41 @@ def group_has_cpu_backend(group: "_c10d.ProcessGroup | None" = None) -> bool:
     ``dcp.async_save`` asserts (``cpu:gloo,cuda:nccl`` has, plain ``nccl`` has not)."""
     pg = group if group is not None else default_group()
     return torch.device("cpu") in pg._device_types
+
+
+# -- private attributes of torch objects (named here so that no other module reaches them) ----------------
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local shard as DTensor stores it (``_local_tensor``: no autograd view, unlike ``to_local()``)."""
+    return t._local_tensor
+
+
+def dtype_of_storage_type(name: str) -> torch.dtype:
+    """The dtype of a pickled legacy storage type name (``FloatStorage`` ...), as ``torch.load`` decodes it."""
+    return torch.storage._get_dtype_from_pickle_storage_type(name)
+
+
+def torch_file_reader(source: Any) -> Any:
+    """torch's zip-archive reader (``torch._C.PyTorchFileReader``) over a path or a binary file object."""
+    return torch._C.PyTorchFileReader(source)
+
+
+def plan_caching(planner: Any) -> bool:
+    """Whether DCP's ``DefaultSavePlanner`` was asked to cache plans (``enable_plan_caching``)."""
+    return bool(planner._enable_plan_caching)
+
+
+def cached_plans_key(planner: Any) -> str:
+    """The key DCP's ``DefaultSavePlanner`` files its cached plans under (per planner class)."""
+    return planner._cached_plans_key
+
+
+def metadata_path(writer: Any) -> Any:
+    """Where DCP's ``FileSystemWriter`` writes the checkpoint's ``.metadata``."""
+    return writer._get_metadata_path()
+
+
+def state_dict_hooks(module: Any) -> dict[int, Any]:
+    """A module's ``state_dict`` post-hooks, by handle id (``nn.Module._state_dict_hooks``: removable in place)."""
+    return module._state_dict_hooks

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor, flatten_state_dict, is_checkpointable_tensor
+from .._compat import local_tensor as dtensor_local
 from ..errors import ParamGroupError
 from ..layout.fragments import LocalShards
 from ..layout.placements import LocalShard, sharded_tensor_shards
@@ -188,7 +189,7 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor | LocalShards:
     local shard, or a :class:`LocalShards` of all of them when there are none or several (the
     fragments then name theirs); a plain tensor itself."""
     if isinstance(value, DTensor):
-        return value._local_tensor
+        return dtensor_local(value)
     if isinstance(value, ShardedTensor):
         return shard_memory(value, sharded_tensor_shards(value, ""))
     return value

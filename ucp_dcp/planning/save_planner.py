@@ -1,6 +1,7 @@
 """``UCPSavePlanner``: writes every value as fragments of canonical atoms, plus the catalog."""
 
 from __future__ import annotations
+from .._compat import cached_plans_key, local_tensor, plan_caching
 
 import io
 import logging
@@ -149,7 +150,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         payload = local_payload(self._local, self._resolved, self._ties, self._patterns, self.options,
                                 self.is_coordinator)
         self.plan = SavePlan([], planner_data=payload)
-        if self._enable_plan_caching:
+        if plan_caching(self):
             sent = (payload.packed.structure_hash, payload.packed.items)
             if self._cache().local == sent:
                 logger.info("UCP: local plan and layout unchanged; reusing the cached global plan")
@@ -183,13 +184,13 @@ class UCPSavePlanner(DefaultSavePlanner):
         check_mesh_collisions(meshes, tied_atoms(self._patterns, structures.values()), "at save")
         check_replica_digests(payloads, structures, self.check_replicas, meshes)
         self._reduced = reduce_all(self._patterns, payloads)
-        if self._enable_plan_caching and not any(p.usable for p in all_plans) and cache.global_plan is not None:
+        if plan_caching(self) and not any(p.usable for p in all_plans) and cache.global_plan is not None:
             return [SavePlan([], usable=False)] * len(all_plans), cache.global_plan[1]
         answers, metadata = global_plan(payloads, self._reduced, self.dedup_save_to_lowest_rank, _writer_info(),
                                         self._patterns.to_json(), [m.key for m in self.maps],
                                         map_orders([p.usage for p in payloads]))
         plans = [SavePlan([], planner_data=a) for a in answers]
-        if self._enable_plan_caching:
+        if plan_caching(self):
             cache.payloads, cache.structures, cache.global_plan = payloads, structures, (plans, metadata)
         return plans, metadata
 
@@ -211,9 +212,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         cache = self._cache()
         if not new_plan.usable:
             new_plan = cache.final
-        elif self._enable_plan_caching:
+        elif plan_caching(self):
             cache.final = new_plan
-        if self._enable_plan_caching and self._pending_local is not None:
+        if plan_caching(self) and self._pending_local is not None:
             cache.local, self._pending_local = self._pending_local, None
         answer: RankAnswer = new_plan.planner_data
         items = final_items(self._local.structure, self._local.items, answer)
@@ -252,9 +253,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         return out
 
     def _cache(self) -> PlanCache:
-        if not self._enable_plan_caching:
+        if not plan_caching(self):
             return PlanCache()
-        return _CACHE.setdefault(self._cached_plans_key, PlanCache())
+        return _CACHE.setdefault(cached_plans_key(self), PlanCache())
 
 
 def _check_savable(name: str, value: Any) -> None:
@@ -267,7 +268,7 @@ def _check_savable(name: str, value: Any) -> None:
             "dcp.save fails on it too)", atom=name, saved=str(value.dtype),
             hint="save its packed bytes as a torch.uint8 tensor (t.view(torch.uint8) where torch allows it) or "
             "convert it to a standard dtype, and convert back after loading")
-    local = value._local_tensor if isinstance(value, DTensor) else value
+    local = local_tensor(value) if isinstance(value, DTensor) else value
     if isinstance(local, torch.Tensor) and local.layout != torch.strided:
         raise UCPError(
             f"atom '{name}': a {local.layout} tensor cannot be saved (DCP saves dense strided tensors; stock "

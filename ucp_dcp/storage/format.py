@@ -7,6 +7,7 @@ the chunk. Pure helpers plus a tiny zip/pickle parser for items written without 
 """
 
 from __future__ import annotations
+from .._compat import dtype_of_storage_type, torch_file_reader
 
 import io
 import math
@@ -68,7 +69,7 @@ class _MetaUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _tensor_args
         if module == "torch" and name.endswith("Storage"):
-            return torch.storage._get_dtype_from_pickle_storage_type(name)
+            return dtype_of_storage_type(name)
         if (module, name) == ("collections", "OrderedDict"):
             import collections
 
@@ -95,7 +96,7 @@ def parse_tensor_record(item: io.IOBase) -> TensorRecord | None:
     """Layout of the tensor inside one ``torch.save`` item (a seekable view of it), or None when
     it is not a plain tensor record we can read by ranges."""
     try:
-        reader = torch._C.PyTorchFileReader(item)
+        reader = torch_file_reader(item)
         meta = _MetaUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
     except Exception:
         return None

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix
+from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, metadata_path
 from .commit import commit, new_token
 from ..planning.digests import tensor_bytes
 from ..errors import ReplicaMismatchError, UCPError
@@ -205,7 +205,7 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.fs.mkdir(self.path)
-        if not self.overwrite and self.fs.exists(self._get_metadata_path()):
+        if not self.overwrite and self.fs.exists(metadata_path(self)):
             raise UCPError(f"a checkpoint exists in {self.path} and overwrite=False",
                            hint="save into another folder, or pass overwrite=True")
         ack = getattr(plan.planner_data, "acknowledge_writer", None)

@@ -58,6 +58,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrapper
 from torchtitan.models.common.attention import FusedQKVLinear
 
+from .._compat import state_dict_hooks
 from ..errors import PatternError, UCPError, ucp_errors
 from ..storage.opening import read_metadata
 from ..planning.load_planner import UCPLoadPlanner
@@ -65,6 +66,7 @@ from ..layout.patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_
 from ..storage.reader import UCPFileSystemReader
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
+from ._compat import qkv_split_hook
 from .mappings import hf_mapping, tied_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
@@ -321,19 +323,19 @@ class FusedQKVModelWrapper(ModelWrapper):
 @contextlib.contextmanager
 def _without_qkv_split_hooks(models: list[nn.Module]) -> Iterator[None]:
     removed: list[tuple[nn.Module, int, Any]] = []
-    split = FusedQKVLinear._split_qkv_on_save
+    split = qkv_split_hook()
     for model in models:
         for m in model.modules():
             if isinstance(m, FusedQKVLinear):
-                for hid, hook in list(m._state_dict_hooks.items()):
+                for hid, hook in list(state_dict_hooks(m).items()):
                     if hook is split:
                         removed.append((m, hid, hook))
-                        del m._state_dict_hooks[hid]
+                        del state_dict_hooks(m)[hid]
     try:
         yield
     finally:
         for m, hid, hook in removed:
-            m._state_dict_hooks[hid] = hook
+            state_dict_hooks(m)[hid] = hook
 
 
 def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:

@@ -38,6 +38,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from ..errors import UCPError
+from ._compat import states_to_load
 from .job import TrainState, job_config, parse_job, quiet
 
 __all__ = ["TitanTarget"]
@@ -381,7 +382,7 @@ class TitanTarget:
         manager = ck.build(dataloader=loader, model_parts=parts, optimizers=optimizers,
                            lr_schedulers=lr_schedulers, states={"train_state": TrainState()}, sd_adapter=None,
                            base_folder=cfg.dump_folder)
-        states = manager._states_to_load(self.model_only)
+        states = states_to_load(manager, self.model_only)
         if DATALOADER in states and self._loader_dropped:
             states = {k: v for k, v in states.items() if k != DATALOADER}
         elif DATALOADER in states and self._metadata is not None:

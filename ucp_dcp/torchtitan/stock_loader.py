@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import UCPError
+from ._compat import text_dataset_parts
 
 __all__ = ["cursor_to_stock", "NO_DATA", "BUFFER_COPIES", "BUFFER_TOKENS"]
 
@@ -81,7 +82,7 @@ def _map_style(ds: Any, name: str) -> Any:
     if not all(hasattr(ds, a) for a in ("_data", "_tokenizer", "_text_processor", "load_state_dict")):
         raise UCPError(f"the job's text dataset ({type(ds).__qualname__}) is not torchtitan 0.3's "
                        "HuggingFaceTextDataset: the export knows only that dataset's state", hint=NO_DATA[3:])
-    data = ds._data
+    data = text_dataset_parts(ds)[0]
     if not isinstance(data, Dataset):
         raise UCPError(f"dataset {name!r} is a streaming (iterable) dataset: the export writes the position of "
                        "map-style datasets only", atom="dataloader", hint=NO_DATA[3:])
@@ -121,7 +122,8 @@ def cursor_to_stock(cfg: Any, cursor: dict[str, Any], dp: int, tokenizer: Any) -
     if doc >= len(data):
         raise UCPError(f"the global cursor is at document {doc}, past the dataset's {len(data)}",
                        atom="dataloader.doc", saved=doc, wanted=len(data))
-    encode = lambda i: first._tokenizer.encode(first._text_processor(data[i]), add_bos=True, add_eos=True)  # noqa: E731
+    _, tokenizer_, text_processor = text_dataset_parts(first)
+    encode = lambda i: tokenizer_.encode(text_processor(data[i]), add_bos=True, add_eos=True)  # noqa: E731
     if dp == 1:
         state: dict[str, Any] = {"inputs_buffer": [], "labels_buffer": [], "positions_buffer": [],
                                  "sample_idx": doc, "epoch": 0}
@@ -142,7 +144,7 @@ def cursor_to_stock(cfg: Any, cursor: dict[str, Any], dp: int, tokenizer: Any) -
         buffers = _rest_of_epoch(encode, len(data), doc, offset, seq_len, dp)
         entries = _stock_entries(cfg, tokenizer, dp, lambda rank, ds: {
             "inputs_buffer": buffers[rank][0], "labels_buffer": buffers[rank][1],
-            "positions_buffer": buffers[rank][2], "sample_idx": len(ds._data), "epoch": 0})
+            "positions_buffer": buffers[rank][2], "sample_idx": len(text_dataset_parts(ds)[0]), "epoch": 0})
         tokens = sum(len(b[0]) for b in buffers)
         what = (f"the rest of epoch 0 from document {doc}, token {offset} ({tokens} tokens, "
                 f"{tokens // seq_len} windows) in the {dp} ranks' buffers, each rank's slice marked read")

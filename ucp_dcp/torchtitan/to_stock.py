@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import UCPError
+from ._compat import flattened_model_states_sd, states_to_load
 from .job import TrainState, job_config, parse_job, quiet
 from .stock_loader import NO_DATA, cursor_to_stock
 
@@ -267,7 +268,7 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
         ucp = _manager_config(ucp_cfg).build(
             dataloader=None, model_parts=[job.model], optimizers=job.optimizers, lr_schedulers=job.lr_schedulers,
             states={"train_state": ts}, sd_adapter=None, base_folder=out)
-        states = ucp._states_to_load(model_only=False)
+        states = states_to_load(ucp, model_only=False)
         states.pop(DATALOADER, None)
         # the manager's own planner options (fused-QKV rules, the ntokens_seen rule, user rules, strict)
         planner = ucp._load_planner(ucp._call_rules(states))
@@ -289,7 +290,7 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
         if entries is None:
             stock.states.pop(DATALOADER)
         model_sd = stock.states[MODEL].state_dict()
-        stock.dcp_save(stock._flattened_model_states_sd(), checkpoint_id=target, async_mode=AsyncMode.DISABLED)
+        stock.dcp_save(flattened_model_states_sd(stock), checkpoint_id=target, async_mode=AsyncMode.DISABLED)
         stock.close()
     opt_sd = job.optimizers.state_dict()
     return ExportReport(

@@ -323,13 +323,13 @@ class ListExperts(nn.Module):
             self.add_module(str(i), Expert(cfg))
 
     def __iter__(self):
-        return iter(self._modules.values())
+        return self.children()
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return sum(1 for _ in self.children())
 
     def __getitem__(self, i: int) -> nn.Module:
-        return self._modules[str(i % len(self))]
+        return self.get_submodule(str(i % len(self)))
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         return torch.stack([e(x) for e in self])  # TP is inside each Expert (Colwise/Rowwise)

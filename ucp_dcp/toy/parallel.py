@@ -337,11 +337,11 @@ def _sync_tied_grads(tr: Trainer) -> None:
     if emb is None and out is None:
         return
     if emb is not None and out is not None:
-        total = emb.grad._local_tensor + out.grad._local_tensor
-        emb.grad._local_tensor.copy_(total)
-        out.grad._local_tensor.copy_(total)
+        total = emb.grad.to_local() + out.grad.to_local()
+        emb.grad.to_local().copy_(total)
+        out.grad.to_local().copy_(total)
         return
-    mine = (emb if emb is not None else out).grad._local_tensor
+    mine = (emb if emb is not None else out).grad.to_local()
     other_pp = t.pp - 1 if emb is not None else 0
     c = dict(job.coord, pp=other_pp)
     peer = int(job.full.mesh[c["pp"], c["dpr"], c["dp"], c["ep"], c["tp"]])

@@ -10,6 +10,7 @@ imported, called or allocated from the file's say-so.
 """
 
 from __future__ import annotations
+from ..._compat import dtype_of_storage_type, torch_file_reader
 
 import collections
 import io
@@ -138,7 +139,7 @@ class _InertUnpickler(pickle.Unpickler):
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return _rebuild_from_type
         if module == "torch" and name.endswith("Storage"):
-            return ("storage-type", torch.storage._get_dtype_from_pickle_storage_type(name))
+            return ("storage-type", dtype_of_storage_type(name))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.device.__class__)):
             value = getattr(torch, name)
             if isinstance(value, torch.dtype):
@@ -196,7 +197,7 @@ def load_inert(path: str | os.PathLike) -> TorchFile:
     """Parse the ``torch.save`` (zip) file at ``path`` without running or reading tensor data."""
     path = os.fspath(path)
     try:
-        reader = torch._C.PyTorchFileReader(path)
+        reader = torch_file_reader(path)
         data = reader.get_record("data.pkl")
     except FileNotFoundError:
         raise

@@ -53,6 +53,10 @@ class HFRule:
     """A placeholder of the HF template only: the HF tensors for its values ``0..n-1`` are the
     slices ``[v]`` along dim 0 of one stacked atom (experts saved one tensor each by HF, held as
     ``[E, ...]`` by the target). Each is one saved chunk of the atom."""
+    _hf_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    """The HF template as a pattern (set from ``hf``)."""
+    _atom_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    """The atom template as a pattern (set from ``atom``)."""
 
     def __post_init__(self) -> None:
         hf, atom = sorted(_PLACEHOLDER.findall(self.hf)), sorted(_PLACEHOLDER.findall(self.atom))
@@ -70,7 +74,7 @@ class HFRule:
 
     def match_hf(self, name: str) -> tuple[str, int | None] | None:
         """The atom an HF name holds, and (stacked rules) its index along the atom's dim 0."""
-        m = self._hf_re.fullmatch(name)  # type: ignore[attr-defined]
+        m = self._hf_re.fullmatch(name)
         if m is None:
             return None
         vals = {k: int(v) for k, v in m.groupdict().items()}
@@ -79,7 +83,7 @@ class HFRule:
 
     def match_atom(self, name: str) -> dict[str, int] | None:
         """The placeholder values of an atom name this rule produces (None: not this rule's)."""
-        m = self._atom_re.fullmatch(name)  # type: ignore[attr-defined]
+        m = self._atom_re.fullmatch(name)
         return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
 
     def hf_name(self, values: dict[str, int], index: int | None = None) -> str:

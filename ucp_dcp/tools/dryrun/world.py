@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ...errors import UCPError
-from ..._compat import ShardedTensor, compute_local_shape_and_global_offset, dtensor_from_local, fake_store, mesh_for_rank
+from ..._compat import (ShardedTensor, compute_local_shape_and_global_offset, dtensor_from_local, fake_store, local_tensor,
+                        mesh_for_rank)
 
 __all__ = ["fake_rank", "rebind", "structure"]
 
@@ -44,7 +45,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 def _rebind_tensor(t: DTensor, rank: int, cache: dict[Any, Any], keep_local: bool) -> DTensor:
     mesh = mesh_for_rank(t.device_mesh, rank, cache)
     if keep_local:
-        local = t._local_tensor
+        local = local_tensor(t)
     else:
         key = (id(mesh), tuple(t.shape), tuple(t.placements))
         shape = cache.get(key)
