@@ -19,6 +19,7 @@ import torch
 
 import dist as D
 from ucp_dcp.errors import UCPError
+from ucp_dcp.planning.opened import UnopenedMetadata, raise_if_unopened
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
@@ -119,16 +120,18 @@ def test_megatron_dp_reshardable_is_refused_with_the_fix(megatron_runs, tmp_path
     common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
     torch.save(common, bad / "common.pt")
     md = MegatronReader(bad).read_metadata()
+    assert isinstance(md, UnopenedMetadata)
     with pytest.raises(UCPError, match="(?s)dp_reshardable.*fully_reshardable"):
-        raise md._ucp_error
+        raise_if_unopened(md)
 
 
 def test_megatron_rotary_mismatch_is_refused(megatron_runs):
     from ucp_dcp.sources.foreign.megatron import MegatronReader
 
     md = MegatronReader(megatron_runs / "plain", target_rotary="rotate_half").read_metadata()
+    assert isinstance(md, UnopenedMetadata)
     with pytest.raises(UCPError, match="interleaved rotary embeddings, the target uses rotate_half"):
-        raise md._ucp_error
+        raise_if_unopened(md)
 
 
 def test_deepspeed_files_are_parsed_without_importing_deepspeed(deepspeed_runs):
@@ -136,7 +139,8 @@ def test_deepspeed_files_are_parsed_without_importing_deepspeed(deepspeed_runs):
     code = ("import sys; sys.modules['deepspeed'] = None\n"
             "from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader\n"
             f"md = DeepSpeedReader({str(deepspeed_runs / 'zero3')!r}).read_metadata()\n"
-            "assert getattr(md, '_ucp_error', None) is None, md._ucp_error\n"
+            "from ucp_dcp.planning.opened import CheckedMetadata\n"
+            "assert isinstance(md, CheckedMetadata), md\n"
             "print(len(md.state_dict_metadata))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ,
                          PYTHONPATH=ROOT))

@@ -23,6 +23,7 @@ from .entries import GroupTarget
 from .load_steps import (SavedIndex, combine_problems, decode_value, entry_reads, group_atom, group_reads, itemsize,
                         missing_error, saved_names)
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
+from .opened import integrity_of, raise_if_unopened
 from .payloads import LoadPlanPayload, RuleUsage
 from ..layout.patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
@@ -129,8 +130,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if metadata is None:
             raise UCPError("set_up_planner(state_dict, metadata) was given no checkpoint metadata to plan against",
                            hint="pass the Metadata of the checkpoint (storage_reader.read_metadata()), as dcp.load does")
-        if getattr(metadata, "_ucp_error", None) is not None:  # UCPFileSystemReader could not open it
-            raise metadata._ucp_error  # type: ignore[attr-defined]
+        raise_if_unopened(metadata)  # a ucp_dcp reader could not open it: its error
         if not self.flatten_state_dict:
             require_flat(state_dict, "load")
         if self._materialize:
@@ -138,7 +138,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.original_state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        if is_coordinator and getattr(metadata, "_ucp_integrity", None) is None:
+        if is_coordinator and integrity_of(metadata) is None:
             warnings.warn(
                 "this load reads through a storage reader that verifies no checksums and unpickles the "
                 "checkpoint's metadata: use ucp_dcp.load(state, path) or storage_reader=UCPFileSystemReader(path)",

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from ..planning.opened import IntegrityStatus
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .format import IO_KEY
 from .sidecar import (decode_sidecar, metadata_from_sidecar, metadata_hash,
@@ -132,7 +133,7 @@ def scan(fs: Any, path: Any) -> DirState | None:
 class Integrity:
     """How much of a checkpoint a load can verify, as found when it was opened."""
 
-    status: str
+    status: IntegrityStatus
     """``"verified"``: metadata checked against its sidecar, checksums on every data byte a load
     uses; ``"partial"``: tensor checksums but unprotected metadata and values (ucp_dcp < 0.2);
     ``"none"``: no checksums (stock DCP, or a writer with ``checksums=False``)."""

@@ -39,6 +39,7 @@ from ..planning.collectives import p2p_group
 from ..planning.device import needs_staging, split_reads, staging_forced
 from ..planning.payloads import ReadSummary, TransportPlan
 from .chunk_reads import ChunkReads
+from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from .read_job import ReadJob, ReadStats
 from .staging import BUFFERS_PER_THREAD
 from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
@@ -106,17 +107,13 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             # dcp.load turns read_metadata's exceptions into a bare AssertionError string; hand back
             # an empty Metadata carrying the error, raised by set_up_storage_reader / the planner
             self.integrity = None
-            md = Metadata(state_dict_metadata={}, storage_data={})
-            md._ucp_error = e  # type: ignore[attr-defined]
-            return md
+            return UnopenedMetadata(state_dict_metadata={}, storage_data={}, error=e)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
-        md._ucp_integrity = self.integrity.status  # type: ignore[attr-defined]  # seen by UCPLoadPlanner
-        return md
+        return checked(md, self.integrity.status)  # its integrity is seen by UCPLoadPlanner
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if getattr(metadata, "_ucp_error", None) is not None:
-            raise metadata._ucp_error  # type: ignore[attr-defined]
+        raise_if_unopened(metadata)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         check_tables(metadata)
         if self.integrity is None:  # metadata handed in by the caller, not read here

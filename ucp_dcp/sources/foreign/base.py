@@ -33,6 +33,7 @@ from ...errors import CorruptCheckpointError, UCPError, UnverifiedCheckpointWarn
 from ...layout.fragments import Box
 from ...storage.format import TensorRecord
 from ...layout.patterns import Fused, Padded, Rule
+from ...planning.opened import raise_if_unopened
 from ...storage.reader import UCPFileSystemReader
 from ...layout.transforms import Segment, fused_block_problem, fused_segments
 from .pieces import Piece, RowLayout
@@ -141,8 +142,7 @@ class ForeignReader(UCPFileSystemReader):
         return Metadata(state_dict_metadata=state, planner_data={}, storage_data=storage)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if getattr(metadata, "_ucp_error", None) is not None:
-            raise metadata._ucp_error  # type: ignore[attr-defined]
+        raise_if_unopened(metadata)
         table = (metadata.storage_data or {}).get(MetadataIndex(FOREIGN_KEY))
         if not isinstance(table, dict):
             raise UCPError(f"{type(self).__name__} was set up with metadata it did not read",

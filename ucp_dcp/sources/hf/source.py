@@ -28,6 +28,7 @@ from ..._compat import _StorageInfo
 from ...storage.commit import Integrity
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
 from ...storage.format import TensorRecord, box_grid
+from ...planning.opened import raise_if_unopened
 from ...storage.reader import UCPFileSystemReader
 from .mapping import HFMapping, hf_rows
 from .safetensors import SafetensorsFile, read_header
@@ -187,8 +188,7 @@ class HFStorageReader(UCPFileSystemReader):
         return TensorStorageMetadata(TensorProperties(dtype=first.dtype), torch.Size((n, *first.shape)), chunks)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if getattr(metadata, "_ucp_error", None) is not None:
-            raise metadata._ucp_error  # type: ignore[attr-defined]
+        raise_if_unopened(metadata)
         hf = (metadata.storage_data or {}).get(MetadataIndex(HF_KEY))
         if not isinstance(hf, dict):
             raise UCPError("HFStorageReader was set up with metadata it did not read",

@@ -25,6 +25,7 @@ from ...storage.format import check_tables
 from ...planning.load_planner import UCPLoadPlanner
 from ...planning.payloads import ReadSummary
 from ...storage.staging import BUFFERS_PER_THREAD
+from ...planning.opened import checked
 from ...storage.opening import open_path
 from ...storage.transport import plan_transport, read_summary
 from .read_cost import CostModel, Piece, pieces
@@ -176,7 +177,7 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
         report.problems.append(_problem(e, None, "open"))
         return
     report.integrity = integrity.status
-    md._ucp_integrity = integrity.status  # type: ignore[attr-defined]  # as UCPFileSystemReader sets it
+    md = checked(md, integrity.status)  # as UCPFileSystemReader hands it to the planner
     # checks a target's job makes before dcp.load (torchtitan's dataloader policy), raised on every rank
     preflight = getattr(target, "preflight", None)
     if preflight is not None:
