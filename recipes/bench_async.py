@@ -164,7 +164,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         return ucp_dcp.UCPSavePlanner() if system == "ucp" else None  # None: DCP's DefaultSavePlanner
 
     times: list[dict] = []  # one entry per save of _schedule(), this rank's figures
-    for rep, system, counted in _schedule(cfg["reps"], cfg["order"]):
+    for _rep, system, _counted in _schedule(cfg["reps"], cfg["order"]):
         path = f"{cfg['out']}/{system}"
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)

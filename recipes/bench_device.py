@@ -183,7 +183,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
             "target_bytes_per_rank": target_bytes,
             "staging_buffers": peak(stats["ucp"].stats.staging_buffers),
         }
-        del tgt
+        tgt = None  # the next case's target replaces it; its memory goes now
     return res
 
 

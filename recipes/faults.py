@@ -157,7 +157,7 @@ def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | N
     """Run a ``world``-rank save of generation ``gen``; with ``kill_after``, SIGKILL a random rank that
     many seconds after all ranks started saving, then the rest of the job. Start-up failures are
     retried (they say nothing about the checkpoint)."""
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             return _save_job(folder, gen, world, rows, kill_after, rng, system)
         except JobDidNotStart as e:

@@ -112,7 +112,7 @@ def zero12(ck: str) -> tuple[dict, dict]:
             off += n + pad
         # the same from param_slice_mappings: fragments of a name, concatenated in rank order
         frags: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-        for r, o in enumerate(osds):
+        for o in osds:
             st = o["base_optimizer_state"]["state"][g]
             src = {"fp32": o["single_partition_of_fp32_groups"][g], "exp_avg": st["exp_avg"],
                    "exp_avg_sq": st["exp_avg_sq"]}

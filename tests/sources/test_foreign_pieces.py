@@ -60,7 +60,7 @@ def test_group_major_rows_split_into_their_atoms(heads, rep, hd, cols, data):
     from ucp_dcp.toy.model import deinterleave
 
     want = deinterleave(fused, [q, kv, kv], heads)
-    for (name, got), w in zip(parts.items(), want):
+    for (_name, got), w in zip(parts.items(), want):
         rows_in = [r for r in range(got.shape[0]) if not torch.isnan(got[r]).any()]
         assert torch.equal(got[rows_in], w[rows_in])
     assert sum((~torch.isnan(p[:, 0])).sum().item() for p in parts.values()) == hi - lo

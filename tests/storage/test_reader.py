@@ -348,7 +348,7 @@ def _read_once_worker(rank, world, root, mode, hosts):
 
 def _readers(res):
     out = {}
-    for rank, (ok, step, items, received) in enumerate(res):
+    for rank, (ok, step, items, _received) in enumerate(res):
         assert ok and step == 7, rank
         for item in items:
             out.setdefault(item, []).append(rank)

@@ -104,3 +104,14 @@ def test_full_save_declares_every_rule():
     user = Reduce(r"train_state\.nope")
     assert rules_for_call([QKV, NTOKENS, user], []) == [QKV, NTOKENS, user]
     assert rules_for_call([QKV, NTOKENS, user], ["dataloader"]) == [QKV, NTOKENS, user]
+
+
+@pytest.mark.parametrize("name", ["ntokens_seen", "dataloader_policy", "check_replicas"])
+def test_config_refuses_a_mode_outside_its_literal(name):
+    """UCPCheckpointManager.Config's string modes are Literal types, checked when the config is made
+    (as torchtitan's own Config checks async_mode), not when a save or load first reads them."""
+    pytest.importorskip("torchtitan")
+    from ucp_dcp.torchtitan.manager import UCPCheckpointManager
+
+    with pytest.raises(ValueError, match=f"checkpoint.{name} must be one of"):
+        UCPCheckpointManager.Config(**{name: "bogus"})

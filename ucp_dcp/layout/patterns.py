@@ -17,15 +17,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from ..errors import PatternError
 
 __all__ = ["Fused", "Padded", "Replicated", "Reduce", "Tied", "Patterns", "Rule", "REDUCE_OPS", "literal_prefix",
            "anchored_in"]
 
-REDUCE_OPS = ("sum", "mean", "max", "equal")
-REPLICA_CHECKS = ("error", "warn", "average", "off")
+ReduceOp = Literal["sum", "mean", "max", "equal"]
+"""How a :class:`Reduce` rule combines the ranks' values."""
+ReplicaCheck = Literal["error", "warn", "average", "off"]
+"""What a :class:`Replicated` rule does when replicas differ at save."""
+REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
+REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class Replicated(_Rule):
 
     pattern: str
     """Regex, full match against the parameter name."""
-    check: str = "error"
+    check: ReplicaCheck = "error"
     """``error`` | ``warn`` | ``average`` | ``off``."""
     kind: ClassVar[str] = "replicated"
 
@@ -119,7 +123,7 @@ class Reduce(_Rule):
 
     pattern: str
     """Regex, full match against the atom name (e.g. ``r"train_state\\.ntokens_seen"``)."""
-    op: str = "sum"
+    op: ReduceOp = "sum"
     """``sum`` | ``mean`` | ``max`` | ``equal``."""
     kind: ClassVar[str] = "reduce"
 

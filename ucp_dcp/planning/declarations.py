@@ -74,7 +74,7 @@ def alias_problems(resolved: Sequence[Any]) -> list[UCPError]:
     out: list[UCPError] = []
     for items in spans.values():
         items.sort(key=lambda x: x[0])
-        for (lo1, hi1, a), (lo2, hi2, b) in zip(items, items[1:]):
+        for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
             if lo2 < hi1 and not set(a.atoms) & set(b.atoms):
                 out.append(AmbiguousLayoutError(
                     f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "

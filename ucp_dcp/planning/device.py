@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from typing import Literal, get_args
+
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
@@ -25,12 +27,16 @@ STAGING_ENV = "UCP_DCP_STAGING"
 """``always``: stage CPU targets too (tests); ``auto`` (default): only non-CPU targets."""
 
 
-def staging_forced(mode: str | None = None) -> bool:
+StagingMode = Literal["auto", "always"]
+"""Which targets go through host staging: only non-CPU ones, or CPU ones too (exercises the device path)."""
+
+
+def staging_forced(mode: StagingMode | None = None) -> bool:
     """Whether CPU targets go through staging (``mode`` or, when None, ``$UCP_DCP_STAGING``)."""
-    mode = mode if mode is not None else os.environ.get(STAGING_ENV, "auto")
-    if mode not in ("auto", "always"):
-        raise ValueError(f"staging must be 'auto' or 'always', got {mode!r}")
-    return mode == "always"
+    chosen: str = mode if mode is not None else os.environ.get(STAGING_ENV, "auto")
+    if chosen not in get_args(StagingMode):
+        raise ValueError(f"staging must be 'auto' or 'always', got {chosen!r}")
+    return chosen == "always"
 
 
 def needs_staging(t: torch.Tensor, forced: bool) -> bool:

@@ -24,7 +24,7 @@ from .load_steps import (SavedIndex, combine_problems, decode_value, entry_reads
                         missing_error, saved_names)
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .opened import integrity_of, raise_if_unopened
-from .payloads import LoadPlanPayload, RuleUsage
+from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
 from ..layout.patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
@@ -93,7 +93,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         allow_partial_load: bool = False,
         *,
         options: UCPOptions | None = None,
-        read_once: str | bool = "hosts",
+        read_once: ReadOnceMode | bool = "hosts",
         allow_lossy_dtype: bool = False,
         trust: bool = False,
         **layout: Any,
@@ -109,7 +109,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.allow_lossy_dtype = bool(allow_lossy_dtype)
         self.trust = bool(trust)
         self.read_once = {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
-        if self.read_once not in ("hosts", "ranks", "off"):
+        if self.read_once not in READ_ONCE_MODES:
             raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
 

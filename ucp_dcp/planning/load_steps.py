@@ -118,7 +118,7 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
 
 def saved_names(md: Metadata, catalog: dict[str, Any] | None) -> set[str]:
     names = set(md.state_dict_metadata)
-    for name, rec in (catalog or {}).get("atoms", {}).items():
+    for _name, rec in (catalog or {}).get("atoms", {}).items():
         names.update(x for x in (rec.get("param"), rec.get("live")) if x)
     return names
 

@@ -27,14 +27,14 @@ import pickle
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
 from ..layout.fragments import Box
 
-__all__ = [
+__all__ = ["ReadOnceMode", "READ_ONCE_MODES", 
     "LoadPlanPayload",
     "ReadSummary",
     "TransportPlan",
@@ -53,6 +53,11 @@ __all__ = [
     "ReducedItem",
     "RankAnswer",
 ]
+
+ReadOnceMode = Literal["hosts", "ranks", "off"]
+"""Who receives saved bytes several ranks need: only ranks on other hosts than the reader, every other rank, or
+nobody (every rank reads what it needs)."""
+READ_ONCE_MODES: tuple[str, ...] = get_args(ReadOnceMode)
 
 Offsets = tuple[int, ...]
 """Start index per dim of a piece of an atom (empty for a 0-d tensor)."""
@@ -294,7 +299,7 @@ class LoadPlanPayload(_Compact):
 
     usage: RuleUsage
     """Rules this rank's targets matched and the index-map entries they claim."""
-    read_once: str = "hosts"
+    read_once: ReadOnceMode = "hosts"
     """Who receives saved bytes several ranks need (``hosts`` | ``ranks`` | ``off``): the
     planner's wish, which a reader honours unless it was given its own."""
     keeps_items: bool = True
@@ -311,7 +316,7 @@ class ReadSummary(_Compact):
 
     rank: int
     """The rank's global rank (read-once messages are addressed by it)."""
-    mode: str
+    mode: ReadOnceMode
     """``hosts`` | ``ranks`` | ``off``."""
     keys: np.ndarray | None = None
     """``(n, 2)`` uint64: a 128-bit key per read item, equal across ranks needing the same bytes."""

@@ -31,7 +31,10 @@ __all__ = ["UCPSavePlanner"]
 logger = logging.getLogger(__name__)
 
 CheckMode = Literal["error", "warn", "off"]
+"""What to do when replicas differ at save (``check_replicas``)."""
 _CHECK_MODES = get_args(CheckMode)
+ReplicaDigests = Literal["plan", "writer"]
+"""Where replica digests come from: hashed by the planner, or the writer's block checksums."""
 
 
 def _from_options(name: str) -> property:
@@ -88,7 +91,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         *,
         options: UCPOptions | None = None,
         check_replicas: CheckMode = "error",
-        replica_digests: Literal["plan", "writer"] = "plan",
+        replica_digests: ReplicaDigests = "plan",
         **layout: Any,
     ) -> None:
         options = options_first(flatten_state_dict, options, "UCPSavePlanner")
@@ -102,7 +105,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         if check_replicas not in _CHECK_MODES:
             raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
-        if replica_digests not in ("plan", "writer"):
+        if replica_digests not in get_args(ReplicaDigests):
             raise ValueError(f"replica_digests must be 'plan' or 'writer', got {replica_digests!r}")
         self.replica_digests = replica_digests
         self.options = split_options(options, layout)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +30,9 @@ from ..errors import (CorruptCheckpointError, MissingFileError, TruncatedFileErr
 from .format import (BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
                         block_hash, item_key, parse_tensor_record, split_grid)
 from .._compat import _create_file_view, narrow_tensor_by_index
-from .read_job import ReadJob
+from .checksums import BlockChecker
+from .commit import Integrity
+from .read_job import ReadJob, ReadStats
 
 __all__ = ["ChunkReads"]
 
@@ -45,7 +48,24 @@ class _Chunk:
 
 
 class ChunkReads:
-    """Reading a rank's chunks file by file (mixed into :class:`~ucp_dcp.storage.reader.UCPFileSystemReader`)."""
+    """Reading a rank's chunks file by file (mixed into :class:`~ucp_dcp.storage.reader.UCPFileSystemReader`).
+    The attributes below are the reader's (DCP's ``FileSystemReader`` and ucp_dcp's ``set_up_storage_reader``)."""
+
+    fs: Any
+    path: Any
+    storage_data: dict[MetadataIndex, Any]
+    transforms: Any
+    stats: ReadStats
+    integrity: Integrity | None
+    verify_checksums: bool
+    _lock: threading.Lock
+    _checker: BlockChecker
+    _records: dict[MetadataIndex, TensorRecord | None]
+    _crc: dict[str, Any]
+    _io: dict[str, Any]
+    _chunk_meta: Any
+    _block: int
+    _algo: str | None
 
     def _by_file(self, items: list[ReadItem]) -> dict[str, list[_Chunk]]:
         """Items grouped by saved chunk (a chunk feeding several boxes is one read), by file."""
@@ -258,7 +278,7 @@ class ChunkReads:
             dtype, sizes = self._chunk_meta[index]  # our writer: compact row-major, offset recorded
             rec = TensorRecord(entry[0], dtype, sizes, True)
         elif not info.transform_descriptors:  # another writer: read the item's zip directory
-            rec = parse_tensor_record(cast(io.IOBase, _create_file_view(f, info.offset, info.length)))
+            rec = parse_tensor_record(_create_file_view(f, info.offset, info.length))
             with self._lock:
                 self.stats.ranges += 1
         with self._lock:

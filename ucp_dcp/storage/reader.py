@@ -36,8 +36,8 @@ from .format import (HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta)
 from ..planning import device as _device
 from .._compat import fsspec_filesystem
 from ..planning.collectives import p2p_group
-from ..planning.device import needs_staging, split_reads, staging_forced
-from ..planning.payloads import ReadSummary, TransportPlan
+from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
+from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
 from .chunk_reads import ChunkReads
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from .read_job import ReadJob, ReadStats
@@ -76,8 +76,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     """
 
     def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, thread_count: int = 4,
-                 verify_checksums: bool = True, trust: bool = False, staging: str | None = None,
-                 read_once: str | None = None) -> None:
+                 verify_checksums: bool = True, trust: bool = False, staging: StagingMode | None = None,
+                 read_once: ReadOnceMode | None = None) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             self.fs = fsspec_filesystem()()

@@ -32,13 +32,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import UCPError
 from .format import read_key
-from ..planning.payloads import ReadSummary, TransportPlan
+from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
 
 __all__ = ["BUNDLE", "SOLO", "READ_ONCE_MODES", "Incoming", "assign_readers", "exchange", "as_bytes_tensor",
            "read_summary", "local_summary", "plan_transport"]
 
-READ_ONCE_MODES = ("hosts", "ranks", "off")
-"""Who receives a shared piece: holders on other hosts, every other holder, or nobody."""
 
 
 BUNDLE = 16 << 20
@@ -235,7 +233,7 @@ def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.nd
     return keys, sizes
 
 
-def local_summary(reads: list[ReadItem], md: Metadata, mode: str) -> ReadSummary:
+def local_summary(reads: list[ReadItem], md: Metadata, mode: ReadOnceMode) -> ReadSummary:
     """What one loading rank tells the coordinator for read-once: its global rank, its host and
     the keys and sizes of its reads (no read items)."""
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -99,9 +99,9 @@ class TrainState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         from torchtitan.trainer import Trainer
 
-        return Trainer.state_dict(self)  # type: ignore[arg-type]
+        return Trainer.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torchtitan.trainer import Trainer
 
-        Trainer.load_state_dict(self, state_dict)  # type: ignore[arg-type]
+        Trainer.load_state_dict(self, state_dict)

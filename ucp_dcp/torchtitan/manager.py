@@ -49,7 +49,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -64,7 +64,7 @@ from ..storage.opening import read_metadata
 from ..planning.load_planner import UCPLoadPlanner
 from ..layout.patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
 from ..storage.reader import UCPFileSystemReader
-from ..planning.save_planner import UCPSavePlanner
+from ..planning.save_planner import CheckMode, UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
 from ._compat import qkv_split_hook
 from .mappings import hf_mapping, tied_rules
@@ -72,6 +72,11 @@ from .mappings import hf_mapping, tied_rules
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
 logger = logging.getLogger(__name__)
+
+NtokensSeen = Literal["sum", "off"]
+"""``ntokens_seen``: sum the per-rank counts over data-parallel slots at save, or leave them alone."""
+DataloaderPolicy = Literal["error", "restart"]
+"""``dataloader_policy``: refuse a dataloader state that cannot be remapped, or restart the data streams."""
 
 
 class UCPCheckpointManager(CheckpointManager):
@@ -92,19 +97,26 @@ class UCPCheckpointManager(CheckpointManager):
         fused_qkv_atoms: bool = True
         """Save fused wqkv weights and their optimizer moments as wq/wk/wv atoms from local shards
         (no all-gather). Off: torchtitan's state-dict hook splits them (weights only)."""
-        ntokens_seen: Literal["sum", "off"] = "sum"
+        ntokens_seen: NtokensSeen = "sum"
         """train_state.ntokens_seen is a per-rank count: sum it over data-parallel slots at save
         (on load, slot 0 gets the total, the others 0, so the next save sums right)."""
-        dataloader_policy: Literal["error", "restart"] = "error"
+        dataloader_policy: DataloaderPolicy = "error"
         """When the saved dataloader state cannot be remapped to this run's data-parallel degree
         (per-rank loaders): 'error' refuses the load before reading anything; 'restart' restarts
         every rank's data stream from its beginning, with a warning."""
-        check_replicas: Literal["error", "warn", "off"] = "error"
+        check_replicas: CheckMode = "error"
         """Plain values saved under one name by several ranks must agree: error, warn or off."""
         enable_plan_caching: bool = False
         """DCP save-plan caching (the cache also compares layouts)."""
         hf_max_shard_bytes: int = 5 * 1024**3
         """Most data bytes per safetensors file of a Hugging Face save (``last_save_in_hf``)."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
+            for name, mode in (("ntokens_seen", NtokensSeen), ("dataloader_policy", DataloaderPolicy),
+                               ("check_replicas", CheckMode)):
+                if getattr(self, name) not in get_args(mode):
+                    raise ValueError(f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         model_parts = kwargs["model_parts"]

@@ -52,7 +52,7 @@ def _family(cfg: Any) -> str:
     try:
         from torchtitan.models.qwen3.model import Qwen3Model
     except ImportError:  # pragma: no cover - torchtitan without qwen3
-        Qwen3Model = None  # type: ignore[assignment]
+        Qwen3Model = None
     if Qwen3Model is not None and isinstance(cfg, Qwen3Model.Config):
         return "qwen3"
     raise UCPError(f"no Hugging Face mapping for torchtitan model config {type(cfg).__qualname__}",

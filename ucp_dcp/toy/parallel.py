@@ -371,7 +371,7 @@ def logical_state(tr: Trainer) -> dict[str, object]:
             for sk, sv in opt.state.get(p, {}).items():
                 for k, v in _logical(cfg, t, tr, m, names[id(p)], _full(sv)).items():
                     put(f"state/{k}/{sk}", v)
-        for gi, group in enumerate(opt.param_groups):
+        for _gi, group in enumerate(opt.param_groups):
             hp = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 for k in _logical(cfg, t, tr, m, names[id(p)], None):

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from ...planning.payloads import ReadOnceMode
+from ...planning.device import StagingMode
 from ..._compat import _StorageInfo, narrow_tensor_by_index
 from ...storage.commit import Integrity
 from ...layout.coverage import exact_cover_problem
@@ -77,8 +79,8 @@ class ForeignReader(UCPFileSystemReader):
 
     source = "foreign"
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, staging: str | None = None,
-                 read_once: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 4, staging: StagingMode | None = None,
+                 read_once: ReadOnceMode | None = None) -> None:
         super().__init__(path, thread_count=thread_count, verify_checksums=False, staging=staging,
                          read_once=read_once)
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ...planning.payloads import ReadOnceMode
+from ...planning.device import StagingMode
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ...layout.patterns import Rule
 from .inert import Opaque, TensorRef, dig, TorchFile, load_inert
@@ -67,8 +69,8 @@ class DeepSpeedReader(ForeignReader):
 
     def __init__(self, path: str | os.PathLike, *, patterns: Sequence[Rule] = (), degrees: dict[str, int] | None = None,
                  prefix: str = "model.", optim: str | None = "optim.", tag: str | None = None,
-                 universal: bool = False, thread_count: int = 4, staging: str | None = None,
-                 read_once: str | None = None) -> None:
+                 universal: bool = False, thread_count: int = 4, staging: StagingMode | None = None,
+                 read_once: ReadOnceMode | None = None) -> None:
         super().__init__(_resolve(os.fspath(path), tag, universal), thread_count=thread_count, staging=staging,
                          read_once=read_once)
         self.rules = list(patterns)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ...planning.payloads import ReadOnceMode
+from ...planning.device import StagingMode
 from ..._compat import _create_file_view
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ...storage.format import parse_tensor_record
@@ -96,8 +98,8 @@ class MegatronReader(ForeignReader):
     def __init__(self, path: str | os.PathLike, *, patterns: Sequence[Rule] = (),
                  rules: Sequence[MegatronRule] = GPT_RULES, ignore: Sequence[str] = (r".*\._extra_state.*", r"rng_state.*"),
                  prefix: str = "model.", optim: str | None = "optim.", master_weights: bool = True,
-                 target_rotary: str | None = "interleaved", thread_count: int = 4, staging: str | None = None,
-                 read_once: str | None = None) -> None:
+                 target_rotary: str | None = "interleaved", thread_count: int = 4, staging: StagingMode | None = None,
+                 read_once: ReadOnceMode | None = None) -> None:
         super().__init__(path, thread_count=thread_count, staging=staging, read_once=read_once)
         self.patterns, self.rules, self.ignore = list(patterns), {r.key: r for r in rules}, tuple(ignore)
         self.prefix, self.optim, self.master_weights, self.target_rotary = prefix, optim, master_weights, target_rotary

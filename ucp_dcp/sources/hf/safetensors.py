@@ -120,7 +120,7 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Safete
         tensors[name] = TensorInfo(name, dtype, shape, base + begin, want)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CorruptCheckpointError(f"{where}: tensors '{n0}' and '{n1}' overlap in the file", atom=n1,
                                          hint="the file is damaged or crafted")

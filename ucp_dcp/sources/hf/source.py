@@ -24,6 +24,8 @@ import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
+from ...planning.payloads import ReadOnceMode
+from ...planning.device import StagingMode
 from ..._compat import _StorageInfo
 from ...storage.commit import Integrity
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
@@ -115,7 +117,7 @@ class HFStorageReader(UCPFileSystemReader):
     """
 
     def __init__(self, path: str | os.PathLike, mapping: HFMapping, *, thread_count: int = 4,
-                 staging: str | None = None, read_once: str | None = None) -> None:
+                 staging: StagingMode | None = None, read_once: ReadOnceMode | None = None) -> None:
         super().__init__(path, thread_count=thread_count, verify_checksums=False, staging=staging,
                          read_once=read_once)
         self.mapping = mapping

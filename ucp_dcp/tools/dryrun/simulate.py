@@ -26,6 +26,7 @@ from ...planning.load_planner import UCPLoadPlanner
 from ...planning.payloads import ReadSummary
 from ...storage.staging import BUFFERS_PER_THREAD
 from ...planning.opened import checked
+from ...planning.payloads import ReadOnceMode
 from ...storage.opening import open_path
 from ...storage.transport import plan_transport, read_summary
 from .read_cost import CostModel, Piece, pieces
@@ -91,7 +92,7 @@ class PlanReport:
     ranks: list[RankPlan] = field(default_factory=list)
     integrity: str = "none"
     """``verified`` | ``partial`` | ``none`` (what the checkpoint's checksums cover)."""
-    read_once: str = "hosts"
+    read_once: ReadOnceMode = "hosts"
     ranks_per_node: int = 8
     device: str = "cuda"
     built: int = 0
@@ -145,7 +146,7 @@ def _merge(problems: list[Problem]) -> list[Problem]:
     return list(out.values())
 
 
-def plan_load(checkpoint: str | os.PathLike, target: Target, *, read_once: str = "hosts", ranks_per_node: int = 8,
+def plan_load(checkpoint: str | os.PathLike, target: Target, *, read_once: ReadOnceMode = "hosts", ranks_per_node: int = 8,
               device: str = "cuda", check_symmetry: bool = True, trust: bool = False, verify_checksums: bool = True,
               thread_count: int = 4, allow_partial_load: bool = False, allow_lossy_dtype: bool = False,
               keep_items: bool = False, progress: Callable[[int, int], None] | None = None) -> PlanReport:
