@@ -14,7 +14,11 @@ if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,
+    "ci",
+    derandomize=True,
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=300, deadline=None)

@@ -27,8 +27,11 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "ucp_dcp"
 LAYERS = ("base", "layout", "planning", "storage", "sources", "torchtitan", "tools")
 TOP_LEVEL = {
-    "ucp_dcp.errors": "base", "ucp_dcp._compat": "base", "ucp_dcp._version": "base",
-    "ucp_dcp.options": "layout", "ucp_dcp._probes": "layout",
+    "ucp_dcp.errors": "base",
+    "ucp_dcp._compat": "base",
+    "ucp_dcp._version": "base",
+    "ucp_dcp.options": "layout",
+    "ucp_dcp._probes": "layout",
     "ucp_dcp.api": "storage",
     "ucp_dcp.__main__": "tools",
 }
@@ -138,7 +141,9 @@ def test_toy_model_and_trainer_depend_on_no_other_ucp_dcp_module():
 
 @pytest.mark.parametrize("planner", ["save_planner", "load_planner"])
 def test_planners_reach_no_storage_module(planner):
-    reached = sorted(m for m in _closure(f"ucp_dcp.planning.{planner}") if _layer(m) not in ("base", "layout", "planning"))
+    reached = sorted(
+        m for m in _closure(f"ucp_dcp.planning.{planner}") if _layer(m) not in ("base", "layout", "planning")
+    )
     assert not reached, f"ucp_dcp.planning.{planner} reaches {reached}"
 
 
@@ -162,6 +167,7 @@ def test_no_module_shadows_the_standard_library():
 
 
 # -- private torch / torchtitan names only through _compat ------------------------------------------------
+
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -228,10 +234,16 @@ def test_private_torch_and_torchtitan_names_only_through_compat():
 
 def test_the_private_name_scan_sees_attribute_access():
     """The scan itself: an attribute chain from torch and a private method of a library object are caught."""
-    src = "import torch\nfrom torchtitan.x import M\ntorch.storage._get_dtype(1)\nM._y\nm._flattened_model_states_sd()\n"
+    src = (
+        "import torch\nfrom torchtitan.x import M\ntorch.storage._get_dtype(1)\nM._y\nm._flattened_model_states_sd()\n"
+    )
     SOURCES["ucp_dcp._scan_probe"] = ast.parse(src)
     try:
         uses = _private_uses("ucp_dcp._scan_probe", set())
     finally:
         del SOURCES["ucp_dcp._scan_probe"]
-    assert sorted(u.split(": ", 1)[1] for u in uses) == ["M._y", "m._flattened_model_states_sd", "torch.storage._get_dtype"]
+    assert sorted(u.split(": ", 1)[1] for u in uses) == [
+        "M._y",
+        "m._flattened_model_states_sd",
+        "torch.storage._get_dtype",
+    ]

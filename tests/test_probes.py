@@ -16,8 +16,9 @@ def _import_after(patch: str, **env: str) -> subprocess.CompletedProcess:
     """``import ucp_dcp`` in a fresh interpreter after running ``patch`` (which changes torch)."""
     code = f"import torch, warnings\n{patch}\nimport ucp_dcp\nprint('IMPORTED')"
     full = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_ENV}
-    return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-                          env={**full, **env})
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env={**full, **env}
+    )
 
 
 def test_every_probe_passes_on_the_installed_torch():
@@ -67,17 +68,21 @@ def test_override_turns_a_failed_probe_into_a_warning():
 
 def test_changed_strided_shard_semantics_are_refused():
     # a torch whose _StridedShard split its dim contiguously (like Shard) would put rows elsewhere
-    patch = ("from torch.distributed.tensor import Shard\n"
-             "from torch.distributed.tensor.placement_types import _StridedShard\n"
-             "_StridedShard._split_tensor = lambda self, t, k, **kw: Shard(self.dim)._split_tensor(t, k, **kw)")
+    patch = (
+        "from torch.distributed.tensor import Shard\n"
+        "from torch.distributed.tensor.placement_types import _StridedShard\n"
+        "_StridedShard._split_tensor = lambda self, t, k, **kw: Shard(self.dim)._split_tensor(t, k, **kw)"
+    )
     out = _import_after(patch)
     assert out.returncode != 0 and "probe 'strided_shard'" in out.stderr, out.stderr
     assert "wrong rows" in out.stderr
 
 
 def test_changed_planner_hook_is_refused():
-    patch = ("from torch.distributed.checkpoint.planner import LoadPlanner\n"
-             "LoadPlanner.commit_tensor = lambda self, read_item, tensor, stream: None")
+    patch = (
+        "from torch.distributed.checkpoint.planner import LoadPlanner\n"
+        "LoadPlanner.commit_tensor = lambda self, read_item, tensor, stream: None"
+    )
     out = _import_after(patch)
     assert out.returncode != 0 and "probe 'planner_hooks'" in out.stderr, out.stderr
     assert "LoadPlanner.commit_tensor takes ['read_item', 'tensor', 'stream']" in out.stderr

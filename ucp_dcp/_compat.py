@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._shard._utils import narrow_tensor_by_index  # narrow a tensor to a box
 from torch.distributed._shard.sharded_tensor import ShardedTensor  # legacy sharded values (refused)
@@ -58,17 +57,44 @@ try:  # torch >= 2.14 (pytorch#189492)
 except ImportError:
     CheckpointableTensor = None
 
-__all__ = ["default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor", "flatten_state_dict",
-           "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo", "_StoragePrefix",
-           "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset",
-           "_compute_local_shape_and_global_offset", "fake_store", "mesh_for_rank", "dtensor_from_local",
-           "CheckpointableTensor", "is_checkpointable_tensor", "strided_shard_indices", "split_tensor",
-           "group_has_cpu_backend", "TESTED_TORCH", "ALLOW_ENV", "torch_release", "root_mesh", "local_tensor",
-           "dtype_of_storage_type", "torch_file_reader", "plan_caching", "cached_plans_key", "metadata_path",
-           "state_dict_hooks"]
+__all__ = [
+    "default_group",
+    "fsspec_filesystem",
+    "narrow_tensor_by_index",
+    "ShardedTensor",
+    "flatten_state_dict",
+    "set_element",
+    "_create_file_view",
+    "_split_by_size_and_type",
+    "_StorageInfo",
+    "_StoragePrefix",
+    "_init_state_dict",
+    "_StridedShard",
+    "compute_local_shape_and_global_offset",
+    "_compute_local_shape_and_global_offset",
+    "fake_store",
+    "mesh_for_rank",
+    "dtensor_from_local",
+    "CheckpointableTensor",
+    "is_checkpointable_tensor",
+    "strided_shard_indices",
+    "split_tensor",
+    "group_has_cpu_backend",
+    "TESTED_TORCH",
+    "ALLOW_ENV",
+    "torch_release",
+    "root_mesh",
+    "local_tensor",
+    "dtype_of_storage_type",
+    "torch_file_reader",
+    "plan_caching",
+    "cached_plans_key",
+    "metadata_path",
+    "state_dict_hooks",
+]
 
 
-def default_group() -> "_c10d.ProcessGroup":
+def default_group() -> _c10d.ProcessGroup:
     """The default process group object (a cache key for groups we create per job)."""
     return _c10d._get_default_group()
 
@@ -83,7 +109,8 @@ def fsspec_filesystem() -> type:
 
     return FileSystem
 
-def fake_store() -> "torch.distributed.Store":
+
+def fake_store() -> torch.distributed.Store:
     """A store for torch's fake process group (``init_process_group("fake", ...)``): one process
     plays any rank of any world size, collectives do nothing (``ucp_dcp.tools.dryrun``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -91,7 +118,9 @@ def fake_store() -> "torch.distributed.Store":
     return FakeStore()
 
 
-def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, cache: dict) -> "torch.distributed.device_mesh.DeviceMesh":
+def mesh_for_rank(
+    mesh: torch.distributed.device_mesh.DeviceMesh, rank: int, cache: dict
+) -> torch.distributed.device_mesh.DeviceMesh:
     """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.tools.dryrun``): a copy with the same layout over
     the same root rank map whose stored rank and coordinate are ``rank``'s (DeviceMesh's private
     ``_rank``/``_coordinate_on_dim``/``_root_mesh``; ``DeviceMesh.mesh`` slices at the default
@@ -111,8 +140,13 @@ def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, c
     return new
 
 
-def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh", placements: tuple,
-                       shape: "torch.Size", stride: tuple[int, ...]) -> "torch.distributed.tensor.DTensor":
+def dtensor_from_local(
+    local: torch.Tensor,
+    mesh: torch.distributed.device_mesh.DeviceMesh,
+    placements: tuple,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> torch.distributed.tensor.DTensor:
     """A DTensor of ``local`` without ``from_local``'s checks and autograd (what FSDP2 does)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -121,7 +155,7 @@ def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh
     return DTensor(local, spec, requires_grad=False)
 
 
-def root_mesh(mesh: "torch.distributed.device_mesh.DeviceMesh") -> "torch.distributed.device_mesh.DeviceMesh":
+def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh) -> torch.distributed.device_mesh.DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself if it was not sliced)."""
     get = getattr(mesh, "_get_root_mesh", None)
     return get() if get is not None else mesh
@@ -172,7 +206,7 @@ def split_tensor(p: object, t: torch.Tensor, k: int) -> list[torch.Tensor]:
     return p._split_tensor(t, k, with_padding=False, contiguous=True)[0]
 
 
-def group_has_cpu_backend(group: "_c10d.ProcessGroup | None" = None) -> bool:
+def group_has_cpu_backend(group: _c10d.ProcessGroup | None = None) -> bool:
     """Whether ``group`` (default: the default group) has a backend for CPU tensors, which
     ``dcp.async_save`` asserts (``cpu:gloo,cuda:nccl`` has, plain ``nccl`` has not)."""
     pg = group if group is not None else default_group()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,9 +43,9 @@ def parts(cfg: Any, name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
         ps = deinterleave(full, [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], cfg.n_kv_heads)
         return {name.replace("wqkv", f"w{x}"): p for x, p in zip("qkv", ps)}
     if name.endswith("w13.weight"):
-        return {name.replace("w13", "w1"): full[:cfg.ffn_dim], name.replace("w13", "w3"): full[cfg.ffn_dim:]}
+        return {name.replace("w13", "w1"): full[: cfg.ffn_dim], name.replace("w13", "w3"): full[cfg.ffn_dim :]}
     if name in ("tok_embeddings.weight", "output.weight"):
-        return {"tok_embeddings.weight": full[:cfg.vocab]}
+        return {"tok_embeddings.weight": full[: cfg.vocab]}
     return {name: full}
 
 
@@ -57,10 +58,16 @@ def _source(logical: str) -> str:
 def megatron_name(name: str) -> str:
     """A Megatron parameter name (``decoder.layers.0.self_attention.linear_qkv.weight``) as the toy's."""
     n = name.replace("decoder.", "")
-    for a, b in (("self_attention.linear_qkv", "attn.wqkv"), ("self_attention.linear_proj", "attn.wo"),
-                 ("mlp.linear_fc1", "ffn.w13"), ("mlp.linear_fc2", "ffn.w2"), ("input_layernorm", "attn_norm"),
-                 ("pre_mlp_layernorm", "ffn_norm"), ("final_layernorm", "norm"),
-                 ("embedding.word_embeddings", "tok_embeddings")):
+    for a, b in (
+        ("self_attention.linear_qkv", "attn.wqkv"),
+        ("self_attention.linear_proj", "attn.wo"),
+        ("mlp.linear_fc1", "ffn.w13"),
+        ("mlp.linear_fc2", "ffn.w2"),
+        ("input_layernorm", "attn_norm"),
+        ("pre_mlp_layernorm", "ffn_norm"),
+        ("final_layernorm", "norm"),
+        ("embedding.word_embeddings", "tok_embeddings"),
+    ):
         n = n.replace(a, b)
     return n
 
@@ -109,8 +116,11 @@ def compare(view: tuple[Any, dict, dict, Callable[[str], dict]], state: dict) ->
                 bad.append(f"step {logical}")
             hp = dict(eval(state[f"group/{logical}"], {"__builtins__": {}}))  # noqa: S307  (the oracle's own repr)
             want = groups(logical)
-            bad += [f"group {logical} {k} {hp[k]} != {want[k]}" for k in ("lr", "betas", "eps", "weight_decay")
-                    if hp[k] != want[k]]
+            bad += [
+                f"group {logical} {k} {hp[k]} != {want[k]}"
+                for k in ("lr", "betas", "eps", "weight_decay")
+                if hp[k] != want[k]
+            ]
     return n, bad
 
 

@@ -14,18 +14,22 @@ import os
 import subprocess
 import sys
 
+import dist as D
 import pytest
 import torch
 
-import dist as D
 from ucp_dcp.errors import UCPError
 from ucp_dcp.planning.opened import UnopenedMetadata, raise_if_unopened
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "recipes", "foreign"))
@@ -33,8 +37,13 @@ sys.path.insert(0, os.path.join(ROOT, "recipes", "foreign"))
 
 def _run(script, *args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "foreign", script), *args], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "recipes", "foreign", script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -42,8 +51,16 @@ def _run(script, *args):
 def deepspeed_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     for stage in (1, 2, 3):
-        _run("make_deepspeed.py", "--out", str(root / f"zero{stage}"), "--stage", str(stage), "--world", "3",
-             "--universal")
+        _run(
+            "make_deepspeed.py",
+            "--out",
+            str(root / f"zero{stage}"),
+            "--stage",
+            str(stage),
+            "--world",
+            "3",
+            "--universal",
+        )
     return root
 
 
@@ -72,9 +89,13 @@ def _check(view, state):
     assert n > 100 and not bad, bad[:10]
 
 
-DS_CASES = {f"zero{s}-{form}-{topo.replace('=', '').replace(',', '')}": (s, form, topo)
-            for s in (1, 2, 3) for form in ("zero", "universal") for topo in ("dp=2,tp=2", "pp=2")
-            if form == "zero" or topo == "dp=2,tp=2"}
+DS_CASES = {
+    f"zero{s}-{form}-{topo.replace('=', '').replace(',', '')}": (s, form, topo)
+    for s in (1, 2, 3)
+    for form in ("zero", "universal")
+    for topo in ("dp=2,tp=2", "pp=2")
+    if form == "zero" or topo == "dp=2,tp=2"
+}
 
 
 @pytest.mark.parametrize("case", DS_CASES)
@@ -83,15 +104,19 @@ def test_deepspeed_checkpoint_loads_bitwise_into_a_new_layout(deepspeed_runs, ca
 
     stage, form, topo = DS_CASES[case]
     path = deepspeed_runs / f"zero{stage}"
-    state = D.run(_load_worker, Topology.parse(topo).world, topo, "deepspeed", str(path),
-                  {"universal": form == "universal"})[0]
+    state = D.run(
+        _load_worker, Topology.parse(topo).world, topo, "deepspeed", str(path), {"universal": form == "universal"}
+    )[0]
     from views import deepspeed_view
 
     _check(deepspeed_view(str(path)), state)
 
 
-MG_CASES = {"plain-dp2tp2": ("plain", "dp=2,tp=2"), "plain-pp2": ("plain", "pp=2"),
-            "fully_reshardable-dp2tp2": ("full", "dp=2,tp=2")}
+MG_CASES = {
+    "plain-dp2tp2": ("plain", "dp=2,tp=2"),
+    "plain-pp2": ("plain", "pp=2"),
+    "fully_reshardable-dp2tp2": ("full", "dp=2,tp=2"),
+}
 
 
 @pytest.mark.parametrize("case", MG_CASES)
@@ -136,12 +161,15 @@ def test_megatron_rotary_mismatch_is_refused(megatron_runs):
 
 def test_deepspeed_files_are_parsed_without_importing_deepspeed(deepspeed_runs):
     """A fresh interpreter reads a ZeRO-3 checkpoint's metadata with deepspeed made unimportable."""
-    code = ("import sys; sys.modules['deepspeed'] = None\n"
-            "from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader\n"
-            f"md = DeepSpeedReader({str(deepspeed_runs / 'zero3')!r}).read_metadata()\n"
-            "from ucp_dcp.planning.opened import CheckedMetadata\n"
-            "assert isinstance(md, CheckedMetadata), md\n"
-            "print(len(md.state_dict_metadata))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ,
-                         PYTHONPATH=ROOT))
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader\n"
+        f"md = DeepSpeedReader({str(deepspeed_runs / 'zero3')!r}).read_metadata()\n"
+        "from ucp_dcp.planning.opened import CheckedMetadata\n"
+        "assert isinstance(md, CheckedMetadata), md\n"
+        "print(len(md.state_dict_metadata))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     assert res.returncode == 0 and int(res.stdout.strip()) > 100, res.stderr[-2000:]

@@ -23,9 +23,9 @@ skip_unless_torchtitan_runs()
 import titan_harness as tr  # noqa: E402
 
 from ucp_dcp import UCPError  # noqa: E402
+from ucp_dcp.storage.opening import open_path  # noqa: E402
 from ucp_dcp.tools.dryrun import plan_load  # noqa: E402
 from ucp_dcp.torchtitan.plan_target import TitanTarget  # noqa: E402
-from ucp_dcp.storage.opening import open_path  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -34,15 +34,32 @@ RESTART = 'ucp_dcp.torchtitan.overrides.checkpointer={"dataloader_policy": "rest
 
 def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
     """The Trainer flags of the save job (tests/support/titan_harness.py ``run_job``) at another topology."""
-    return ["--module", "ucp_dcp.torchtitan", "--config", config,
-            "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "dataset"),
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-            "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs", "--checkpoint.enable",
-            *tr._topology_flags(topo), *extra]
+    return [
+        "--module",
+        "ucp_dcp.torchtitan",
+        "--config",
+        config,
+        "--hf_assets_path",
+        str(assets / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(assets / "dataset"),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        "--parallelism.spmd_backend",
+        "partial_dtensor",
+        "--training.disable_cuda_graphs",
+        "--checkpoint.enable",
+        *tr._topology_flags(topo),
+        *extra,
+    ]
 
 
 # sitecustomize for the real resume's workers: each rank writes its reader's ReadStats after the load
-_STATS_HOOK = '''
+_STATS_HOOK = """
 import os
 if os.environ.get("RANK") is not None and os.environ.get("UCP_PLAN_STATS"):
     import json
@@ -59,7 +76,7 @@ if os.environ.get("RANK") is not None and os.environ.get("UCP_PLAN_STATS"):
         return out
 
     UCPFileSystemReader.read_data = read_data
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +131,10 @@ def test_plan_matches_a_real_resume_rank_by_rank(saved, tmp_path):
     out = tmp_path / "resume"
     tr.run_job({"dp": 2}, out, assets, 1, tr.resume_flags(step.parent.parent, 1, 1), env)
     real = [json.loads((tmp_path / f"stats.{r}").read_text()) for r in range(2)]
-    planned = [{"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received,
-                "fallbacks": r.fallbacks} for r in report.ranks]
+    planned = [
+        {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
+        for r in report.ranks
+    ]
     assert planned == real
 
 
@@ -166,5 +185,6 @@ def test_job_flags_errors():
     with pytest.raises(UCPError, match="rejected the job flags"):
         TitanTarget.from_args(flags + ["--parallelism.no_such_degree", "2"])
     with pytest.raises(UCPError, match="global batch size 6 is not a multiple"):
-        TitanTarget.from_args(flags + ["--parallelism.data_parallel_shard_degree", "4",
-                                       "--training.global_batch_size", "6"])
+        TitanTarget.from_args(
+            flags + ["--parallelism.data_parallel_shard_degree", "4", "--training.global_batch_size", "6"]
+        )

@@ -4,15 +4,18 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _recipe(*args):
-    return subprocess.run([sys.executable, str(ROOT / "recipes" / "elastic_resume.py"), *args],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "elastic_resume.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_recipe_resumes_and_detects_corruption(tmp_path):
@@ -22,8 +25,19 @@ def test_recipe_resumes_and_detects_corruption(tmp_path):
     assert last.startswith("RESUME OK: dp=2,tp=2 -> dp=3:"), last
     assert (tmp_path / "loss.png").exists() and (tmp_path / "oracle.pt").exists()
     # flip one loaded element: the bitwise oracle must refuse it
-    bad = _recipe("--save-topology", "dp=2,tp=2", "--load-topology", "dp=3", "--steps", "2", "--out", str(tmp_path),
-                  "--phase", "load", "--corrupt")
+    bad = _recipe(
+        "--save-topology",
+        "dp=2,tp=2",
+        "--load-topology",
+        "dp=3",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--phase",
+        "load",
+        "--corrupt",
+    )
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
     last = bad.stdout.strip().splitlines()[-1]
     assert last.startswith("RESUME MISMATCH") and "differ from the oracle" in last, last

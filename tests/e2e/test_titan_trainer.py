@@ -22,9 +22,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ign
 
 def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "tests" / "support" / "titan_driver.py"),
-         str(tmp_path / f"d{dp}{tp}{fused}{backend}"), str(dp), str(tp), str(int(fused)), backend],
-        capture_output=True, text=True, timeout=600, env=titan_env())
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            str(ROOT / "tests" / "support" / "titan_driver.py"),
+            str(tmp_path / f"d{dp}{tp}{fused}{backend}"),
+            str(dp),
+            str(tp),
+            str(int(fused)),
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=titan_env(),
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(lines[-1])
@@ -41,7 +55,9 @@ def test_fused_qkv_atoms_without_redistribute(tmp_path):
         assert r["diffs"] == [] and r["entries"] > 100, r
         assert r["ntokens_seen"] == [192, 0], "per-rank counts summed at save; the coordinator takes the total"
     stock = _driver(tmp_path, 2, 1, fused=False)
-    assert stock["save_redistributes"] > 0 and stock["load_redistributes"] > 0, "the counter must see the stock all-gathers"
+    assert stock["save_redistributes"] > 0 and stock["load_redistributes"] > 0, (
+        "the counter must see the stock all-gathers"
+    )
 
 
 def _written_by_ucp(step_dir):
@@ -88,7 +104,8 @@ def test_default_spmd_types_backend_resumes_at_a_new_layout(tmp_path):
     ok, line = tr.transition("spmd-dp2-pp2", tmp_path, assets, steps=3, k=2)
     assert ok, line
     assert "spmd_types FSDP on data-parallel mesh ('dp_shard',) without DataParallelMeshDims" in _log(
-        tmp_path, "spmd-dp2-pp2", "save")
+        tmp_path, "spmd-dp2-pp2", "save"
+    )
     assert "spmd_types FSDP mesh ('dp_shard',), dims None (unpatched)" in _log(tmp_path, "spmd-dp2-pp2", "resume")
     _written_by_ucp(tmp_path / "spmd-dp2-pp2" / "save" / "checkpoint" / "step-2")
 
@@ -114,9 +131,16 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     from ucp_dcp.storage.opening import open_path
 
     assert open_path(export)[1].status == "verified", "the option saves through ucp_dcp's storage (checksums, commit)"
-    tr.run_job({"dp": 1}, load, assets, 1, [*flags, "--checkpoint.initial_load_path", str(export),
-                                          "--checkpoint.initial_load_model_only"],
-            {"UCP_TITAN_STATE": str(load / "loaded.pt")}, config=tr.STOCK_CONFIG, overrides=overrides)
+    tr.run_job(
+        {"dp": 1},
+        load,
+        assets,
+        1,
+        [*flags, "--checkpoint.initial_load_path", str(export), "--checkpoint.initial_load_model_only"],
+        {"UCP_TITAN_STATE": str(load / "loaded.pt")},
+        config=tr.STOCK_CONFIG,
+        overrides=overrides,
+    )
     trained = torch.load(save / "trained.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
     params = [k for k in trained if k.startswith("param/")]
@@ -133,12 +157,21 @@ def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy
     save = tmp_path / "stock-dp2-dp2" / "save"
     flags = tr.resume_flags(save, 2, 3)
     loader = "ucp_dcp.torchtitan.overrides.dataloader"
-    err = tr.run_job({"dp": 1}, tmp_path / "err", assets, 3, flags, {"UCP_TITAN_EXPECT_FAILURE": "1"},
-                  config=tr.STOCK_CONFIG, overrides=[tr.ONE_FLAG, loader])
+    err = tr.run_job(
+        {"dp": 1},
+        tmp_path / "err",
+        assets,
+        3,
+        flags,
+        {"UCP_TITAN_EXPECT_FAILURE": "1"},
+        config=tr.STOCK_CONFIG,
+        overrides=[tr.ONE_FLAG, loader],
+    )
     text = err.stdout + err.stderr
     assert err.returncode != 0 and "UCPError" in text and "refusing to resume at an undefined data position" in text
     assert "saved at data-parallel degree 2" in text or "per-rank dataloader state" in text
     restart = f'{tr.ONE_FLAG}={{"dataloader_policy": "restart"}}'
-    ok = tr.run_job({"dp": 1}, tmp_path / "restart", assets, 3, flags, {}, config=tr.STOCK_CONFIG,
-                 overrides=[restart, loader])
+    ok = tr.run_job(
+        {"dp": 1}, tmp_path / "restart", assets, 3, flags, {}, config=tr.STOCK_CONFIG, overrides=[restart, loader]
+    )
     assert ok.returncode == 0 and "dataloader_policy='restart'" in ok.stdout + ok.stderr

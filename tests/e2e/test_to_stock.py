@@ -29,10 +29,25 @@ JOB = ["--module", "llama3", "--config", "llama3_debugmodel"]  # the stock job (
 
 
 def _job_flags(assets):
-    return [*JOB, "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path",
-            str(assets / "dataset"), "--training.seq_len", str(SEQ), "--training.local_batch_size", "2",
-            "--training.global_batch_size", str(GBS), "--training.steps", str(STEPS),
-            "--training.mixed_precision_param", "float32", "--debug.seed", "0"]
+    return [
+        *JOB,
+        "--hf_assets_path",
+        str(assets / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(assets / "dataset"),
+        "--training.seq_len",
+        str(SEQ),
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        str(GBS),
+        "--training.steps",
+        str(STEPS),
+        "--training.mixed_precision_param",
+        "float32",
+        "--debug.seed",
+        "0",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +60,19 @@ def saved(tmp_path_factory, assets):
     """The uninterrupted run with ucp_dcp's option at dp_shard=2: checkpoints at steps 2 and 3, the
     full state right after the step-2 save (oracle) and every step's loss."""
     root = tmp_path_factory.mktemp("export_save")
-    tr.run_job({"dp": 2}, root, assets, STEPS, ["--checkpoint.interval", str(SAVED)],
-               {"UCP_TITAN_METRICS": str(root / "loss.json"), "UCP_TITAN_STATE": str(root / "oracle.pt"),
-                "UCP_TITAN_STATE_STEP": str(SAVED)}, config="llama3_debugmodel_ucp")
+    tr.run_job(
+        {"dp": 2},
+        root,
+        assets,
+        STEPS,
+        ["--checkpoint.interval", str(SAVED)],
+        {
+            "UCP_TITAN_METRICS": str(root / "loss.json"),
+            "UCP_TITAN_STATE": str(root / "oracle.pt"),
+            "UCP_TITAN_STATE_STEP": str(SAVED),
+        },
+        config="llama3_debugmodel_ucp",
+    )
     return root
 
 
@@ -69,8 +94,20 @@ def exports(tmp_path_factory, saved, assets):
     for dp in (1, 2):
         buf = io.StringIO()
         with redirect_stdout(buf):
-            rc = main(["export", "--to", "torchtitan", str(saved / "checkpoint"), str(out / f"dp{dp}"), "--dp",
-                       str(dp), "--step", str(SAVED), *_job_flags(assets)])
+            rc = main(
+                [
+                    "export",
+                    "--to",
+                    "torchtitan",
+                    str(saved / "checkpoint"),
+                    str(out / f"dp{dp}"),
+                    "--dp",
+                    str(dp),
+                    "--step",
+                    str(SAVED),
+                    *_job_flags(assets),
+                ]
+            )
         assert rc == 0, buf.getvalue()
         done[dp] = (out / f"dp{dp}" / f"step-{SAVED}", buf.getvalue())
     return done
@@ -84,8 +121,9 @@ def _blocked_env(tmp_path):
     (block / "__init__.py").write_text("raise ImportError('ucp_dcp is blocked: the stock resume must not use it')\n")
     env = tr.titan_env()
     env["PYTHONPATH"] = str(block.parent) + ":" + env["PYTHONPATH"]
-    probe = subprocess.run([sys.executable, "-c", "import ucp_dcp"], env=env, cwd=tmp_path, capture_output=True,
-                           text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ucp_dcp"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
     assert probe.returncode != 0 and "ucp_dcp is blocked" in probe.stderr, "the blocker must shadow ucp_dcp"
     return env
 
@@ -95,14 +133,34 @@ def _stock_resume(tmp_path, assets, ckpt, dp):
     from ``ckpt`` at dp_shard=``dp`` and trains the last step, saving nothing."""
     out = tmp_path / f"stock_dp{dp}"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp}", "--local-ranks-filter=0",
-           str(tr.TITAN / "cpu_launch.py"), *_job_flags(assets),
-           "--parallelism.spmd_backend", "partial_dtensor", "--override.imports", "cpu_attention.sdpa_attention",
-           "--training.disable_cuda_graphs", "--checkpoint.enable", "--checkpoint.load_only",
-           "--checkpoint.initial_load_path", str(ckpt), "--checkpoint.no-initial_load_model_only",
-           "--parallelism.data_parallel_shard_degree", str(dp), "--dump_folder", str(out)]
-    env = {**_blocked_env(tmp_path), "UCP_TITAN_METRICS": str(out / "loss.json"),
-           "UCP_TITAN_STATE": str(out / "loaded.pt")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={dp}",
+        "--local-ranks-filter=0",
+        str(tr.TITAN / "cpu_launch.py"),
+        *_job_flags(assets),
+        "--parallelism.spmd_backend",
+        "partial_dtensor",
+        "--override.imports",
+        "cpu_attention.sdpa_attention",
+        "--training.disable_cuda_graphs",
+        "--checkpoint.enable",
+        "--checkpoint.load_only",
+        "--checkpoint.initial_load_path",
+        str(ckpt),
+        "--checkpoint.no-initial_load_model_only",
+        "--parallelism.data_parallel_shard_degree",
+        str(dp),
+        "--dump_folder",
+        str(out),
+    ]
+    env = {
+        **_blocked_env(tmp_path),
+        "UCP_TITAN_METRICS": str(out / "loss.json"),
+        "UCP_TITAN_STATE": str(out / "loaded.pt"),
+    }
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, "\n".join(log.splitlines()[-30:])
@@ -134,7 +192,8 @@ def test_export_writes_torchtitans_own_format(exports):
         assert "optimizer.param_groups.layers.0.attention.qkv_linear.wqkv.weight.lr" in keys
         assert not [k for k in keys if k.startswith("optimizer.") and ".wq." in k]
         assert {k for k in keys if k.startswith("dataloader.")} == {f"dataloader.dp_rank_{r}" for r in range(dp)} | {
-            "dataloader.world_size"}
+            "dataloader.world_size"
+        }
         assert {"lr_scheduler.last_epoch", "train_state.step", "train_state.ntokens_seen"} <= keys
         assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp"]
         assert f"stock torchtitan, data-parallel degree {dp}" in text and "checked equal" in text, text
@@ -176,8 +235,9 @@ def test_stock_loaders_take_the_uninterrupted_runs_next_batch(exports, assets, d
     ref = [next(stream) for _ in range(cursor + GBS)]
     cfg = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(assets / "dataset"))
     for r in range(dp):
-        loader = HuggingFaceTextDataLoader(cfg, dp_world_size=dp, dp_rank=r, tokenizer=tok, seq_len=SEQ,
-                                           local_batch_size=1)
+        loader = HuggingFaceTextDataLoader(
+            cfg, dp_world_size=dp, dp_rank=r, tokenizer=tok, seq_len=SEQ, local_batch_size=1
+        )
         loader.load_state_dict(sd["dataloader"])
         it = iter(loader)
         for k in range(GBS // dp):
@@ -213,22 +273,25 @@ def _all_tensors(path, md):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-          if isinstance(m, TensorStorageMetadata)}
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     dcp.load(sd, storage_reader=FileSystemReader(str(path)))
     return sd
 
 
 @pytest.mark.slow
-def test_refused_when_the_rest_of_the_epoch_does_not_fit_the_stock_buffers(saved, assets, tmp_path, capsys,
-                                                                            monkeypatch):
+def test_refused_when_the_rest_of_the_epoch_does_not_fit_the_stock_buffers(
+    saved, assets, tmp_path, capsys, monkeypatch
+):
     """--dp 2 needs the rest of the epoch in the stock loaders' buffers: beyond the bound the export
     refuses before writing anything, and names --dp 1 and --no-dataloader."""
     import ucp_dcp.torchtitan.stock_loader as sl
 
     monkeypatch.setattr(sl, "BUFFER_COPIES", 1 << 10)
-    rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "out", 2, "--step", str(SAVED),
-                           *_job_flags(assets))
+    rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "out", 2, "--step", str(SAVED), *_job_flags(assets))
     assert rc == 2 and "at data-parallel degree 2" in err and "--dp 1" in err and "--no-dataloader" in err, err
     assert not (tmp_path / "out").exists()
 
@@ -254,8 +317,7 @@ def test_no_dataloader_and_flag_checks(saved, assets, tmp_path, capsys):
     flags or batch sizes contradict is refused before anything is read."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "nodata", 4, "--no-dataloader",
-                           *_job_flags(assets))
+    rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "nodata", 4, "--no-dataloader", *_job_flags(assets))
     assert rc == 0, err
     ckpt = tmp_path / "nodata" / f"step-{STEPS}"  # the folder's latest step
     keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
@@ -263,8 +325,15 @@ def test_no_dataloader_and_flag_checks(saved, assets, tmp_path, capsys):
     assert "ntokens_seen=384 per data-parallel rank (the job's 1536 over 4" in out, out
     rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "bad", 3, *_job_flags(assets))
     assert rc == 2 and "not a multiple of local batch size 2 x data-parallel degree 3" in err, err
-    rc, out, err = _export(capsys, saved / "checkpoint", tmp_path / "bad", 1, *_job_flags(assets),
-                           "--parallelism.data_parallel_shard_degree", "2")
+    rc, out, err = _export(
+        capsys,
+        saved / "checkpoint",
+        tmp_path / "bad",
+        1,
+        *_job_flags(assets),
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    )
     assert rc == 2 and "data-parallel degree 2" in err and "--dp says 1" in err, err
     assert not (tmp_path / "bad").exists()
 
@@ -281,13 +350,16 @@ def test_export_to_hf_of_a_full_titan_checkpoint_loads_in_transformers(saved, tm
     from ucp_dcp.__main__ import main
 
     out = tmp_path / "hf"
-    rc = main(["export", "--to", "hf", str(saved / "checkpoint" / f"step-{SAVED}"), str(out), "--mapping",
-               "torchtitan", *JOB])
+    rc = main(
+        ["export", "--to", "hf", str(saved / "checkpoint" / f"step-{SAVED}"), str(out), "--mapping", "torchtitan", *JOB]
+    )
     text = capsys.readouterr()
     assert rc == 0, text.err
     assert "exported" in text.out and (out / "config.json").exists()
-    oracle = {k.replace("._checkpoint_wrapped_module", ""): v  # activation-checkpoint wrappers' segment
-              for k, v in torch.load(saved / "oracle.pt", weights_only=False).items()}
+    oracle = {
+        k.replace("._checkpoint_wrapped_module", ""): v  # activation-checkpoint wrappers' segment
+        for k, v in torch.load(saved / "oracle.pt", weights_only=False).items()
+    }
     model = _titan(model_registry("debugmodel").model)
     with torch.no_grad():
         for name, p in model.named_parameters():

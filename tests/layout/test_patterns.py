@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import expect_ucp_error
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import ucp_dcp
-from helpers import expect_ucp_error, tensors_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.layout.patterns import Fused, Padded, Reduce, Replicated, Tied
 from ucp_dcp.layout.index_maps import Chunk, IndexMap, stage_map
+from ucp_dcp.layout.patterns import Fused, Padded, Reduce, Replicated, Tied
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -27,7 +27,11 @@ def _interleave(parts, blocks):
 class Unfused(nn.Module):
     def __init__(self):
         super().__init__()
-        self.wq, self.wk, self.wv = nn.Linear(D, Q, bias=False), nn.Linear(D, KV, bias=False), nn.Linear(D, KV, bias=False)
+        self.wq, self.wk, self.wv = (
+            nn.Linear(D, Q, bias=False),
+            nn.Linear(D, KV, bias=False),
+            nn.Linear(D, KV, bias=False),
+        )
 
     def forward(self, x):
         return self.wq(x).sum() + self.wk(x).sum() * 2 + self.wv(x).square().sum()
@@ -92,8 +96,13 @@ def test_fused_and_unfused_load_into_each_other(tmp_path):
     fo2 = torch.optim.AdamW(f2.parameters(), lr=1.0)
     sd = _sd(f2, fo2, flat=True)
     dcp.load(sd, checkpoint_id=tmp_path / "unfused", planner=UCPLoadPlanner(patterns=[QKV]))
-    set_state_dict(f2, fo2, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    set_state_dict(
+        f2,
+        fo2,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=StateDictOptions(flatten_optimizer_state_dict=True),
+    )
     assert torch.equal(f2.wqkv.weight, f.wqkv.weight)
     for k in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(fo2.state[f2.wqkv.weight][k], fo.state[f.wqkv.weight][k])
@@ -113,12 +122,16 @@ def test_padding_any_new_padded_size(tmp_path):
     assert torch.all(bigger["model"]["emb.weight"][61:] == 0)
     custom = {"model": {"emb.weight": torch.zeros(63, 4)}}
     dcp.load(custom, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[Padded(r"emb\.weight", 61, fill=-1.0)]))
-    assert torch.all(custom["model"]["emb.weight"][61:] == -1) and torch.equal(custom["model"]["emb.weight"][:61], logical)
+    assert torch.all(custom["model"]["emb.weight"][61:] == -1) and torch.equal(
+        custom["model"]["emb.weight"][:61], logical
+    )
     exact = {"model": {"emb.weight": torch.zeros(61, 4)}}
     dcp.load(exact, checkpoint_id=tmp_path, planner=UCPLoadPlanner())
     assert torch.equal(exact["model"]["emb.weight"], logical)
     small = {"model": {"emb.weight": torch.zeros(60, 4)}}
-    err = expect_ucp_error(lambda: dcp.load(small, checkpoint_id=tmp_path, planner=UCPLoadPlanner()), ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.load(small, checkpoint_id=tmp_path, planner=UCPLoadPlanner()), ucp_dcp.PatternError
+    )
     assert "model.emb.weight" in str(err) and "60" in str(err) and "61" in str(err) and "padded" in str(err)
     assert torch.all(small["model"]["emb.weight"] == 0)
 
@@ -126,30 +139,40 @@ def test_padding_any_new_padded_size(tmp_path):
 def test_tied_copies_saved_once_loaded_into_both(tmp_path):
     emb = torch.randn(5, 3)
     tie = Tied("emb.weight", (r"head\.weight",))
-    dcp.save({"model": {"emb.weight": emb, "head.weight": emb.clone()}}, checkpoint_id=tmp_path / "a",
-             planner=UCPSavePlanner(patterns=[tie]))
+    dcp.save(
+        {"model": {"emb.weight": emb, "head.weight": emb.clone()}},
+        checkpoint_id=tmp_path / "a",
+        planner=UCPSavePlanner(patterns=[tie]),
+    )
     names = set(dcp.FileSystemReader(tmp_path / "a").read_metadata().state_dict_metadata)
     assert "model.emb.weight" in names and "model.head.weight" not in names
     target = {"model": {"emb.weight": torch.zeros(5, 3), "head.weight": torch.zeros(5, 3)}}
     dcp.load(target, checkpoint_id=tmp_path / "a", planner=UCPLoadPlanner())
     assert torch.equal(target["model"]["emb.weight"], emb) and torch.equal(target["model"]["head.weight"], emb)
     bad = {"model": {"emb.weight": emb, "head.weight": emb + 1}}
-    err = expect_ucp_error(lambda: dcp.save(bad, checkpoint_id=tmp_path / "b", planner=UCPSavePlanner(patterns=[tie])),
-                           ucp_dcp.ReplicaMismatchError)
+    err = expect_ucp_error(
+        lambda: dcp.save(bad, checkpoint_id=tmp_path / "b", planner=UCPSavePlanner(patterns=[tie])),
+        ucp_dcp.ReplicaMismatchError,
+    )
     assert "model.emb.weight" in str(err)
     assert not (tmp_path / "b" / ".metadata").exists()
 
 
 def test_reduce_on_a_single_rank(tmp_path):
-    dcp.save({"train_state": {"tokens": 123, "step": 5}}, checkpoint_id=tmp_path,
-             planner=UCPSavePlanner(patterns=[Reduce(r"train_state\.tokens", "sum")]))
+    dcp.save(
+        {"train_state": {"tokens": 123, "step": 5}},
+        checkpoint_id=tmp_path,
+        planner=UCPSavePlanner(patterns=[Reduce(r"train_state\.tokens", "sum")]),
+    )
     target = {"train_state": {"tokens": 0, "step": 0}}
     dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner())
     assert target == {"train_state": {"tokens": 123, "step": 5}}
 
 
 def _expect_pattern_error(tmp_path, sd, **kw):
-    err = expect_ucp_error(lambda: dcp.save(sd, checkpoint_id=tmp_path, planner=UCPSavePlanner(**kw)), ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.save(sd, checkpoint_id=tmp_path, planner=UCPSavePlanner(**kw)), ucp_dcp.PatternError
+    )
     assert not (tmp_path / ".metadata").exists(), "nothing may be written when a pattern is refused"
     return str(err)
 
@@ -165,24 +188,38 @@ def test_pattern_errors_name_atom_rule_and_numbers(tmp_path):
     assert "smaller than the logical size 99" in text and "16" in text
     text = _expect_pattern_error(tmp_path / "d", w, patterns=[QKV, Padded(r"nothing\.here", size=3)])
     assert "matched no name" in text and "nothing" in text
-    dcp.save(w, checkpoint_id=tmp_path / "e", planner=UCPSavePlanner(patterns=[QKV, Padded(r"nothing", size=3)], strict=False))
+    dcp.save(
+        w,
+        checkpoint_id=tmp_path / "e",
+        planner=UCPSavePlanner(patterns=[QKV, Padded(r"nothing", size=3)], strict=False),
+    )
     sd = {"model": {"layers.0.w": torch.ones(2), "layers.1.w": torch.ones(2)}}
     text = _expect_pattern_error(tmp_path / "f", sd, stage_map=stage_map(0, total=3, stage=0))
     assert "1 of 3 layers are owned by no rank" in text and "[2]" in text
     clash = IndexMap("layers", (Chunk(0, ("model.a",), 0), Chunk((1, 0), ("model.b",), 1)))
     sd = {"model": {"a": {"layers.0.w": torch.ones(2)}, "b": {"layers.1.w": torch.ones(2)}}}
     # on one rank the clash is two live keys for one atom (across ranks: see test_pattern_math)
-    err = expect_ucp_error(lambda: dcp.save(sd, checkpoint_id=tmp_path / "g", planner=UCPSavePlanner(stage_map=clash)),
-                           ucp_dcp.AmbiguousLayoutError)
+    err = expect_ucp_error(
+        lambda: dcp.save(sd, checkpoint_id=tmp_path / "g", planner=UCPSavePlanner(stage_map=clash)),
+        ucp_dcp.AmbiguousLayoutError,
+    )
     assert "model.layers.0.w" in str(err) and "model.a.layers.0.w" in str(err) and "model.b.layers.1.w" in str(err)
 
 
 def test_declared_load_rule_must_match_saved_or_target(tmp_path):
     dcp.save({"x": torch.ones(2)}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
-    err = expect_ucp_error(lambda: dcp.load({"x": torch.zeros(2)}, checkpoint_id=tmp_path,
-                                            planner=UCPLoadPlanner(patterns=[Replicated(r"nope")])), ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.load(
+            {"x": torch.zeros(2)}, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[Replicated(r"nope")])
+        ),
+        ucp_dcp.PatternError,
+    )
     assert "nope" in str(err)
-    dcp.load({"x": torch.zeros(2)}, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[Replicated(r"nope")], strict=False))
+    dcp.load(
+        {"x": torch.zeros(2)},
+        checkpoint_id=tmp_path,
+        planner=UCPLoadPlanner(patterns=[Replicated(r"nope")], strict=False),
+    )
 
 
 def test_rules_are_recorded_in_the_catalog(tmp_path):
@@ -197,10 +234,18 @@ def test_rules_are_recorded_in_the_catalog(tmp_path):
 def test_padding_that_holds_data_is_not_dropped_silently(tmp_path):
     """A Padded size that is too small (or padding that is not padding) would drop real rows."""
     emb = torch.randn(64, 4)
-    err = expect_ucp_error(lambda: dcp.save({"model": {"emb.weight": emb}}, checkpoint_id=tmp_path,
-                                            planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)])),
-                           ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.save(
+            {"model": {"emb.weight": emb}},
+            checkpoint_id=tmp_path,
+            planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)]),
+        ),
+        ucp_dcp.PatternError,
+    )
     assert err.atom == "model.emb.weight" and "12 of their 12 values" in str(err) and "discard=True" in err.hint
     zero_padded = torch.cat([emb[:61], torch.zeros(3, 4)])  # real padding: saved without a word
-    dcp.save({"model": {"emb.weight": zero_padded}}, checkpoint_id=tmp_path,
-             planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)]))
+    dcp.save(
+        {"model": {"emb.weight": zero_padded}},
+        checkpoint_id=tmp_path,
+        planner=UCPSavePlanner(patterns=[Padded(r"emb\.weight", size=61)]),
+    )

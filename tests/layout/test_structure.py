@@ -4,18 +4,17 @@ pieces must agree, a padding rule must not drop data, and target keys must not a
 
 import os
 
+import dist as D
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import ucp_failure
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import dist as D
 import ucp_dcp
-from helpers import expect_ucp_error, ucp_failure
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp import UCPSavePlanner
 from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, train_step, trainer_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -45,8 +44,14 @@ def _stage_map_dropped_at_save_worker(rank, world, root):
     train_step(tr)
     opts = trainer_options(cfg, tr)
     opts.pop("stage_map")
-    out = _failure(lambda: dcp.save(tr.state_dict(), storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/ckpt"),
-                                    process_group=job.group, planner=UCPSavePlanner(**opts)))
+    out = _failure(
+        lambda: dcp.save(
+            tr.state_dict(),
+            storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/ckpt"),
+            process_group=job.group,
+            planner=UCPSavePlanner(**opts),
+        )
+    )
     return out, os.path.exists(f"{root}/ckpt/.metadata")
 
 
@@ -86,8 +91,11 @@ def _two_meshes_worker(rank, world, root):
     mine = meshes[rank // 2]
     torch.manual_seed(rank // 2)  # each stage its own values
     w = distribute_tensor(torch.randn(4, 3), mine, [Shard(0)], src_data_rank=None)
-    return _failure(lambda: dcp.save({"layers.0.w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/c"),
-                                     planner=UCPSavePlanner()))
+    return _failure(
+        lambda: dcp.save(
+            {"layers.0.w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/c"), planner=UCPSavePlanner()
+        )
+    )
 
 
 @pytest.mark.slow
@@ -105,8 +113,11 @@ def _replica_dtensor_worker(rank, world, root, check):
         out = _failure(lambda: ucp_dcp.save({"w": w}, f"{root}/r"))
         return out and out + (os.path.exists(f"{root}/r/.metadata"),)
     kw = {} if check is None else {"check_replicas": check}
-    return _failure(lambda: dcp.save({"w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/r"),
-                                     planner=UCPSavePlanner(**kw)))
+    return _failure(
+        lambda: dcp.save(
+            {"w": w}, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/r"), planner=UCPSavePlanner(**kw)
+        )
+    )
 
 
 @pytest.mark.slow

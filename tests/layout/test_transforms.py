@@ -3,19 +3,19 @@ interleaved blocks and padded dims, saved under one layout and loaded under anot
 
 import itertools
 
+import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ucp_dcp.errors import PatternError
 from ucp_dcp.layout.coverage import ChunkIndex, exact_cover_problem
 from ucp_dcp.layout.fragments import layout_fragments
-from ucp_dcp.layout.placements import Layout, Placement
 from ucp_dcp.layout.index_maps import Chunk, IndexMap, check_ownership
+from ucp_dcp.layout.placements import Layout, Placement
 from ucp_dcp.layout.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
-
-import pytest
-from ucp_dcp.errors import PatternError
 
 
 def _dtensor_local(g, mesh_shape, coord, placements):
@@ -39,7 +39,9 @@ def layouts(draw, ndim=2):
     elif kind == "rowwise":
         pl = [Shard(0), Shard(1)]
     else:
-        pl = [draw(st.sampled_from([Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2)])) for _ in range(2)]
+        pl = [
+            draw(st.sampled_from([Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2)])) for _ in range(2)
+        ]
     return (dp, tp), pl
 
 
@@ -91,8 +93,11 @@ def _blocked(parts, blocks, dim=0):
 
 @given(
     st.lists(st.integers(1, 3), min_size=2, max_size=3),  # part widths per block unit
-    st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.integers(1, 5),
-    layouts(), layouts(),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([1, 2, 4]),
+    st.integers(1, 5),
+    layouts(),
+    layouts(),
 )
 def test_fused_parts_round_trip_between_block_counts(units, save_blocks, load_blocks, cols, save_lay, load_lay):
     lcm = 4  # part sizes divisible by every block count used
@@ -113,7 +118,10 @@ def test_fused_parts_round_trip_between_block_counts(units, save_blocks, load_bl
         boxes = list(saved[name])
         assert exact_cover_problem(type(boxes[0])((0, 0), tuple(part.shape)), boxes) is None
         for box, data in saved[name].items():
-            assert torch.equal(data, part[box.offsets[0]:box.offsets[0] + box.sizes[0], box.offsets[1]:box.offsets[1] + box.sizes[1]])
+            assert torch.equal(
+                data,
+                part[box.offsets[0] : box.offsets[0] + box.sizes[0], box.offsets[1] : box.offsets[1] + box.sizes[1]],
+            )
     g_load = _blocked(parts, load_blocks)
     got = _load(saved, tuple(g_load.shape), *load_lay, transform_for(load_blocks))
     for coord, local in got.items():
@@ -163,7 +171,12 @@ def test_stage_maps_cover_layers_exactly_once(n_layers, pp):
 def test_index_map_chunks_drop_their_namespace():
     m = IndexMap("layers", (Chunk((0, 1), ("model.c0", "optim.c0"), 0), Chunk((4, 5), ("model.c1", "optim.c1"), 2)))
     assert m.rewrite(("model", "c1", "layers.1.attn.wq.weight"))[0] == ("model", "layers.5.attn.wq.weight")
-    assert m.rewrite(("optim", "c0", "state", "layers.1.w", "exp_avg"))[0] == ("optim", "state", "layers.1.w", "exp_avg")
+    assert m.rewrite(("optim", "c0", "state", "layers.1.w", "exp_avg"))[0] == (
+        "optim",
+        "state",
+        "layers.1.w",
+        "exp_avg",
+    )
     assert m.rewrite(("optim", "c1", "state.layers.0.w.exp_avg"))[0] == ("optim", "state.layers.4.w.exp_avg")
     assert m.rewrite(("model", "c1", "layers", "0", "w"))[0] == ("model", "layers", "4", "w")
     with pytest.raises(PatternError, match="no entry"):

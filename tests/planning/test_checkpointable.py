@@ -6,20 +6,21 @@ fragments: between any two layouts, into and out of DTensors and plain tensors, 
 stock DCP on either side, bitwise. On torch < 2.14 the protocol does not exist, and such attributes
 mean nothing (to DCP as to ucp_dcp)."""
 
+import dist as D
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp._compat import CheckpointableTensor, is_checkpointable_tensor
 
 needs_protocol = pytest.mark.skipif(
     CheckpointableTensor is None,
-    reason=f"torch {torch.__version__} has no torch.distributed.checkpoint.CheckpointableTensor (torch >= 2.14)")
+    reason=f"torch {torch.__version__} has no torch.distributed.checkpoint.CheckpointableTensor (torch >= 2.14)",
+)
 
 SHAPE = (12, 5)
 """The global tensor every layout below cuts."""
@@ -45,14 +46,17 @@ def _box(t, offs, sizes):
 # Each layout: rank -> (local shape, shards). Padding between shards holds -1 (never saved, never loaded).
 LAYOUTS = {
     # two row blocks per rank in one local tensor, a padding row between them
-    "rows2": {0: ((7, 5), [((0, 0), (0, 0), (3, 5)), ((6, 0), (4, 0), (3, 5))]),
-              1: ((7, 5), [((3, 0), (0, 0), (3, 5)), ((9, 0), (4, 0), (3, 5))])},
+    "rows2": {
+        0: ((7, 5), [((0, 0), (0, 0), (3, 5)), ((6, 0), (4, 0), (3, 5))]),
+        1: ((7, 5), [((3, 0), (0, 0), (3, 5)), ((9, 0), (4, 0), (3, 5))]),
+    },
     # column blocks (uneven), rank 1's local tensor has a padding column
-    "cols": {0: ((12, 3), [((0, 0), (0, 0), (12, 3))]),
-             1: ((12, 3), [((0, 3), (0, 1), (12, 2))])},
+    "cols": {0: ((12, 3), [((0, 0), (0, 0), (12, 3))]), 1: ((12, 3), [((0, 3), (0, 1), (12, 2))])},
     # everything on rank 0 as four quadrant-ish boxes; rank 1 holds no shard at all
-    "rank0": {0: ((12, 5), [((0, 0), (0, 0), (6, 2)), ((0, 2), (0, 2), (6, 3)), ((6, 0), (6, 0), (6, 5))]),
-              1: ((0, 5), [])},
+    "rank0": {
+        0: ((12, 5), [((0, 0), (0, 0), (6, 2)), ((0, 2), (0, 2), (6, 3)), ((6, 0), (6, 0), (6, 5))]),
+        1: ((0, 5), []),
+    },
 }
 
 
@@ -99,12 +103,20 @@ def _reshard_worker(rank, world, root, save_layout, load_layout, save_stock, loa
     DTensor (Shard(1)) and a plain tensor, and the DTensor's atom into a CheckpointableTensor."""
     mesh = init_device_mesh("cpu", (world,))
     full, other = _full(), _full(torch.bfloat16) * 3
-    sd = {"ck": _make(save_layout, rank, full), "dt": distribute_tensor(other, mesh, [Shard(0)]),
-          "plain": torch.arange(6.0), "step": 4}
+    sd = {
+        "ck": _make(save_layout, rank, full),
+        "dt": distribute_tensor(other, mesh, [Shard(0)]),
+        "plain": torch.arange(6.0),
+        "step": 4,
+    }
     assert is_checkpointable_tensor(sd["ck"]) and not is_checkpointable_tensor(sd["dt"])
     _save(sd, root, save_stock)
-    want = {"ck": _make(load_layout, rank, None), "dt": _make(load_layout, rank, None, torch.bfloat16),
-            "plain": torch.zeros(6), "step": 0}
+    want = {
+        "ck": _make(load_layout, rank, None),
+        "dt": _make(load_layout, rank, None, torch.bfloat16),
+        "plain": torch.zeros(6),
+        "step": 0,
+    }
     _load(want, root, load_stock)
     bad = _check(load_layout, rank, want["ck"], full) + _check(load_layout, rank, want["dt"], other)
     if not torch.equal(want["plain"], torch.arange(6.0)) or want["step"] != 4:
@@ -120,18 +132,21 @@ def _reshard_worker(rank, world, root, save_layout, load_layout, save_stock, loa
 
 
 CASES = [
-    ("rows2", "cols", False, False),   # ucp_dcp both ways, two boxes + padding -> columns
-    ("cols", "rank0", False, False),   # -> one rank holds everything, the other nothing
+    ("rows2", "cols", False, False),  # ucp_dcp both ways, two boxes + padding -> columns
+    ("cols", "rank0", False, False),  # -> one rank holds everything, the other nothing
     ("rank0", "rows2", False, False),  # a rank without a shard at save
-    ("rows2", "cols", True, False),    # stock DCP's save, ucp_dcp's resharding load
-    ("cols", "rows2", False, True),    # ucp_dcp's save, stock DCP's load
+    ("rows2", "cols", True, False),  # stock DCP's save, ucp_dcp's resharding load
+    ("cols", "rows2", False, True),  # ucp_dcp's save, stock DCP's load
 ]
 
 
 @pytest.mark.slow
 @needs_protocol
-@pytest.mark.parametrize("save_layout,load_layout,save_stock,load_stock", CASES,
-                         ids=[f"{a}-to-{b}{'-stocksave' if c else ''}{'-stockload' if d else ''}" for a, b, c, d in CASES])
+@pytest.mark.parametrize(
+    "save_layout,load_layout,save_stock,load_stock",
+    CASES,
+    ids=[f"{a}-to-{b}{'-stocksave' if c else ''}{'-stockload' if d else ''}" for a, b, c, d in CASES],
+)
 def test_checkpointable_tensor_reshards_bitwise(save_layout, load_layout, save_stock, load_stock):
     out = D.run(_reshard_worker, 2, D.tmpdir(), save_layout, load_layout, save_stock, load_stock)
     assert out == [[], []], out

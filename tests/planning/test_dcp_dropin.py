@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 
+import dist as D
 import numpy as np
 import pytest
 import torch
@@ -21,7 +22,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPOptions, UCPSavePlanner
 
@@ -118,7 +118,7 @@ def test_code_written_against_dcp_matches_through_dcp_load(saved, planner):
     wrong["model"]["a"] = torch.zeros(4, 4)
     with pytest.raises(CheckpointException, match="Size mismatch between saved") as info:
         dcp.load(wrong, checkpoint_id=saved, planner=planner())
-    (inner, _), = info.value.failures.values()
+    ((inner, _),) = info.value.failures.values()
     try:
         raise inner
     except ValueError as e:  # DCP's type
@@ -140,19 +140,31 @@ def test_dcp_typed_errors_still_pickle_and_unwrap():
 
 
 def _dcp_params(cls) -> list[tuple[str, object, object]]:
-    return [(p.name, p.default, p.kind) for p in inspect.signature(cls.__init__).parameters.values()
-            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return [
+        (p.name, p.default, p.kind)
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
 
 
-@pytest.mark.parametrize("ours,theirs", [(UCPSavePlanner, DefaultSavePlanner), (UCPLoadPlanner, DefaultLoadPlanner),
-                                         (UCPFileSystemWriter, FileSystemWriter),
-                                         (UCPFileSystemReader, FileSystemReader)],
-                         ids=["save-planner", "load-planner", "writer", "reader"])
+@pytest.mark.parametrize(
+    "ours,theirs",
+    [
+        (UCPSavePlanner, DefaultSavePlanner),
+        (UCPLoadPlanner, DefaultLoadPlanner),
+        (UCPFileSystemWriter, FileSystemWriter),
+        (UCPFileSystemReader, FileSystemReader),
+    ],
+    ids=["save-planner", "load-planner", "writer", "reader"],
+)
 def test_positional_parameters_are_dcps(ours, theirs):
     """Same names, order and defaults as DCP's class; everything of ours is keyword-only after."""
     assert _dcp_params(ours) == _dcp_params(theirs)
-    extra = [p for p in inspect.signature(ours.__init__).parameters.values()
-             if p.name not in {n for n, _, _ in _dcp_params(theirs)}]
+    extra = [
+        p
+        for p in inspect.signature(ours.__init__).parameters.values()
+        if p.name not in {n for n, _, _ in _dcp_params(theirs)}
+    ]
     assert extra and all(p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD) for p in extra)
 
 
@@ -272,7 +284,9 @@ def _lowest_rank_worker(rank, world, root, lowest):
     path = f"{root}/lowest{int(lowest)}"
     dcp.save(sd, checkpoint_id=path, planner=UCPSavePlanner(True, True, None, lowest))
     md = FileSystemReader(path).read_metadata()
-    return sorted({info.relative_path.split("_")[2] for idx, info in md.storage_data.items() if idx.fqn != "__ucp_io__"})
+    return sorted(
+        {info.relative_path.split("_")[2] for idx, info in md.storage_data.items() if idx.fqn != "__ucp_io__"}
+    )
 
 
 @pytest.mark.slow
@@ -285,12 +299,20 @@ def test_dedup_save_to_lowest_rank_positional_means_rank_zero_writes_replicas():
 def test_writer_positional_arguments_mean_what_they_mean_in_dcp(tmp_path):
     args = (tmp_path, False, False, 2, 5_000_000, True, False)
     ours, theirs = UCPFileSystemWriter(*args), FileSystemWriter(*args)
-    for attr in ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",
-                 "cache_staged_state_dict", "overwrite", "serialization_format"):
+    for attr in (
+        "single_file_per_rank",
+        "sync_files",
+        "thread_count",
+        "per_thread_copy_ahead",
+        "cache_staged_state_dict",
+        "overwrite",
+        "serialization_format",
+    ):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     with pytest.raises(TypeError):
-        UCPFileSystemWriter(tmp_path, True, True, 1, 10_000_000, False, True, None, SerializationFormat.TORCH_SAVE,
-                            False)  # checksums is keyword-only
+        UCPFileSystemWriter(
+            tmp_path, True, True, 1, 10_000_000, False, True, None, SerializationFormat.TORCH_SAVE, False
+        )  # checksums is keyword-only
 
 
 def _data_files(path) -> list[str]:
@@ -330,7 +352,7 @@ class _Xor(StreamTransformExtension):
         return "test.xor"
 
     @staticmethod
-    def from_descriptor(version: str) -> "_Xor":
+    def from_descriptor(version: str) -> _Xor:
         return _Xor()
 
     def get_descriptor(self) -> str:
@@ -380,8 +402,11 @@ def test_reader_extension_registry_positional_decodes_dcps_transformed_tensors(t
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["m"], sd["m"])
 
 
-@pytest.mark.xfail(strict=True, reason="UCPFileSystemReader._read_object hands an object item's bytes to the "
-                   "planner without undoing the item's stream transforms (reader.py, outside this change)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="UCPFileSystemReader._read_object hands an object item's bytes to the "
+    "planner without undoing the item's stream transforms (reader.py, outside this change)",
+)
 def test_reader_extension_registry_decodes_dcps_transformed_objects(tmp_path):
     dcp.save({"meta": {"k": "v"}}, storage_writer=FileSystemWriter(tmp_path, _extensions=[_Xor()]))
     back = {"meta": {"k": ""}}
@@ -461,11 +486,15 @@ def test_save_create_global_plan_on_a_coordinator_that_planned_nothing():
     assert {it.index.fqn for it in final.items} >= {"model.a", "model.b", "step"}
 
 
-@pytest.mark.parametrize("call,step", [
-    (lambda p: p.create_local_plan(), "set_up_planner"),
-    (lambda p: p.finish_plan(SavePlan([])), "create_local_plan"),
-    (lambda p: p.resolve_data(None), "create_local_plan"),
-], ids=["local-before-set-up", "finish-before-local", "resolve-before-local"])
+@pytest.mark.parametrize(
+    "call,step",
+    [
+        (lambda p: p.create_local_plan(), "set_up_planner"),
+        (lambda p: p.finish_plan(SavePlan([])), "create_local_plan"),
+        (lambda p: p.resolve_data(None), "create_local_plan"),
+    ],
+    ids=["local-before-set-up", "finish-before-local", "resolve-before-local"],
+)
 def test_save_steps_out_of_order_name_the_missing_step(call, step):
     with pytest.raises(ucp_dcp.UCPError, match=step):
         call(UCPSavePlanner())
@@ -521,12 +550,16 @@ def test_load_create_global_plan_on_a_coordinator_that_planned_nothing(saved):
     assert rank.finish_plan(central).items
 
 
-@pytest.mark.parametrize("call,step", [
-    (lambda p: p.create_local_plan(), "set_up_planner"),
-    (lambda p: p.finish_plan(LoadPlan([])), "create_local_plan"),
-    (lambda p: p.load_bytes(None, io.BytesIO()), "create_local_plan"),
-    (lambda p: p.resolve_tensor(None), "set_up_planner"),
-], ids=["local-before-set-up", "finish-before-local", "bytes-before-local", "tensor-before-set-up"])
+@pytest.mark.parametrize(
+    "call,step",
+    [
+        (lambda p: p.create_local_plan(), "set_up_planner"),
+        (lambda p: p.finish_plan(LoadPlan([])), "create_local_plan"),
+        (lambda p: p.load_bytes(None, io.BytesIO()), "create_local_plan"),
+        (lambda p: p.resolve_tensor(None), "set_up_planner"),
+    ],
+    ids=["local-before-set-up", "finish-before-local", "bytes-before-local", "tensor-before-set-up"],
+)
 def test_load_steps_out_of_order_name_the_missing_step(call, step):
     with pytest.raises(ucp_dcp.UCPError, match=step):
         call(UCPLoadPlanner())
@@ -561,23 +594,43 @@ def test_load_plans_from_another_planner_are_refused(saved):
 
 def test_planners_built_positionally_pickle_with_their_configuration():
     rules = [ucp_dcp.Replicated(r"w")]
-    s = pickle.loads(pickle.dumps(UCPSavePlanner(False, False, None, True, True, check_replicas="warn",
-                                                 patterns=rules, strict=False)))
-    assert (s.flatten_state_dict, s.flatten_sharded_tensors, s.dedup_save_to_lowest_rank, s._enable_plan_caching,
-            s.check_replicas, s.rules, s.strict) == (False, False, True, True, "warn", tuple(rules), False)
+    s = pickle.loads(
+        pickle.dumps(
+            UCPSavePlanner(False, False, None, True, True, check_replicas="warn", patterns=rules, strict=False)
+        )
+    )
+    assert (
+        s.flatten_state_dict,
+        s.flatten_sharded_tensors,
+        s.dedup_save_to_lowest_rank,
+        s._enable_plan_caching,
+        s.check_replicas,
+        s.rules,
+        s.strict,
+    ) == (False, False, True, True, "warn", tuple(rules), False)
     ld = pickle.loads(pickle.dumps(UCPLoadPlanner(False, False, True, read_once="off", trust=True)))
-    assert (ld.flatten_state_dict, ld.flatten_sharded_tensors, ld.allow_partial_load, ld.read_once, ld.trust) == \
-        (False, False, True, "off", True)
+    assert (ld.flatten_state_dict, ld.flatten_sharded_tensors, ld.allow_partial_load, ld.read_once, ld.trust) == (
+        False,
+        False,
+        True,
+        "off",
+        True,
+    )
 
 
 def test_planner_pickles_of_the_previous_format_still_load():
     """Before DCP's parameters came first, a planner pickled as (options, our options only)."""
     from ucp_dcp.planning import load_planner, save_planner
 
-    s = save_planner._rebuild(UCPSavePlanner, UCPOptions(strict=False), {"check_replicas": "off",
-                                                                          "dedup_save_to_lowest_rank": True,
-                                                                          "enable_plan_caching": False})
+    s = save_planner._rebuild(
+        UCPSavePlanner,
+        UCPOptions(strict=False),
+        {"check_replicas": "off", "dedup_save_to_lowest_rank": True, "enable_plan_caching": False},
+    )
     assert (s.strict, s.check_replicas, s.dedup_save_to_lowest_rank, s.flatten_state_dict) == (False, "off", True, True)
-    ld = load_planner._rebuild(UCPLoadPlanner, UCPOptions(), {"read_once": "ranks", "allow_partial_load": True,
-                                                              "allow_lossy_dtype": False, "trust": False})
+    ld = load_planner._rebuild(
+        UCPLoadPlanner,
+        UCPOptions(),
+        {"read_once": "ranks", "allow_partial_load": True, "allow_lossy_dtype": False, "trust": False},
+    )
     assert (ld.read_once, ld.allow_partial_load, ld.flatten_state_dict) == ("ranks", True, True)

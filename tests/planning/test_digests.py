@@ -3,14 +3,14 @@
 import os
 import pickle
 
+import dist as D
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import expect_ucp_error, ucp_failure
 from torch.distributed.checkpoint.api import CheckpointException
 
-import dist as D
 import ucp_dcp
-from helpers import expect_ucp_error, ucp_failure
 from ucp_dcp import DtypeConversionError, UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.planning.digests import value_digest
 
@@ -134,8 +134,11 @@ def test_object_holding_dtensor_is_not_compared():
 def _read_once_dtype_worker(rank, world, root, name, dtype):
     """Dtype checks on the read-once path (one rank reads, the other receives): the value read back,
     or (error name, atom)."""
-    dcp.save({"v": torch.tensor([1.5, -2.0, 3.25]), "big": torch.tensor([1.0, 1e6])},
-             storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/dt"), planner=UCPSavePlanner())
+    dcp.save(
+        {"v": torch.tensor([1.5, -2.0, 3.25]), "big": torch.tensor([1.0, 1e6])},
+        storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/dt"),
+        planner=UCPSavePlanner(),
+    )
     n = 3 if name == "v" else 2
     back = {name: torch.zeros(n, dtype=dtype)}
     try:
@@ -203,8 +206,9 @@ def test_float_to_int_refused_at_plan_time(tmp_path, reader):
 
 @pytest.mark.parametrize("reader", READERS)
 def test_float_to_int_allowed_when_lossy_is_allowed(tmp_path, reader):
-    got = _round_trip(tmp_path, torch.tensor([1.7, -2.5, 3.0]), torch.zeros(3, dtype=torch.int32), reader,
-                      allow_lossy_dtype=True)
+    got = _round_trip(
+        tmp_path, torch.tensor([1.7, -2.5, 3.0]), torch.zeros(3, dtype=torch.int32), reader, allow_lossy_dtype=True
+    )
     assert got.dtype == torch.int32 and got.tolist() == [1, -2, 3]
 
 
@@ -218,8 +222,9 @@ def test_fp32_overflowing_fp16_refused(tmp_path, reader):
 
 @pytest.mark.parametrize("reader", READERS)
 def test_fp32_overflowing_fp16_allowed_when_lossy_is_allowed(tmp_path, reader):
-    got = _round_trip(tmp_path, torch.tensor([1.0, 1e6]), torch.zeros(2, dtype=torch.float16), reader,
-                      allow_lossy_dtype=True)
+    got = _round_trip(
+        tmp_path, torch.tensor([1.0, 1e6]), torch.zeros(2, dtype=torch.float16), reader, allow_lossy_dtype=True
+    )
     assert got.tolist() == [1.0, float("inf")]
 
 
@@ -251,10 +256,18 @@ def test_int64_in_int32_range_allowed(tmp_path, reader):
 
 
 @pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("saved,wanted", [
-    (torch.int32, torch.int64), (torch.float32, torch.float64), (torch.int32, torch.float32),
-    (torch.bool, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.complex64),
-], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "saved,wanted",
+    [
+        (torch.int32, torch.int64),
+        (torch.float32, torch.float64),
+        (torch.int32, torch.float32),
+        (torch.bool, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.complex64),
+    ],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 def test_widening_conversions_allowed(tmp_path, reader, saved, wanted):
     values = torch.tensor([0, 1, 5, 7]).to(saved)
     got = _round_trip(tmp_path, values, torch.zeros(4, dtype=wanted), reader)
@@ -262,10 +275,16 @@ def test_widening_conversions_allowed(tmp_path, reader, saved, wanted):
 
 
 @pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("saved,wanted", [
-    (torch.complex64, torch.float32), (torch.float32, torch.bool), (torch.int64, torch.bool),
-    (torch.float64, torch.int64),
-], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "saved,wanted",
+    [
+        (torch.complex64, torch.float32),
+        (torch.float32, torch.bool),
+        (torch.int64, torch.bool),
+        (torch.float64, torch.int64),
+    ],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 def test_lossy_kind_conversions_refused(tmp_path, reader, saved, wanted):
     err = _refused(tmp_path, torch.tensor([0, 1, 5, 7]).to(saved), torch.zeros(4, dtype=wanted), reader)
     assert str(saved) in str(err) and str(wanted) in str(err)
@@ -273,8 +292,14 @@ def test_lossy_kind_conversions_refused(tmp_path, reader, saved, wanted):
 
 def test_kind_refusal_lists_every_atom(tmp_path):
     dcp.save({"a": torch.ones(2), "b": torch.ones(2)}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
-    err = expect_ucp_error(lambda: dcp.load({"a": torch.zeros(2, dtype=torch.int8), "b": torch.zeros(2, dtype=torch.int8)},
-                                            checkpoint_id=tmp_path, planner=UCPLoadPlanner()), DtypeConversionError)
+    err = expect_ucp_error(
+        lambda: dcp.load(
+            {"a": torch.zeros(2, dtype=torch.int8), "b": torch.zeros(2, dtype=torch.int8)},
+            checkpoint_id=tmp_path,
+            planner=UCPLoadPlanner(),
+        ),
+        DtypeConversionError,
+    )
     assert "'a'" in str(err) and "'b'" in str(err)
 
 
@@ -296,8 +321,11 @@ class _Spy(UCPLoadPlanner):
 
 
 @pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("wanted,alias", [(torch.float32, True), (torch.float64, True), (torch.float16, False)],
-                         ids=["same", "widening", "narrowing"])
+@pytest.mark.parametrize(
+    "wanted,alias",
+    [(torch.float32, True), (torch.float64, True), (torch.float16, False)],
+    ids=["same", "widening", "narrowing"],
+)
 def test_only_narrowing_reads_go_through_a_scratch_tensor(tmp_path, reader, wanted, alias):
     _save(tmp_path, {"w": torch.arange(6.0)}, reader)
     planner = _Spy()
@@ -327,9 +355,17 @@ def test_sets_digest_alike_whatever_the_hash_seed():
     import subprocess
     import sys
 
-    code = ("from ucp_dcp.planning.digests import value_digest; "
-            "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
-            for seed in (1, 2, 3)}
+    code = (
+        "from ucp_dcp.planning.digests import value_digest; "
+        "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2, 3)
+    }
     assert len(outs) == 1 and outs != {""} and outs != {"None"}, outs

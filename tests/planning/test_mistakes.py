@@ -7,12 +7,24 @@ the whole set, one item per transition, is in the e2e tier (``make mistakes`` pr
 
 import dataclasses
 
-import pytest
-
 import dist as D
-from mistakes import (RULES, SAME_LAYOUT, USER_OWNED, WRITER_SWAP_TRANSITIONS, Mistake, all_mistakes, is_noop, options, plan,
-                      rule_key, summary, transition_worker)
+import pytest
+from mistakes import (
+    RULES,
+    SAME_LAYOUT,
+    USER_OWNED,
+    WRITER_SWAP_TRANSITIONS,
+    Mistake,
+    all_mistakes,
+    is_noop,
+    options,
+    plan,
+    rule_key,
+    summary,
+    transition_worker,
+)
 from test_reconfig import TRANSITIONS, _id
+
 from ucp_dcp.toy import ModelConfig, Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -50,17 +62,23 @@ def test_a_drop_removes_exactly_that_rule(key):
 def test_an_alter_changes_exactly_that_rule(key):
     topo = Topology(tp=2, ep=2)
     full, altered = _options(topo, ("correct",)), _options(topo, ("alter", key))
-    assert altered["stage_map"] != full["stage_map"] if key == "stage_map" else altered["stage_map"] == full["stage_map"]
-    assert altered["expert_map"] != full["expert_map"] if key == "expert_map" else altered["expert_map"] == full["expert_map"]
+    assert (
+        altered["stage_map"] != full["stage_map"] if key == "stage_map" else altered["stage_map"] == full["stage_map"]
+    )
+    assert (
+        altered["expert_map"] != full["expert_map"]
+        if key == "expert_map"
+        else altered["expert_map"] == full["expert_map"]
+    )
     changed = [rule_key(a) for a, b in zip(altered["patterns"], full["patterns"]) if a != b]
     assert changed == ([] if key.endswith("_map") else [key])
 
 
 def test_noops_are_skipped_not_run():
     dp4, tp2, ep2 = Topology(dp=4), Topology(dp=2, tp=2), Topology(ep=2, dp=2)
-    assert is_noop(Mistake("drop", "expert_map", "both"), dp4, tp2)       # no EP at either side
+    assert is_noop(Mistake("drop", "expert_map", "both"), dp4, tp2)  # no EP at either side
     assert not is_noop(Mistake("drop", "expert_map", "load"), dp4, ep2)
-    assert is_noop(Mistake("alter", "fused_w13", "save"), dp4, tp2)       # blocks="tp" is 1 block at tp=1
+    assert is_noop(Mistake("alter", "fused_w13", "save"), dp4, tp2)  # blocks="tp" is 1 block at tp=1
     assert not is_noop(Mistake("alter", "fused_w13", "load"), dp4, tp2)
     assert is_noop(Mistake("perturb", "hsdp"), dp4, tp2) and is_noop(Mistake("perturb", "tp_norm"), dp4, tp2)
     assert not is_noop(Mistake("perturb", "plain"), dp4, tp2)
@@ -81,8 +99,15 @@ def test_the_summary_counts_silent_runs_and_leaves_user_owned_and_stock_ones_apa
     r = lambda m, o, **kw: {"save": "dp=4", "load": "tp=4", "mistake": m, "outcome": o, **kw}
     ok, good = summary([r("none", "ok"), r("drop-padded-save", "refused", error="E")], skipped=3)
     assert good and ok[-1].startswith("MISTAKES OK: 2 runs, 0 silent")
-    lines, good = summary([r("none", "ok"), r("drop-stage_map-save", "silent", diffs=2, first=["a", "b"]),
-                           r("drop-fused_w13-both", "silent", diffs=1, first=["c"]), r("reader", "stock-silent")], 0)
+    lines, good = summary(
+        [
+            r("none", "ok"),
+            r("drop-stage_map-save", "silent", diffs=2, first=["a", "b"]),
+            r("drop-fused_w13-both", "silent", diffs=1, first=["c"]),
+            r("reader", "stock-silent"),
+        ],
+        0,
+    )
     assert not good and lines[-1].startswith("MISTAKES FAILED: 4 runs, 1 silent, 0 crashed, 0 unclear")
     assert lines[0].startswith("SILENT") and "drop-stage_map-save" in lines[0]
     assert any(x.startswith("USER-OWNED") for x in lines) and any(x.startswith("STOCK-SILENT") for x in lines)
@@ -93,8 +118,11 @@ def _run(save: str, load: str, names: list[str]) -> list[dict]:
     return D.run(transition_worker, world, D.tmpdir(), save, load, names, timeout=1500)[0]
 
 
-SAMPLE = [("dp=2,pp=2", "pp=4", "none"), ("dp=2,pp=2", "pp=4", "drop-padded-save"),
-          ("dp=2,pp=2", "pp=4", "perturb-plain")]
+SAMPLE = [
+    ("dp=2,pp=2", "pp=4", "none"),
+    ("dp=2,pp=2", "pp=4", "drop-padded-save"),
+    ("dp=2,pp=2", "pp=4", "perturb-plain"),
+]
 
 
 @pytest.mark.slow
@@ -110,7 +138,7 @@ def test_a_sample_mistake_loads_right_or_is_refused(save, load, mistake):
 def test_no_mistake_is_silent(save, load):
     same = (save, load) in SAME_LAYOUT
     jobs, skipped = plan([] if same else [(save, load)], same_layout=[(save, load)] if same else [])
-    (_, _, names), = jobs
+    ((_, _, names),) = jobs
     results = _run(save, load, names)
     lines, ok = summary(results, skipped)
     print("\n".join(lines))

@@ -3,26 +3,30 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from ucp_dcp.errors import CoverageError
 from ucp_dcp.planning.payloads import ItemKind, LocalItems, PackedPlan, PlanStructure, dtype_code
 from ucp_dcp.planning.save_steps import plan_global
-from ucp_dcp.errors import CoverageError
 
 SHARD, TENSOR, BYTES = ItemKind.SHARD, ItemKind.TENSOR, ItemKind.BYTES
 
 
 def _rank(names, shapes, rows, dtypes=None):
     """A rank's packed plan: rows of (atom index, kind, offsets, sizes)."""
-    structure = PlanStructure(names, shapes, dtypes or [dtype_code(torch.float32)] * len(names), {},
-                              {"meshes": [], "atoms": {}}, [], [])
+    structure = PlanStructure(
+        names, shapes, dtypes or [dtype_code(torch.float32)] * len(names), {}, {"meshes": [], "atoms": {}}, [], []
+    )
     width = max([len(r[2]) for r in rows] + [1])
     off = np.full((len(rows), width), -1, dtype=np.int64)
     size = np.full((len(rows), width), -1, dtype=np.int64)
     for i, (_, _, o, s) in enumerate(rows):
-        off[i, :len(o)] = o
-        size[i, :len(s)] = s
-    items = LocalItems(np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8), off, size)
+        off[i, : len(o)] = o
+        size[i, : len(s)] = s
+    items = LocalItems(
+        np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8), off, size
+    )
     return PackedPlan.pack(structure, items), items
 
 

@@ -1,17 +1,15 @@
 """Save/load without a process group: naming, optimizer forms, dtype conversion, errors, interop."""
 
-import io
 import json
-import os
 import pickle
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import expect_ucp_error, tensors_equal
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -22,7 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ucp_dcp
-from helpers import expect_ucp_error, tensors_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -43,9 +40,14 @@ def _trained(seed=0, width=6):
     torch.manual_seed(seed)
     m = Net(width)
     opt = torch.optim.AdamW(
-        [{"params": [m.emb.weight, m.head.weight], "lr": 0.01},
-         {"params": [p for n, p in m.named_parameters() if n not in ("emb.weight", "head.weight")], "lr": 0.02,
-          "weight_decay": 0.0}],
+        [
+            {"params": [m.emb.weight, m.head.weight], "lr": 0.01},
+            {
+                "params": [p for n, p in m.named_parameters() if n not in ("emb.weight", "head.weight")],
+                "lr": 0.02,
+                "weight_decay": 0.0,
+            },
+        ],
     )
     for _ in range(2):
         m(torch.randint(0, 10, (4, 5))).sum().backward()
@@ -57,9 +59,14 @@ def _trained(seed=0, width=6):
 def _fresh(width=6, lrs=(0.5, 0.7)):
     m = Net(width)
     opt = torch.optim.AdamW(
-        [{"params": [m.emb.weight, m.head.weight], "lr": lrs[0]},
-         {"params": [p for n, p in m.named_parameters() if n not in ("emb.weight", "head.weight")], "lr": lrs[1],
-          "weight_decay": 0.0}],
+        [
+            {"params": [m.emb.weight, m.head.weight], "lr": lrs[0]},
+            {
+                "params": [p for n, p in m.named_parameters() if n not in ("emb.weight", "head.weight")],
+                "lr": lrs[1],
+                "weight_decay": 0.0,
+            },
+        ],
     )
     return m, opt
 
@@ -291,8 +298,14 @@ def test_inspect_cli(tmp_path):
 
 
 def test_errors_survive_pickle_and_helpers_unwrap():
-    for cls in (ucp_dcp.UCPError, ucp_dcp.ShapeMismatchError, ucp_dcp.MissingAtomsError,
-                ucp_dcp.ReplicaMismatchError, ucp_dcp.ChecksumError, ucp_dcp.PatternError):
+    for cls in (
+        ucp_dcp.UCPError,
+        ucp_dcp.ShapeMismatchError,
+        ucp_dcp.MissingAtomsError,
+        ucp_dcp.ReplicaMismatchError,
+        ucp_dcp.ChecksumError,
+        ucp_dcp.PatternError,
+    ):
         e = cls("boom", atom="a.b", saved=(2, 3), wanted=(4, 3), hint="do x")
         e2 = pickle.loads(pickle.dumps(e))
         assert type(e2) is cls and str(e2) == str(e)

@@ -4,25 +4,25 @@ each a small function submitted to the 4-process pool (sub-groups give the 1..3-
 import itertools
 import os
 
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from helpers import ucp_failure
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import dist as D
-import torch.nn as nn
 import ucp_dcp
-from helpers import ucp_failure
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -59,6 +59,7 @@ def _sd(model, opt):
 
 # -- the recipe model at every (dp, tp) layout: the whole matrix, one item per (save, load) pair --------
 
+
 def _job(lay):
     return build_job(Topology(dp=lay[0], tp=lay[1]), list(range(lay[0] * lay[1])))  # collective over the world
 
@@ -73,8 +74,12 @@ def _matrix_save_worker(rank, world, root):
         if job.member:
             tr = build_trainer(cfg, job, seed=0)
             train_step(tr)
-            dcp.save(tr.state_dict(), checkpoint_id=f"{root}/{lay}", process_group=job.group,
-                     planner=UCPSavePlanner(**trainer_options(cfg, tr)))
+            dcp.save(
+                tr.state_dict(),
+                checkpoint_id=f"{root}/{lay}",
+                process_group=job.group,
+                planner=UCPSavePlanner(**trainer_options(cfg, tr)),
+            )
             oracle = logical_state(tr)
             if rank == 0:
                 oracles[lay] = oracle
@@ -89,8 +94,12 @@ def _matrix_load_worker(rank, world, root, src, dst):
     if job.member:
         tr = build_trainer(cfg, job, seed=1)
         sd = tr.state_dict()
-        dcp.load(sd, checkpoint_id=f"{root}/{src}", process_group=job.group,
-                 planner=UCPLoadPlanner(**trainer_options(cfg, tr)))
+        dcp.load(
+            sd,
+            checkpoint_id=f"{root}/{src}",
+            process_group=job.group,
+            planner=UCPLoadPlanner(**trainer_options(cfg, tr)),
+        )
         tr.load_state_dict(sd)
         loaded = logical_state(tr)
     return loaded
@@ -184,8 +193,9 @@ def _strided_worker(rank, world, root, ci):
     return checks, bool(flag), stock_save
 
 
-@pytest.mark.parametrize("ci", range(len(STRIDED_CASES)),
-                         ids=["sf2", "sf2-uneven", "two-strided", "dim1", "3d-mesh", "empty-shards"])
+@pytest.mark.parametrize(
+    "ci", range(len(STRIDED_CASES)), ids=["sf2", "sf2-uneven", "two-strided", "dim1", "3d-mesh", "empty-shards"]
+)
 def test_noncontiguous_strided_layouts_both_directions(ci):
     """``[Shard(0), _StridedShard(0, sf=2)]`` and friends: a rank's rows are not one range. Ours
     writes several boxes per rank and fills strided targets exactly; stock DCP (first offset + local
@@ -201,6 +211,7 @@ def test_noncontiguous_strided_layouts_both_directions(ci):
 
 
 # -- interop, caching, async, errors -----------------------------------------------------------------
+
 
 class _Net(nn.Module):
     def __init__(self):
@@ -266,9 +277,14 @@ def test_fsdp2_tp_checkpoint_loads_at_dp3(kind):
 
 
 def _spread_worker(rank, world, root):
-    dcp.save({f"r{i}": torch.full((256,), float(i)) for i in range(8)}, checkpoint_id=f"{root}/spread",
-             planner=UCPSavePlanner())
-    files = [info.relative_path for info in dcp.FileSystemReader(f"{root}/spread").read_metadata().storage_data.values()]
+    dcp.save(
+        {f"r{i}": torch.full((256,), float(i)) for i in range(8)},
+        checkpoint_id=f"{root}/spread",
+        planner=UCPSavePlanner(),
+    )
+    files = [
+        info.relative_path for info in dcp.FileSystemReader(f"{root}/spread").read_metadata().storage_data.values()
+    ]
     return sorted(f.split("_")[2] for f in files)
 
 
@@ -281,8 +297,14 @@ def test_replicated_values_are_written_once_spread_over_the_ranks():
 def _replica_mismatch_worker(rank, world, root):
     """A plain tensor under a shared name that differs across ranks: an error at save, nothing written."""
     try:
-        dcp.save({"w": distribute_tensor(torch.ones(4, 2), DeviceMesh("cpu", torch.arange(4)), [Shard(0)]),
-                  "counter": torch.tensor([float(rank)])}, checkpoint_id=f"{root}/bad", planner=UCPSavePlanner())
+        dcp.save(
+            {
+                "w": distribute_tensor(torch.ones(4, 2), DeviceMesh("cpu", torch.arange(4)), [Shard(0)]),
+                "counter": torch.tensor([float(rank)]),
+            },
+            checkpoint_id=f"{root}/bad",
+            planner=UCPSavePlanner(),
+        )
         return None
     except CheckpointException as e:
         err = ucp_failure(e)
@@ -321,7 +343,9 @@ def _cached_save(rank, root, i, names):
     m = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=names)
     value = distribute_tensor(full + i, m, [Shard(0)])
     path = f"{root}/cache{i}"
-    dcp.save({"w": value, "step": torch.tensor(i)}, checkpoint_id=path, planner=UCPSavePlanner(enable_plan_caching=True))
+    dcp.save(
+        {"w": value, "step": torch.tensor(i)}, checkpoint_id=path, planner=UCPSavePlanner(enable_plan_caching=True)
+    )
     md = dcp.FileSystemReader(path).read_metadata()
     cat = md.planner_data[ucp_dcp.CATALOG_KEY]
     meshes = cat["topology"]["meshes"]
@@ -353,26 +377,35 @@ def _cached_replica_worker(rank, world, root):
     *_, m = _cached_save(rank, root, 0, ("dp",))
     *_, m = _cached_save(rank, root, 1, ("dp",))
     try:
-        dcp.save({"w": distribute_tensor(full, m, [Shard(0)]), "step": torch.tensor(rank)},
-                 checkpoint_id=f"{root}/cache_bad", planner=UCPSavePlanner(enable_plan_caching=True))
+        dcp.save(
+            {"w": distribute_tensor(full, m, [Shard(0)]), "step": torch.tensor(rank)},
+            checkpoint_id=f"{root}/cache_bad",
+            planner=UCPSavePlanner(enable_plan_caching=True),
+        )
         return None
     except CheckpointException as e:
         return type(ucp_failure(e)).__name__
 
 
 def test_replica_check_runs_under_a_cached_plan():
-    assert D.run(_cached_replica_worker, 4, D.tmpdir())[0] == "ReplicaMismatchError", \
+    assert D.run(_cached_replica_worker, 4, D.tmpdir())[0] == "ReplicaMismatchError", (
         "replica check must run even when the plan is cached"
+    )
 
 
 # -- rules that need several ranks: reductions, replica checks and averaging ----------------------------
+
 
 def _reduce_worker(rank, world, root):
     from ucp_dcp.layout.patterns import Reduce
 
     g2 = dist.new_group([0, 1])
-    reduce = [Reduce(r"ts\.tokens", "sum"), Reduce(r"ts\.loss", "mean"), Reduce(r"ts\.peak", "max"),
-              Reduce(r"ts\.tensor_tokens", "sum")]
+    reduce = [
+        Reduce(r"ts\.tokens", "sum"),
+        Reduce(r"ts\.loss", "mean"),
+        Reduce(r"ts\.peak", "max"),
+        Reduce(r"ts\.tensor_tokens", "sum"),
+    ]
     sd = {"ts": {"tokens": rank + 1, "loss": float(rank), "peak": 10 * rank, "tensor_tokens": torch.tensor([rank, 1])}}
     dcp.save(sd, checkpoint_id=f"{root}/reduce", planner=UCPSavePlanner(patterns=reduce))
     if rank < 2:
@@ -393,7 +426,11 @@ def _equal_rule_worker(rank, world, root):
     from ucp_dcp.layout.patterns import Reduce
 
     try:
-        dcp.save({"ts": {"v": rank}}, checkpoint_id=f"{root}/equal", planner=UCPSavePlanner(patterns=[Reduce(r"ts\.v", "equal")]))
+        dcp.save(
+            {"ts": {"v": rank}},
+            checkpoint_id=f"{root}/equal",
+            planner=UCPSavePlanner(patterns=[Reduce(r"ts\.v", "equal")]),
+        )
         return None
     except CheckpointException as e:
         return type(ucp_failure(e)).__name__
@@ -408,8 +445,11 @@ def _reduce_dtensor_worker(rank, world, root):
 
     mesh4 = DeviceMesh("cpu", torch.arange(4))
     try:
-        dcp.save({"w": distribute_tensor(torch.ones(4), mesh4, [Shard(0)])}, checkpoint_id=f"{root}/rdt",
-                 planner=UCPSavePlanner(patterns=[Reduce(r"w")]))
+        dcp.save(
+            {"w": distribute_tensor(torch.ones(4), mesh4, [Shard(0)])},
+            checkpoint_id=f"{root}/rdt",
+            planner=UCPSavePlanner(patterns=[Reduce(r"w")]),
+        )
         return None
     except CheckpointException as e:
         return str(ucp_failure(e))
@@ -428,8 +468,11 @@ def _drift_worker(rank, world, root, check):
     drift = DTensor.from_local(torch.full((2, 3), float(rank)), mesh22, [Shard(0), Replicate()], run_check=False)
     g0 = dist.new_group([0])
     try:
-        dcp.save({"norm": {"weight": drift}}, checkpoint_id=f"{root}/rep_{check}",
-                 planner=UCPSavePlanner(patterns=[Replicated(r"weight", check=check)]))
+        dcp.save(
+            {"norm": {"weight": drift}},
+            checkpoint_id=f"{root}/rep_{check}",
+            planner=UCPSavePlanner(patterns=[Replicated(r"weight", check=check)]),
+        )
     except CheckpointException as e:
         return type(ucp_failure(e)).__name__
     back = {"norm": {"weight": torch.zeros(4, 3)}}
@@ -456,8 +499,11 @@ def _stage_claim_worker(rank, world, root):
     from ucp_dcp.layout.index_maps import stage_map
 
     try:
-        dcp.save({"model": {"layers.0.w": torch.ones(2)}}, checkpoint_id=f"{root}/stages",
-                 planner=UCPSavePlanner(stage_map=stage_map(0, total=2, stage=rank // 2)))
+        dcp.save(
+            {"model": {"layers.0.w": torch.ones(2)}},
+            checkpoint_id=f"{root}/stages",
+            planner=UCPSavePlanner(stage_map=stage_map(0, total=2, stage=rank // 2)),
+        )
         return None
     except CheckpointException as e:
         return str(ucp_failure(e))

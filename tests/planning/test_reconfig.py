@@ -10,11 +10,11 @@ import ast
 import logging
 import time
 
-import pytest
-
 import dist as D
+import pytest
 from helpers import ROOT
 from training import elastic_resume, resume_problems
+
 from ucp_dcp.toy import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

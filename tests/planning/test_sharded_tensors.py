@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,14 +26,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, Shard as DShard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Shard as DShard
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,8 +81,13 @@ def _st_full(st: ShardedTensor, group=None) -> torch.Tensor:
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                                                                    b.view(-1).view(torch.uint8) if b.numel() else b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.view(-1).view(torch.uint8) if a.numel() else a, b.view(-1).view(torch.uint8) if b.numel() else b
+        )
+    )
 
 
 # -- shard plan -> shard plan ------------------------------------------------------------------------------
@@ -103,8 +112,15 @@ def _columnwise_worker(rank, world, root):
     g3 = _group(3)
     if rank >= 3:
         return None
-    sd = {k: st_api.empty(_spec(0 if len(s) == 1 else 1, range(3)), *s, process_group=g3,
-                          dtype=torch.bfloat16 if k == "b" else torch.float32) for k, s in SHAPES.items()}
+    sd = {
+        k: st_api.empty(
+            _spec(0 if len(s) == 1 else 1, range(3)),
+            *s,
+            process_group=g3,
+            dtype=torch.bfloat16 if k == "b" else torch.float32,
+        )
+        for k, s in SHAPES.items()
+    }
     for v in sd.values():
         for s in v.local_shards():
             s.tensor.fill_(-7)
@@ -129,9 +145,14 @@ def test_rowwise_sharded_tensor_loads_columnwise_on_three_ranks():
     rec = res[0]["catalog"]
     assert rec["pattern"] == "sharded_tensor" and rec["shape"] == [10, 7]
     assert rec["sharded_tensor"] == {
-        "kind": "sharded_tensor", "spec": "chunk", "dim": 0, "count": 4,
-        "shards": [{"offsets": [3 * i, 0], "sizes": [3 if i < 3 else 1, 7], "placement": f"rank:{i}/cpu"}
-                   for i in range(4)]}
+        "kind": "sharded_tensor",
+        "spec": "chunk",
+        "dim": 0,
+        "count": 4,
+        "shards": [
+            {"offsets": [3 * i, 0], "sizes": [3 if i < 3 else 1, 7], "placement": f"rank:{i}/cpu"} for i in range(4)
+        ],
+    }
 
 
 SAVE_PLAN = {0: [([0, 0], [2, 8]), ([4, 0], [2, 4])], 1: [([2, 0], [2, 8])], 2: [([4, 4], [2, 4])], 3: []}
@@ -144,7 +165,7 @@ def _enumerable(plan, full=None):
     st = st_api.empty(EnumerableShardingSpec(md), 6, 8)
     for s in st.local_shards():
         o, n = s.metadata.shard_offsets, s.metadata.shard_sizes
-        s.tensor.copy_(full[o[0]:o[0] + n[0], o[1]:o[1] + n[1]] if full is not None else torch.full(n, -7.0))
+        s.tensor.copy_(full[o[0] : o[0] + n[0], o[1] : o[1] + n[1]] if full is not None else torch.full(n, -7.0))
     return st
 
 
@@ -169,6 +190,7 @@ def test_enumerable_plan_with_several_shards_per_rank_and_empty_ranks():
 
 # -- ShardedTensor <-> DTensor, plain ----------------------------------------------------------------------
 
+
 def _to_dtensor_worker(rank, world, root):
     """Row-wise ShardedTensors on 4 ranks -> DTensors Shard(0) (FSDP2's layout) on a 3-rank mesh."""
     _rowwise_save(root, UCPSavePlanner())
@@ -176,8 +198,12 @@ def _to_dtensor_worker(rank, world, root):
     mesh = DeviceMesh("cpu", torch.arange(3))
     if rank >= 3:
         return None
-    sd = {k: distribute_tensor(torch.full(s, -7.0, dtype=torch.bfloat16 if k == "b" else torch.float32), mesh,
-                               [DShard(0)]) for k, s in SHAPES.items()}
+    sd = {
+        k: distribute_tensor(
+            torch.full(s, -7.0, dtype=torch.bfloat16 if k == "b" else torch.float32), mesh, [DShard(0)]
+        )
+        for k, s in SHAPES.items()
+    }
     dcp.load(sd, checkpoint_id=root, planner=UCPLoadPlanner(), process_group=g3)
     return {k: v.full_tensor() for k, v in sd.items()}
 
@@ -191,8 +217,11 @@ def test_rowwise_sharded_tensor_loads_into_fsdp2_dtensors_on_three_ranks():
 
 def _colwise_save_worker(rank, world, root):
     _rowwise_save(root + "/row", UCPSavePlanner())
-    dcp.save({"w": _shard_tensor(_value((4, 10), 5), _spec(1, range(4)))}, checkpoint_id=root + "/col",
-             planner=UCPSavePlanner())
+    dcp.save(
+        {"w": _shard_tensor(_value((4, 10), 5), _spec(1, range(4)))},
+        checkpoint_id=root + "/col",
+        planner=UCPSavePlanner(),
+    )
 
 
 def test_sharded_tensor_loads_into_a_plain_tensor_in_one_process():
@@ -210,6 +239,7 @@ def test_sharded_tensor_loads_into_a_plain_tensor_in_one_process():
 
 
 # -- FSDP1 SHARDED_STATE_DICT <-> FSDP2 ----------------------------------------------------------------------
+
 
 class _Net(nn.Module):
     def __init__(self):
@@ -232,8 +262,13 @@ def _train(model, opt, steps: int, seed: int) -> None:
 
 def _fsdp1(group, seed: int, lr: float = 0.01):
     torch.manual_seed(seed)
-    model = FSDP(_Net(), process_group=group, device_id=torch.device("cpu"), use_orig_params=True,
-                 auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    model = FSDP(
+        _Net(),
+        process_group=group,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
@@ -254,6 +289,7 @@ def _fsdp1_sharded_sd(model, opt) -> dict:
 
 def _logical(sd: dict, group=None) -> dict:
     """Every tensor and hyperparameter of a {"model", "optim"} state dict as full values."""
+
     def full(v):
         if isinstance(v, ShardedTensor):
             return _st_full(v, group)
@@ -336,8 +372,9 @@ def _fsdp2_to_fsdp1_worker(rank, world, root):
     dist.barrier()
     model, opt = _fsdp1(None, seed=5, lr=0.5)
     msd, osd = get_state_dict(model, opt)
-    assert isinstance(msd["inp.weight"], ShardedTensor) and isinstance(osd["state"]["inp.weight"]["exp_avg"],
-                                                                      ShardedTensor)
+    assert isinstance(msd["inp.weight"], ShardedTensor) and isinstance(
+        osd["state"]["inp.weight"]["exp_avg"], ShardedTensor
+    )
     target = {"model": msd, "optim": osd}
     ucp_dcp.load(target, root)
     set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
@@ -354,6 +391,7 @@ def test_fsdp2_checkpoint_resumes_in_fsdp1_sharded_state_on_four_ranks():
 
 # -- nested (2-D) ShardedTensors -----------------------------------------------------------------------------
 
+
 def _nested(full, rank):
     """FSDP1 over a tensor-parallel ShardedTensor on a 2x2 grid, built the way torch's FSDP1 extension does
     (``torch.distributed.tensor.parallel.fsdp._chunk_tensor``): a column-wise outer ShardedTensor over
@@ -366,8 +404,10 @@ def _nested(full, rank):
     cols = full.shape[1]
     c0, cn = (0, cols // 2 + 1) if tp == 0 else (cols // 2 + 1, cols - cols // 2 - 1)
     outer = st_api.init_from_local_shards(
-        [Shard(full[:, c0:c0 + cn].clone(), ShardMetadata([0, c0], [full.shape[0], cn], f"rank:{rank}/cpu"))],
-        *full.shape, process_group=tp_groups[rank // 2])
+        [Shard(full[:, c0 : c0 + cn].clone(), ShardMetadata([0, c0], [full.shape[0], cn], f"rank:{rank}/cpu"))],
+        *full.shape,
+        process_group=tp_groups[rank // 2],
+    )
     return _chunk_tensor(outer, dp, 2, 1, dp_groups[tp])
 
 
@@ -387,8 +427,10 @@ def _nested_worker(rank, world, root, writer):
     nested_target = _nested(torch.full((7, 6), -7.0), rank)
     dcp.load({"w": nested_target}, checkpoint_id=root, planner=UCPLoadPlanner())
     inner = nested_target.local_shards()[0]
-    out["nested"] = [([a + b for a, b in zip(inner.metadata.shard_offsets, s.metadata.shard_offsets)], s.tensor.clone())
-                     for s in inner.tensor.local_shards()]
+    out["nested"] = [
+        ([a + b for a, b in zip(inner.metadata.shard_offsets, s.metadata.shard_offsets)], s.tensor.clone())
+        for s in inner.tensor.local_shards()
+    ]
     return out
 
 
@@ -406,14 +448,16 @@ def test_nested_sharded_tensor_fsdp1_over_tp(writer):
 
 # -- refused ------------------------------------------------------------------------------------------------
 
+
 def _dtensor_in_shard_worker(rank, world, root):
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     mesh = DeviceMesh("cpu", torch.arange(4))
     dt = distribute_tensor(torch.zeros(4, 6), mesh, [DShard(0)])
     md = ShardMetadata([0, 0], [4, 6], f"rank:{rank}/cpu")
-    meta = ShardedTensorMetadata([ShardMetadata([0, 0], [4, 6], "rank:0/cpu")], torch.Size([4, 6]),
-                                 TensorProperties(dtype=torch.float32))
+    meta = ShardedTensorMetadata(
+        [ShardMetadata([0, 0], [4, 6], "rank:0/cpu")], torch.Size([4, 6]), TensorProperties(dtype=torch.float32)
+    )
     # built around a plain shard, then the DTensor put in its place (torch 2.11 refuses to build it directly)
     shards = [Shard(torch.zeros(4, 6), md)] if rank == 0 else []
     st = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, init_rrefs=False)
@@ -436,9 +480,14 @@ def test_sharded_tensor_holding_a_dtensor_is_refused():
 
 # -- the recipe ---------------------------------------------------------------------------------------------
 
+
 def _recipe(out, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "fsdp1_to_fsdp2.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "recipes", "fsdp1_to_fsdp2.py"), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.e2e
@@ -449,8 +498,11 @@ def test_fsdp1_to_fsdp2_recipe(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("RESUME OK: FSDP1 on 4 ranks -> FSDP2 on 3 ranks: 64 model and optimizer entries"), last
-    bad = _recipe(tmp_path / "dcp", "--writer", "dcp", "--save-ranks", "3", "--load-ranks", "2", "--steps", "2",
-                  "--corrupt")
+    bad = _recipe(
+        tmp_path / "dcp", "--writer", "dcp", "--save-ranks", "3", "--load-ranks", "2", "--steps", "2", "--corrupt"
+    )
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
     last = bad.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESUME MISMATCH: FSDP1 on 3 ranks -> FSDP2 on 2 ranks: 1 of 64") and "model/inp.weight" in last, last
+    assert (
+        last.startswith("RESUME MISMATCH: FSDP1 on 3 ranks -> FSDP2 on 2 ranks: 1 of 64") and "model/inp.weight" in last
+    ), last

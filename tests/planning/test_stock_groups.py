@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import expect_ucp_error
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ucp_dcp
-from helpers import expect_ucp_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -25,8 +25,10 @@ class Net(nn.Module):
 
 
 def _optim(m, order=("decay", "no_decay"), merged=False):
-    groups = {"decay": {"params": [m.body.weight], "lr": 0.01, "weight_decay": 0.1},
-              "no_decay": {"params": [m.body.bias, m.norm.weight, m.norm.bias], "lr": 0.02, "weight_decay": 0.0}}
+    groups = {
+        "decay": {"params": [m.body.weight], "lr": 0.01, "weight_decay": 0.1},
+        "no_decay": {"params": [m.body.bias, m.norm.weight, m.norm.bias], "lr": 0.02, "weight_decay": 0.0},
+    }
     if merged:
         return torch.optim.AdamW([{"params": list(m.parameters()), "lr": 0.5}])
     return torch.optim.AdamW([groups[k] for k in order])
@@ -92,6 +94,8 @@ def test_a_target_group_spanning_saved_groups_with_other_values_is_refused(tmp_p
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path)
     m2, o2 = _fresh(None, merged=True)
     msd, osd = get_state_dict(m2, o2)
-    err = expect_ucp_error(lambda: dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path,
-                                            planner=ucp_dcp.UCPLoadPlanner()), ucp_dcp.ParamGroupError)
+    err = expect_ucp_error(
+        lambda: dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path, planner=ucp_dcp.UCPLoadPlanner()),
+        ucp_dcp.ParamGroupError,
+    )
     assert "groups [0, 1]" in str(err) and "'lr' differ" in str(err) and err.atom.startswith("optim.param_groups.0")

@@ -20,15 +20,15 @@ import random
 import struct
 import warnings
 
+import dist as D
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-import dist as D
 import ucp_dcp
-from helpers import ucp_failure
 from ucp_dcp import UCPError, UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.planning.digests import value_digest
 
@@ -52,10 +52,29 @@ def _bytes(n: int, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.complex64,
-          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-          torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+]
 
 
 def _bio() -> io.BytesIO:
@@ -90,7 +109,7 @@ CASES: dict[str, object] = {
     "ordered_dict": lambda: collections.OrderedDict([("z", 1), ("a", torch.ones(2))]),
     "int_keys": lambda: {1: 5, 2: torch.arange(2)},
     "int": lambda: 7,
-    "big_int": lambda: 2 ** 100,
+    "big_int": lambda: 2**100,
     "float": lambda: 1.5,
     "neg_zero": lambda: -0.0,
     "nan": lambda: float("nan"),
@@ -121,8 +140,11 @@ CASES: dict[str, object] = {
 def _target(value):
     """What a resuming job holds before the load: zeros of the same kind, other objects."""
     if isinstance(value, torch.Tensor):
-        t = torch.zeros(value.shape, dtype=value.dtype) if value.dtype != torch.float4_e2m1fn_x2 else \
-            torch.empty(value.shape, dtype=value.dtype)
+        t = (
+            torch.zeros(value.shape, dtype=value.dtype)
+            if value.dtype != torch.float4_e2m1fn_x2
+            else torch.empty(value.shape, dtype=value.dtype)
+        )
         return t.conj() if value.is_conj() else t  # a conjugate view as the target too
     if isinstance(value, (dict, list)):  # DCP flattens these (lists only when they hold tensors or dicts)
         items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -192,10 +214,18 @@ def _load_ucp_storage_only(sd, path):
     dcp.load(sd, storage_reader=UCPFileSystemReader(path))
 
 
-WRITERS = {"stock": _save_stock, "ucp": _save_ucp, "ucp_planner": _save_ucp_planner_only,
-           "ucp_storage": _save_ucp_storage_only}
-READERS = {"stock": _load_stock, "ucp": _load_ucp, "ucp_planner": _load_ucp_planner_only,
-           "ucp_storage": _load_ucp_storage_only}
+WRITERS = {
+    "stock": _save_stock,
+    "ucp": _save_ucp,
+    "ucp_planner": _save_ucp_planner_only,
+    "ucp_storage": _save_ucp_storage_only,
+}
+READERS = {
+    "stock": _load_stock,
+    "ucp": _load_ucp,
+    "ucp_planner": _load_ucp_planner_only,
+    "ucp_storage": _load_ucp_storage_only,
+}
 # UCPFileSystemReader under DCP's own DefaultLoadPlanner ("ucp_storage" reader) is left out: every
 # load through it failed in this matrix; its cause was not looked into in time (open, see the report)
 COMBOS = [(w, r) for w in WRITERS for r in READERS if (w, r) != ("stock", "stock") and r != "ucp_storage"]
@@ -323,11 +353,15 @@ def test_decoding_leaves_the_safe_globals_as_they_were(tmp_path):
     assert set(map(repr, torch.serialization.get_safe_globals())) == before
 
 
-@pytest.mark.parametrize("value,cause", [
-    (torch.eye(3).to_sparse(), "torch.sparse_coo"),
-    (torch.zeros(4, dtype=torch.uint4), "torch.uint4"),
-    (torch.zeros(4, dtype=torch.bits8), "torch.bits8"),
-], ids=["sparse", "uint4", "bits8"])
+@pytest.mark.parametrize(
+    "value,cause",
+    [
+        (torch.eye(3).to_sparse(), "torch.sparse_coo"),
+        (torch.zeros(4, dtype=torch.uint4), "torch.uint4"),
+        (torch.zeros(4, dtype=torch.bits8), "torch.bits8"),
+    ],
+    ids=["sparse", "uint4", "bits8"],
+)
 def test_unsavable_tensor_refused_naming_atom_like_stock_fails(tmp_path, value, cause):
     with pytest.raises(dcp.api.CheckpointException):  # stock DCP cannot save it either
         _save_stock({"w": value}, str(tmp_path / "stock"))
@@ -348,13 +382,26 @@ def test_object_saved_where_a_tensor_is_wanted_is_refused(tmp_path):
 
 # -- replica digests: equal values digest equal -------------------------------------------------------
 
-_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
-                  st.text(max_size=5), st.binary(max_size=5))
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.binary(max_size=5),
+)
 _key = st.one_of(st.text(max_size=4), st.integers(-5, 5))
-_values = st.recursive(_leaf, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.lists(inner, max_size=3).map(tuple),
-    st.dictionaries(_key, inner, max_size=4),
-    st.sets(_key, max_size=4), st.frozensets(_key, max_size=4)), max_leaves=15)
+_values = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(_key, inner, max_size=4),
+        st.sets(_key, max_size=4),
+        st.frozensets(_key, max_size=4),
+    ),
+    max_leaves=15,
+)
 
 
 def _equal_copy(v, rnd: random.Random):
@@ -389,7 +436,7 @@ def _same_value(a, b) -> bool:
     return a == b  # sets of str/int keys, ints, str, bytes, None, bools
 
 
-@given(_values, st.integers(0, 2 ** 32))
+@given(_values, st.integers(0, 2**32))
 def test_digest_equal_for_equal_values_built_differently(v, seed):
     w = _equal_copy(v, random.Random(seed))
     assert value_digest(v) is not None
@@ -419,9 +466,11 @@ def test_digest_of_objects_inside_custom_objects_is_order_free():
     assert value_digest(Point({"a": {1, 2}, "b": 1})) == value_digest(Point({"b": 1, "a": {2, 1}}))
 
 
-@pytest.mark.parametrize("a,b", [(0.0, -0.0), (1, 1.0), (1, True), (b"a", bytearray(b"a")),
-                                 (torch.tensor([0.0]), torch.tensor([-0.0]))],
-                         ids=["neg_zero", "int_float", "int_bool", "bytes_bytearray", "tensor_neg_zero"])
+@pytest.mark.parametrize(
+    "a,b",
+    [(0.0, -0.0), (1, 1.0), (1, True), (b"a", bytearray(b"a")), (torch.tensor([0.0]), torch.tensor([-0.0]))],
+    ids=["neg_zero", "int_float", "int_bool", "bytes_bytearray", "tensor_neg_zero"],
+)
 def test_digest_tells_apart_what_a_load_would_change(a, b):
     """Documented: compared by type and bits, not ==: keeping either copy would change the value."""
     assert value_digest(a) != value_digest(b)
@@ -460,7 +509,7 @@ def _dist_state(rank, world):
     spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
     sharded = st_api.empty(spec, 6, 4)
     for s in sharded.local_shards():
-        s.tensor.copy_(torch.arange(24.0).reshape(6, 4)[s.metadata.shard_offsets[0]:][:s.metadata.shard_sizes[0]])
+        s.tensor.copy_(torch.arange(24.0).reshape(6, 4)[s.metadata.shard_offsets[0] :][: s.metadata.shard_sizes[0]])
     return {
         "dt_shard": distribute_tensor(full, mesh, [Shard(0)]),
         "dt_shard1": distribute_tensor(full.to(torch.bfloat16), mesh, [Shard(1)]),
@@ -557,17 +606,22 @@ def _equal_replicas_worker(rank, world, root):
     keys = ["lr", "betas", "name"] if rank == 0 else ["name", "betas", "lr"]
     vals = {"lr": 0.1, "betas": (0.9, 0.95), "name": "".join(["ada", "m"]) if rank else "adam"}
     state = {
-        "cfg": {k: vals[k] for k in keys},                      # dict order differs by rank
-        "tags": set(["a", "b", "c"][::1 if rank else -1]),       # so does set insertion order
-        "names": ["x" * 3, "xxx"] if rank else ["xxx"] * 2,     # shared vs copied strings
-        "b": _bio(),                                             # DCP's byte-stream value
+        "cfg": {k: vals[k] for k in keys},  # dict order differs by rank
+        "tags": set(["a", "b", "c"][:: 1 if rank else -1]),  # so does set insertion order
+        "names": ["x" * 3, "xxx"] if rank else ["xxx"] * 2,  # shared vs copied strings
+        "b": _bio(),  # DCP's byte-stream value
         "t": torch.arange(3.0),
     }
     ucp_dcp.save(state, f"{root}/eq")
     back = {"cfg": {k: None for k in keys}, "tags": None, "names": [None, None], "b": None, "t": torch.zeros(3)}
     ucp_dcp.load(back, f"{root}/eq")
-    return back["cfg"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "adam"}, back["tags"] == {"a", "b", "c"}, \
-        back["names"] == ["xxx", "xxx"], same(back["b"], _bio()), back["t"].tolist()
+    return (
+        back["cfg"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "adam"},
+        back["tags"] == {"a", "b", "c"},
+        back["names"] == ["xxx", "xxx"],
+        same(back["b"], _bio()),
+        back["t"].tolist(),
+    )
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from ucp_dcp import Fused, Padded, UCPLoadPlanner
 from ucp_dcp.errors import CorruptCheckpointError, ucp_errors
+from ucp_dcp.sources.foreign.base import ForeignReader, row_layout
 from ucp_dcp.sources.foreign.inert import Opaque, TensorRef, load_inert, parse_pickle
 from ucp_dcp.sources.foreign.pieces import Piece, flat_boxes, split_rows
-from ucp_dcp.sources.foreign.base import ForeignReader, row_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::ucp_dcp.errors.UnverifiedCheckpointWarning")
 
@@ -41,21 +41,23 @@ def test_flat_ranges_are_contiguous_boxes_in_order(shape, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(heads=st.integers(1, 4), rep=st.integers(1, 3), hd=st.integers(1, 3), cols=st.integers(1, 3),
-       data=st.data())
+@given(heads=st.integers(1, 4), rep=st.integers(1, 3), hd=st.integers(1, 3), cols=st.integers(1, 3), data=st.data())
 def test_group_major_rows_split_into_their_atoms(heads, rep, hd, cols, data):
     q, kv = heads * rep * hd, heads * hd
     rows = q + 2 * kv
     rule = Fused(r"(.*)\.wqkv", [(r"\1.wq", q), (r"\1.wk", kv), (r"\1.wv", kv)], blocks=heads)
     layout = row_layout("a.wqkv", rows, [rule], prefix="m.")
     fused = torch.randn(rows, cols)
-    parts = {"m.a.wq": torch.full((q, cols), float("nan")), "m.a.wk": torch.full((kv, cols), float("nan")),
-             "m.a.wv": torch.full((kv, cols), float("nan"))}
+    parts = {
+        "m.a.wq": torch.full((q, cols), float("nan")),
+        "m.a.wk": torch.full((kv, cols), float("nan")),
+        "m.a.wv": torch.full((kv, cols), float("nan")),
+    }
     lo = data.draw(st.integers(0, rows - 1))
     hi = data.draw(st.integers(lo + 1, rows))
     for atom, offs, sizes, elem in split_rows(layout, (lo, 0), (hi - lo, cols), (rows, cols)):
-        src = fused.reshape(-1)[lo * cols + elem: lo * cols + elem + math.prod(sizes)].reshape(sizes)
-        parts[atom][offs[0]:offs[0] + sizes[0]] = src
+        src = fused.reshape(-1)[lo * cols + elem : lo * cols + elem + math.prod(sizes)].reshape(sizes)
+        parts[atom][offs[0] : offs[0] + sizes[0]] = src
     # the oracle: the toy model's own group-major fusion
     from ucp_dcp.toy.model import deinterleave
 
@@ -72,7 +74,7 @@ def test_padding_rows_are_nobodys():
 
 
 def test_inert_parse_never_builds_foreign_classes(tmp_path):
-    torch.save({"ns": argparse.Namespace(a=1), "t": torch.arange(6.).reshape(2, 3)[1:]}, tmp_path / "x.pt")
+    torch.save({"ns": argparse.Namespace(a=1), "t": torch.arange(6.0).reshape(2, 3)[1:]}, tmp_path / "x.pt")
     tf = load_inert(tmp_path / "x.pt")
     assert isinstance(tf.obj["ns"], Opaque) and tf.obj["ns"].qualname == "argparse.Namespace"
     assert tf.obj["ns"].field("a") == 1
@@ -80,7 +82,7 @@ def test_inert_parse_never_builds_foreign_classes(tmp_path):
     assert isinstance(t, TensorRef) and t.shape == (1, 3)
     raw = (tmp_path / "x.pt").read_bytes()
     off = tf.byte_offset(t)
-    assert np.frombuffer(raw[off:off + 12], dtype=np.float32).tolist() == [3.0, 4.0, 5.0]
+    assert np.frombuffer(raw[off : off + 12], dtype=np.float32).tolist() == [3.0, 4.0, 5.0]
 
 
 class _Evil:
@@ -133,7 +135,9 @@ def test_a_foreign_reader_serves_pieces_and_values(tmp_path):
     w, b = torch.randn(5, 3), torch.randn(4)
     flat = torch.cat([w.reshape(-1), b, torch.zeros(1)])  # padded to 2 x 10
     for r in range(2):
-        torch.save({"flat": flat[r * 10:(r + 1) * 10].clone(), "meta": argparse.Namespace(r=r)}, tmp_path / f"rank{r}.pt")
+        torch.save(
+            {"flat": flat[r * 10 : (r + 1) * 10].clone(), "meta": argparse.Namespace(r=r)}, tmp_path / f"rank{r}.pt"
+        )
     sd = {"x": torch.zeros(3, 3), "y": torch.zeros(2, 3, dtype=torch.float64), "b": torch.zeros(4), "step": 0}
     with ucp_errors():
         dcp.load(sd, storage_reader=_FlatReader(tmp_path), planner=UCPLoadPlanner())

@@ -12,34 +12,44 @@ import json
 import os
 import struct
 
+import dist as D
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPLoadPlanner
-from ucp_dcp.errors import (CheckpointNotFoundError, CorruptCheckpointError, MissingAtomsError, TruncatedFileError,
-                            UCPError, ucp_errors)
+from ucp_dcp.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingAtomsError,
+    TruncatedFileError,
+    UCPError,
+    ucp_errors,
+)
 from ucp_dcp.sources.hf import HFMapping, HFRule, HFStorageReader
-from ucp_dcp.sources.hf.publish import export_hf
 from ucp_dcp.sources.hf.files import HFTensor, create_files, plan_files, write_box
 from ucp_dcp.sources.hf.mapping import atom_rows, hf_rows
-from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+from ucp_dcp.sources.hf.publish import export_hf
 from ucp_dcp.sources.hf.safetensors import encode_header, read_header
+from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.filterwarnings("ignore::ucp_dcp.errors.UnverifiedCheckpointWarning"),
-              pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::ucp_dcp.errors.UnverifiedCheckpointWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 CFG = TOY_LLAMA
-KINDS = {"llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
-         "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig")}
+KINDS = {
+    "llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
+    "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig"),
+}
 TOKENS = torch.randint(0, CFG.vocab, (3, CFG.seq_len), generator=torch.Generator().manual_seed(5))
 
 
@@ -106,8 +116,9 @@ def test_our_files_are_safetensors(tmp_path):
     back = load_file(str(tmp_path / "x.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in ts.items())
     parsed = read_header(tmp_path / "x.safetensors")
-    assert {k: (i.dtype, i.shape) for k, i in parsed.tensors.items()} == {k: (v.dtype, tuple(v.shape))
-                                                                          for k, v in ts.items()}
+    assert {k: (i.dtype, i.shape) for k, i in parsed.tensors.items()} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in ts.items()
+    }
 
 
 def _raw_file(path, header: dict, data: bytes = b"") -> None:
@@ -115,15 +126,36 @@ def _raw_file(path, header: dict, data: bytes = b"") -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
-@pytest.mark.parametrize("header,data,err,words", [
-    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, bytes(16), CorruptCheckpointError, "needs 16"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), CorruptCheckpointError, "overlap"),
-    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(10), TruncatedFileError, "truncated"),
-    ({"a": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 4]}}, bytes(4), CorruptCheckpointError, "unknown dtype"),
-    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), CorruptCheckpointError, "bad shape"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), CorruptCheckpointError, "data_offsets"),
-], ids=["size", "overlap", "truncated", "dtype", "shape", "offsets"])
+@pytest.mark.parametrize(
+    "header,data,err,words",
+    [
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, bytes(16), CorruptCheckpointError, "needs 16"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+            CorruptCheckpointError,
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(10), TruncatedFileError, "truncated"),
+        (
+            {"a": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 4]}},
+            bytes(4),
+            CorruptCheckpointError,
+            "unknown dtype",
+        ),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), CorruptCheckpointError, "bad shape"),
+        (
+            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}},
+            bytes(4),
+            CorruptCheckpointError,
+            "data_offsets",
+        ),
+    ],
+    ids=["size", "overlap", "truncated", "dtype", "shape", "offsets"],
+)
 def test_bad_headers_are_refused(tmp_path, header, data, err, words):
     _raw_file(tmp_path / "x.safetensors", header, data)
     with pytest.raises(err, match=words):
@@ -174,8 +206,14 @@ def test_odd_head_size_is_refused():
 
 
 @settings(max_examples=40, deadline=None)
-@given(heads=st.integers(1, 4), half=st.integers(1, 4), cols=st.integers(1, 5), cuts=st.data(),
-       rotary=st.booleans(), bf16=st.booleans())
+@given(
+    heads=st.integers(1, 4),
+    half=st.integers(1, 4),
+    cols=st.integers(1, 5),
+    cuts=st.data(),
+    rotary=st.booleans(),
+    bf16=st.booleans(),
+)
 def test_boxes_written_anywhere_make_the_whole_tensor(tmp_path_factory, heads, half, cols, cuts, rotary, bf16):
     rows = heads * half * 2
     w = torch.randn(rows, cols)
@@ -221,8 +259,10 @@ def test_plain_tensors_load_in_one_process_with_dtype_conversion(hf_bf16_dir):
     from safetensors.torch import load_file
 
     hf = load_file(os.path.join(hf_bf16_dir[0], "model.safetensors"))
-    sd = {"model.layers.1.attn.wk.weight": torch.zeros(CFG.n_kv_heads * CFG.head_dim, CFG.dim),
-          "model.norm.weight": torch.zeros(CFG.dim, dtype=torch.float64)}
+    sd = {
+        "model.layers.1.attn.wk.weight": torch.zeros(CFG.n_kv_heads * CFG.head_dim, CFG.dim),
+        "model.norm.weight": torch.zeros(CFG.dim, dtype=torch.float64),
+    }
     _load(sd, HFStorageReader(hf_bf16_dir[0], toy_llama(CFG)))
     k = hf["model.layers.1.self_attn.k_proj.weight"].float()
     assert torch.equal(_titan_to_hf(sd["model.layers.1.attn.wk.weight"], CFG.n_kv_heads), k)
@@ -245,8 +285,7 @@ def _import_worker(rank, world, topo_text, hf_path, tokens, export_to, steps, ki
     reader = HFStorageReader(hf_path, preset(cfg))
     sd = {"model": tr.state_dict()["model"]}
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(**opts))
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
-                for c in tr.chunks for p in c.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for c in tr.chunks for p in c.parameters())
     out = {"logits": live_logits(tr, tokens), "read": reader.stats.bytes_read, "local": local}
     if export_to:
         for _ in range(steps):
@@ -348,8 +387,22 @@ def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
 
     params = logical_params(CFG, seed=4)
     ucp_dcp.save({"model": params}, str(tmp_path / "ckpt"))
-    assert main(["export", "--to", "hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--mapping",
-                 "ucp_dcp.toy.hf_presets:toy_llama_mapping", "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "export",
+                "--to",
+                "hf",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "out"),
+                "--mapping",
+                "ucp_dcp.toy.hf_presets:toy_llama_mapping",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     q = back.model.layers[2].self_attn.q_proj.weight
     assert q.dtype == torch.bfloat16

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import ROOT, expect_ucp_error, rewrite_metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ucp_dcp
-from helpers import ROOT, expect_ucp_error, rewrite_metadata
-from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp import UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.storage.opening import open_path
 from ucp_dcp.tools.verify import verify
 
@@ -31,13 +31,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def _state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(300, 500, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
-            "optim": {"lr": 0.001, "betas": (0.9, 0.95)}, "train": {"step": 3, "rng": (torch.ones(2) * seed,)}}
+    return {
+        "model": {"w": torch.randn(300, 500, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+        "optim": {"lr": 0.001, "betas": (0.9, 0.95)},
+        "train": {"step": 3, "rng": (torch.ones(2) * seed,)},
+    }
 
 
 def _empty() -> dict:
-    return {"model": {"w": torch.zeros(300, 500), "b": torch.zeros(7, dtype=torch.bfloat16)},
-            "optim": {"lr": None, "betas": None}, "train": {"step": None, "rng": None}}
+    return {
+        "model": {"w": torch.zeros(300, 500), "b": torch.zeros(7, dtype=torch.bfloat16)},
+        "optim": {"lr": None, "betas": None},
+        "train": {"step": None, "rng": None},
+    }
 
 
 def _same(a, b) -> bool:
@@ -71,6 +77,7 @@ def _flip(path: Path, offset: int) -> None:
 
 
 # -- atomic commit ---------------------------------------------------------------------------------------
+
 
 def test_a_save_replaces_the_old_checkpoint_only_after_it_commits(tmp_path):
     ucp_dcp.save(_state(0), tmp_path)
@@ -113,8 +120,11 @@ def test_a_crash_between_sidecar_and_metadata_keeps_the_old_checkpoint(tmp_path,
 
 def test_pieces_of_a_save_that_never_committed_are_an_incomplete_checkpoint(tmp_path, monkeypatch):
     real = os.replace
-    monkeypatch.setattr(os, "replace", lambda s, d: (_ for _ in ()).throw(KeyboardInterrupt())
-                        if str(d).endswith(".metadata") else real(s, d))
+    monkeypatch.setattr(
+        os,
+        "replace",
+        lambda s, d: (_ for _ in ()).throw(KeyboardInterrupt()) if str(d).endswith(".metadata") else real(s, d),
+    )
     with pytest.raises(BaseException):
         dcp.save(_state(0), storage_writer=UCPFileSystemWriter(tmp_path), planner=UCPSavePlanner())
     monkeypatch.setattr(os, "replace", real)
@@ -130,12 +140,16 @@ def test_pieces_of_a_save_that_never_committed_are_an_incomplete_checkpoint(tmp_
 
 def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
     ucp_dcp.save(_state(0), tmp_path)
-    err = expect_ucp_error(lambda: dcp.save(_state(1), storage_writer=UCPFileSystemWriter(tmp_path, overwrite=False),
-                                            planner=UCPSavePlanner()))
+    err = expect_ucp_error(
+        lambda: dcp.save(
+            _state(1), storage_writer=UCPFileSystemWriter(tmp_path, overwrite=False), planner=UCPSavePlanner()
+        )
+    )
     assert "overwrite=False" in str(err) and _same(_load(tmp_path), _state(0))
 
 
 # -- every byte a load uses is verified -------------------------------------------------------------------
+
 
 def _item(path, fqn):
     md, _ = open_path(path)
@@ -148,7 +162,7 @@ def _item(path, fqn):
 def test_a_flipped_bit_in_a_saved_number_is_caught(tmp_path):
     ucp_dcp.save(_state(0), tmp_path)
     path, info = _item(tmp_path, "optim.lr")
-    raw = path.read_bytes()[info.offset:info.offset + info.length]
+    raw = path.read_bytes()[info.offset : info.offset + info.length]
     at = raw.find(pickle.dumps(0.001)[2:-1])  # the float's 8 bytes inside the pickled value
     _flip(path, info.offset + (at if at >= 0 else info.length // 2) + 7)
     with pytest.raises(ucp_dcp.ChecksumError, match="optim.lr"):
@@ -205,6 +219,7 @@ def test_a_load_through_the_stock_reader_warns_that_nothing_is_verified(tmp_path
 
 # -- safe to open ------------------------------------------------------------------------------------------
 
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker
@@ -256,6 +271,7 @@ def test_safe_values_round_trip_without_trust(tmp_path):
 
 # -- our errors --------------------------------------------------------------------------------------------
 
+
 def test_no_checkpoint_at_the_path(tmp_path):
     with pytest.raises(ucp_dcp.CheckpointNotFoundError, match="does not exist"):
         _load(tmp_path / "nope")
@@ -294,6 +310,7 @@ def test_tables_that_disagree_are_a_corrupt_checkpoint(tmp_path):
 
 # -- verify ------------------------------------------------------------------------------------------------
 
+
 def test_verify_names_file_atom_and_box_of_a_bad_block(tmp_path):
     big = {"w": torch.randn(1024, 512)}  # 2 MiB: two checksum blocks, rows 0..511 and 512..1023
     ucp_dcp.save(big, tmp_path)
@@ -304,8 +321,9 @@ def test_verify_names_file_atom_and_box_of_a_bad_block(tmp_path):
     info = md.storage_data[MetadataIndex("w", (0, 0))]
     data_offset = md.storage_data[MetadataIndex("__ucp_io__")]["items"]["w|0,0"][0]
     _flip(Path(tmp_path, info.relative_path), info.offset + data_offset + (1 << 20) + 5)
-    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "verify", str(tmp_path), "--json"], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ucp_dcp", "verify", str(tmp_path), "--json"], capture_output=True, text=True
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     rep = json.loads(out.stdout)
     (p,) = rep["problems"]
@@ -326,16 +344,24 @@ def test_verify_catches_a_flip_in_an_item_frame(tmp_path):
 
 # -- the fault-injection recipe, small ----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind,args,expect", [
-    ("flips", ["--flips", "16"], "flips 16/16 caught"),
-    ("truncations", ["--truncations", "6"], "truncations 6/6"),
-    ("crashes", ["--crashes", "2"], "crashes 0/2 lost"),
-    ("code-exec", [], "code-exec 0/5"),
-])
+@pytest.mark.parametrize(
+    "kind,args,expect",
+    [
+        ("flips", ["--flips", "16"], "flips 16/16 caught"),
+        ("truncations", ["--truncations", "6"], "truncations 6/6"),
+        ("crashes", ["--crashes", "2"], "crashes 0/2 lost"),
+        ("code-exec", [], "code-exec 0/5"),
+    ],
+)
 def test_fault_injection(kind, args, expect):
-    out = subprocess.run([sys.executable, str(ROOT / "recipes" / "faults.py"), "--only", kind, *args],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "faults.py"), "--only", kind, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert out.returncode == 0 and last == f"FAULTS OK: {expect}", out.stdout + out.stderr[-3000:]

@@ -4,12 +4,15 @@ import io
 import os
 import zipfile
 
+import dist as D
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, strategies as st
+from helpers import expect_ucp_error, rewrite_metadata
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -18,11 +21,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import dist as D
 import ucp_dcp
-from helpers import expect_ucp_error, rewrite_metadata
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.storage.format import IO_KEY, box_grid, box_runs, gather_grid, merge_intervals, parse_tensor_record, split_grid
+from ucp_dcp.storage.format import (
+    IO_KEY,
+    box_grid,
+    box_runs,
+    gather_grid,
+    merge_intervals,
+    parse_tensor_record,
+    split_grid,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -34,7 +43,7 @@ def test_box_runs_are_the_box_bytes_in_order(shape, data):
     sizes = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, offs)]
     starts, run = box_runs(shape, 4, offs, sizes)
     raw = t.numpy().tobytes()
-    got = b"".join(raw[s:s + run] for s in starts.tolist())
+    got = b"".join(raw[s : s + run] for s in starts.tolist())
     box = t[tuple(slice(o, o + n) for o, n in zip(offs, sizes))] if shape else t
     assert got == box.contiguous().numpy().tobytes()
 
@@ -51,16 +60,18 @@ def test_grid_gather_and_split_equal_the_box(shape, data):
     # from a window that starts exactly where the grid does, and from the whole chunk
     for lo in (g.first, 0):
         out = np.empty(g.nbytes, dtype=np.uint8)
-        gather_grid(src[lo:g.end], lo, g, out)
+        gather_grid(src[lo : g.end], lo, g, out)
         assert out.tobytes() == box
     limit = data.draw(st.integers(1, max(1, g.end - g.first)))
     pieces = split_grid(g, limit)
     assert all(p.end - p.first <= max(limit, 0) or (not p.counts and p.run <= limit) for p in pieces)
-    out = np.concatenate([np.empty(0, dtype=np.uint8)] + [
-        (lambda o: (gather_grid(src, 0, p, o), o)[1])(np.empty(p.nbytes, dtype=np.uint8)) for p in pieces])
+    out = np.concatenate(
+        [np.empty(0, dtype=np.uint8)]
+        + [(lambda o: (gather_grid(src, 0, p, o), o)[1])(np.empty(p.nbytes, dtype=np.uint8)) for p in pieces]
+    )
     assert out.tobytes() == box
     with pytest.raises(ValueError):  # never reads outside the window it is given
-        gather_grid(src[g.first:g.end - 1], g.first, g, np.empty(g.nbytes, dtype=np.uint8))
+        gather_grid(src[g.first : g.end - 1], g.first, g, np.empty(g.nbytes, dtype=np.uint8))
 
 
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), max_size=30))
@@ -85,7 +96,9 @@ def test_assign_readers_reads_every_shared_piece_once_and_orders_messages(n, dat
     sizes = [np.array([size_of[k] for k in h], dtype=np.int64) for h in held]
     bundle = data.draw(st.sampled_from([1, 50, 1 << 20]))
     solo = data.draw(st.sampled_from([1, 20, 1 << 20]))
-    hosts = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))) if data.draw(st.booleans()) else None
+    hosts = (
+        np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))) if data.draw(st.booleans()) else None
+    )
     plans = assign_readers(keys, sizes, bundle_bytes=bundle, solo_bytes=solo, hosts=hosts)
     holders = {k: sorted({r for r in range(n) if k in held[r]}) for k in range(universe)}
     # simulate: a rank reads what it does not receive; each message is its sender's bundles in order
@@ -127,7 +140,7 @@ def test_parse_record_of_any_torch_save():
         rec = parse_tensor_record(buf)
         assert rec.dtype == t.dtype and rec.shape == tuple(t.shape)
         if rec.contiguous:
-            raw = buf.getvalue()[rec.data_offset:rec.data_offset + rec.nbytes]
+            raw = buf.getvalue()[rec.data_offset : rec.data_offset + rec.nbytes]
             assert raw == t.contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else len(raw) == t.nbytes
 
 
@@ -155,7 +168,7 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
 
     def zip_ok(folder, fqn) -> bool:
         inf = dcp.FileSystemReader(folder).read_metadata().storage_data[MetadataIndex(fqn, (0, 0))]
-        item = (folder / inf.relative_path).read_bytes()[inf.offset:inf.offset + inf.length]
+        item = (folder / inf.relative_path).read_bytes()[inf.offset : inf.offset + inf.length]
         return zipfile.ZipFile(io.BytesIO(item)).testzip() is None
 
     assert config.save.compute_crc32 and not zip_ok(tmp_path, "model.w")
@@ -167,18 +180,30 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
     raw = bytearray(path.read_bytes())
     raw[info.offset + io_info["items"]["model.w|0,0"][0] + 1000] ^= 0x40
     path.write_bytes(bytes(raw))
-    err = expect_ucp_error(lambda: dcp.load({"model": {"w": torch.zeros(300, 200)}}, storage_reader=UCPFileSystemReader(tmp_path),
-                                            planner=UCPLoadPlanner(allow_partial_load=True)), ucp_dcp.ChecksumError)
+    err = expect_ucp_error(
+        lambda: dcp.load(
+            {"model": {"w": torch.zeros(300, 200)}},
+            storage_reader=UCPFileSystemReader(tmp_path),
+            planner=UCPLoadPlanner(allow_partial_load=True),
+        ),
+        ucp_dcp.ChecksumError,
+    )
     assert info.relative_path in str(err) and "model.w" in str(err) and err.atom == "model.w"
     # verification off: the corrupt bytes load (that is what the checksum is for)
-    dcp.load({"model": {"w": torch.zeros(300, 200)}}, storage_reader=UCPFileSystemReader(tmp_path, verify_checksums=False),
-             planner=UCPLoadPlanner(allow_partial_load=True))
+    dcp.load(
+        {"model": {"w": torch.zeros(300, 200)}},
+        storage_reader=UCPFileSystemReader(tmp_path, verify_checksums=False),
+        planner=UCPLoadPlanner(allow_partial_load=True),
+    )
     # a checksum algorithm this version does not know: read unverified, with a warning saying so
     md.storage_data[MetadataIndex(IO_KEY)]["algo"] = "sha9"
     rewrite_metadata(tmp_path, md)
     with pytest.warns(UserWarning, match="cannot verify"):
-        dcp.load({"model": {"w": torch.zeros(300, 200)}}, storage_reader=UCPFileSystemReader(tmp_path),
-                 planner=UCPLoadPlanner(allow_partial_load=True))
+        dcp.load(
+            {"model": {"w": torch.zeros(300, 200)}},
+            storage_reader=UCPFileSystemReader(tmp_path),
+            planner=UCPLoadPlanner(allow_partial_load=True),
+        )
 
 
 def test_a_failed_save_over_a_checkpoint_leaves_it_loadable(tmp_path):
@@ -198,6 +223,7 @@ def test_a_failed_save_over_a_checkpoint_leaves_it_loadable(tmp_path):
 
 
 # -- multi-rank: resharding reads, read-once, failures -------------------------------------------------
+
 
 def _needed(target):
     return target.to_local().numel() * target.to_local().element_size()
@@ -251,8 +277,9 @@ def _reshard_worker(rank, world, root, name):
     full, path = _full(), f"{root}/{name}"
     if rank < ns:
         src = distribute_tensor(full, meshes[ms], ps, src_data_rank=None)
-        dcp.save({"w": src}, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(),
-                 process_group=groups.get(ns))
+        dcp.save(
+            {"w": src}, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(), process_group=groups.get(ns)
+        )
     dist.barrier()
     if rank >= nl:
         return None
@@ -265,8 +292,15 @@ def _reshard_worker(rank, world, root, name):
         reader = UCPFileSystemReader(path, verify_checksums=verify)
         with _no_mapping(not mapped):
             dcp.load({"w": tgt}, storage_reader=reader, planner=UCPLoadPlanner(), process_group=groups.get(nl))
-        stats.append((bool(torch.equal(tgt.to_local(), expect)), reader.stats.bytes_read, _needed(tgt),
-                      verify, reader.stats.fallbacks))
+        stats.append(
+            (
+                bool(torch.equal(tgt.to_local(), expect)),
+                reader.stats.bytes_read,
+                _needed(tgt),
+                verify,
+                reader.stats.fallbacks,
+            )
+        )
     return stats
 
 
@@ -306,12 +340,15 @@ def _damage_worker(rank, world, root, damage):
         if damage == "flip":
             raw[info.offset + md.storage_data[MetadataIndex(IO_KEY)]["items"]["w|24,0"][0] + 40 * 4 * 5 + 7] ^= 2
         else:
-            raw = raw[:info.offset + md.storage_data[MetadataIndex(IO_KEY)]["items"]["w|24,0"][0] + 1000]
+            raw = raw[: info.offset + md.storage_data[MetadataIndex(IO_KEY)]["items"]["w|24,0"][0] + 1000]
         open(fn, "wb").write(bytes(raw))
     dist.barrier()
     try:
-        dcp.load({"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)},
-                 storage_reader=UCPFileSystemReader(path), planner=UCPLoadPlanner())
+        dcp.load(
+            {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)},
+            storage_reader=UCPFileSystemReader(path),
+            planner=UCPLoadPlanner(),
+        )
         return None
     except CheckpointException as e:
         return str(ucp_dcp.first_ucp_error(e))
@@ -342,8 +379,12 @@ def _read_once_worker(rank, world, root, mode, hosts):
     sd = {"w": tgt, "step": 0}
     reader = UCPFileSystemReader(f"{root}/rep")
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(read_once=mode))
-    return (bool(torch.equal(tgt.to_local(), rep.to_local())), sd["step"], sorted(set(reader.stats.items)),
-            reader.stats.bytes_received)
+    return (
+        bool(torch.equal(tgt.to_local(), rep.to_local())),
+        sd["step"],
+        sorted(set(reader.stats.items)),
+        reader.stats.bytes_received,
+    )
 
 
 def _readers(res):
@@ -396,8 +437,11 @@ def _failing_load_worker(rank, world, root, damage):
         os.remove(os.path.join(f"{root}/rep", md.storage_data[MetadataIndex("w", (48, 0))].relative_path))
     dist.barrier()
     try:
-        dcp.load({"w": distribute_tensor(torch.zeros_like(_full()), mesh22, [Replicate(), Shard(0)])},
-                 storage_reader=UCPFileSystemReader(f"{root}/rep"), planner=UCPLoadPlanner(allow_partial_load=True))
+        dcp.load(
+            {"w": distribute_tensor(torch.zeros_like(_full()), mesh22, [Replicate(), Shard(0)])},
+            storage_reader=UCPFileSystemReader(f"{root}/rep"),
+            planner=UCPLoadPlanner(allow_partial_load=True),
+        )
         return None
     except CheckpointException as e:
         return sorted({type(exc).__name__ for exc, _ in e.failures.values()}), str(ucp_dcp.first_ucp_error(e))

@@ -7,21 +7,21 @@ difference on a GPU is that buffers are pinned and copies are non-blocking with 
 
 import math
 
-import numpy as np
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, strategies as st
+from helpers import expect_ucp_error
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, device, staging
-from helpers import expect_ucp_error
 from ucp_dcp.errors import ChecksumError, DtypeConversionError
 from ucp_dcp.planning.collectives import carries_cpu
 from ucp_dcp.planning.device import split_box, split_reads
@@ -49,9 +49,14 @@ def test_split_box_pieces_are_consecutive_byte_ranges_within_cap(shape, itemsize
 
 
 def _item(lengths, dest=(0, 0), stor=(0, 0), kind=LoadItemType.TENSOR):
-    return ReadItem(type=kind, dest_index=MetadataIndex("t", (0, 0)), dest_offsets=torch.Size(dest),
-                    storage_index=MetadataIndex("t", (0, 0)), storage_offsets=torch.Size(stor),
-                    lengths=torch.Size(lengths))
+    return ReadItem(
+        type=kind,
+        dest_index=MetadataIndex("t", (0, 0)),
+        dest_offsets=torch.Size(dest),
+        storage_index=MetadataIndex("t", (0, 0)),
+        storage_offsets=torch.Size(stor),
+        lengths=torch.Size(lengths),
+    )
 
 
 def test_split_reads_shifts_both_offsets_and_leaves_others_alone():
@@ -111,8 +116,17 @@ def test_host_copies_are_copies_in_order_when_forced():
     assert passthrough[0][1].data_ptr() == ts[0].data_ptr()
 
 
-@pytest.mark.parametrize("backend,cpu", [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True),
-                                         ("cuda:nccl", False), ("NCCL", False), ("mpi", True)])
+@pytest.mark.parametrize(
+    "backend,cpu",
+    [
+        ("gloo", True),
+        ("nccl", False),
+        ("cpu:gloo,cuda:nccl", True),
+        ("cuda:nccl", False),
+        ("NCCL", False),
+        ("mpi", True),
+    ],
+)
 def test_which_groups_carry_host_bytes(backend, cpu):
     assert carries_cpu(backend) is cpu
 
@@ -134,8 +148,12 @@ def _load(sd, path, **kw):
 
 def test_staged_load_is_bitwise_and_bounded(tmp_path, small_buffers):
     g = torch.Generator().manual_seed(0)
-    saved = {"w": torch.randn(100, 37, generator=g), "b": torch.randn(5, generator=g),
-             "e": torch.randn(0, 4), "s": torch.tensor(3.5)}
+    saved = {
+        "w": torch.randn(100, 37, generator=g),
+        "b": torch.randn(5, generator=g),
+        "e": torch.randn(0, 4),
+        "s": torch.tensor(3.5),
+    }
     ucp_dcp.save(saved, tmp_path)
     back = {k: torch.zeros_like(v) for k, v in saved.items()}
     stats = _load(back, tmp_path)
@@ -158,8 +176,9 @@ def test_staged_load_converts_dtypes_and_fills_noncontiguous_targets(tmp_path, s
 
 def test_staged_narrowing_conversion_still_range_checked(tmp_path, small_buffers):
     ucp_dcp.save({"x": torch.full((40, 40), 1e6)}, tmp_path)
-    err = expect_ucp_error(lambda: _load({"x": torch.zeros(40, 40, dtype=torch.float16)}, tmp_path),
-                           DtypeConversionError)
+    err = expect_ucp_error(
+        lambda: _load({"x": torch.zeros(40, 40, dtype=torch.float16)}, tmp_path), DtypeConversionError
+    )
     assert err.atom == "x"
 
 

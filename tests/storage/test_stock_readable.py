@@ -5,16 +5,16 @@ DCP's default planner (and DCP's own reader) fills the same model and optimizer,
 
 from __future__ import annotations
 
+import dist as D
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import tensors_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import dist as D
 import ucp_dcp
-from helpers import tensors_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -22,8 +22,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def _job(seed: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    optim = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-2},
-                               {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0}])
+    optim = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2},
+            {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0},
+        ]
+    )
     return model, optim
 
 
@@ -98,8 +102,12 @@ def _fsdp_worker(rank, world, folder):
     for seed, stock in ((0, False), (1, True)):
         model, optim = _job(seed)
         fully_shard(model, mesh=mesh)
-        optim = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-2},
-                                   {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0}])
+        optim = torch.optim.AdamW(
+            [
+                {"params": model[0].parameters(), "lr": 1e-2},
+                {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0},
+            ]
+        )
         model(torch.randn(4, 6)).square().sum().backward()
         optim.step()
         sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
@@ -110,8 +118,16 @@ def _fsdp_worker(rank, world, folder):
             set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         full = {k: v.full_tensor() for k, v in get_state_dict(model, optim)[0].items()}
         osd = get_state_dict(model, optim)[1]
-        out.append((full, {k: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in s.items()}
-                           for k, s in osd["state"].items()}, osd["param_groups"]))
+        out.append(
+            (
+                full,
+                {
+                    k: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in s.items()}
+                    for k, s in osd["state"].items()
+                },
+                osd["param_groups"],
+            )
+        )
     return out
 
 

@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,19 +35,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemWriter, UCPSavePlanner
 from ucp_dcp.tools.verify import verify
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 WORLD = 2
 GATE_TIMEOUT_S = 60.0
 
 
 # -- worker-side helpers ------------------------------------------------------------------------------
+
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed))
@@ -83,15 +87,27 @@ def _map(x, fn):
 
 def _logical(sd: dict) -> dict:
     """Every value as the global (unsharded) tensor or a copy of the object. Collective."""
-    return _map(sd, lambda v: v.full_tensor() if isinstance(v, DTensor) else
-                v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+    return _map(
+        sd,
+        lambda v: (
+            v.full_tensor()
+            if isinstance(v, DTensor)
+            else v.detach().clone()
+            if isinstance(v, torch.Tensor)
+            else copy.deepcopy(v)
+        ),
+    )
 
 
 def _diff(a, b, path: str = "") -> list[str]:
     """Paths where ``a`` and ``b`` differ (tensors: dtype, shape and every bit)."""
     if isinstance(a, torch.Tensor):
-        same = (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        same = (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
         return [] if same else [path]
     if isinstance(a, dict):
         if not isinstance(b, dict) or a.keys() != b.keys():
@@ -195,6 +211,7 @@ def _wait_reached(gate: str) -> None:
 
 # -- workers ------------------------------------------------------------------------------------------
 
+
 def _roundtrip_worker(rank, world, root, kind: str, layout: str):
     """async_save -> committed + verified -> load at ``layout`` -> compare bitwise."""
     model, opt, mesh = _job(rank)
@@ -202,8 +219,13 @@ def _roundtrip_worker(rank, world, root, kind: str, layout: str):
     saved = _logical(sd)
     path = f"{root}/ckpt"
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, checkpoint_id=path, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(),
-                         async_checkpointer_type=AsyncCheckpointerType[kind])
+    fut = dcp.async_save(
+        sd,
+        checkpoint_id=path,
+        storage_writer=UCPFileSystemWriter(path),
+        planner=UCPSavePlanner(),
+        async_checkpointer_type=AsyncCheckpointerType[kind],
+    )
     blocked = time.perf_counter() - t0
     md = fut.result(timeout=120)
     assert isinstance(md, Metadata), type(md)
@@ -211,8 +233,12 @@ def _roundtrip_worker(rank, world, root, kind: str, layout: str):
     status = _committed(path) if rank == 0 else None
     dist.barrier()
     loaded = _load_at(sd, path, layout, mesh, rank)
-    return {"blocked": blocked, "status": status, "diff": None if loaded is None else _diff(saved, loaded),
-            "n_tensors": sum(isinstance(v, DTensor) for v in sd["model"].values())}
+    return {
+        "blocked": blocked,
+        "status": status,
+        "diff": None if loaded is None else _diff(saved, loaded),
+        "n_tensors": sum(isinstance(v, DTensor) for v in sd["model"].values()),
+    }
 
 
 def _over_worker(rank, world, root):
@@ -227,8 +253,13 @@ def _over_worker(rank, world, root):
     sd = _state(model, opt)
     new = _logical(sd)
     writer = _GatedWriter(path, gate)
-    fut = dcp.async_save(sd, checkpoint_id=path, storage_writer=writer, planner=UCPSavePlanner(),
-                         process_group=dist.new_group(backend="gloo"))
+    fut = dcp.async_save(
+        sd,
+        checkpoint_id=path,
+        storage_writer=writer,
+        planner=UCPSavePlanner(),
+        process_group=dist.new_group(backend="gloo"),
+    )
     _wait_reached(gate)  # planned on every rank, nothing written yet
     dist.barrier()
     during = (_committed(path), sorted(os.listdir(path))) if rank == 0 else None
@@ -238,8 +269,14 @@ def _over_worker(rank, world, root):
     after = (_committed(path), sorted(os.listdir(path))) if rank == 0 else None
     dist.barrier()
     loaded = _load_at(sd, path, "replicate", mesh, rank)
-    return {"old_files": old_files, "during": during, "after": after, "removed": sorted(writer.removed),
-            "new_vs_old": _diff(new, old), "diff": _diff(new, loaded)}
+    return {
+        "old_files": old_files,
+        "during": during,
+        "after": after,
+        "removed": sorted(writer.removed),
+        "new_vs_old": _diff(new, old),
+        "diff": _diff(new, loaded),
+    }
 
 
 def _mutation_worker(rank, world, root, kind: str, stager: str):
@@ -248,11 +285,16 @@ def _mutation_worker(rank, world, root, kind: str, stager: str):
     sd = _state(model, opt)
     before = _logical(sd)
     path, gate = f"{root}/ckpt", f"{root}/gate{rank}"
-    fut = dcp.async_save(sd, checkpoint_id=path, storage_writer=_GatedWriter(path, gate), planner=UCPSavePlanner(),
-                         async_checkpointer_type=AsyncCheckpointerType[kind],
-                         async_stager=_NoCopyStager() if stager == "none" else None,
-                         # training collectives go on on the default group meanwhile
-                         process_group=dist.new_group(backend="gloo"))
+    fut = dcp.async_save(
+        sd,
+        checkpoint_id=path,
+        storage_writer=_GatedWriter(path, gate),
+        planner=UCPSavePlanner(),
+        async_checkpointer_type=AsyncCheckpointerType[kind],
+        async_stager=_NoCopyStager() if stager == "none" else None,
+        # training collectives go on on the default group meanwhile
+        process_group=dist.new_group(backend="gloo"),
+    )
     _train_step(model, opt, seed=100 + rank)  # in place: parameters, moments, step counters
     after = _logical(sd)  # also proves the state dict aliases the live tensors
     _open(gate)
@@ -261,18 +303,26 @@ def _mutation_worker(rank, world, root, kind: str, stager: str):
     status = _committed(path) if rank == 0 else None
     dist.barrier()
     loaded = _load_at(sd, path, "shard1", mesh, rank)
-    return {"changed": _diff(before, after), "vs_before": _diff(before, loaded), "vs_after": _diff(after, loaded),
-            "status": status}
+    return {
+        "changed": _diff(before, after),
+        "vs_before": _diff(before, loaded),
+        "vs_after": _diff(after, loaded),
+        "status": status,
+    }
 
 
 # -- tests --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,layout", [
-    ("THREAD", "shard1"),
-    ("THREAD", "replicate"),
-    ("THREAD", "one_rank"),
-    ("PROCESS", "shard1"),
-])
+
+@pytest.mark.parametrize(
+    "kind,layout",
+    [
+        ("THREAD", "shard1"),
+        ("THREAD", "replicate"),
+        ("THREAD", "one_rank"),
+        ("PROCESS", "shard1"),
+    ],
+)
 def test_async_save_commits_verifies_and_loads_bitwise_at_another_layout(kind, layout):
     res = D.run(_roundtrip_worker, WORLD, D.tmpdir(), kind, layout, timeout=180)
     status, sidecars = res[0]["status"]

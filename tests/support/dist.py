@@ -52,8 +52,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait as _wait
-from typing import Any, Callable
+from typing import Any
 
 from worker import PG_TIMEOUT, _pool_worker, _worker, patch, setenv  # noqa: F401  (patch, setenv: dist.patch)
 
@@ -84,6 +85,7 @@ def _free_port() -> int:
 
 # == the driver: pools ===================================================================================
 
+
 class _Pool:
     """``world_size`` workers with a gloo group; :meth:`run` runs one task on all of them."""
 
@@ -94,15 +96,19 @@ class _Pool:
         self.task = 0
         self.dir = tempfile.mkdtemp(prefix=f"ucp-pool{world_size}-")
         # the rendezvous store lives here: its port is taken atomically (no free-port race)
-        self.store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
-                                   timeout=PG_TIMEOUT)
+        self.store = dist.TCPStore(
+            host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT
+        )
         ctx = _ctx()
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
         self.procs, self.conns = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_pool_worker, args=(r, world_size, self.store.port, child, self.logs[r]),
-                            name=f"ucp-pool{world_size}-rank{r}")
+            p = ctx.Process(
+                target=_pool_worker,
+                args=(r, world_size, self.store.port, child, self.logs[r]),
+                name=f"ucp-pool{world_size}-rank{r}",
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -255,11 +261,14 @@ def use_pool(backend: str) -> bool:
 
 # == fresh processes (other backends, or UCP_TEST_POOL=0) ================================================
 
+
 def _run_fresh(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str) -> list[Any]:
     ctx = _ctx()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -71,6 +71,8 @@ def skip_unless_torchtitan_runs() -> None:
     from torch.distributed import fsdp
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
-        pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims); "
-                    f"this is torch {torch.__version__}", allow_module_level=True)
-
+        pytest.skip(
+            f"torchtitan 0.3.0 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims); "
+            f"this is torch {torch.__version__}",
+            allow_module_level=True,
+        )

@@ -37,8 +37,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from training import compare_state
+
 from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, ucp_options
 
 RULES = ("fused_wqkv", "fused_w13", "tied", "padded", "replicated", "reduce", "stage_map", "expert_map")
@@ -114,8 +114,12 @@ SWAPS = [Mistake("writer"), Mistake("writer", "norules"), Mistake("writer", "reo
 rules into reordered param groups; our checkpoint loaded by stock DCP."""
 
 
-WRITER_SWAP_TRANSITIONS = {("dp=4", "dp=2,tp=2"), ("dp=2,tp=2,pp=2", "dp=2,tp=2"), ("ep=4", "dp=4"),
-                           ("dp=4", "dpr=2,dp=2")}
+WRITER_SWAP_TRANSITIONS = {
+    ("dp=4", "dp=2,tp=2"),
+    ("dp=2,tp=2,pp=2", "dp=2,tp=2"),
+    ("ep=4", "dp=4"),
+    ("dp=4", "dpr=2,dp=2"),
+}
 """Where the writer/reader swaps run: a plain reshard, pipeline stages merged, expert lists, HSDP (the swaps
 exercise the reader and writer, not the transition; four cover every kind of piece the toy has)."""
 SAME_LAYOUT = [("dp=4", "dp=4"), ("tp=2,pp=2", "tp=2,pp=2")]
@@ -124,21 +128,22 @@ expected to be right, so a difference is ours (e.g. param groups matched by list
 
 USER_OWNED: dict[str, str] = {
     "drop-fused_w13-both": "w13's per-TP-rank [w1_r; w3_r] blocks are what the tensor means; declared at neither side, "
-                           "the saved full tensor is a different (valid) tensor and no checkpoint fact tells them apart",
+    "the saved full tensor is a different (valid) tensor and no checkpoint fact tells them apart",
     "alter-fused_w13-both": "the same: a consistent blocks=1 at both sides declares another meaning of the bytes",
     "alter-reduce-both": "the op is the counter's meaning: 'max' declared at save and load is a valid reduction, "
-                         "saved and reapplied as declared",
+    "saved and reapplied as declared",
     "alter-expert_map-both": "a consistent permutation of expert numbers at both sides: experts are symmetric in "
-                             "shape, so a wrong but consistent numbering is indistinguishable from a real one",
+    "shape, so a wrong but consistent numbering is indistinguishable from a real one",
     "alter-expert_map-save": "refused wherever both sides have several expert owners (the catalog's map order differs "
-                             "from the load's); against a load with one owner (ep=1) nothing fixes a direction, and a "
-                             "self-consistent reversed numbering is a valid one",
+    "from the load's); against a load with one owner (ep=1) nothing fixes a direction, and a "
+    "self-consistent reversed numbering is a valid one",
     "alter-expert_map-load": "the same, with the roles swapped",
 }
 """Mistakes whose silent outcome is the user's to own (excluded from the silent count, still listed)."""
 
 
 # -- the mistakes applied -------------------------------------------------------------------------
+
 
 def rule_key(rule) -> str:
     """The harness's key of one of the toy's pattern rules."""
@@ -177,12 +182,18 @@ def _altered(key: str, value, cfg: ModelConfig, topo: Topology):
         return dataclasses.replace(value, op="max")
     if key == "stage_map":
         total = value.total
-        return IndexMap("layers", [dataclasses.replace(c, indices=tuple(total - 1 - i for i in c.indices))
-                                   for c in value.chunks], total=total)
+        return IndexMap(
+            "layers",
+            [dataclasses.replace(c, indices=tuple(total - 1 - i for i in c.indices)) for c in value.chunks],
+            total=total,
+        )
     if key == "expert_map":
         n_local = cfg.n_experts // topo.ep
-        return IndexMap("experts", [Chunk((topo.ep - 1 - c.owner) * n_local, c.prefixes, c.owner) for c in value.chunks],
-                        total=value.total)
+        return IndexMap(
+            "experts",
+            [Chunk((topo.ep - 1 - c.owner) * n_local, c.prefixes, c.owner) for c in value.chunks],
+            total=value.total,
+        )
     raise ValueError(key)
 
 
@@ -243,17 +254,26 @@ def perturb(tr, sd: dict, target: str) -> list[tuple[torch.Tensor, torch.Tensor]
 
 # -- one transition on the workers ------------------------------------------------------------------
 
+
 def _classify_exc(e: BaseException) -> dict:
     import ucp_dcp
 
     err = ucp_dcp.first_ucp_error(e)
     if err is None:
-        return {"outcome": "crash", "error": f"{type(e).__name__}: {str(e)[:300]}",
-                "where": traceback.format_exception(e)[-1][:200]}
+        return {
+            "outcome": "crash",
+            "error": f"{type(e).__name__}: {str(e)[:300]}",
+            "where": traceback.format_exception(e)[-1][:200],
+        }
     clear = bool(err.atom) and bool(err.hint)
     text = f"{err.message} {err.hint or ''}".lower()
-    return {"outcome": "refused" if clear else "unclear", "error": f"{type(err).__name__}: {err.message[:300]}",
-            "atom": err.atom, "hint": (err.hint or "")[:200], "mentions": [w for w in VOCAB if w in text]}
+    return {
+        "outcome": "refused" if clear else "unclear",
+        "error": f"{type(err).__name__}: {err.message[:300]}",
+        "atom": err.atom,
+        "hint": (err.hint or "")[:200],
+        "mentions": [w for w in VOCAB if w in text],
+    }
 
 
 def _agree(job, mine: dict | None) -> dict | None:
@@ -264,8 +284,9 @@ def _agree(job, mine: dict | None) -> dict | None:
 
 
 def _save(cfg, tr, job, variant, folder) -> dict | None:
-    import ucp_dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    import ucp_dcp
 
     sd = tr.state_dict()
     undo = perturb(tr, sd, variant[1]) if variant[0] == "perturb" else []
@@ -273,8 +294,12 @@ def _save(cfg, tr, job, variant, folder) -> dict | None:
         if variant == ("writer", "stock"):
             dcp.save(sd, storage_writer=FileSystemWriter(folder), planner=DefaultSavePlanner(), process_group=job.group)
         else:
-            dcp.save(sd, storage_writer=ucp_dcp.UCPFileSystemWriter(folder), process_group=job.group,
-                     planner=ucp_dcp.UCPSavePlanner(**options(cfg, job, variant)))
+            dcp.save(
+                sd,
+                storage_writer=ucp_dcp.UCPFileSystemWriter(folder),
+                process_group=job.group,
+                planner=ucp_dcp.UCPSavePlanner(**options(cfg, job, variant)),
+            )
         return None
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -315,8 +340,9 @@ def _local_of(p: torch.Tensor) -> torch.Tensor:
 
 def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict | None]:
     """Load into a reset trainer (seed 1); returns (failure, loaded logical state)."""
-    import ucp_dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    import ucp_dcp
 
     reorder = variant[0] == "reorder"
     if reorder not in trainers:
@@ -329,8 +355,12 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
             dcp.load(sd, storage_reader=FileSystemReader(folder), planner=DefaultLoadPlanner(), process_group=job.group)
         else:
             opts = {} if "norules" in variant else options(cfg, job, variant)
-            dcp.load(sd, storage_reader=ucp_dcp.UCPFileSystemReader(folder), process_group=job.group,
-                     planner=ucp_dcp.UCPLoadPlanner(**opts))
+            dcp.load(
+                sd,
+                storage_reader=ucp_dcp.UCPFileSystemReader(folder),
+                process_group=job.group,
+                planner=ucp_dcp.UCPLoadPlanner(**opts),
+            )
         tr.load_state_dict(sd)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -405,8 +435,12 @@ def _bcast(x):
 
 # -- the set ----------------------------------------------------------------------------------------
 
-def plan(transitions: list[tuple[str, str]], sample: list[tuple[str, str, str]] | None = None,
-         same_layout: list[tuple[str, str]] = ()):
+
+def plan(
+    transitions: list[tuple[str, str]],
+    sample: list[tuple[str, str, str]] | None = None,
+    same_layout: list[tuple[str, str]] = (),
+):
     """(save, load, [mistake names]) per transition and the skipped count: every mistake class on
     every transition where it is not a no-op, the writer swaps on :data:`WRITER_SWAP_TRANSITIONS`;
     the baseline and the swaps alone at ``same_layout`` (e.g. :data:`SAME_LAYOUT`); ``sample``: only these (save, load, mistake name) runs."""
@@ -427,8 +461,15 @@ def names_cause(r: dict) -> bool:
     """Whether a refusal's message or hint names the mistaken rule or map (or, for a perturbed replica, the
     replicas; for reordered groups, the param groups)."""
     target = r["mistake"].split("-")[1] if "-" in r["mistake"] else r["mistake"]
-    word = {"fused_wqkv": "fused", "fused_w13": "fused", "replicated": "replica", "tp_norm": "replica",
-            "hsdp": "replica", "plain": "replica", "reorder": "param group"}.get(target, target)
+    word = {
+        "fused_wqkv": "fused",
+        "fused_w13": "fused",
+        "replicated": "replica",
+        "tp_norm": "replica",
+        "hsdp": "replica",
+        "plain": "replica",
+        "reorder": "param group",
+    }.get(target, target)
     return word in r.get("mentions", [word])
 
 
@@ -451,20 +492,28 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
         if c in FAILING or c in ("stock-silent", "user-owned"):
             detail = r.get("error") or f"{r.get('diffs')} entries differ: {', '.join(r.get('first', []))}"
             lines.append(f"{c.upper():<12} {r['save']} -> {r['load']}: {r['mistake']}: {detail}")
-    n = {k: sum(1 for r in results if counted(r) == k) for k in
-         ("silent", "crash", "unclear", "ok", "refused", "user-owned")}
+    n = {
+        k: sum(1 for r in results if counted(r) == k)
+        for k in ("silent", "crash", "unclear", "ok", "refused", "user-owned")
+    }
     stock = sum(1 for r in results if r["outcome"].startswith("stock-"))
     other = [r for r in results if r["outcome"] == "refused" and r["mistake"] != "writer" and not names_cause(r)]
     for r in other:
-        lines.append(f"{'REFUSED?':<12} {r['save']} -> {r['load']}: {r['mistake']}: the error names another cause: "
-                     f"{r['error'][:160]}")
-    tail = (f"({n['ok']} ok, {n['refused']} refused ({len(other)} naming another cause), {n['user-owned']} user-owned, "
-            f"{stock} stock-loaded, "
-            f"{skipped} skipped as no-ops)")
+        lines.append(
+            f"{'REFUSED?':<12} {r['save']} -> {r['load']}: {r['mistake']}: the error names another cause: "
+            f"{r['error'][:160]}"
+        )
+    tail = (
+        f"({n['ok']} ok, {n['refused']} refused ({len(other)} naming another cause), {n['user-owned']} user-owned, "
+        f"{stock} stock-loaded, "
+        f"{skipped} skipped as no-ops)"
+    )
     ok = n["silent"] == n["crash"] == n["unclear"] == 0
     if ok:
         lines.append(f"MISTAKES OK: {len(results)} runs, 0 silent {tail}")
     else:
-        lines.append(f"MISTAKES FAILED: {len(results)} runs, {n['silent']} silent, {n['crash']} crashed, "
-                     f"{n['unclear']} unclear {tail}")
+        lines.append(
+            f"MISTAKES FAILED: {len(results)} runs, {n['silent']} silent, {n['crash']} crashed, "
+            f"{n['unclear']} unclear {tail}"
+        )
     return lines, ok

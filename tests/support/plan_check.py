@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import dist as D  # tests/support/dist.py, the pool (`dist` here is torch.distributed)
 import torch.distributed as dist
 
-import dist as D  # tests/support/dist.py, the pool (`dist` here is torch.distributed)
 from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
 from ucp_dcp.toy import ModelConfig, Topology
 
@@ -18,8 +18,13 @@ RANKS_PER_HOST = 2
 def rank_stats(reader: Any) -> dict[str, Any]:
     """What a real load's reader counted on this rank (``ReadStats``), in the plan's terms."""
     s = reader.stats
-    return {"bytes_read": s.bytes_read, "reads": s.ranges, "items": sorted(set(s.items)),
-            "bytes_received": s.bytes_received, "fallbacks": s.fallbacks}
+    return {
+        "bytes_read": s.bytes_read,
+        "reads": s.ranges,
+        "items": sorted(set(s.items)),
+        "bytes_received": s.bytes_received,
+        "fallbacks": s.fallbacks,
+    }
 
 
 def gather(value: Any, group: Any = None) -> list[Any]:
@@ -48,8 +53,13 @@ def compare(report: Any, real: list[dict[str, Any]]) -> list[str]:
     if len(report.ranks) != len(real):
         return [f"plan has {len(report.ranks)} ranks, the load {len(real)}"]
     for plan, got in zip(report.ranks, real):
-        mine = {"bytes_read": plan.bytes_read, "reads": plan.reads, "items": plan.items,
-                "bytes_received": plan.bytes_received, "fallbacks": plan.fallbacks}
+        mine = {
+            "bytes_read": plan.bytes_read,
+            "reads": plan.reads,
+            "items": plan.items,
+            "bytes_received": plan.bytes_received,
+            "fallbacks": plan.fallbacks,
+        }
         for k, v in mine.items():
             if got[k] != v:
                 diffs.append(f"rank {plan.rank}: {k} planned {v}, loaded {got[k]}")
@@ -86,8 +96,12 @@ def _save_load_worker(rank, world, folder, save, load, load_cfg):
     job = build_job(s, list(range(s.world)))
     if job.member:
         tr = build_trainer(cfg, job, seed=0)
-        dcp.save(tr.state_dict(), storage_writer=ucp_dcp.UCPFileSystemWriter(f"{folder}/ckpt"),
-                 process_group=job.group, planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)))
+        dcp.save(
+            tr.state_dict(),
+            storage_writer=ucp_dcp.UCPFileSystemWriter(f"{folder}/ckpt"),
+            process_group=job.group,
+            planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)),
+        )
     dist.barrier()
     job = build_job(l, list(range(l.world)))
     out = None
@@ -95,8 +109,12 @@ def _save_load_worker(rank, world, folder, save, load, load_cfg):
         tr = build_trainer(load_cfg or cfg, job, seed=1)
         reader = ucp_dcp.UCPFileSystemReader(f"{folder}/ckpt")
         try:
-            dcp.load(tr.state_dict(), storage_reader=reader, process_group=job.group,
-                     planner=ucp_dcp.UCPLoadPlanner(**trainer_options(load_cfg or cfg, tr)))
+            dcp.load(
+                tr.state_dict(),
+                storage_reader=reader,
+                process_group=job.group,
+                planner=ucp_dcp.UCPLoadPlanner(**trainer_options(load_cfg or cfg, tr)),
+            )
             out = {"stats": gather(rank_stats(reader), job.group)}
         except BaseException as e:  # DCP's CheckpointException (every rank raises it)
             out = {"errors": load_failures(e)}
@@ -113,5 +131,11 @@ def real_load(save: str, load: str, load_cfg: Any = None) -> tuple[str, dict]:
 
 def plan(ckpt: str, load: str, cfg: Any = None) -> Any:
     """The plan of loading ``ckpt`` at the recipe layout ``load``, as the pool's loads run it."""
-    return plan_load(ckpt, RecipeTarget(load, cfg=cfg), read_once="hosts",
-                     ranks_per_node=RANKS_PER_HOST, device="cpu", keep_items=True)
+    return plan_load(
+        ckpt,
+        RecipeTarget(load, cfg=cfg),
+        read_once="hosts",
+        ranks_per_node=RANKS_PER_HOST,
+        device="cpu",
+        keep_items=True,
+    )

@@ -4,11 +4,11 @@ failing, dying or hanging rank, and what one task leaves for the next on the sam
 import os
 import time
 
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPSavePlanner
 
@@ -51,11 +51,15 @@ def _hang_on_rank_0(rank, world):
     return rank
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (_fail_on_rank_1, ["--- rank 1: Traceback", "ValueError: rank one says no", "still running"]),
-    (_die_on_rank_2, ["rank 2: the process died (exit code 7)", "rank 2 about to go"]),
-    (_hang_on_rank_0, ["rank 0: no result after 5s: hung", "test_pool.py\", line", "in _hang_on_rank_0"]),
-], ids=["raises", "dies", "hangs"])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (_fail_on_rank_1, ["--- rank 1: Traceback", "ValueError: rank one says no", "still running"]),
+        (_die_on_rank_2, ["rank 2: the process died (exit code 7)", "rank 2 about to go"]),
+        (_hang_on_rank_0, ["rank 0: no result after 5s: hung", 'test_pool.py", line', "in _hang_on_rank_0"]),
+    ],
+    ids=["raises", "dies", "hangs"],
+)
 def test_a_failing_rank_is_reported_and_the_pool_starts_afresh(fn, expected):
     before = [r[4] for r in D.run(_identity, 4, "before")]
     with pytest.raises(AssertionError) as info:
@@ -78,7 +82,9 @@ def _plan_caches() -> dict[str, int]:
     out = {f"SavePlanner.{k}": len(v) for k, v in vars(SavePlanner).items() if k.startswith("_cached")}
     for name, mod in list(sys.modules.items()):
         if name.startswith("ucp_dcp") and mod is not None:
-            out.update({f"{name}.{k}": len(v) for k, v in vars(mod).items() if isinstance(v, dict) and "cache" in k.lower()})
+            out.update(
+                {f"{name}.{k}": len(v) for k, v in vars(mod).items() if isinstance(v, dict) and "cache" in k.lower()}
+            )
     return out
 
 
@@ -97,18 +103,35 @@ def _leave_state_behind(rank, world, root):
     import torch.distributed.checkpoint as dcp
 
     for i in range(2):  # the second save uses the cached plan
-        dcp.save({"w": torch.full((4,), float(i), dtype=torch.float32)}, checkpoint_id=f"{root}/c{i}",
-                 planner=UCPSavePlanner(enable_plan_caching=True))
-    return len(dist.distributed_c10d._world.pg_names), g.group_name if rank < 2 else None, h and h.group_name, _plan_caches()
+        dcp.save(
+            {"w": torch.full((4,), float(i), dtype=torch.float32)},
+            checkpoint_id=f"{root}/c{i}",
+            planner=UCPSavePlanner(enable_plan_caching=True),
+        )
+    return (
+        len(dist.distributed_c10d._world.pg_names),
+        g.group_name if rank < 2 else None,
+        h and h.group_name,
+        _plan_caches(),
+    )
 
 
 def _look_at_state(rank, world):
     h = dist.new_group([0, 1, 2], use_local_synchronization=True) if rank < 3 else None
-    return {"env": os.environ.get(LEAK_ENV), "host": os.environ.get("UCP_DCP_HOST"), "version": ucp_dcp.__version__,
-            "key": ucp_dcp.CATALOG_KEY, "leaked": hasattr(ucp_dcp, "leaked_name"), "caches": _plan_caches(),
-            "counter": list(_counter), "dtype": torch.get_default_dtype(), "randn": torch.randn(3).tolist(),
-            "cwd": os.getcwd(), "groups": len(dist.distributed_c10d._world.pg_names) - (h is not None),
-            "hashed": h and h.group_name}
+    return {
+        "env": os.environ.get(LEAK_ENV),
+        "host": os.environ.get("UCP_DCP_HOST"),
+        "version": ucp_dcp.__version__,
+        "key": ucp_dcp.CATALOG_KEY,
+        "leaked": hasattr(ucp_dcp, "leaked_name"),
+        "caches": _plan_caches(),
+        "counter": list(_counter),
+        "dtype": torch.get_default_dtype(),
+        "randn": torch.randn(3).tolist(),
+        "cwd": os.getcwd(),
+        "groups": len(dist.distributed_c10d._world.pg_names) - (h is not None),
+        "hashed": h and h.group_name,
+    }
 
 
 def _fresh_randn(rank, world):

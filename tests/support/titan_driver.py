@@ -54,8 +54,15 @@ def build(seed):
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = mc.build()
-    model = spec.parallelize_fn(model, parallel_dims=pd, training=T, parallelism=P, compile_config=cfg.compile,
-                                ac_config=cfg.activation_checkpoint, dump_folder=out)
+    model = spec.parallelize_fn(
+        model,
+        parallel_dims=pd,
+        training=T,
+        parallelism=P,
+        compile_config=cfg.compile,
+        ac_config=cfg.activation_checkpoint,
+        dump_folder=out,
+    )
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -80,8 +87,15 @@ class TrainState:
 
 
 def manager(model, opt, lrs, ts):
-    return cfg.checkpoint.build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lrs,
-                                states={"train_state": ts}, sd_adapter=None, base_folder=out)
+    return cfg.checkpoint.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=lrs,
+        states={"train_state": ts},
+        sd_adapter=None,
+        base_folder=out,
+    )
 
 
 def full_state(model, opt):
@@ -135,8 +149,18 @@ counts = torch.tensor([ts2.ntokens_seen])
 gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, counts)
 if dist.get_rank() == 0:
-    print(json.dumps({"backend": pd.spmd_backend, "save_redistributes": calls["save"], "load_redistributes": calls["load"], "diffs": diffs,
-                      "entries": len(saved), "ntokens_seen": [int(c) for c in gathered]}))
+    print(
+        json.dumps(
+            {
+                "backend": pd.spmd_backend,
+                "save_redistributes": calls["save"],
+                "load_redistributes": calls["load"],
+                "diffs": diffs,
+                "entries": len(saved),
+                "ntokens_seen": [int(c) for c in gathered],
+            }
+        )
+    )
 for m in (m1, m2):
     m.close()
 dist.barrier()

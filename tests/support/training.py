@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from plan_check import gather, rank_stats
+
 from ucp_dcp.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 # fp32 tolerances for a resume at a *different* layout (reduction order differs; same layout must be bitwise):
@@ -52,10 +52,14 @@ def io_stats(reader, job: Job) -> dict | None:
         for key in items:
             ranks[key] = ranks.get(key, 0) + 1
             hosts.setdefault(key, set()).add(h)
-    return {"bytes_read": sum(x[0] for x in everyone), "bytes_received": sum(x[1] for x in everyone),
-            "items": len(ranks), "items_read_by_several_ranks": sum(1 for n in ranks.values() if n > 1),
-            "hosts": len({x[3] for x in everyone}),
-            "items_read_on_several_hosts": sum(1 for h in hosts.values() if len(h) > 1)}
+    return {
+        "bytes_read": sum(x[0] for x in everyone),
+        "bytes_received": sum(x[1] for x in everyone),
+        "items": len(ranks),
+        "items_read_by_several_ranks": sum(1 for n in ranks.values() if n > 1),
+        "hosts": len({x[3] for x in everyone}),
+        "items_read_on_several_hosts": sum(1 for h in hosts.values() if len(h) > 1),
+    }
 
 
 def elastic_resume(save: Topology, load: Topology, steps: int, folder: str) -> dict | None:
@@ -73,8 +77,12 @@ def elastic_resume(save: Topology, load: Topology, steps: int, folder: str) -> d
     if job.member:
         tr = build_trainer(cfg, job, seed=0)
         losses = [train_step(tr) for _ in range(steps)]
-        dcp.save(tr.state_dict(), storage_writer=ucp_dcp.UCPFileSystemWriter(f"{folder}/ckpt"),
-                 process_group=job.group, planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)))
+        dcp.save(
+            tr.state_dict(),
+            storage_writer=ucp_dcp.UCPFileSystemWriter(f"{folder}/ckpt"),
+            process_group=job.group,
+            planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)),
+        )
         oracle = logical_state(tr)
         out["reference"] = losses + [train_step(tr) for _ in range(steps)]
     dist.barrier()
@@ -83,8 +91,12 @@ def elastic_resume(save: Topology, load: Topology, steps: int, folder: str) -> d
         tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
         sd = tr.state_dict()
         reader = ucp_dcp.UCPFileSystemReader(f"{folder}/ckpt")
-        dcp.load(sd, storage_reader=reader, process_group=job.group,
-                 planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)))
+        dcp.load(
+            sd,
+            storage_reader=reader,
+            process_group=job.group,
+            planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)),
+        )
         tr.load_state_dict(sd)
         out["io"] = io_stats(reader, job)
         out["load_stats"] = gather(rank_stats(reader), job.group)  # what tests/tools/test_dryrun_reconfig.py plans
@@ -102,8 +114,10 @@ def resume_problems(r: dict, steps: int) -> list[str]:
     not bitwise at the same layout, or beyond the fp32 tolerances at another."""
     problems = []
     if r["state_diffs"]:
-        problems.append(f"{len(r['state_diffs'])} of {r['entries']} loaded entries differ from the oracle "
-                        f"({', '.join(r['state_diffs'][:5])})")
+        problems.append(
+            f"{len(r['state_diffs'])} of {r['entries']} loaded entries differ from the oracle "
+            f"({', '.join(r['state_diffs'][:5])})"
+        )
     ref, res = r["reference"], r["resumed"]
     if r["save"] == r["load"]:
         if res != ref[steps:]:

@@ -17,9 +17,9 @@ import signal
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
-
+from typing import Any
 
 PG_TIMEOUT = timedelta(seconds=180)
 """Collective timeout of the workers' gloo groups."""
@@ -34,8 +34,14 @@ _STATEFUL_TORCH_MODULES = (
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    return dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
 
 
 # == inside a worker: task-scoped changes =============================================================
@@ -67,6 +73,7 @@ def setenv(name: str, value: str | None) -> None:
 
 
 # == inside a worker: snapshot and restore ============================================================
+
 
 def _container_copy(v: Any) -> Any:
     if isinstance(v, dict):
@@ -194,7 +201,9 @@ def _clear_caches() -> None:
     if clear_native is not None:
         clear_native()
     dtensor = sys.modules.get("torch.distributed.tensor._api")
-    propagator = getattr(getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    propagator = getattr(
+        getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None
+    )
     for v in list(vars(propagator).values()) if propagator is not None else ():
         _clear_memo(v)
 
@@ -213,8 +222,9 @@ class _Task:
         self.path = list(sys.path)
         self.dtype = torch.get_default_dtype()
         self.grad = torch.is_grad_enabled()
-        self.levels = {name: lg.level for name, lg in logging.root.manager.loggerDict.items()
-                       if isinstance(lg, logging.Logger)}
+        self.levels = {
+            name: lg.level for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)
+        }
         self.root_level = logging.root.level
         self.groups = set(c10d._world.pg_names)
         self.modules = _ModuleState()
@@ -261,6 +271,7 @@ def _prepare_worker() -> None:
 
     import torch
     import torch.distributed.distributed_c10d as c10d
+
     import ucp_dcp
 
     todo = [("ucp_dcp", ucp_dcp.__path__)]

@@ -12,9 +12,9 @@ import json
 import os
 
 import pytest
-
 from helpers import ROOT
 from plan_check import compare_errors, plan, rank_stats, real_load
+
 from ucp_dcp import UCPError
 from ucp_dcp._compat import _StridedShard
 from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
@@ -156,8 +156,12 @@ def test_plan_of_a_one_process_load_is_its_read_stats(tmp_path, writer):
     assert report.loads, report.problems
     mine = report.ranks[0]
     got = rank_stats(reader)
-    assert (mine.bytes_read, mine.reads, mine.items, mine.fallbacks) == \
-        (got["bytes_read"], got["reads"], got["items"], got["fallbacks"])
+    assert (mine.bytes_read, mine.reads, mine.items, mine.fallbacks) == (
+        got["bytes_read"],
+        got["reads"],
+        got["items"],
+        got["fallbacks"],
+    )
     assert report.integrity == ("none" if writer == "stock" else "verified")
 
 
@@ -176,8 +180,20 @@ def test_the_documented_fsdp2_target_plans_through_the_cli(tmp_path, monkeypatch
     optim.step()
     ucp_dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optim))), tmp_path / "ckpt")
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
-    rc = main(["plan", str(tmp_path / "ckpt"), "--target", "plan_fsdp2:target", "--world-size", "16",
-               "--bandwidth", "1GB/s", "--json", str(tmp_path / "plan.json")])
+    rc = main(
+        [
+            "plan",
+            str(tmp_path / "ckpt"),
+            "--target",
+            "plan_fsdp2:target",
+            "--world-size",
+            "16",
+            "--bandwidth",
+            "1GB/s",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "LOADS" in out and "estimated load time" in out, out
     report = json.loads((tmp_path / "plan.json").read_text())

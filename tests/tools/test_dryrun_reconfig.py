@@ -8,11 +8,9 @@ the transitions it does not run, a save and load on the pool here.
 from __future__ import annotations
 
 import ast
-
 import sys
 
 import pytest
-
 from helpers import ROOT
 from plan_check import compare, plan, real_load
 

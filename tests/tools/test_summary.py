@@ -24,9 +24,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def _model_and_optim(flat: bool = False):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    opt = torch.optim.AdamW([
-        {"params": [m[0].weight, m[2].weight], "lr": 0.01, "betas": (0.9, 0.95), "weight_decay": 0.1},
-        {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 0.01, "weight_decay": 0.0}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [m[0].weight, m[2].weight], "lr": 0.01, "betas": (0.9, 0.95), "weight_decay": 0.1},
+            {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 0.01, "weight_decay": 0.0},
+        ]
+    )
     m(torch.randn(3, 4)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.StepLR(opt, 10)
@@ -35,9 +38,15 @@ def _model_and_optim(flat: bool = False):
 
 def _state():
     msd, osd, sched = _model_and_optim()
-    return {"model": msd, "optim": osd, "sched": sched.state_dict(), "train": {"step": 7, "tokens": torch.tensor(123)},
-            "dataloader": {"cursor": 42, "dataset": "c4"}, "rng": torch.get_rng_state(),
-            "big": {"blob": list(range(3000))}}
+    return {
+        "model": msd,
+        "optim": osd,
+        "sched": sched.state_dict(),
+        "train": {"step": 7, "tokens": torch.tensor(123)},
+        "dataloader": {"cursor": 42, "dataset": "c4"},
+        "rng": torch.get_rng_state(),
+        "big": {"blob": list(range(3000))},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +72,9 @@ def _flip(path, atom, *, data=False):
     md = read_metadata(path)
     index = next(k for k in md.storage_data if k.fqn == atom)
     info = md.storage_data[index]
-    at = info.offset + (md.storage_data[MetadataIndex(IO_KEY)]["items"][item_key(index)][0] if data else
-                        info.length // 2)
+    at = info.offset + (
+        md.storage_data[MetadataIndex(IO_KEY)]["items"][item_key(index)][0] if data else info.length // 2
+    )
     f = path / info.relative_path
     b = bytearray(f.read_bytes())
     b[at] ^= 0x40
@@ -102,8 +112,14 @@ def test_kinds(ckpt):
 
 def test_kinds_of_torchtitan_names_without_a_catalog(tmp_path):
     msd, osd, _ = _model_and_optim(flat=True)  # torchtitan: flat optimizer state, weights at the top level
-    sd = {**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 3}, "train_state": {"step": 3, "ntokens_seen": 96},
-          "dataloader": {"dp_rank_0": b"\x80\x04state", "world_size": 1}, "extra": {"note": "x"}}
+    sd = {
+        **msd,
+        "optimizer": osd,
+        "lr_scheduler": {"last_epoch": 3},
+        "train_state": {"step": 3, "ntokens_seen": 96},
+        "dataloader": {"dp_rank_0": b"\x80\x04state", "world_size": 1},
+        "extra": {"note": "x"},
+    }
     dcp.save(sd, checkpoint_id=tmp_path)
     kinds = atom_kinds(read_metadata(tmp_path))
     assert kinds["0.weight"] == "model" and kinds["optimizer.state.0.weight.exp_avg"] == "optim_state"
@@ -119,8 +135,10 @@ def test_kinds_of_torchtitan_names_without_a_catalog(tmp_path):
 def test_param_groups_fold_into_one_line_per_group(ckpt, capsys):
     s = _summary(ckpt)
     groups = sorted(s["param_groups"], key=lambda g: len(g["params"]))
-    assert [sorted(g["params"]) for g in groups] == [["0.weight", "2.weight"],
-                                                     ["0.bias", "1.bias", "1.weight", "2.bias"]]
+    assert [sorted(g["params"]) for g in groups] == [
+        ["0.weight", "2.weight"],
+        ["0.bias", "1.bias", "1.weight", "2.bias"],
+    ]
     assert groups[0]["values"]["weight_decay"] == 0.1 and groups[0]["values"]["betas"] == [0.9, 0.95]
     # 2 parameters x 12 hyperparameters, plus the group's copy in DCP's own form (12 + its params list)
     assert groups[1]["values"]["weight_decay"] == 0.0 and len(groups[0]["atoms"]) == 2 * 12 + 13
@@ -201,8 +219,10 @@ def test_mesh_is_shown_as_shape_and_dim_names(ckpt):
     s = summarize(md, integrity)
     assert s["topology_text"] == "world_size=4, mesh (4,) fsdp"
     assert s["atoms"]["model.0.weight"]["layouts"] == ["mesh (4,) fsdp [S(0)]"]
-    cat["topology"]["meshes"] = [{"shape": [2], "dim_names": ["dp"], "ranks": [0, 1]},
-                                 {"shape": [2], "dim_names": ["dp"], "ranks": [2, 3]}]
+    cat["topology"]["meshes"] = [
+        {"shape": [2], "dim_names": ["dp"], "ranks": [0, 1]},
+        {"shape": [2], "dim_names": ["dp"], "ranks": [2, 3]},
+    ]
     cat["atoms"]["model.0.weight"]["layouts"] = [{"mesh": 1, "placements": ["S(0)"]}]
     s = summarize(md, integrity)
     assert s["topology_text"] == "world_size=4, 2 meshes: mesh0 (2,) dp on ranks 0,1; mesh1 (2,) dp on ranks 2,3"
@@ -212,8 +232,10 @@ def test_mesh_is_shown_as_shape_and_dim_names(ckpt):
 def test_torchtitan_checkpoint_folder_lists_its_steps(tmp_path, capsys):
     root = tmp_path / "checkpoint"
     for step in (20, 3, 10):
-        ucp_dcp.save({"tok_embeddings.weight": torch.full((2, 2), float(step)), "train_state": {"step": step}},
-                     root / f"step-{step}")
+        ucp_dcp.save(
+            {"tok_embeddings.weight": torch.full((2, 2), float(step)), "train_state": {"step": step}},
+            root / f"step-{step}",
+        )
     (root / "step-30").mkdir()
     (root / "step-30" / "__0_0a1b2c3d_0.distcp").write_bytes(b"x")  # a save that never committed
     rc, out, _ = _cli(capsys, root)

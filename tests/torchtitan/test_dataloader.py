@@ -34,7 +34,7 @@ def _stream_files(folder: Path, shards: int, docs: int) -> str:
     texts = _texts(shards * docs, seed=1)
     for s in range(shards):
         with open(folder / f"part-{s:02d}.json", "w") as f:
-            for t in texts[s * docs:(s + 1) * docs]:
+            for t in texts[s * docs : (s + 1) * docs]:
                 f.write(json.dumps({"text": t}) + "\n")
     return str(folder)
 
@@ -60,8 +60,9 @@ def kinds(tmp_path_factory):
         "ucp_stream_unseeded": (_stream_files(root / "unseeded", 4, 10), "unseeded"),
     }
     for name, (path, shuffle) in added.items():
-        DATASETS[name] = DatasetConfig(path=path, loader=lambda p, s=shuffle: _streaming(p, s),
-                                       sample_processor=lambda sample: sample["text"])
+        DATASETS[name] = DatasetConfig(
+            path=path, loader=lambda p, s=shuffle: _streaming(p, s), sample_processor=lambda sample: sample["text"]
+        )
     yield added
     for name in added:
         DATASETS.pop(name, None)
@@ -200,6 +201,7 @@ def test_changed_data_is_refused(assets, tmp_path):
 
 # -- state: keys, refusals, empty ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["c4_test", "ucp_stream_1shard", "ucp_stream_4shards"])
 def test_state_keys_are_the_same_for_every_kind_and_round_trip(assets, kinds, name):
     from ucp_dcp.torchtitan.to_stock import _CURSOR_KEYS
@@ -230,11 +232,14 @@ def test_bad_resume_degrees_and_mismatched_data(assets):
 
 # -- the torchtitan loader class: batches, workers, empty state ---------------------------------------------
 
+
 def _dataloader(assets, d, r, workers=0, name="ucp_stream_4shards"):
-    cfg = GlobalCursorTextDataLoader.Config(dataset=name, num_workers=workers,
-                                            dataset_path=str(assets / "dataset") if name == "c4_test" else None)
-    return GlobalCursorTextDataLoader(cfg, dp_world_size=d, dp_rank=r, tokenizer=_tok(assets), seq_len=SEQ,
-                                      local_batch_size=B // d)
+    cfg = GlobalCursorTextDataLoader.Config(
+        dataset=name, num_workers=workers, dataset_path=str(assets / "dataset") if name == "c4_test" else None
+    )
+    return GlobalCursorTextDataLoader(
+        cfg, dp_world_size=d, dp_rank=r, tokenizer=_tok(assets), seq_len=SEQ, local_batch_size=B // d
+    )
 
 
 def _batches(loaders, n):

@@ -35,7 +35,9 @@ class Optim:
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return get_optimizer_state_dict(
+            self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
 
     def load_state_dict(self, sd):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -89,15 +91,24 @@ def _manager(folder, model, opt, sched, states=None, loader=None, **cfg):
 
     cfg = {"async_mode": "disabled", "last_save_model_only": False, "initial_load_model_only": False, **cfg}
     config = UCPCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, **cfg)
-    return UCPCheckpointManager(config, dataloader=loader if loader is not None else EmptyLoader(),
-                                model_parts=[model], optimizers=opt, lr_schedulers=sched,
-                                states=states if states is not None else {}, sd_adapter=None, base_folder=folder)
+    return UCPCheckpointManager(
+        config,
+        dataloader=loader if loader is not None else EmptyLoader(),
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states=states if states is not None else {},
+        sd_adapter=None,
+        base_folder=folder,
+    )
 
 
 def _snapshot(model, opt, sched):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()},
-            sched.state_dict())
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()},
+        sched.state_dict(),
+    )
 
 
 def _equal(a, b) -> bool:
@@ -121,6 +132,7 @@ def _steps(folder):
 
 
 # -- tasks (run on one rank of the pool) ---------------------------------------------------------------------
+
 
 def _save_load_round_trip(rank, world, folder, async_mode):
     model, opt, sched = _parts(0)
@@ -231,8 +243,14 @@ def _exclusions(rank, world, folder):
     opt2.step()
     before = _snapshot(model2, opt2, sched2)
     train2 = TrainState()
-    m2 = _manager(folder, model2, opt2, sched2, states={"train_state": train2},
-                  exclude_from_loading=["optimizer", "lr_scheduler", "train_state"])
+    m2 = _manager(
+        folder,
+        model2,
+        opt2,
+        sched2,
+        states={"train_state": train2},
+        exclude_from_loading=["optimizer", "lr_scheduler", "train_state"],
+    )
     assert m2.load(step=-1)
     m2.close()
     got = _snapshot(model2, opt2, sched2)
@@ -248,8 +266,15 @@ def _last_step_model_only_and_initial_load(rank, world, folder):
     from ucp_dcp.storage.opening import read_metadata
 
     model, opt, sched = _parts(0)
-    m = _manager(folder, model, opt, sched, states={"train_state": TrainState()}, last_save_model_only=True,
-                 export_dtype="bfloat16")
+    m = _manager(
+        folder,
+        model,
+        opt,
+        sched,
+        states={"train_state": TrainState()},
+        last_save_model_only=True,
+        export_dtype="bfloat16",
+    )
     _train(model, opt, sched)
     m.save(curr_step=5, last_step=True)
     m.close()
@@ -257,8 +282,15 @@ def _last_step_model_only_and_initial_load(rank, world, folder):
     # a new job starts from the export: initial_load_path, model only, into another folder
     model2, opt2, sched2 = _parts(1)
     other = os.path.join(folder, "next")
-    m2 = _manager(other, model2, opt2, sched2, states={"train_state": TrainState()},
-                  initial_load_path=os.path.join(folder, "checkpoint", "step-5"), initial_load_model_only=True)
+    m2 = _manager(
+        other,
+        model2,
+        opt2,
+        sched2,
+        states={"train_state": TrainState()},
+        initial_load_path=os.path.join(folder, "checkpoint", "step-5"),
+        initial_load_model_only=True,
+    )
     assert m2.load(step=-1)
     m2.close()
     want = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
@@ -289,11 +321,27 @@ def test_checkpoint_key_set_is_stocks(ntokens):
     flattened, nothing for an empty dataloader; the ntokens rule does not rename anything."""
     keys = D.run(_key_sets, 1, D.tmpdir(), ntokens)[0]
     params = ["0.bias", "0.weight", "1.bias", "1.weight"]
-    opt = [f"optimizer.{k}" for k in
-           [f"state.{p}.{s}" for p in params for s in ("exp_avg", "exp_avg_sq", "step")]
-           + [f"param_groups.{p}.{h}" for p in params for h in
-              ("amsgrad", "betas", "capturable", "decoupled_weight_decay", "differentiable", "eps", "foreach",
-               "fused", "lr", "maximize", "weight_decay")]]
+    opt = [
+        f"optimizer.{k}"
+        for k in [f"state.{p}.{s}" for p in params for s in ("exp_avg", "exp_avg_sq", "step")]
+        + [
+            f"param_groups.{p}.{h}"
+            for p in params
+            for h in (
+                "amsgrad",
+                "betas",
+                "capturable",
+                "decoupled_weight_decay",
+                "differentiable",
+                "eps",
+                "foreach",
+                "fused",
+                "lr",
+                "maximize",
+                "weight_decay",
+            )
+        ]
+    ]
     expected = sorted(params + ["lr_scheduler.last_epoch", "train_state.ntokens_seen", "train_state.step"])
     assert [k for k in keys if not k.startswith("optimizer.")] == expected
     assert {k for k in keys if k.startswith("optimizer.")} <= set(opt)
@@ -309,8 +357,14 @@ def _global_loader_state(rank, world, folder, assets):
 
     def loader():
         cfg = GlobalCursorTextDataLoader.Config(dataset="c4_test", dataset_path=os.path.join(assets, "dataset"))
-        return GlobalCursorTextDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4,
-                                          tokenizer=HuggingFaceTokenizer(tokenizer_path=os.path.join(assets, "tokenizer")))
+        return GlobalCursorTextDataLoader(
+            cfg,
+            dp_world_size=1,
+            dp_rank=0,
+            seq_len=32,
+            local_batch_size=4,
+            tokenizer=HuggingFaceTokenizer(tokenizer_path=os.path.join(assets, "tokenizer")),
+        )
 
     model, opt, sched = _parts(0)
     dl = loader()
@@ -328,8 +382,11 @@ def _global_loader_state(rank, world, folder, assets):
     m2.close()
     it2 = iter(dl2)
     got = [next(it2)[0]["input"] for _ in range(2)]
-    keys = sorted(k for k in read_metadata(os.path.join(folder, "checkpoint", "step-3")).state_dict_metadata
-                  if k.startswith("dataloader."))
+    keys = sorted(
+        k
+        for k in read_metadata(os.path.join(folder, "checkpoint", "step-3")).state_dict_metadata
+        if k.startswith("dataloader.")
+    )
     return keys, all(torch.equal(a, b) for a, b in zip(got, expected)), pickle.dumps(dl2.state_dict()) is not None
 
 

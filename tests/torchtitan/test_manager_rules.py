@@ -5,9 +5,9 @@ rule that matches nothing in a save that holds its state. Single process, no Tra
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import expect_ucp_error
 
 import ucp_dcp
-from helpers import expect_ucp_error
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.layout.patterns import Fused, Padded, Reduce, anchored_in, literal_prefix, rule_from_json
 
@@ -38,8 +38,9 @@ def test_unmatched_optional_rule_is_not_counted_by_strict_mode(tmp_path):
 
 def test_unmatched_rule_in_a_save_holding_its_state_is_still_an_error(tmp_path):
     rules = [QKV, NTOKENS, Reduce(r"train_state\.nope")]
-    err = expect_ucp_error(lambda: dcp.save(_full(), checkpoint_id=tmp_path, planner=UCPSavePlanner(patterns=rules)),
-                           ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.save(_full(), checkpoint_id=tmp_path, planner=UCPSavePlanner(patterns=rules)), ucp_dcp.PatternError
+    )
     assert "matched no name at save" in str(err) and "train_state" in str(err) and "nope" in str(err)
     assert not (tmp_path / ".metadata").exists()
 
@@ -59,15 +60,18 @@ def test_optional_flag_from_json_and_rule_identity():
     assert rule.optional and rule == Reduce(r"train_state\.x", "sum") and not Reduce(r"train_state\.x").optional
 
 
-@pytest.mark.parametrize("pattern, prefix", [
-    (r"train_state\.ntokens_seen", "train_state.ntokens_seen"),
-    (r"train_state\.(a|b)", "train_state."),
-    (r"train_state\.a|lr_scheduler\.b", ""),   # top-level alternation: no common start
-    (r"train_state.x", "train_state"),         # unescaped dot matches any character
-    (r"(?i)train_state\.x", ""),
-    (r"ab*c", "a"),
-    (r"\d+\.x", ""),
-])
+@pytest.mark.parametrize(
+    "pattern, prefix",
+    [
+        (r"train_state\.ntokens_seen", "train_state.ntokens_seen"),
+        (r"train_state\.(a|b)", "train_state."),
+        (r"train_state\.a|lr_scheduler\.b", ""),  # top-level alternation: no common start
+        (r"train_state.x", "train_state"),  # unescaped dot matches any character
+        (r"(?i)train_state\.x", ""),
+        (r"ab*c", "a"),
+        (r"\d+\.x", ""),
+    ],
+)
 def test_literal_prefix(pattern, prefix):
     assert literal_prefix(pattern) == prefix
 
@@ -80,6 +84,7 @@ def test_anchored_in_a_namespace():
 def _rules_for_call():
     pytest.importorskip("torchtitan")
     from ucp_dcp.torchtitan.manager import rules_for_call
+
     return rules_for_call
 
 
@@ -88,8 +93,10 @@ def test_model_only_save_and_load_declare_no_train_state_rules(tmp_path):
     in a save that holds no train state; the same for a model-only load of the export."""
     rules_for_call = _rules_for_call()
     left_out = ["optimizer", "lr_scheduler", "dataloader", "train_state"]
-    err = expect_ucp_error(lambda: dcp.save(_model(), checkpoint_id=tmp_path / "bug",
-                                            planner=UCPSavePlanner(patterns=[QKV, NTOKENS])), ucp_dcp.PatternError)
+    err = expect_ucp_error(
+        lambda: dcp.save(_model(), checkpoint_id=tmp_path / "bug", planner=UCPSavePlanner(patterns=[QKV, NTOKENS])),
+        ucp_dcp.PatternError,
+    )
     assert "matched no name at save: reduce('train_state\\\\.ntokens_seen')" in str(err)
     rules = rules_for_call([QKV, NTOKENS], left_out)
     assert rules == [QKV]

@@ -12,7 +12,6 @@ export with every tensor equal to the trained parameters."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -31,11 +30,13 @@ from ucp_dcp import UCPLoadPlanner  # noqa: E402
 from ucp_dcp.errors import UCPError  # noqa: E402
 from ucp_dcp.sources.hf import HFStorageReader  # noqa: E402
 from ucp_dcp.sources.hf.publish import export_hf  # noqa: E402
-from ucp_dcp.torchtitan.mappings import hf_mapping, tied_rules  # noqa: E402
 from ucp_dcp.torchtitan.manager import FusedQKVModelWrapper, fused_qkv_rules  # noqa: E402
+from ucp_dcp.torchtitan.mappings import hf_mapping, tied_rules  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def _spec(family: str, flavor: str = "debugmodel"):
@@ -96,9 +97,14 @@ def test_transformers_folder_loads_and_exports_with_equal_logits(tmp_path, famil
 
 def test_mapping_derives_sizes_and_rope_from_the_model_config():
     llama = hf_mapping(_spec("llama3").model).config
-    assert llama["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 8192}
+    assert llama["rope_parameters"] == {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert (llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"]) == (16, 16, 16)
     assert llama["tie_word_embeddings"] is False and llama["architectures"] == ["LlamaForCausalLM"]
     rules = {r.hf: r for r in hf_mapping(_spec("llama3").model).rules}
@@ -134,14 +140,31 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     mapping = hf_mapping(model_config)
     _hf_model(mapping, tmp_path / "hf")
     assets = tr.make_assets(tmp_path / "assets")
-    flags = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
-             "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "--checkpoint.interval", "10"]
+    flags = [
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "hf"),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.interval",
+        "10",
+    ]
     ours, stock = tmp_path / "ours", tmp_path / "stock"
-    tr.run_job(topo, ours, assets, 2, flags,
-               {"UCP_TITAN_METRICS": str(ours / "loss.json"), "UCP_TITAN_STATE": str(ours / "trained.pt"),
-                "UCP_TITAN_STATE_STEP": "2"}, config=tr.STOCK_CONFIG, overrides=[tr.ONE_FLAG])
-    tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")},
-               config=tr.STOCK_CONFIG)
+    tr.run_job(
+        topo,
+        ours,
+        assets,
+        2,
+        flags,
+        {
+            "UCP_TITAN_METRICS": str(ours / "loss.json"),
+            "UCP_TITAN_STATE": str(ours / "trained.pt"),
+            "UCP_TITAN_STATE_STEP": "2",
+        },
+        config=tr.STOCK_CONFIG,
+        overrides=[tr.ONE_FLAG],
+    )
+    tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=tr.STOCK_CONFIG)
     log = (ours / "log.txt").read_text()
     assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
     a, b = tr._losses(ours / "loss.json"), tr._losses(stock / "loss.json")
@@ -153,8 +176,10 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     hf = _from_pretrained(export)  # every q/k/v (and all else) present
     saved = load_file(export / "model.safetensors")
     assert {k for k in saved if "self_attn.k_proj" in k} and len(saved) == len(hf.state_dict())
-    trained = {k.replace("._checkpoint_wrapped_module", ""): v  # activation-checkpoint wrappers' segment
-               for k, v in torch.load(ours / "trained.pt", weights_only=False).items()}
+    trained = {
+        k.replace("._checkpoint_wrapped_module", ""): v  # activation-checkpoint wrappers' segment
+        for k, v in torch.load(ours / "trained.pt", weights_only=False).items()
+    }
     model = _titan(model_config)
     with torch.no_grad():
         for name, p in model.named_parameters():

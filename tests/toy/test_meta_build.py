@@ -45,8 +45,15 @@ def _describe(v: object) -> object:
     """What a load plans from: the value's structure, never its data."""
     if isinstance(v, DTensor):
         m = v.device_mesh
-        return ("DTensor", tuple(v.placements), m.mesh.tolist(), m.mesh_dim_names, tuple(v.shape),
-                tuple(v.to_local().shape), v.dtype)
+        return (
+            "DTensor",
+            tuple(v.placements),
+            m.mesh.tolist(),
+            m.mesh_dim_names,
+            tuple(v.shape),
+            tuple(v.to_local().shape),
+            v.dtype,
+        )
     if isinstance(v, torch.Tensor):
         return ("Tensor", tuple(v.shape), v.dtype)
     return v

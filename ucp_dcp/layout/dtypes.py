@@ -17,7 +17,8 @@ from ..errors import DtypeConversionError
 __all__ = ["LOSS", "kind", "limits", "conversion", "check_range"]
 
 LOSS = {  # what a lossy conversion does to ordinary values, by (saved kind, wanted kind)
-    (3, 2): "drop the imaginary parts", (3, 1): "drop the imaginary parts and truncate the fractions",
+    (3, 2): "drop the imaginary parts",
+    (3, 1): "drop the imaginary parts and truncate the fractions",
     (2, 1): "truncate the fractions (1.7 -> 1)",
 }
 
@@ -42,7 +43,7 @@ def limits(dtype: torch.dtype) -> tuple[float, float]:
     return info.min, info.max
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def conversion(saved: torch.dtype, wanted: torch.dtype) -> str:
     """``"safe"``, ``"range"`` (values must be checked) or ``"lossy"`` for saved -> wanted."""
     ks, kw = kind(saved), kind(wanted)
@@ -75,7 +76,9 @@ def check_range(atom: str, src: torch.Tensor, wanted: torch.dtype) -> None:
     raise DtypeConversionError(
         f"atom '{atom}': saved dtype {src.dtype}, wanted dtype {wanted}: {int(bad.sum())} saved value(s) "
         f"are outside {wanted}'s range [{fmt(lo)}, {fmt(hi)}] (e.g. {fmt(example)}) and would {how}",
-        atom=atom, saved=src.dtype, wanted=wanted,
+        atom=atom,
+        saved=src.dtype,
+        wanted=wanted,
         hint=f"load into a tensor of dtype {src.dtype} (or a wider one) and convert it yourself, or pass "
         "UCPLoadPlanner(allow_lossy_dtype=True) to convert the way Tensor.copy_ does",
     )

@@ -55,7 +55,7 @@ class Box:
     def volume(self) -> int:
         return math.prod(self.sizes)
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The overlap of two boxes of equal rank, or None when they do not overlap."""
         offs, sizes = [], []
         for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes):
@@ -66,7 +66,7 @@ class Box:
             sizes.append(hi - lo)
         return Box(tuple(offs), tuple(sizes))
 
-    def shift(self, origin: Sequence[int]) -> "Box":
+    def shift(self, origin: Sequence[int]) -> Box:
         """This box in coordinates relative to ``origin``."""
         return Box(tuple(o - b for o, b in zip(self.offsets, origin)), self.sizes)
 
@@ -95,7 +95,7 @@ class Fragment:
     """Index of the tensor in the value's :class:`LocalShards` that holds the piece (a
     ``ShardedTensor`` with several local shards); None: the value's local memory is one tensor."""
 
-    def view(self, local_tensor: "torch.Tensor | LocalShards") -> torch.Tensor:
+    def view(self, local_tensor: torch.Tensor | LocalShards) -> torch.Tensor:
         """The piece as a tensor of shape ``box.sizes``; a view of ``local_tensor`` whenever the
         memory layout allows it (callers that write must check ``_is_alias``)."""
         if self.shard is not None:
@@ -117,7 +117,7 @@ class LocalShards(tuple):
     dtype: torch.dtype
     device: torch.device
 
-    def __new__(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> "LocalShards":
+    def __new__(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> LocalShards:
         self = super().__new__(cls, tensors)
         self.dtype, self.device = dtype, device
         return self
@@ -176,9 +176,7 @@ def _apply(runs: list[Run], p: Placement, k: int, i: int) -> list[Run]:
     return out
 
 
-def dim_runs(
-    global_shape: Sequence[int], layout: Layout, coordinate: Sequence[int]
-) -> list[list[Run]]:
+def dim_runs(global_shape: Sequence[int], layout: Layout, coordinate: Sequence[int]) -> list[list[Run]]:
     """Per tensor dim, the rank's global indices as merged runs in local order."""
     runs: list[list[Run]] = [[(0, int(n))] if n else [] for n in global_shape]
     for mesh_dim, p in enumerate(layout.placements):
@@ -222,8 +220,7 @@ def layout_fragments(
     return frags
 
 
-def shard_fragments(atom: str, shards: Sequence[tuple[Sequence[int], Sequence[int]]],
-                    indexed: bool) -> list[Fragment]:
+def shard_fragments(atom: str, shards: Sequence[tuple[Sequence[int], Sequence[int]]], indexed: bool) -> list[Fragment]:
     """Fragments of a value whose pieces are stated as boxes ``(offsets, sizes)`` of the atom, one
     local tensor of exactly ``sizes`` per box (a ``ShardedTensor``'s local shards). ``indexed``: the
     pieces are separate tensors (a :class:`LocalShards`), so fragment ``i`` names shard ``i``;

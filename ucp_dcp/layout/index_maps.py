@@ -117,7 +117,9 @@ def stage_map(
     layers: Sequence[int] | int, *, total: int | None = None, stage: int | None = None, prefixes: Sequence[str] = ()
 ) -> IndexMap:
     """One pipeline chunk: ``layers`` is the global index of each local layer (or the first one)."""
-    return IndexMap("layers", (Chunk(layers if isinstance(layers, int) else tuple(layers), tuple(prefixes), stage),), total)
+    return IndexMap(
+        "layers", (Chunk(layers if isinstance(layers, int) else tuple(layers), tuple(prefixes), stage),), total
+    )
 
 
 def expert_map(experts: Sequence[int] | int, *, total: int | None = None, owner: int | None = None) -> IndexMap:

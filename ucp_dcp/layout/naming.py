@@ -85,8 +85,10 @@ def _looks_nested_optimizer(d: Mapping[str, Any]) -> bool:
 
 def _looks_flat_optimizer(d: Mapping[str, Any]) -> bool:
     keys = [k for k in d.keys() if isinstance(k, str)]
-    return bool(keys) and any(k.startswith("param_groups.") for k in keys) and all(
-        k.startswith("state.") or k.startswith("param_groups.") for k in keys
+    return (
+        bool(keys)
+        and any(k.startswith("param_groups.") for k in keys)
+        and all(k.startswith("state.") or k.startswith("param_groups.") for k in keys)
     )
 
 
@@ -135,7 +137,7 @@ class AtomName:
         parts.extend(map(str, self.suffix))
         return ".".join(parts)
 
-    def renamed(self, param: str) -> "AtomName":
+    def renamed(self, param: str) -> AtomName:
         """The same entry of another parameter (tied alias -> canonical, fused -> part)."""
         if param == self.param:
             return self
@@ -164,7 +166,7 @@ def parse_path(path: Sequence[PathElem], containers: Mapping[Path, str]) -> Atom
             key = str(rest[0])
             for marker, kind in (("state.", "optim_state"), ("param_groups.", "param_group")):
                 if key.startswith(marker) and len(rest) == 1:
-                    fqn, _, last = key[len(marker):].rpartition(".")
+                    fqn, _, last = key[len(marker) :].rpartition(".")
                     if fqn:
                         return AtomName(cpath + (marker[:-1],), fqn, (last,), kind, path, form)
         break

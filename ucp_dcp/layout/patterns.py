@@ -21,8 +21,18 @@ from typing import Any, ClassVar, Literal, get_args
 
 from ..errors import PatternError
 
-__all__ = ["Fused", "Padded", "Replicated", "Reduce", "Tied", "Patterns", "Rule", "REDUCE_OPS", "literal_prefix",
-           "anchored_in"]
+__all__ = [
+    "Fused",
+    "Padded",
+    "Replicated",
+    "Reduce",
+    "Tied",
+    "Patterns",
+    "Rule",
+    "REDUCE_OPS",
+    "literal_prefix",
+    "anchored_in",
+]
 
 ReduceOp = Literal["sum", "mean", "max", "equal"]
 """How a :class:`Reduce` rule combines the ranks' values."""
@@ -250,7 +260,7 @@ class Patterns:
             except re.error as e:
                 raise PatternError(f"rule {describe(r)}: bad regex ({e})") from None
 
-    def merged(self, other: Iterable[Rule]) -> "Patterns":
+    def merged(self, other: Iterable[Rule]) -> Patterns:
         """These rules plus ``other`` (duplicates dropped); strictness applies to ours only."""
         extra = [r for r in other if r not in self.rules]
         merged = Patterns([*self.rules, *extra], strict=self.strict)

@@ -13,7 +13,6 @@ catalog in builtins only.
 from __future__ import annotations
 
 import contextlib
-
 import enum
 import re
 from dataclasses import dataclass
@@ -25,9 +24,19 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .._compat import ShardedTensor, _StridedShard, is_checkpointable_tensor, root_mesh
 from ..errors import AmbiguousLayoutError
 
-__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo", "LocalShard", "sharded_tensor_shards",
-           "sharded_tensor_record", "SHARD_RECORD_LIMIT", "CheckpointableShard", "checkpointable_shards",
-           "global_shape"]
+__all__ = [
+    "PlacementKind",
+    "Placement",
+    "Layout",
+    "MeshInfo",
+    "LocalShard",
+    "sharded_tensor_shards",
+    "sharded_tensor_record",
+    "SHARD_RECORD_LIMIT",
+    "CheckpointableShard",
+    "checkpointable_shards",
+    "global_shape",
+]
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
 
@@ -65,7 +74,7 @@ class Placement:
         object.__setattr__(self, "kind", PlacementKind(self.kind))  # codes ("S") are accepted too
 
     @staticmethod
-    def from_torch(p: Any) -> "Placement":
+    def from_torch(p: Any) -> Placement:
         if isinstance(p, _StridedShard):  # check first: _StridedShard is not a Shard subclass today,
             return Placement(PlacementKind.STRIDED_SHARD, int(p.dim), int(p.split_factor))  # be explicit
         if isinstance(p, Shard):
@@ -86,7 +95,7 @@ class Placement:
         return f"P({self.reduce_op})"
 
     @staticmethod
-    def decode(text: str) -> "Placement":
+    def decode(text: str) -> Placement:
         m = _PLACEMENT_RE.match(text)
         if not m:
             raise ValueError(f"bad placement code {text!r}")
@@ -143,11 +152,11 @@ class Layout:
     """Mesh dim names, kept for the catalog and error messages."""
 
     @staticmethod
-    def replicated() -> "Layout":
+    def replicated() -> Layout:
         return Layout((), ())
 
     @staticmethod
-    def from_dtensor(t: DTensor) -> "Layout":
+    def from_dtensor(t: DTensor) -> Layout:
         mesh = t.device_mesh
         return Layout(
             tuple(int(s) for s in mesh.shape),
@@ -269,13 +278,13 @@ def sharded_tensor_shards(st: Any, name: str) -> list[LocalShard]:
         raise AmbiguousLayoutError(
             f"'{name}': the local shards of this ShardedTensor differ in dtype or device "
             f"({sorted({f'{p.tensor.dtype}@{p.tensor.device}' for p in out})})",
-            atom=name, hint="keep every local shard of one ShardedTensor in one dtype on one device",
+            atom=name,
+            hint="keep every local shard of one ShardedTensor in one dtype on one device",
         )
     return out
 
 
-def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], name: str,
-                    out: list[LocalShard]) -> None:
+def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], name: str, out: list[LocalShard]) -> None:
     for shard in st.local_shards():
         md = shard.metadata
         offs = tuple(int(o) for o in md.shard_offsets)
@@ -284,7 +293,9 @@ def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], na
             raise AmbiguousLayoutError(
                 f"'{name}': a local shard at offsets {list(offs)} with sizes {list(sizes)} does not fit inside "
                 f"shape {list(bound)} (the ShardedTensor's, or the shard holding it)",
-                atom=name, saved=list(bound), wanted=[list(offs), list(sizes)],
+                atom=name,
+                saved=list(bound),
+                wanted=[list(offs), list(sizes)],
                 hint="the ShardedTensor's metadata is inconsistent; rebuild it from its local shards",
             )
         at = tuple(a + o for a, o in zip(origin, offs))
@@ -293,7 +304,10 @@ def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], na
             if tuple(int(s) for s in t.size()) != sizes:
                 raise AmbiguousLayoutError(
                     f"'{name}': a nested ShardedTensor of shape {list(t.size())} sits in a shard of sizes "
-                    f"{list(sizes)}", atom=name, saved=list(sizes), wanted=list(t.size()),
+                    f"{list(sizes)}",
+                    atom=name,
+                    saved=list(sizes),
+                    wanted=list(t.size()),
                     hint="an inner ShardedTensor must have the shape of the outer shard it fills",
                 )
             _collect_shards(t, at, sizes, name, out)
@@ -310,7 +324,10 @@ def _collect_shards(st: Any, origin: tuple[int, ...], bound: tuple[int, ...], na
         if tuple(t.shape) != sizes:
             raise AmbiguousLayoutError(
                 f"'{name}': a local shard's tensor has shape {list(t.shape)} but its metadata states sizes "
-                f"{list(sizes)}", atom=name, saved=list(sizes), wanted=list(t.shape),
+                f"{list(sizes)}",
+                atom=name,
+                saved=list(sizes),
+                wanted=list(t.shape),
                 hint="the ShardedTensor's metadata is inconsistent with its local shards",
             )
         out.append(LocalShard(at, sizes, t))
@@ -327,15 +344,23 @@ def sharded_tensor_record(st: Any) -> dict[str, Any]:
     up to :data:`SHARD_RECORD_LIMIT` shards; ``nested`` marks shards that are ShardedTensors."""
     spec = getattr(st, "_sharding_spec", None)
     kind = type(spec).__name__ if spec is not None else "none"
-    rec: dict[str, Any] = {"kind": "sharded_tensor",
-                           "spec": {"ChunkShardingSpec": "chunk", "EnumerableShardingSpec": "enumerable"}.get(kind, kind)}
+    rec: dict[str, Any] = {
+        "kind": "sharded_tensor",
+        "spec": {"ChunkShardingSpec": "chunk", "EnumerableShardingSpec": "enumerable"}.get(kind, kind),
+    }
     if rec["spec"] == "chunk":
         rec["dim"] = int(spec.dim) if isinstance(spec.dim, int) else str(spec.dim)
     plan = st.metadata().shards_metadata
     rec["count"] = len(plan)
     if len(plan) <= SHARD_RECORD_LIMIT:
-        rec["shards"] = [{"offsets": [int(o) for o in m.shard_offsets], "sizes": [int(n) for n in m.shard_sizes],
-                          "placement": str(m.placement)} for m in plan]
+        rec["shards"] = [
+            {
+                "offsets": [int(o) for o in m.shard_offsets],
+                "sizes": [int(n) for n in m.shard_sizes],
+                "placement": str(m.placement),
+            }
+            for m in plan
+        ]
     if any(isinstance(s.tensor, ShardedTensor) for s in st.local_shards()):
         rec["nested"] = True
     return rec
@@ -373,26 +398,35 @@ def checkpointable_shards(value: torch.Tensor, name: str) -> list[Checkpointable
     goffs, loffs, sizes = (list(getattr(value, f)) for f in ("global_offsets", "local_offsets", "local_sizes"))
     problem = None
     if not len(goffs) == len(loffs) == len(sizes):
-        problem = (f"global_offsets, local_offsets and local_sizes have {len(goffs)}, {len(loffs)} and {len(sizes)} "
-                   "entries")
+        problem = (
+            f"global_offsets, local_offsets and local_sizes have {len(goffs)}, {len(loffs)} and {len(sizes)} entries"
+        )
     out = []
     for i, (g, lo, n) in enumerate(zip(goffs, loffs, sizes)):
         if problem:
             break
         g, lo, n = tuple(int(x) for x in g), tuple(int(x) for x in lo), tuple(int(x) for x in n)
         if not len(g) == len(n) == len(shape) or len(lo) != len(local) or len(n) != len(local):
-            problem = (f"shard {i} has {len(g)}-d global offsets, {len(lo)}-d local offsets and {len(n)}-d sizes for "
-                       f"a {len(shape)}-d global and {len(local)}-d local tensor")
+            problem = (
+                f"shard {i} has {len(g)}-d global offsets, {len(lo)}-d local offsets and {len(n)}-d sizes for "
+                f"a {len(shape)}-d global and {len(local)}-d local tensor"
+            )
         elif any(o < 0 or k < 0 or o + k > d for o, k, d in zip(g, n, shape)):
-            problem = f"shard {i} at global offsets {list(g)} with sizes {list(n)} lies outside global_shape {list(shape)}"
+            problem = (
+                f"shard {i} at global offsets {list(g)} with sizes {list(n)} lies outside global_shape {list(shape)}"
+            )
         elif any(o < 0 or k < 0 or o + k > d for o, k, d in zip(lo, n, local)):
-            problem = f"shard {i} at local offsets {list(lo)} with sizes {list(n)} lies outside the local shape {list(local)}"
+            problem = (
+                f"shard {i} at local offsets {list(lo)} with sizes {list(n)} lies outside the local shape {list(local)}"
+            )
         else:
             out.append(CheckpointableShard(g, lo, n))
     if problem:
         raise AmbiguousLayoutError(
-            f"'{name}': a CheckpointableTensor states inconsistent shards: {problem}", atom=name,
-            saved=list(shape), wanted=list(local),
+            f"'{name}': a CheckpointableTensor states inconsistent shards: {problem}",
+            atom=name,
+            saved=list(shape),
+            wanted=list(local),
             hint="set global_shape, global_offsets, local_offsets and local_sizes as torch's "
             "torch.distributed.checkpoint.CheckpointableTensor documents them",
         )

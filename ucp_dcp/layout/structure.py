@@ -26,8 +26,19 @@ from torch.distributed.tensor import DTensor
 from ..errors import AmbiguousLayoutError
 from .placements import mesh_info
 
-__all__ = ["MeshKey", "mesh_collisions", "check_mesh_collisions", "likely_map", "catalog_meshes", "tied_atoms",
-           "target_meshes", "unpack_meshes", "collision_hint", "map_orders", "check_map_orders"]
+__all__ = [
+    "MeshKey",
+    "mesh_collisions",
+    "check_mesh_collisions",
+    "likely_map",
+    "catalog_meshes",
+    "tied_atoms",
+    "target_meshes",
+    "unpack_meshes",
+    "collision_hint",
+    "map_orders",
+    "check_map_orders",
+]
 
 MeshKey = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
 """A mesh as the checks see it: its sorted ranks and its position along pipeline/expert dims."""
@@ -47,9 +58,11 @@ def likely_map(atom: str, meshes: Iterable[MeshKey] = ()) -> str:
 
 
 def collision_hint(fix: str) -> str:
-    return (f"the names are local to each pipeline stage or expert-parallel rank: pass a {fix} "
-            "(ucp_dcp.stage_map / expert_map) on every rank, at save and at load; if the copies really are one "
-            "tensor (an embedding tied to the output head), declare Tied")
+    return (
+        f"the names are local to each pipeline stage or expert-parallel rank: pass a {fix} "
+        "(ucp_dcp.stage_map / expert_map) on every rank, at save and at load; if the copies really are one "
+        "tensor (an embedding tied to the output head), declare Tied"
+    )
 
 
 def mesh_collisions(atom_meshes: Mapping[str, Iterable[MeshKey]], tied: set[str]) -> dict[str, list[MeshKey]]:
@@ -69,8 +82,12 @@ def _where(key: MeshKey) -> str:
     return f"{list(ranks)}" + (f" ({at})" if at else "")
 
 
-def check_mesh_collisions(atom_meshes: Mapping[str, Iterable[MeshKey]], tied: set[str], where: str,
-                          bad: dict[str, list[MeshKey]] | None = None) -> None:
+def check_mesh_collisions(
+    atom_meshes: Mapping[str, Iterable[MeshKey]],
+    tied: set[str],
+    where: str,
+    bad: dict[str, list[MeshKey]] | None = None,
+) -> None:
     """Refuse atoms that come from DTensors at different pipeline/expert positions (see the module
     docstring), or the given ``bad`` ones."""
     bad = mesh_collisions(atom_meshes, tied) if bad is None else bad
@@ -82,7 +99,9 @@ def check_mesh_collisions(atom_meshes: Mapping[str, Iterable[MeshKey]], tied: se
     raise AmbiguousLayoutError(
         f"{len(bad)} atom(s) {where} come from DTensors on different meshes, each a whole tensor of its own, "
         f"so they are not replicas of one tensor:\n" + "\n".join(lines) + more,
-        atom=first, saved=[_where(m) for m in bad[first]], hint=collision_hint(likely_map(first, bad[first])),
+        atom=first,
+        saved=[_where(m) for m in bad[first]],
+        hint=collision_hint(likely_map(first, bad[first])),
     )
 
 
@@ -132,7 +151,6 @@ def unpack_meshes(per_rank: Iterable[Mapping[MeshKey, bytes]]) -> dict[str, list
     return out
 
 
-
 def map_orders(usages: Iterable[Any]) -> dict[str, str]:
     """How each index map numbers its owners' entries, from all ranks' claims ``(key, global index,
     owner)``: ``ascending`` when owners in id order hold ever higher indices (stage 0 the first
@@ -163,6 +181,9 @@ def check_map_orders(saved: Mapping[str, str], now: Mapping[str, str]) -> None:
             raise AmbiguousLayoutError(
                 f"the checkpoint's {arg} numbered '{key}' in {saved[key]} order of their owners (stage / expert "
                 f"rank), this load's {arg} in {now[key]} order: every {key[:-1]} would land in another's place",
-                atom=f"{key}.0", saved=saved[key], wanted=now[key],
+                atom=f"{key}.0",
+                saved=saved[key],
+                wanted=now[key],
                 hint=f"build the {arg} the same way at save and at load (global index = owner's first index + "
-                "local index, owners in mesh order)")
+                "local index, owners in mesh order)",
+            )

@@ -117,7 +117,9 @@ def clip_padding(frags: Sequence[Fragment], dim: int, size: int) -> tuple[list[F
         n = f.box.sizes[dim]
         inside = max(0, min(n, size - lo))
         if inside:
-            kept.append(Fragment(f.atom, _narrow(f.box, dim, 0, inside), _narrow(f.local, dim, 0, inside), f.view_shape))
+            kept.append(
+                Fragment(f.atom, _narrow(f.box, dim, 0, inside), _narrow(f.local, dim, 0, inside), f.view_shape)
+            )
         if inside < n:
             pad.append(_narrow(f.local, dim, inside, n - inside))
     return kept, pad

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .collectives import p2p_group, send_device
 from ..errors import PatternError
+from .collectives import p2p_group, send_device
 from .payloads import LocalItems, LocalPlanPayload, PieceKey, PlanStructure
 from .resolve import Resolved
 
@@ -32,8 +32,12 @@ def is_averaged(r: Resolved) -> bool:
     return r.replicated is not None and r.replicated.check == "average" and isinstance(r.value, torch.Tensor)
 
 
-def average_writers(payloads: Sequence[LocalPlanPayload], items: Sequence[LocalItems], keep: Sequence[np.ndarray],
-                    structures: Sequence[PlanStructure]) -> dict[int, Duties]:
+def average_writers(
+    payloads: Sequence[LocalPlanPayload],
+    items: Sequence[LocalItems],
+    keep: Sequence[np.ndarray],
+    structures: Sequence[PlanStructure],
+) -> dict[int, Duties]:
     """Per rank (index into ``payloads``) with averaged pieces: who holds them and who writes them.
     ``items``, ``keep`` (the writer masks) and ``structures`` are per rank."""
     holders: dict[PieceKey, list[int]] = defaultdict(list)
@@ -47,7 +51,7 @@ def average_writers(payloads: Sequence[LocalPlanPayload], items: Sequence[LocalI
     for r, (it, mask, st) in enumerate(zip(items, keep, structures)):
         for i in np.nonzero(mask)[0].tolist():
             a = int(it.atom[i])
-            key = (st.names[a], tuple(it.off[i, :len(st.shapes[a] or ())].tolist()))
+            key = (st.names[a], tuple(it.off[i, : len(st.shapes[a] or ())].tolist()))
             if key in holders:
                 writer[key] = rank_of[r]
     out: dict[int, Duties] = {}
@@ -66,7 +70,8 @@ def exchange_averages(duties: Duties, resolved: Sequence[Resolved]) -> dict[Piec
         atom = next((a for a, _ in duties), "a Replicated(check='average') atom")
         raise PatternError(
             "Replicated(check='average') needs collectives and cannot run inside async_save's "
-            f"background thread (atom '{atom}')", atom=atom,
+            f"background thread (atom '{atom}')",
+            atom=atom,
             hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
         )
     p2p_group()  # every rank at once: a side group, if the default group cannot carry host tensors

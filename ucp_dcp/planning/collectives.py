@@ -44,8 +44,11 @@ def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
     members = tuple(sorted(ranks)) if ranks is not None else None
     key = (id(default_group()), members)
     if key not in _SIDE:
-        _SIDE[key] = dist.new_group(ranks=list(members) if members is not None else None, backend="gloo",
-                                    use_local_synchronization=members is not None)
+        _SIDE[key] = dist.new_group(
+            ranks=list(members) if members is not None else None,
+            backend="gloo",
+            use_local_synchronization=members is not None,
+        )
     return _SIDE[key]
 
 

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._compat import root_mesh
-from .digests import value_digest
-from .entries import is_sharded
 from ..errors import AmbiguousLayoutError, CoverageError, PatternError, ReplicaMismatchError
 from ..layout.index_maps import check_ownership
-from ..layout.placements import mesh_info
 from ..layout.patterns import Patterns, describe
-from .payloads import ItemKind, LocalPlanPayload, PlanStructure, ReplicaKey, RuleUsage
+from ..layout.placements import mesh_info
 from ..layout.structure import collision_hint, likely_map
+from .digests import value_digest
+from .entries import is_sharded
+from .payloads import ItemKind, LocalPlanPayload, PlanStructure, ReplicaKey, RuleUsage
 
 if TYPE_CHECKING:
     from .resolve import Resolved
@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 # -- replica agreement -----------------------------------------------------------------------------
 
 
-def replica_digests(resolved: Sequence[Resolved], mode: str,
-                    deferred: list[tuple[str, Any]] | None = None) -> dict[ReplicaKey, int]:
+def replica_digests(
+    resolved: Sequence[Resolved], mode: str, deferred: list[tuple[str, Any]] | None = None
+) -> dict[ReplicaKey, int]:
     """This rank's digests of values that other copies must match: plain tensors and objects saved
     under a shared name (only in a multi-rank save, or for tied copies, and not with ``mode="off"``)
     and the pieces of tied, ``Replicated`` or replicated DTensors. With ``deferred`` (a list), the
@@ -101,8 +102,12 @@ def replicated_pieces(value: Any) -> bool:
     info = mesh_info(value)
     if info.replica_siblings:
         return True
-    return not info.position and root_mesh(mesh) is mesh and dist.is_initialized() \
+    return (
+        not info.position
+        and root_mesh(mesh) is mesh
+        and dist.is_initialized()
         and len(info.ranks) < dist.get_world_size()
+    )
 
 
 def tie_mismatches(ties: Sequence[tuple[Resolved, Resolved]]) -> list[str]:
@@ -111,7 +116,8 @@ def tie_mismatches(ties: Sequence[tuple[Resolved, Resolved]]) -> list[str]:
     for kept, dup in ties:
         if isinstance(kept.value, torch.Tensor):
             same = {(f.atom, f.box): value_digest(f.view(kept.local)) for f in kept.fragments} == {
-                (f.atom, f.box): value_digest(f.view(dup.local)) for f in dup.fragments}
+                (f.atom, f.box): value_digest(f.view(dup.local)) for f in dup.fragments
+            }
         else:
             same = value_digest(kept.value) == value_digest(dup.value)
         if not same:
@@ -131,8 +137,12 @@ class ReplicaGroup:
     """Atoms whose copies on one of these ranks already disagreed."""
 
 
-def check_replica_digests(payloads: Sequence[LocalPlanPayload], structures: Mapping[bytes, PlanStructure],
-                          mode: str, atom_meshes: Mapping[str, Sequence[Any]] | None = None) -> None:
+def check_replica_digests(
+    payloads: Sequence[LocalPlanPayload],
+    structures: Mapping[bytes, PlanStructure],
+    mode: str,
+    atom_meshes: Mapping[str, Sequence[Any]] | None = None,
+) -> None:
     """Replica agreement over all ranks, comparing each distinct set of digests once."""
     groups: dict[tuple, ReplicaGroup] = {}
     for rank, p in enumerate(payloads):
@@ -151,8 +161,12 @@ def _label(key: ReplicaKey) -> str:
     return atom if box is None else f"{atom}@{list(box.offsets)}/{list(box.sizes)}"
 
 
-def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str] | None = None,
-                  atom_meshes: Mapping[str, Sequence[Any]] | None = None) -> None:
+def check_digests(
+    groups: Sequence[ReplicaGroup],
+    mode: str,
+    warn_atoms: set[str] | None = None,
+    atom_meshes: Mapping[str, Sequence[Any]] | None = None,
+) -> None:
     """Refuse (``mode="error"``) or log (``"warn"``) values saved under one key whose digests
     differ between ranks. Atoms in ``warn_atoms`` only warn whatever the mode. Copies that came from
     meshes of different ranks (``atom_meshes``: atom -> mesh keys) are reported as names local to
@@ -183,7 +197,10 @@ def check_digests(groups: Sequence[ReplicaGroup], mode: str, warn_atoms: set[str
             f"{len(bad)} value(s) that must be identical across copies differ, and '{first}' comes from "
             f"DTensors on meshes of different ranks ({' and '.join(str(list(r)) for r, _ in meshes)}): they are "
             "not replicas of one tensor:\n" + "\n".join(lines) + more,
-            atom=first, saved=[list(r) for r, _ in meshes], hint=collision_hint(likely_map(first, meshes)))
+            atom=first,
+            saved=[list(r) for r, _ in meshes],
+            hint=collision_hint(likely_map(first, meshes)),
+        )
     err = ReplicaMismatchError(
         f"{len(bad)} value(s) that must be identical across copies differ; DCP would keep one copy and "
         "silently drop the others:\n" + "\n".join(lines) + more,
@@ -216,10 +233,12 @@ def check_padding(r: Resolved) -> None:
                 f"rule {describe(rule)} drops rows {rule.size}.. of dim {rule.dim} of '{r.name}' as padding, but "
                 f"{int(bad.sum())} of their {region.numel()} values here are not the fill value {r.fill_value}: "
                 "a save would lose them",
-                atom=r.name, saved=f"logical size {rule.size}", wanted=f"live size {tuple(r.value.shape)}",
+                atom=r.name,
+                saved=f"logical size {rule.size}",
+                wanted=f"live size {tuple(r.value.shape)}",
                 hint="check the rule's size (the logical, unpadded length); if the padding is trained or holds "
-                "garbage you do not need, declare Padded(..., discard=True)")
-
+                "garbage you do not need, declare Padded(..., discard=True)",
+            )
 
 
 # -- reductions ------------------------------------------------------------------------------------
@@ -251,7 +270,10 @@ def reduce_values(op: str, values: list[Any], atom: str) -> Any:
             if not same:
                 raise ReplicaMismatchError(
                     f"atom '{atom}' is declared equal across ranks but holds {first!r} and {v!r}",
-                    atom=atom, saved=first, wanted=v, hint="declare a sum/mean/max reduction instead",
+                    atom=atom,
+                    saved=first,
+                    wanted=v,
+                    hint="declare a sum/mean/max reduction instead",
                 )
         return first
     if isinstance(values[0], torch.Tensor):
@@ -311,8 +333,15 @@ def check_rule_usage(
 # -- coverage of the global save plan --------------------------------------------------------------
 
 
-def check_coverage(names: list[str], shape_of: list[tuple[int, ...] | None], atom: np.ndarray, off: np.ndarray,
-                   size: np.ndarray, kind: np.ndarray, vol: np.ndarray) -> None:
+def check_coverage(
+    names: list[str],
+    shape_of: list[tuple[int, ...] | None],
+    atom: np.ndarray,
+    off: np.ndarray,
+    size: np.ndarray,
+    kind: np.ndarray,
+    vol: np.ndarray,
+) -> None:
     """Every tensor atom's written chunks (one row each) lie inside it and add up to its volume."""
     if not len(atom):
         return
@@ -326,7 +355,9 @@ def check_coverage(names: list[str], shape_of: list[tuple[int, ...] | None], ato
         raise CoverageError(
             f"saved chunks of '{names[a]}' (shape {shape_of[a]}) cover {got[a]} elements, not {expect[a]} "
             f"({len(bad)} atom(s) affected)",
-            atom=names[a], saved=int(got[a]), wanted=int(expect[a]),
+            atom=names[a],
+            saved=int(got[a]),
+            wanted=int(expect[a]),
             hint="ranks describe this atom with inconsistent layouts (or a pattern rule describes it wrongly)",
         )
     dims = off.shape[1]
@@ -336,5 +367,9 @@ def check_coverage(names: list[str], shape_of: list[tuple[int, ...] | None], ato
     outside = valid & ((off + size > rows) | (size < 0))
     if outside[tensor].any():
         r = int(np.nonzero(outside.any(axis=1) & tensor)[0][0])
-        raise CoverageError(f"a saved chunk of '{names[atom[r]]}' lies outside its shape {shape_of[atom[r]]}",
-                            atom=names[atom[r]], saved=shape_of[atom[r]], wanted=(off[r].tolist(), size[r].tolist()))
+        raise CoverageError(
+            f"a saved chunk of '{names[atom[r]]}' lies outside its shape {shape_of[atom[r]]}",
+            atom=names[atom[r]],
+            saved=shape_of[atom[r]],
+            wanted=(off[r].tolist(), size[r].tolist()),
+        )

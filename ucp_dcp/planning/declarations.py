@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .entries import local_tensor
 from ..errors import AmbiguousLayoutError, PatternError, UCPError
 from ..layout.patterns import Rule, Tied, describe, rule_to_json
+from .entries import local_tensor
 
 __all__ = ["with_map_note", "tie_problem", "alias_problems", "rule_conflicts", "reduce_problem"]
 
@@ -31,12 +31,18 @@ def with_map_note(err: UCPError, saved_maps: Iterable[str], load_maps: Iterable[
     if not lacking:
         return err
     args = ", ".join(_MAP_ARG.get(k, f"IndexMap({k!r})") for k in lacking)
-    note = (f"The checkpoint was saved with index map(s) {lacking} ({args}) and this load passes none: if this "
-            "layout numbers its layers or experts locally (pipeline stages, expert-parallel ranks), pass the "
-            f"{args} for this rank's layout.")
-    return type(err)(f"{err.message}\n{note}", atom=err.atom, saved=err.saved, wanted=err.wanted,
-                     hint=f"pass {args} for the new layout (or, if its names are global, check the names); "
-                     + (err.hint or ""))
+    note = (
+        f"The checkpoint was saved with index map(s) {lacking} ({args}) and this load passes none: if this "
+        "layout numbers its layers or experts locally (pipeline stages, expert-parallel ranks), pass the "
+        f"{args} for this rank's layout."
+    )
+    return type(err)(
+        f"{err.message}\n{note}",
+        atom=err.atom,
+        saved=err.saved,
+        wanted=err.wanted,
+        hint=f"pass {args} for the new layout (or, if its names are global, check the names); " + (err.hint or ""),
+    )
 
 
 def tie_problem(r: Any, saved_lookup: Any, saved_rules: Sequence[Rule], rules: Sequence[Rule]) -> UCPError | None:
@@ -52,7 +58,9 @@ def tie_problem(r: Any, saved_lookup: Any, saved_rules: Sequence[Rule], rules: S
     return PatternError(
         f"rule {describe(rule)} (declared at load, not at save) loads '{r.atom.name}' into '{r.entry.key}', "
         f"but the checkpoint holds '{own.name}' as an atom of its own: its saved values would be replaced",
-        atom=own.name, saved=f"'{own.name}' and '{r.atom.name}' saved separately", wanted=f"tied to '{r.atom.param}'",
+        atom=own.name,
+        saved=f"'{own.name}' and '{r.atom.name}' saved separately",
+        wanted=f"tied to '{r.atom.param}'",
         hint="drop the Tied rule at load to load each saved atom into its own parameter (the model then "
         "starts untied), or save the job with the tie declared",
     )
@@ -76,21 +84,32 @@ def alias_problems(resolved: Sequence[Any]) -> list[UCPError]:
         items.sort(key=lambda x: x[0])
         for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
             if lo2 < hi1 and not set(a.atoms) & set(b.atoms):
-                out.append(AmbiguousLayoutError(
-                    f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "
-                    f"({sorted(a.atoms)[0]!r} and {sorted(b.atoms)[0]!r}): one load would overwrite the other",
-                    atom=sorted(b.atoms)[0], saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]], wanted="one value",
-                    hint="if they are one tied parameter, declare Tied(<param>, [<alias>]) at save and load (its "
-                    "copies are then one atom); otherwise give each key its own tensor"))
+                out.append(
+                    AmbiguousLayoutError(
+                        f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "
+                        f"({sorted(a.atoms)[0]!r} and {sorted(b.atoms)[0]!r}): one load would overwrite the other",
+                        atom=sorted(b.atoms)[0],
+                        saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]],
+                        wanted="one value",
+                        hint="if they are one tied parameter, declare Tied(<param>, [<alias>]) at save and load (its "
+                        "copies are then one atom); otherwise give each key its own tensor",
+                    )
+                )
     return out
 
 
-_LAYOUT_FIELDS = {"fused": ("parts", "dim", "blocks"), "tied": ("param", "aliases"), "reduce": ("op",),
-                  "padded": ("size", "dim")}
+_LAYOUT_FIELDS = {
+    "fused": ("parts", "dim", "blocks"),
+    "tied": ("param", "aliases"),
+    "reduce": ("op",),
+    "padded": ("size", "dim"),
+}
 """The fields of a rule that decide how saved atoms relate to live values (not ``fill``, ``check``)."""
 
 
-def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: dict[str, Any] | None) -> list[UCPError]:
+def rule_conflicts(
+    declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: dict[str, Any] | None
+) -> list[UCPError]:
     """Rules this load declares that describe a parameter the checkpoint holds differently from the
     rule it was saved with (same kind, both match one saved name, other layout fields): the saved
     atoms were cut by the saved rule, so the declared one would put their rows in the wrong places."""
@@ -114,13 +133,22 @@ def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalo
                 continue
             both = sorted(n for n in names if re.fullmatch(s.pattern, n) and re.fullmatch(d.pattern, n))
             if both:
-                out.append(PatternError(
-                    f"rule {describe(d)} declared at load describes '{both[0]}' differently from the rule it was "
-                    f"saved with, {describe(s)}: " + ", ".join(f"{f} {getattr(s, f)!r} at save, {getattr(d, f)!r} now"
-                                                           for f in fields if _layout_field(s, f) != _layout_field(d, f)),
-                    atom=both[0], saved=rule_json(s), wanted=rule_json(d),
-                    hint="pass the rule the checkpoint was saved with (or none: the saved rules apply by themselves); "
-                    "if the target model really lays this parameter out differently, load with strict=False"))
+                out.append(
+                    PatternError(
+                        f"rule {describe(d)} declared at load describes '{both[0]}' differently from the rule it was "
+                        f"saved with, {describe(s)}: "
+                        + ", ".join(
+                            f"{f} {getattr(s, f)!r} at save, {getattr(d, f)!r} now"
+                            for f in fields
+                            if _layout_field(s, f) != _layout_field(d, f)
+                        ),
+                        atom=both[0],
+                        saved=rule_json(s),
+                        wanted=rule_json(d),
+                        hint="pass the rule the checkpoint was saved with (or none: the saved rules apply by themselves); "
+                        "if the target model really lays this parameter out differently, load with strict=False",
+                    )
+                )
                 break
     return out
 
@@ -151,5 +179,8 @@ def reduce_problem(r: Any, catalog: dict[str, Any] | None) -> UCPError | None:
     return PatternError(
         f"rule {describe(r.reduce)} reduces '{r.name}' at load, but the checkpoint saved it without a reduction "
         f"(pattern {rec.get('pattern')!r}: one rank's copy): the load would take that copy for the {r.reduce.op}",
-        atom=r.name, saved=rec.get("pattern"), wanted=f"reduce:{r.reduce.op}",
-        hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it")
+        atom=r.name,
+        saved=rec.get("pattern"),
+        wanted=f"reduce:{r.reduce.op}",
+        hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it",
+    )

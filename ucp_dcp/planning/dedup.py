@@ -7,11 +7,10 @@ loaded holder (or to the lowest rank), as in DCP.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from collections.abc import Sequence
 
 from ..errors import UCPError
 from .payloads import LocalItems, LocalPlanPayload, PieceKey, PlanStructure
@@ -50,8 +49,8 @@ class Rows:
         pos = 0
         for it in items:
             n, d = it.off.shape if it.off.ndim == 2 else (len(it.atom), 0)
-            off[pos:pos + n, :d] = it.off
-            size[pos:pos + n, :d] = it.size
+            off[pos : pos + n, :d] = it.off
+            size[pos : pos + n, :d] = it.size
             pos += n
         return cls(rank, atom, kind, off, size)
 
@@ -66,8 +65,11 @@ def choose_writers(rows: Rows, nbytes: np.ndarray, ranks: int, lowest_rank: bool
     lowest one with ``lowest_rank``, else to the holder with the fewest bytes to write so far
     (largest pieces first)."""
     key = np.concatenate([rows.atom[:, None], rows.off], axis=1)
-    _, inverse, cnt = np.unique(np.ascontiguousarray(key).view(np.dtype((np.void, key.dtype.itemsize * key.shape[1]))),
-                                return_inverse=True, return_counts=True)
+    _, inverse, cnt = np.unique(
+        np.ascontiguousarray(key).view(np.dtype((np.void, key.dtype.itemsize * key.shape[1]))),
+        return_inverse=True,
+        return_counts=True,
+    )
     inverse = inverse.reshape(-1)
     keep = np.zeros(len(rows.atom), dtype=bool)
     shared = cnt[inverse] > 1
@@ -90,8 +92,12 @@ def choose_writers(rows: Rows, nbytes: np.ndarray, ranks: int, lowest_rank: bool
     return keep
 
 
-def replica_copies_to_verify(payloads: Sequence[LocalPlanPayload], structures: Sequence[PlanStructure],
-                             items: Sequence[LocalItems], keep: Sequence[np.ndarray]) -> dict[int, list[PieceKey]]:
+def replica_copies_to_verify(
+    payloads: Sequence[LocalPlanPayload],
+    structures: Sequence[PlanStructure],
+    items: Sequence[LocalItems],
+    keep: Sequence[np.ndarray],
+) -> dict[int, list[PieceKey]]:
     """Per rank, the deferred replicated pieces it holds but another rank writes: it hashes its
     copy during the write and the storage writer compares it with the written one's checksums.
     Refuses deferred pieces when some rank's storage writer does not compare them."""
@@ -104,14 +110,15 @@ def replica_copies_to_verify(payloads: Sequence[LocalPlanPayload], structures: S
             f"rank(s) {blind[:8]} left their replica comparison to the storage writer "
             "(UCPSavePlanner(replica_digests='writer')), but their writer does not compare replicas",
             hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
-            "leave replica_digests at 'plan'")
+            "leave replica_digests at 'plan'",
+        )
     writer: dict[PieceKey, int] = {}
     for rank, (st, its, kept) in enumerate(zip(structures, items, keep)):
         for i in np.nonzero(kept)[0].tolist():
             a = int(its.atom[i])
             if st.shapes[a] is None:
                 continue
-            key = (st.names[a], tuple(its.off[i, :len(st.shapes[a])].tolist()))
+            key = (st.names[a], tuple(its.off[i, : len(st.shapes[a])].tolist()))
             if key in deferred:
                 writer[key] = rank
     out: dict[int, list[PieceKey]] = {}

@@ -13,7 +13,6 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-
 from typing import Literal, get_args
 
 import torch
@@ -54,18 +53,22 @@ def split_box(lengths: tuple[int, ...], itemsize: int, cap: int) -> list[tuple[t
     lengths = tuple(int(n) for n in lengths)
     if not lengths or math.prod(lengths) * itemsize <= cap or 0 in lengths:
         return [((0,) * len(lengths), lengths)]
-    d = next(d for d in range(len(lengths)) if math.prod(lengths[d + 1:]) * itemsize <= cap)
-    rows = max(1, cap // (math.prod(lengths[d + 1:]) * itemsize))
+    d = next(d for d in range(len(lengths)) if math.prod(lengths[d + 1 :]) * itemsize <= cap)
+    rows = max(1, cap // (math.prod(lengths[d + 1 :]) * itemsize))
     out = []
     for lead in itertools.product(*(range(n) for n in lengths[:d])):
         for start in range(0, lengths[d], rows):
             n = min(rows, lengths[d] - start)
-            out.append((lead + (start,) + (0,) * (len(lengths) - d - 1), (1,) * d + (n,) + lengths[d + 1:]))
+            out.append((lead + (start,) + (0,) * (len(lengths) - d - 1), (1,) * d + (n,) + lengths[d + 1 :]))
     return out
 
 
-def split_reads(items: Iterable[ReadItem], itemsize: Callable[[ReadItem], int], staged: Callable[[ReadItem], bool],
-                cap: int | None = None) -> list[ReadItem]:
+def split_reads(
+    items: Iterable[ReadItem],
+    itemsize: Callable[[ReadItem], int],
+    staged: Callable[[ReadItem], bool],
+    cap: int | None = None,
+) -> list[ReadItem]:
     """Read items with every tensor item of a staged target cut into sub-boxes of at most ``cap``
     (default :data:`STAGE_BYTES`) bytes (storage and destination offsets shifted alike), so a
     staging buffer holds any item."""
@@ -80,10 +83,12 @@ def split_reads(items: Iterable[ReadItem], itemsize: Callable[[ReadItem], int], 
             out.append(item)
             continue
         for offs, lens in parts:
-            out.append(replace(
-                item,
-                dest_offsets=torch.Size(a + b for a, b in zip(item.dest_offsets, offs)),
-                storage_offsets=torch.Size(a + b for a, b in zip(item.storage_offsets, offs)),
-                lengths=torch.Size(lens),
-            ))
+            out.append(
+                replace(
+                    item,
+                    dest_offsets=torch.Size(a + b for a, b in zip(item.dest_offsets, offs)),
+                    storage_offsets=torch.Size(a + b for a, b in zip(item.storage_offsets, offs)),
+                    lengths=torch.Size(lens),
+                )
+            )
     return out

@@ -12,7 +12,6 @@ planner would produce. Two UCP-specific steps happen around it:
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +23,8 @@ from .._compat import ShardedTensor, flatten_state_dict, is_checkpointable_tenso
 from .._compat import local_tensor as dtensor_local
 from ..errors import ParamGroupError
 from ..layout.fragments import LocalShards
-from ..layout.placements import LocalShard, sharded_tensor_shards
 from ..layout.naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
+from ..layout.placements import LocalShard, sharded_tensor_shards
 
 __all__ = ["Entry", "GroupTarget", "GROUP_ONLY_KEYS", "collect_entries", "is_sharded", "local_tensor", "shard_memory"]
 
@@ -144,11 +143,22 @@ def collect_entries(
             copies = rw(rules.canonical_path(cpath)) == rules.canonical_path(cpath)
             mine = {(cpath, str(i)) for i in range(len(opt["param_groups"]))} if copies else set()
             if any(k in index for k in mine):
-                raise ParamGroupError(f"a parameter of {'.'.join(map(str, cpath))} is named like a param group "
-                                      "position", hint="rename the parameter")
+                raise ParamGroupError(
+                    f"a parameter of {'.'.join(map(str, cpath))} is named like a param group position",
+                    hint="rename the parameter",
+                )
             stock |= mine
-            work = _replace_at(work, cpath, lambda o, copies=copies: {**o, "param_groups": {
-                **_per_param_groups(o["param_groups"]), **(dict(enumerate(o["param_groups"])) if copies else {})}})
+            work = _replace_at(
+                work,
+                cpath,
+                lambda o, copies=copies: {
+                    **o,
+                    "param_groups": {
+                        **_per_param_groups(o["param_groups"]),
+                        **(dict(enumerate(o["param_groups"])) if copies else {}),
+                    },
+                },
+            )
     flat, raw_paths = flatten_state_dict(work)
     nested = [c for c, form in containers.items() if form == OptimizerForm.NESTED]
     entries: list[Entry] = []
@@ -156,8 +166,14 @@ def collect_entries(
         raw = raw_paths[key]
         atom = parse_path(rw(rules.canonical_path(raw)), canon_containers)
         entry = Entry(key, atom, value, raw)
-        cpath = next((c for c in nested if raw[:len(c)] == c and len(raw) > len(c) + 2
-                      and raw[len(c)] == "param_groups"), None) if not for_load else None
+        cpath = (
+            next(
+                (c for c in nested if raw[: len(c)] == c and len(raw) > len(c) + 2 and raw[len(c)] == "param_groups"),
+                None,
+            )
+            if not for_load
+            else None
+        )
         if cpath is not None and atom.kind == "param_group":
             member = raw[len(cpath) + 1]
             if (cpath, str(member)) in stock:  # DCP flattens dict keys to strings; its lists use ints
@@ -200,5 +216,8 @@ def shard_memory(value: torch.Tensor, shards: Sequence[LocalShard]) -> torch.Ten
     single piece, else a :class:`LocalShards` of all (``shard_fragments(..., indexed=True)``)."""
     if len(shards) == 1:
         return shards[0].tensor
-    return LocalShards([s.tensor for s in shards], shards[0].tensor.dtype if shards else value.dtype,
-                       shards[0].tensor.device if shards else torch.device("cpu"))
+    return LocalShards(
+        [s.tensor for s in shards],
+        shards[0].tensor.dtype if shards else value.dtype,
+        shards[0].tensor.device if shards else torch.device("cpu"),
+    )

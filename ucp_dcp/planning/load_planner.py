@@ -14,26 +14,36 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import _init_state_dict, narrow_tensor_by_index, set_element
+from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..layout.dtypes import check_range, conversion
+from ..layout.patterns import Patterns, rule_from_json
+from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
+from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .catalog import read_catalog
 from .consistency import check_rule_usage, zero_like
+from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
 from .device import needs_staging, split_reads, staging_forced
-from ..layout.dtypes import check_range, conversion
-from ..errors import UCPError, UnverifiedCheckpointWarning
 from .entries import GroupTarget
-from .load_steps import (SavedIndex, combine_problems, decode_value, entry_reads, group_atom, group_reads, itemsize,
-                        missing_error, saved_names)
-from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
+from .load_steps import (
+    SavedIndex,
+    combine_problems,
+    decode_value,
+    entry_reads,
+    group_atom,
+    group_reads,
+    itemsize,
+    missing_error,
+    saved_names,
+)
 from .opened import integrity_of, raise_if_unopened
 from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
-from ..layout.patterns import Patterns, rule_from_json
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
-from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
-from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 
 __all__ = ["UCPLoadPlanner"]
 
 logger = logging.getLogger(__name__)
+
 
 class UCPLoadPlanner(DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
@@ -99,16 +109,25 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         **layout: Any,
     ) -> None:
         options = options_first(flatten_state_dict, options, "UCPLoadPlanner")
-        super().__init__(flatten_state_dict=bool(flatten_state_dict),
-                         flatten_sharded_tensors=bool(flatten_sharded_tensors), allow_partial_load=allow_partial_load)
+        super().__init__(
+            flatten_state_dict=bool(flatten_state_dict),
+            flatten_sharded_tensors=bool(flatten_sharded_tensors),
+            allow_partial_load=allow_partial_load,
+        )
         self.options = split_options(options, layout)
-        self._config = {"flatten_state_dict": self.flatten_state_dict,
-                        "flatten_sharded_tensors": self.flatten_sharded_tensors,
-                        "read_once": read_once, "allow_partial_load": allow_partial_load,
-                        "allow_lossy_dtype": allow_lossy_dtype, "trust": trust}
+        self._config = {
+            "flatten_state_dict": self.flatten_state_dict,
+            "flatten_sharded_tensors": self.flatten_sharded_tensors,
+            "read_once": read_once,
+            "allow_partial_load": allow_partial_load,
+            "allow_lossy_dtype": allow_lossy_dtype,
+            "trust": trust,
+        }
         self.allow_lossy_dtype = bool(allow_lossy_dtype)
         self.trust = bool(trust)
-        self.read_once = {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
+        self.read_once = (
+            {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
+        )
         if self.read_once not in READ_ONCE_MODES:
             raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
@@ -128,8 +147,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         for stale in ("_targets", "_reads", "_sinks"):  # a reused planner: the previous load's plan is gone
             self.__dict__.pop(stale, None)
         if metadata is None:
-            raise UCPError("set_up_planner(state_dict, metadata) was given no checkpoint metadata to plan against",
-                           hint="pass the Metadata of the checkpoint (storage_reader.read_metadata()), as dcp.load does")
+            raise UCPError(
+                "set_up_planner(state_dict, metadata) was given no checkpoint metadata to plan against",
+                hint="pass the Metadata of the checkpoint (storage_reader.read_metadata()), as dcp.load does",
+            )
         raise_if_unopened(metadata)  # a ucp_dcp reader could not open it: its error
         if not self.flatten_state_dict:
             require_flat(state_dict, "load")
@@ -142,7 +163,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             warnings.warn(
                 "this load reads through a storage reader that verifies no checksums and unpickles the "
                 "checkpoint's metadata: use ucp_dcp.load(state, path) or storage_reader=UCPFileSystemReader(path)",
-                UnverifiedCheckpointWarning, stacklevel=2)
+                UnverifiedCheckpointWarning,
+                stacklevel=2,
+            )
         self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
         saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
         self._saved_rules = saved_rules
@@ -208,22 +231,33 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if self.missing_atoms and not self.allow_partial_load:
             problems.insert(0, missing_error(self.missing_atoms, saved, keys))
         elif self.missing_atoms:
-            logger.warning("UCP partial load: %d atom(s) not in the checkpoint were left as they are: %s",
-                           len(self.missing_atoms), ", ".join(self.missing_atoms[:10]))
+            logger.warning(
+                "UCP partial load: %d atom(s) not in the checkpoint were left as they are: %s",
+                len(self.missing_atoms),
+                ", ".join(self.missing_atoms[:10]),
+            )
         if problems:
-            raise with_map_note(combine_problems(problems), (self._catalog or {}).get("maps", []),
-                                [m.key for m in self.maps])
+            raise with_map_note(
+                combine_problems(problems), (self._catalog or {}).get("maps", []), [m.key for m in self.maps]
+            )
         self._patterns.note_names(saved_names(self.metadata, self._catalog))
         # reads into device targets are cut to the staging buffer's size (bounded host memory,
         # also for pieces other ranks send)
         forced = staging_forced()
         reads = split_reads(reads, lambda it: itemsize(self.metadata, it), lambda it: self._staged(it, forced))
         self._reads = reads
-        usage = RuleUsage(sorted(self._patterns.used), [c for r in self._targets.values() for c in r.index_claims],
-                          {m.key: m.total for m in self.maps})
+        usage = RuleUsage(
+            sorted(self._patterns.used),
+            [c for r in self._targets.values() for c in r.index_claims],
+            {m.key: m.total for m in self.maps},
+        )
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
-        return LoadPlan(reads, planner_data=LoadPlanPayload(usage, self.read_once, keeps_items=True,
-                                                          meshes=target_meshes(self._targets.values())))
+        return LoadPlan(
+            reads,
+            planner_data=LoadPlanPayload(
+                usage, self.read_once, keeps_items=True, meshes=target_meshes(self._targets.values())
+            ),
+        )
 
     def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
         """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
@@ -233,8 +267,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         for g in self._groups:
             by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
         for prefix, groups in by_prefix.items():
-            per_param = any(saved.lookup(group_atom(self._resolver, g, p, hp))
-                            for g in groups for p in g.params[:1] for hp in g.hyperparams[:1])
+            per_param = any(
+                saved.lookup(group_atom(self._resolver, g, p, hp))
+                for g in groups
+                for p in g.params[:1]
+                for hp in g.hyperparams[:1]
+            )
             stock = None if per_param else StockGroups.find(prefix, groups, saved.by_atom, self.name_rules)
             if stock is None:
                 rest.extend(groups)
@@ -258,7 +296,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             raise UCPError(
                 f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPLoadPlanner.create_local_plan",
                 hint="give every rank a UCPLoadPlanner and pass create_global_plan the plans their create_local_plan "
-                "returned")
+                "returned",
+            )
         usages = [p.planner_data.usage for p in global_plan]
         # a coordinator that planned nothing itself still checks the usage of its own rules
         patterns = getattr(self, "_patterns", None)
@@ -305,7 +344,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         target = self._target_region(read_item)
         saved = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
         viewed = target.is_conj() or target.is_neg()  # its memory holds other bytes than its values
-        if not viewed and (saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"):
+        if not viewed and (
+            saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"
+        ):
             return target  # the reader writes (and converts) straight into the target
         # a narrowing conversion: read into a scratch tensor of the saved dtype, range-check the
         # values in commit_tensor, then convert into the target (copy_ also writes through views)

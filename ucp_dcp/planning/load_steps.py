@@ -18,23 +18,46 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .catalog import read_catalog
+from ..errors import (
+    CoverageError,
+    DtypeConversionError,
+    MissingAtomsError,
+    ParamGroupError,
+    ShapeMismatchError,
+    UCPError,
+    UnsafeCheckpointError,
+)
 from ..layout.coverage import ChunkIndex, exact_cover_problem
 from ..layout.dtypes import LOSS, conversion, kind
-from .entries import Entry, GroupTarget
-from ..errors import (CoverageError, DtypeConversionError, MissingAtomsError, ParamGroupError, ShapeMismatchError,
-                     UCPError, UnsafeCheckpointError)
 from ..layout.fragments import Box
 from ..layout.naming import AtomName, NameRules, OptimizerForm
+from .catalog import read_catalog
+from .entries import Entry, GroupTarget
 from .resolve import Resolved, Resolver
 
-__all__ = ["GROUP_SINK", "SavedIndex", "GroupCollector", "entry_reads", "group_reads", "bytes_read", "check_tensor",
-           "decode_value", "itemsize", "saved_names", "missing_error", "combine_problems"]
+__all__ = [
+    "GROUP_SINK",
+    "SavedIndex",
+    "GroupCollector",
+    "entry_reads",
+    "group_reads",
+    "bytes_read",
+    "check_tensor",
+    "decode_value",
+    "itemsize",
+    "saved_names",
+    "missing_error",
+    "combine_problems",
+]
 
 
-_PLAIN_DATA = {"_io.BytesIO": ("io", "BytesIO"), "builtins.frozenset": ("builtins", "frozenset"),
-               "builtins.slice": ("builtins", "slice"), "builtins.range": ("builtins", "range"),
-               "builtins.Ellipsis": ("builtins", "Ellipsis")}
+_PLAIN_DATA = {
+    "_io.BytesIO": ("io", "BytesIO"),
+    "builtins.frozenset": ("builtins", "frozenset"),
+    "builtins.slice": ("builtins", "slice"),
+    "builtins.range": ("builtins", "range"),
+    "builtins.Ellipsis": ("builtins", "Ellipsis"),
+}
 """Globals outside ``torch.load(weights_only=True)``'s own set that only build plain data (no
 side effects, no attribute lookups by name), so stock DCP's values of these types load safely:
 DCP's byte-stream items (``io.BytesIO``), frozensets, slices, ranges. Looked up in this fixed table
@@ -69,14 +92,16 @@ def decode_value(data: io.BytesIO, atom: str, trust: bool = False) -> Any:
         cause = f"types outside the safe set: {', '.join(outside)}"
         allow = f"torch.serialization.add_safe_globals([{', '.join(outside)}])"
     else:
-        found = re.search(r"(?:Unsupported global: GLOBAL [\w.]+|Unsupported operand \S+|Trying to [^.\n]*)",
-                          str(error))
+        found = re.search(
+            r"(?:Unsupported global: GLOBAL [\w.]+|Unsupported operand \S+|Trying to [^.\n]*)", str(error)
+        )
         cause = f"an operation outside the safe set ({found.group(0) if found else type(error).__name__})"
         allow = "torch.serialization.add_safe_globals([...]) for the types it names"
     raise UnsafeCheckpointError(
         f"value of atom '{atom}' holds {cause}; decoding it could run code, so it was not decoded "
         "(tensors, numbers, strings, bytes, lists, dicts, tuples, sets and io.BytesIO are)",
-        atom=atom, saved="pickled object",
+        atom=atom,
+        saved="pickled object",
         hint="if you trust where this checkpoint came from, load with trust=True (ucp_dcp.load(..., trust=True) "
         f"or UCPLoadPlanner(trust=True)); or, if those types only hold data, allow them with {allow}",
     ) from None
@@ -91,7 +116,9 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
     if not isinstance(smd, TensorStorageMetadata):
         raise ShapeMismatchError(
             f"atom '{name}' was saved as a non-tensor object but the target holds a tensor of shape {want}",
-            atom=name, saved="object", wanted=want,
+            atom=name,
+            saved="object",
+            wanted=want,
             hint="put the same kind of value in the target state dict as was saved",
         )
     have = tuple(int(s) for s in smd.size)
@@ -100,7 +127,9 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
         raise ShapeMismatchError(
             f"Size mismatch between saved {torch.Size(have)} and current: {torch.Size(want)} for {r.entry.key}\n"
             f"atom '{name}': saved shape {have}, wanted shape {want}. {_likely_cause(have, want, r.value)}",
-            atom=name, saved=have, wanted=want,
+            atom=name,
+            saved=have,
+            wanted=want,
             hint="load into a model built with the saved configuration, or declare a pattern "
             "(Padded/Fused) that maps the two shapes",
         )
@@ -109,11 +138,12 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
         raise DtypeConversionError(
             f"atom '{name}': saved dtype {saved}, wanted dtype {wanted}: converting would "
             f"{LOSS[(kind(saved), kind(wanted))] if wanted != torch.bool else 'turn every value into True/False'}",
-            atom=name, saved=saved, wanted=wanted,
+            atom=name,
+            saved=saved,
+            wanted=wanted,
             hint=f"load into a tensor of dtype {saved} and convert it yourself, or pass "
             "UCPLoadPlanner(allow_lossy_dtype=True) to convert the way Tensor.copy_ does",
         )
-
 
 
 def saved_names(md: Metadata, catalog: dict[str, Any] | None) -> set[str]:
@@ -147,7 +177,8 @@ class SavedIndex:
         if atom in self.clashes:
             raise UCPError(
                 f"atom '{atom}' matches several saved keys {self.clashes[atom]} after wrapper stripping",
-                atom=atom, saved=self.clashes[atom],
+                atom=atom,
+                saved=self.clashes[atom],
                 hint="load with name_rules that keep the distinguishing segment",
             )
         return self.by_atom.get(atom)
@@ -178,7 +209,9 @@ class GroupCollector:
                 raise ParamGroupError(
                     f"param group {self.g.index} of '{'.'.join(map(str, self.g.prefix))}': "
                     f"'{self.hp}' is {v0!r} for '{p0}' but {v!r} for '{p}' in the checkpoint",
-                    atom=self.atoms[p], saved={p0: v0, p: v}, wanted=f"one value for group {self.g.index}",
+                    atom=self.atoms[p],
+                    saved={p0: v0, p: v},
+                    wanted=f"one value for group {self.g.index}",
                     hint="group the target optimizer's parameters the way they were grouped at save "
                     "(same hyperparameters per group)",
                 )
@@ -241,9 +274,10 @@ def missing_error(missing: list[str], saved: SavedIndex, keys: dict[str, str] | 
     return MissingAtomsError(  # DCP's own words first (DefaultLoadPlanner raises them as a RuntimeError)
         f"Missing key in checkpoint state_dict: {key}.\n"
         f"{len(missing)} atom(s) wanted by the target are not in the checkpoint:\n" + "\n".join(lines) + more,
-        atom=missing[0], saved=None, wanted=list(missing),
-        hint="check the model config and wrapper names, or pass allow_partial_load=True to keep their "
-        "current values",
+        atom=missing[0],
+        saved=None,
+        wanted=list(missing),
+        hint="check the model config and wrapper names, or pass allow_partial_load=True to keep their current values",
     )
 
 
@@ -255,7 +289,10 @@ def combine_problems(problems: list[UCPError]) -> UCPError:
     more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
     return type(first)(
         f"{first.message}\n{len(problems) - 1} more problem(s):\n{rest}{more}",
-        atom=first.atom, saved=first.saved, wanted=first.wanted, hint=first.hint,
+        atom=first.atom,
+        saved=first.saved,
+        wanted=first.wanted,
+        hint=first.hint,
     )
 
 
@@ -274,8 +311,12 @@ def entry_reads(r: Resolved, saved: SavedIndex, allow_lossy_dtype: bool) -> tupl
         return [_object_read(r, keys, saved)], []
     for name, skey in keys.items():
         check_tensor(name, saved.md.state_dict_metadata[skey], r, allow_lossy_dtype)
-    return [read for i, f in enumerate(r.fragments) if f.atom in keys
-            for read in _fragment_reads(r, i, f, keys[f.atom], saved)], []
+    return [
+        read
+        for i, f in enumerate(r.fragments)
+        if f.atom in keys
+        for read in _fragment_reads(r, i, f, keys[f.atom], saved)
+    ], []
 
 
 def _fall_back_to_unsplit(r: Resolved, saved: SavedIndex) -> None:
@@ -283,8 +324,12 @@ def _fall_back_to_unsplit(r: Resolved, saved: SavedIndex) -> None:
     layout does not depend on the parallel layout, so it loads as one atom."""
     if r.unsplit is not None and not any(saved.lookup(a) for a in r.atoms) and saved.lookup(r.name):
         r.fragments = r.unsplit
-        r.atoms = {r.name: {**next(iter(r.atoms.values())), "shape": list(r.value.shape)
-                            if isinstance(r.value, torch.Tensor) else None}}
+        r.atoms = {
+            r.name: {
+                **next(iter(r.atoms.values())),
+                "shape": list(r.value.shape) if isinstance(r.value, torch.Tensor) else None,
+            }
+        }
         r.fanout = False
 
 
@@ -296,14 +341,16 @@ def _saved_keys(r: Resolved, saved: SavedIndex) -> tuple[dict[str, str], list[st
 
 
 def _object_read(r: Resolved, keys: dict[str, str], saved: SavedIndex) -> ReadItem:
-    (name, skey), = keys.items()
+    ((name, skey),) = keys.items()
     smd = saved.md.state_dict_metadata[skey]
     if not isinstance(smd, BytesStorageMetadata):
         raise ShapeMismatchError(  # DCP's own words first (a ValueError there too)
             f"Invalid checkpoint metadata for {r.entry.key}, expected BytesStorageMetadata but found {type(smd)}\n"
             f"atom '{name}' was saved as a tensor of shape {tuple(smd.size)} but the target "
             f"holds a {type(r.entry.value).__name__}",
-            atom=name, saved=tuple(smd.size), wanted=type(r.entry.value).__name__,
+            atom=name,
+            saved=tuple(smd.size),
+            wanted=type(r.entry.value).__name__,
             hint="put a tensor in the target state dict for this key",
         )
     return bytes_read(r.entry.key, skey)
@@ -319,22 +366,28 @@ def _fragment_reads(r: Resolved, i: int, f: Any, skey: str, saved: SavedIndex) -
         raise CoverageError(
             f"atom '{f.atom}' (saved shape {have}, wanted shape {tuple(r.atoms[f.atom]['shape'])}): "
             f"wanted box {f.box} is not covered exactly once by the saved chunks: {problem}",
-            atom=f.atom, saved=have, wanted=str(f.box),
+            atom=f.atom,
+            saved=have,
+            wanted=str(f.box),
             hint="the checkpoint is incomplete or was written by a planner that mislabels "
             "non-contiguous shards (stock DCP with _StridedShard); re-save it with UCPSavePlanner",
         )
-    return [ReadItem(
-        type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex(r.entry.key, f.box.offsets, i),
-        dest_offsets=torch.Size(ov.shift(f.box.offsets).offsets),
-        storage_index=MetadataIndex(skey, index.boxes[ci].offsets, ci),
-        storage_offsets=torch.Size(ov.shift(index.boxes[ci].offsets).offsets),
-        lengths=torch.Size(ov.sizes),
-    ) for ci, ov in pieces]
+    return [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(r.entry.key, f.box.offsets, i),
+            dest_offsets=torch.Size(ov.shift(f.box.offsets).offsets),
+            storage_index=MetadataIndex(skey, index.boxes[ci].offsets, ci),
+            storage_offsets=torch.Size(ov.shift(index.boxes[ci].offsets).offsets),
+            lengths=torch.Size(ov.sizes),
+        )
+        for ci, ov in pieces
+    ]
 
 
-def group_reads(g: GroupTarget, saved: SavedIndex, resolver: Resolver
-                ) -> tuple[list[ReadItem], dict[str, Callable[[Any], None]], list[str]]:
+def group_reads(
+    g: GroupTarget, saved: SavedIndex, resolver: Resolver
+) -> tuple[list[ReadItem], dict[str, Callable[[Any], None]], list[str]]:
     """Reads of one target param group's hyperparameters, the sinks that set them, and the atoms
     the checkpoint lacks. Each hyperparameter is saved per parameter; a stock-DCP checkpoint keys
     it by group position instead."""

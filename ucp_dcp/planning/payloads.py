@@ -34,7 +34,9 @@ import torch
 
 from ..layout.fragments import Box
 
-__all__ = ["ReadOnceMode", "READ_ONCE_MODES", 
+__all__ = [
+    "ReadOnceMode",
+    "READ_ONCE_MODES",
     "LoadPlanPayload",
     "ReadSummary",
     "TransportPlan",
@@ -79,12 +81,31 @@ class ItemKind(enum.IntEnum):
     """An object, ``torch.save``-d (``BYTE_IO``)."""
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
-           torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-           # appended (codes never move): the rest of what stock DCP saves
-           torch.complex32, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
-           torch.float4_e2m1fn_x2)
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    # appended (codes never move): the rest of what stock DCP saves
+    torch.complex32,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+)
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
@@ -161,10 +182,11 @@ class LocalItems:
         off = np.full((len(rows), width), -1, dtype=np.int64)
         size = np.full((len(rows), width), -1, dtype=np.int64)
         for i, (_, _, o, s) in enumerate(rows):
-            off[i, :len(o)] = o
-            size[i, :len(s)] = s
-        return cls(np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8),
-                   off, size)
+            off[i, : len(o)] = o
+            size[i, : len(s)] = s
+        return cls(
+            np.array([r[0] for r in rows], dtype=np.int32), np.array([r[1] for r in rows], dtype=np.uint8), off, size
+        )
 
 
 @dataclass(frozen=True)
@@ -181,8 +203,12 @@ class PackedPlan(_Compact):
     @classmethod
     def pack(cls, structure: PlanStructure, items: LocalItems) -> PackedPlan:
         s = zlib.compress(pickle.dumps(structure, protocol=5), 1)
-        arrays = (items.atom.astype(np.int32), items.kind.astype(np.uint8), items.off.astype(np.int64),
-                  items.size.astype(np.int64))
+        arrays = (
+            items.atom.astype(np.int32),
+            items.kind.astype(np.uint8),
+            items.off.astype(np.int64),
+            items.size.astype(np.int64),
+        )
         it = zlib.compress(pickle.dumps(arrays, protocol=5), 1)
         return cls(s, hashlib.blake2b(s, digest_size=16).digest(), it)
 

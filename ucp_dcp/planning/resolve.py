@@ -16,14 +16,30 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor, is_checkpointable_tensor
 from ..errors import PatternError
-from ..layout.fragments import Box, Fragment, LocalShards, boxes_fragments, layout_fragments, shard_fragments, whole_fragment
-from ..layout.placements import (Layout, checkpointable_shards, dtensor_coordinate, dtype_name, global_shape, mesh_info,
-                     sharded_tensor_record, sharded_tensor_shards)
+from ..layout.fragments import (
+    Box,
+    Fragment,
+    LocalShards,
+    boxes_fragments,
+    layout_fragments,
+    shard_fragments,
+    whole_fragment,
+)
+from ..layout.index_maps import IndexMap
 from ..layout.naming import AtomName, NameRules, Path
 from ..layout.patterns import Fused, Padded, Patterns, Reduce, Replicated, Tied, describe
-from ..layout.index_maps import IndexMap
-from .entries import Entry, GroupTarget, collect_entries, local_tensor, shard_memory
+from ..layout.placements import (
+    Layout,
+    checkpointable_shards,
+    dtensor_coordinate,
+    dtype_name,
+    global_shape,
+    mesh_info,
+    sharded_tensor_record,
+    sharded_tensor_shards,
+)
 from ..layout.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
+from .entries import Entry, GroupTarget, collect_entries, local_tensor, shard_memory
 
 __all__ = ["Resolved", "Resolver"]
 
@@ -130,7 +146,9 @@ class Resolver:
         if r.reduce is not None and (isinstance(e.value, (DTensor, ShardedTensor)) or checkpointable):
             raise PatternError(
                 f"reduce rule {describe(r.reduce)} matches '{atom.name}', a {type(e.value).__name__}; reductions "
-                "are for per-rank plain values", atom=atom.name, hint="narrow the pattern to plain per-rank values",
+                "are for per-rank plain values",
+                atom=atom.name,
+                hint="narrow the pattern to plain per-rank values",
             )
         if not isinstance(e.value, torch.Tensor):
             return self._resolve_object(r, rule, match)
@@ -156,14 +174,28 @@ class Resolver:
         elif checkpointable:
             # torch >= 2.14's CheckpointableTensor: a plain tensor stating its boxes of a global tensor
             # (several, with padding between, in one local tensor): each is one fragment of the atom
-            base = boxes_fragments(atom.name, [(c.global_offsets, c.local_offsets, c.sizes)
-                                               for c in checkpointable_shards(value, atom.name)])
+            base = boxes_fragments(
+                atom.name,
+                [(c.global_offsets, c.local_offsets, c.sizes) for c in checkpointable_shards(value, atom.name)],
+            )
         else:
             base = layout_fragments(atom.name, shape, layout, coord) if math.prod(shape) else []
-        pattern = "dtensor" if rec_layout else "sharded_tensor" if sharded else "checkpointable" if checkpointable else "plain"
+        pattern = (
+            "dtensor"
+            if rec_layout
+            else "sharded_tensor"
+            if sharded
+            else "checkpointable"
+            if checkpointable
+            else "plain"
+        )
         rec = {
-            "value": "tensor", "shape": list(shape), "dtype": dtype_name(r.local.dtype), "kind": atom.kind,
-            "param": atom.param, "pattern": pattern,
+            "value": "tensor",
+            "shape": list(shape),
+            "dtype": dtype_name(r.local.dtype),
+            "kind": atom.kind,
+            "param": atom.param,
+            "pattern": pattern,
         }
         if rec_layout:
             rec["layout"] = rec_layout
@@ -176,7 +208,8 @@ class Resolver:
         if rule is not None and checkpointable:  # its boxes are stated by the tensor, not derived by a rule
             raise PatternError(
                 f"rule {describe(rule)} matches '{atom.name}', a CheckpointableTensor; pattern rules apply to "
-                "DTensors, ShardedTensors and plain tensors", atom=atom.name,
+                "DTensors, ShardedTensors and plain tensors",
+                atom=atom.name,
                 hint="narrow the rule's pattern, or state the tensor's pieces as separate atoms",
             )
         if rule is None or value.ndim <= rule.dim:
@@ -190,7 +223,8 @@ class Resolver:
             raise PatternError(
                 f"rule {describe(rule)} matches '{atom.name}', a ShardedTensor with {len(r.local)} local shards "
                 "on this rank; pattern rules apply to a value whose local memory is one tensor",
-                atom=atom.name, hint="shard the value with one local shard per rank (ChunkShardingSpec, FSDP1)",
+                atom=atom.name,
+                hint="shard the value with one local shard per rank (ChunkShardingSpec, FSDP1)",
             )
         if isinstance(rule, Padded):
             return self._padded(r, rule, rec, shape, base)
@@ -212,8 +246,15 @@ class Resolver:
     def _rule_index(self, rule) -> int:
         return self.patterns.rules.index(rule)
 
-    def _fanout(self, r: Resolved, rule: Fused, match, rec: dict[str, Any], value: torch.Tensor | None,
-                base: list[Fragment] | None = None) -> Resolved:
+    def _fanout(
+        self,
+        r: Resolved,
+        rule: Fused,
+        match,
+        rec: dict[str, Any],
+        value: torch.Tensor | None,
+        base: list[Fragment] | None = None,
+    ) -> Resolved:
         r.fanout = True
         if isinstance(value, ShardedTensor):  # its pieces, each belonging to every part
             pieces = list(base or [])
@@ -223,8 +264,13 @@ class Resolver:
             r.unsplit = pieces
         for tmpl, _ in rule.parts:
             part = r.atom.renamed(match.expand(tmpl))
-            r.atoms[part.name] = {**rec, "param": part.param, "pattern": "fused", "live": r.atom.param,
-                                  "rule": self._rule_index(rule)}
+            r.atoms[part.name] = {
+                **rec,
+                "param": part.param,
+                "pattern": "fused",
+                "live": r.atom.param,
+                "rule": self._rule_index(rule),
+            }
             r.paths[part.name] = part.path
             r.fragments.extend(replace(f, atom=part.name) for f in pieces)
         return r
@@ -235,7 +281,9 @@ class Resolver:
             raise PatternError(
                 f"'{r.name}': padded dim {rule.dim} has {live} entries, smaller than the logical size {rule.size} "
                 f"of rule {describe(rule)}",
-                atom=r.name, saved=rule.size, wanted=live,
+                atom=r.name,
+                saved=rule.size,
+                wanted=live,
                 hint="the padded size must be at least the logical size; check the rule's size",
             )
         r.fragments, r.fills = clip_padding(base, rule.dim, rule.size)
@@ -243,8 +291,13 @@ class Resolver:
         r.padding_rule = rule
         logical = list(shape)
         logical[rule.dim] = rule.size
-        r.atoms[r.name] = {**rec, "shape": logical, "pattern": "padded", "live_shape": list(shape),
-                           "rule": self._rule_index(rule)}
+        r.atoms[r.name] = {
+            **rec,
+            "shape": logical,
+            "pattern": "padded",
+            "live_shape": list(shape),
+            "rule": self._rule_index(rule),
+        }
         r.paths[r.name] = r.atom.path
         return r
 
@@ -255,16 +308,25 @@ class Resolver:
         if problem:
             raise PatternError(
                 f"'{r.name}' ({list(shape)}) cannot be split by rule {describe(rule)}: {problem}",
-                atom=r.name, saved=sizes, wanted=f"{blocks} blocks of dim {rule.dim} = {shape[rule.dim]}",
+                atom=r.name,
+                saved=sizes,
+                wanted=f"{blocks} blocks of dim {rule.dim} = {shape[rule.dim]}",
                 hint="e.g. the KV heads must be divisible by the TP degree; pick a degree dividing every part",
             )
         parts = [r.atom.renamed(match.expand(t)) for t, _ in rule.parts]
         for part, n in zip(parts, sizes):
             pshape = list(shape)
             pshape[rule.dim] = n
-            r.atoms[part.name] = {**rec, "param": part.param, "shape": pshape, "pattern": "fused",
-                                  "live": r.atom.param, "live_shape": list(shape), "blocks": blocks,
-                                  "rule": self._rule_index(rule)}
+            r.atoms[part.name] = {
+                **rec,
+                "param": part.param,
+                "shape": pshape,
+                "pattern": "fused",
+                "live": r.atom.param,
+                "live_shape": list(shape),
+                "blocks": blocks,
+                "rule": self._rule_index(rule),
+            }
             r.paths[part.name] = part.path
         r.fragments = split_fused(base, rule.dim, fused_segments(sizes, blocks), [p.name for p in parts])
         if isinstance(rule.blocks, int):

@@ -1,7 +1,6 @@
 """``UCPSavePlanner``: writes every value as fragments of canonical atoms, plus the catalog."""
 
 from __future__ import annotations
-from .._compat import cached_plans_key, local_tensor, plan_caching
 
 import io
 import logging
@@ -9,22 +8,30 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, STATE_DICT_TYPE, StorageMeta
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
+from .._compat import cached_plans_key, local_tensor, plan_caching
 from .._version import __version__
+from ..errors import UCPError
+from ..layout.patterns import Patterns
+from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
+from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .averaging import exchange_averages
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
-from ..errors import UCPError
-from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
-from ..layout.patterns import Patterns
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .resolve import Resolver
-from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
-from .save_steps import build_local, final_items, global_plan, live_entries, local_payload, merge_cached, \
-    structures_by_hash
+from .save_steps import (
+    build_local,
+    final_items,
+    global_plan,
+    live_entries,
+    local_payload,
+    merge_cached,
+    structures_by_hash,
+)
 
 __all__ = ["UCPSavePlanner"]
 
@@ -109,10 +116,14 @@ class UCPSavePlanner(DefaultSavePlanner):
             raise ValueError(f"replica_digests must be 'plan' or 'writer', got {replica_digests!r}")
         self.replica_digests = replica_digests
         self.options = split_options(options, layout)
-        self._config = {"flatten_state_dict": self.flatten_state_dict,
-                        "flatten_sharded_tensors": self.flatten_sharded_tensors,
-                        "check_replicas": check_replicas, "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
-                        "enable_plan_caching": enable_plan_caching, "replica_digests": replica_digests}
+        self._config = {
+            "flatten_state_dict": self.flatten_state_dict,
+            "flatten_sharded_tensors": self.flatten_sharded_tensors,
+            "check_replicas": check_replicas,
+            "dedup_save_to_lowest_rank": dedup_save_to_lowest_rank,
+            "enable_plan_caching": enable_plan_caching,
+            "replica_digests": replica_digests,
+        }
         self._pending_local: tuple[bytes, bytes] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -148,10 +159,15 @@ class UCPSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         if not hasattr(self, "_resolved"):
             raise protocol_error("create_local_plan", "set_up_planner(state_dict)")
-        self._local = build_local(self._resolved, self.mappings, self.check_replicas,
-                                  defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error")
-        payload = local_payload(self._local, self._resolved, self._ties, self._patterns, self.options,
-                                self.is_coordinator)
+        self._local = build_local(
+            self._resolved,
+            self.mappings,
+            self.check_replicas,
+            defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error",
+        )
+        payload = local_payload(
+            self._local, self._resolved, self._ties, self._patterns, self.options, self.is_coordinator
+        )
         self.plan = SavePlan([], planner_data=payload)
         if plan_caching(self):
             sent = (payload.packed.structure_hash, payload.packed.items)
@@ -169,7 +185,8 @@ class UCPSavePlanner(DefaultSavePlanner):
             raise UCPError(
                 f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPSavePlanner.create_local_plan",
                 hint="give every rank a UCPSavePlanner and pass create_global_plan the plans their create_local_plan "
-                "returned")
+                "returned",
+            )
         if not hasattr(self, "_patterns"):  # a coordinator that planned nothing itself: its own rules
             self._patterns = Patterns(self.rules, strict=self.strict)
         plans, self.metadata = self._global_plan(all_plans)
@@ -189,9 +206,15 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._reduced = reduce_all(self._patterns, payloads)
         if plan_caching(self) and not any(p.usable for p in all_plans) and cache.global_plan is not None:
             return [SavePlan([], usable=False)] * len(all_plans), cache.global_plan[1]
-        answers, metadata = global_plan(payloads, self._reduced, self.dedup_save_to_lowest_rank, _writer_info(),
-                                        self._patterns.to_json(), [m.key for m in self.maps],
-                                        map_orders([p.usage for p in payloads]))
+        answers, metadata = global_plan(
+            payloads,
+            self._reduced,
+            self.dedup_save_to_lowest_rank,
+            _writer_info(),
+            self._patterns.to_json(),
+            [m.key for m in self.maps],
+            map_orders([p.usage for p in payloads]),
+        )
         plans = [SavePlan([], planner_data=a) for a in answers]
         if plan_caching(self):
             cache.payloads, cache.structures, cache.global_plan = payloads, structures, (plans, metadata)
@@ -211,7 +234,8 @@ class UCPSavePlanner(DefaultSavePlanner):
                 "finish_plan was given a plan that is neither this planner's local plan nor the coordinator's "
                 "answer from UCPSavePlanner.create_global_plan",
                 hint="pass finish_plan the plan create_global_plan returned for this rank (or, in one process, "
-                "the plan create_local_plan returned)")
+                "the plan create_local_plan returned)",
+            )
         cache = self._cache()
         if not new_plan.usable:
             new_plan = cache.final
@@ -268,16 +292,22 @@ def _check_savable(name: str, value: Any) -> None:
     if not has_dtype_code(value.dtype):
         raise UCPError(
             f"atom '{name}': tensors of dtype {value.dtype} cannot be saved (DCP has no storage for it; stock "
-            "dcp.save fails on it too)", atom=name, saved=str(value.dtype),
+            "dcp.save fails on it too)",
+            atom=name,
+            saved=str(value.dtype),
             hint="save its packed bytes as a torch.uint8 tensor (t.view(torch.uint8) where torch allows it) or "
-            "convert it to a standard dtype, and convert back after loading")
+            "convert it to a standard dtype, and convert back after loading",
+        )
     local = local_tensor(value) if isinstance(value, DTensor) else value
     if isinstance(local, torch.Tensor) and local.layout != torch.strided:
         raise UCPError(
             f"atom '{name}': a {local.layout} tensor cannot be saved (DCP saves dense strided tensors; stock "
-            "dcp.save fails on it too)", atom=name, saved=str(local.layout),
+            "dcp.save fails on it too)",
+            atom=name,
+            saved=str(local.layout),
             hint="save t.to_dense(), or the tensor's parts (e.g. indices() and values()) as separate entries, "
-            "and rebuild it after loading")
+            "and rebuild it after loading",
+        )
 
 
 def _as_data(value: Any, item: WriteItem) -> torch.Tensor | io.BytesIO:

@@ -32,16 +32,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from ..errors import AmbiguousLayoutError
+from ..layout.fragments import Fragment
+from ..layout.patterns import Patterns
+from ..layout.placements import Layout, global_shape
+from ..options import UCPOptions
 from . import catalog as cat_mod
 from .averaging import average_writers, is_averaged
 from .consistency import check_coverage, check_padding, replica_digests, tie_mismatches
 from .dedup import Rows, choose_writers, replica_copies_to_verify
 from .entries import is_sharded
-from ..errors import AmbiguousLayoutError
-from ..layout.fragments import Fragment
-from ..layout.placements import Layout, global_shape
-from ..options import UCPOptions
-from ..layout.patterns import Patterns
 from .payloads import (
     ItemKind,
     LocalItems,
@@ -58,8 +58,18 @@ from .payloads import (
 )
 from .resolve import Resolved
 
-__all__ = ["LocalPlan", "live_entries", "build_local", "local_payload", "GlobalSave", "structures_by_hash",
-           "plan_global", "global_plan", "merge_cached", "final_items"]
+__all__ = [
+    "LocalPlan",
+    "live_entries",
+    "build_local",
+    "local_payload",
+    "GlobalSave",
+    "structures_by_hash",
+    "plan_global",
+    "global_plan",
+    "merge_cached",
+    "final_items",
+]
 
 # -- local plan ------------------------------------------------------------------------------------
 
@@ -77,7 +87,8 @@ def live_entries(resolved: list[Resolved]) -> tuple[list[Resolved], list[tuple[R
             raise AmbiguousLayoutError(
                 f"atom '{r.name}' has a Partial placement ({layout.describe()}); its logical value is a pending "
                 "reduction, not a tensor",
-                atom=r.name, saved=layout.describe(),
+                atom=r.name,
+                saved=layout.describe(),
                 hint="redistribute to Replicate/Shard (e.g. `.redistribute(placements=...)`) before saving",
             )
         clash = next((a for a in r.atoms if a in owner), None)
@@ -132,8 +143,9 @@ class _AtomTable:
         return self._index[name]
 
 
-def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replicas: str,
-                defer_pieces: bool = False) -> LocalPlan:
+def build_local(
+    resolved: list[Resolved], mappings: dict[str, Any], check_replicas: str, defer_pieces: bool = False
+) -> LocalPlan:
     """This rank's items (one per piece of local memory, or per object), reduced values and digests."""
     table = _AtomTable()
     rows: list[tuple[int, ItemKind, Offsets, Offsets]] = []
@@ -154,13 +166,23 @@ def build_local(resolved: list[Resolved], mappings: dict[str, Any], check_replic
     deferred: list[tuple[str, Any]] | None = [] if defer_pieces else None
     digests = replica_digests(resolved, check_replicas, deferred)
     structure = PlanStructure(
-        table.names, table.shapes, table.dtypes, mappings, _local_catalog(resolved),
+        table.names,
+        table.shapes,
+        table.dtypes,
+        mappings,
+        _local_catalog(resolved),
         whole_digests=sorted(a for a, box in digests if box is None),
         piece_digests=sorted((a, box.offsets, box.sizes) for a, box in digests if box is not None),
     )
     values = np.array([digests[k] for k in structure.replica_keys], dtype=np.uint64)
-    return LocalPlan(structure, LocalItems.from_rows(rows), pieces, zlib.compress(values.tobytes(), 1), reduced,
-                     [(a, tuple(box.offsets), tuple(box.sizes)) for a, box in deferred or ()])
+    return LocalPlan(
+        structure,
+        LocalItems.from_rows(rows),
+        pieces,
+        zlib.compress(values.tobytes(), 1),
+        reduced,
+        [(a, tuple(box.offsets), tuple(box.sizes)) for a, box in deferred or ()],
+    )
 
 
 def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:
@@ -188,14 +210,22 @@ def _local_catalog(resolved: list[Resolved]) -> dict[str, Any]:
         for name, rec in r.atoms.items():
             rec = dict(rec)
             if "layout" in rec:
-                rec["layout"] = {"mesh": cat_mod.intern(cat["meshes"], rec["layout"]["mesh"]),
-                                 "placements": rec["layout"]["placements"]}
+                rec["layout"] = {
+                    "mesh": cat_mod.intern(cat["meshes"], rec["layout"]["mesh"]),
+                    "placements": rec["layout"]["placements"],
+                }
             cat["atoms"][name] = rec
     return cat
 
 
-def local_payload(local: LocalPlan, resolved: list[Resolved], ties: list[tuple[Resolved, Resolved]],
-                  patterns: Patterns, options: UCPOptions, is_coordinator: bool) -> LocalPlanPayload:
+def local_payload(
+    local: LocalPlan,
+    resolved: list[Resolved],
+    ties: list[tuple[Resolved, Resolved]],
+    patterns: Patterns,
+    options: UCPOptions,
+    is_coordinator: bool,
+) -> LocalPlanPayload:
     """What this rank sends the coordinator."""
     return LocalPlanPayload(
         packed=PackedPlan.pack(local.structure, local.items),
@@ -203,10 +233,14 @@ def local_payload(local: LocalPlan, resolved: list[Resolved], ties: list[tuple[R
         tie_mismatches=tie_mismatches(ties),
         reduced=local.reduced,
         data_slot=options.data_slot,
-        usage=RuleUsage(sorted(patterns.used), sorted({c for r in resolved for c in r.index_claims}, key=str),
-                        {m.key: m.total for m in options.maps}),
-        warn_atoms=sorted({a for r in resolved if r.replicated is not None and r.replicated.check == "warn"
-                           for a in r.atoms}),
+        usage=RuleUsage(
+            sorted(patterns.used),
+            sorted({c for r in resolved for c in r.index_claims}, key=str),
+            {m.key: m.total for m in options.maps},
+        ),
+        warn_atoms=sorted(
+            {a for r in resolved if r.replicated is not None and r.replicated.check == "warn" for a in r.atoms}
+        ),
         averaged=sorted({(f.atom, f.box.offsets) for r in resolved if is_averaged(r) for f in r.fragments}),
         coordinator=is_coordinator,
         global_rank=dist.get_rank() if dist.is_initialized() else 0,
@@ -276,15 +310,17 @@ def plan_global(plans: Sequence[PackedPlan], lowest_rank: bool) -> GlobalSave:
     itemsize = np.array([dtype_of(c).itemsize if c >= 0 else 1 for c in atoms.dtypes.tolist()] or [1], dtype=np.int64)
     nbytes = np.where(rows.kind == ItemKind.BYTES, 1, vol * itemsize[rows.atom] if len(rows.atom) else 0)
     keep = choose_writers(rows, nbytes, len(plans), lowest_rank)
-    check_coverage(atoms.names, atoms.shapes, rows.atom[keep], rows.off[keep], rows.size[keep], rows.kind[keep],
-                   vol[keep])
+    check_coverage(
+        atoms.names, atoms.shapes, rows.atom[keep], rows.off[keep], rows.size[keep], rows.kind[keep], vol[keep]
+    )
     sdm = _metadata(atoms, rows.atom[keep], rows.off[keep], rows.size[keep], rows.kind[keep])
     splits = np.cumsum([len(it.atom) for it in items])[:-1]
     return GlobalSave(sdm, np.split(keep, splits), structures, structure_of, items)
 
 
-def structures_by_hash(plans: Sequence[PackedPlan],
-                       known: Mapping[bytes, PlanStructure] | None = None) -> dict[bytes, PlanStructure]:
+def structures_by_hash(
+    plans: Sequence[PackedPlan], known: Mapping[bytes, PlanStructure] | None = None
+) -> dict[bytes, PlanStructure]:
     """Each distinct structure by hash (in first-rank order), decoded once unless ``known``."""
     out: dict[bytes, PlanStructure] = {}
     for p in plans:
@@ -316,16 +352,25 @@ def _metadata(atoms: _Atoms, atom: np.ndarray, off: np.ndarray, size: np.ndarray
             out[name] = BytesStorageMetadata()
             continue
         nd = len(atoms.shapes[a])
-        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                  for o, s in zip(off_s[lo:hi, :nd].tolist(), size_s[lo:hi, :nd].tolist())]
-        out[name] = TensorStorageMetadata(TensorProperties(dtype=dtype_of(int(atoms.dtypes[a]))),
-                                          torch.Size(atoms.shapes[a]), chunks)
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+            for o, s in zip(off_s[lo:hi, :nd].tolist(), size_s[lo:hi, :nd].tolist())
+        ]
+        out[name] = TensorStorageMetadata(
+            TensorProperties(dtype=dtype_of(int(atoms.dtypes[a]))), torch.Size(atoms.shapes[a]), chunks
+        )
     return out
 
 
-def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], lowest_rank: bool,
-                writer: dict[str, str], rules_json: list[dict[str, Any]],
-                map_keys: list[str], map_orders: dict[str, str] | None = None) -> tuple[list[RankAnswer], Metadata]:
+def global_plan(
+    payloads: Sequence[LocalPlanPayload],
+    reduced: dict[str, Any],
+    lowest_rank: bool,
+    writer: dict[str, str],
+    rules_json: list[dict[str, Any]],
+    map_keys: list[str],
+    map_orders: dict[str, str] | None = None,
+) -> tuple[list[RankAnswer], Metadata]:
     """Every rank's answer (a keep mask, reduced items for the coordinator, averaging duties) and
     the metadata (flatten mappings and the catalog in ``planner_data``)."""
     result = plan_global([p.packed for p in payloads], lowest_rank)
@@ -333,8 +378,11 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
     reduced_items = []
     for name, value in sorted(reduced.items()):
         if isinstance(value, torch.Tensor):
-            sdm[name] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.shape,
-                                              [ChunkStorageMetadata(torch.Size((0,) * value.ndim), value.shape)])
+            sdm[name] = TensorStorageMetadata(
+                TensorProperties(dtype=value.dtype),
+                value.shape,
+                [ChunkStorageMetadata(torch.Size((0,) * value.ndim), value.shape)],
+            )
             reduced_items.append(ReducedItem(name, tuple(value.shape), value.dtype))
         else:
             sdm[name] = BytesStorageMetadata()
@@ -342,8 +390,9 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
     mappings: dict[str, Any] = {}
     for st in result.structures:
         mappings.update(st.paths)
-    catalog = cat_mod.merge_local_catalogs([st.catalog for st in result.structures], writer=writer,
-                                           world_size=len(payloads))
+    catalog = cat_mod.merge_local_catalogs(
+        [st.catalog for st in result.structures], writer=writer, world_size=len(payloads)
+    )
     catalog["rules"] = rules_json
     catalog["maps"] = sorted(map_keys)
     if map_orders:
@@ -351,14 +400,21 @@ def global_plan(payloads: Sequence[LocalPlanPayload], reduced: dict[str, Any], l
     planner_data: dict[str, Any] = {k: mappings[k] for k in sdm if k in mappings}
     planner_data[cat_mod.CATALOG_KEY] = catalog
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)
-    averages = average_writers(payloads, result.items, result.keep,
-                               [result.structures[s] for s in result.structure_of])
-    verify = replica_copies_to_verify(payloads, [result.structures[i] for i in result.structure_of], result.items,
-                                      result.keep)
+    averages = average_writers(payloads, result.items, result.keep, [result.structures[s] for s in result.structure_of])
+    verify = replica_copies_to_verify(
+        payloads, [result.structures[i] for i in result.structure_of], result.items, result.keep
+    )
     exchange = any(averages.values())  # every rank, so a side group (NCCL-only jobs) is created by all
-    answers = [RankAnswer.from_mask(keep, reduced=reduced_items if rank == coordinator else [],
-                                    averages=averages.get(rank, {}), exchange=exchange, verify=verify.get(rank, []))
-               for rank, keep in enumerate(result.keep)]
+    answers = [
+        RankAnswer.from_mask(
+            keep,
+            reduced=reduced_items if rank == coordinator else [],
+            averages=averages.get(rank, {}),
+            exchange=exchange,
+            verify=verify.get(rank, []),
+        )
+        for rank, keep in enumerate(result.keep)
+    ]
     return answers, Metadata(state_dict_metadata=sdm, planner_data=planner_data)
 
 
@@ -390,8 +446,11 @@ def final_items(structure: PlanStructure, items: LocalItems, answer: RankAnswer)
             out.append(WriteItem(index=MetadataIndex(names[a]), type=WriteItemType.BYTE_IO))
             continue
         nd = len(shapes[a])
-        out.append(_tensor_item(names[a], items.off[i, :nd].tolist(), items.size[i, :nd].tolist(), shapes[a],
-                                dtype_of(dtypes[a]), kind))
+        out.append(
+            _tensor_item(
+                names[a], items.off[i, :nd].tolist(), items.size[i, :nd].tolist(), shapes[a], dtype_of(dtypes[a]), kind
+            )
+        )
     for r in answer.reduced:
         if r.shape is None:
             out.append(WriteItem(index=MetadataIndex(r.atom), type=WriteItemType.BYTE_IO))
@@ -400,12 +459,16 @@ def final_items(structure: PlanStructure, items: LocalItems, answer: RankAnswer)
     return out
 
 
-def _tensor_item(name: str, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int], dtype: torch.dtype,
-                 kind: ItemKind) -> WriteItem:
+def _tensor_item(
+    name: str, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int], dtype: torch.dtype, kind: ItemKind
+) -> WriteItem:
     offs, sizes = torch.Size(offsets), torch.Size(sizes)
     return WriteItem(
         index=MetadataIndex(name, offs),
         type=WriteItemType.TENSOR if kind == ItemKind.TENSOR else WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offs, sizes=sizes),
-                                    properties=TensorProperties(dtype=dtype), size=torch.Size(shape)),
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offs, sizes=sizes),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(shape),
+        ),
     )

@@ -18,10 +18,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .entries import GroupTarget
 from ..errors import ParamGroupError
-from .load_steps import GROUP_SINK, bytes_read, same_value
 from ..layout.naming import NameRules
+from .entries import GroupTarget
+from .load_steps import GROUP_SINK, bytes_read, same_value
 
 __all__ = ["StockGroups"]
 
@@ -29,8 +29,9 @@ __all__ = ["StockGroups"]
 class StockGroups:
     """The reads and sinks that fill one optimizer's target groups from a stock checkpoint."""
 
-    def __init__(self, prefix: str, targets: Sequence[GroupTarget], saved: dict[int, dict[str, str]],
-                 names: NameRules) -> None:
+    def __init__(
+        self, prefix: str, targets: Sequence[GroupTarget], saved: dict[int, dict[str, str]], names: NameRules
+    ) -> None:
         self.prefix, self.targets, self.saved, self.names = prefix, list(targets), saved, names
         self.values: dict[int, dict[str, Any]] = {i: {} for i in saved}
         self.reads: list[ReadItem] = []
@@ -45,8 +46,9 @@ class StockGroups:
         self.pending = len(self.reads)
 
     @classmethod
-    def find(cls, prefix: str, targets: Sequence[GroupTarget], saved_keys: dict[str, str],
-             names: NameRules) -> StockGroups | None:
+    def find(
+        cls, prefix: str, targets: Sequence[GroupTarget], saved_keys: dict[str, str], names: NameRules
+    ) -> StockGroups | None:
         """The matcher for the optimizer at ``prefix`` when the checkpoint keys its groups by position
         and lists their parameters (``saved_keys``: atom name -> saved key); else None."""
         rx = re.compile(re.escape(prefix) + r"\.param_groups\.(\d+)\.([^.]+)")
@@ -62,8 +64,9 @@ class StockGroups:
     def missing(self) -> list[str]:
         """Hyperparameters some target group wants that no saved group holds."""
         have = {hp for keys in self.saved.values() for hp in keys}
-        return sorted({f"{self.prefix}.param_groups.<i>.{hp}" for g in self.targets for hp in g.hyperparams
-                       if hp not in have})
+        return sorted(
+            {f"{self.prefix}.param_groups.<i>.{hp}" for g in self.targets for hp in g.hyperparams if hp not in have}
+        )
 
     def _add(self, i: int, hp: str, value: Any) -> None:
         self.values[i][hp] = value
@@ -87,16 +90,23 @@ class StockGroups:
                 raise ParamGroupError(
                     f"param group {g.index} of '{self.prefix}': parameter '{lost[0]}' is in none of the "
                     f"checkpoint's {len(lists)} param groups ({len(lost)} such parameter(s))",
-                    atom=f"{self.prefix}.param_groups.{g.index}", saved=sorted(owner)[:20], wanted=lost[:20],
-                    hint="the checkpoint's groups list other parameters: load into the model it was saved from")
+                    atom=f"{self.prefix}.param_groups.{g.index}",
+                    saved=sorted(owner)[:20],
+                    wanted=lost[:20],
+                    hint="the checkpoint's groups list other parameters: load into the model it was saved from",
+                )
             self._assign(g, sorted(set(homes.values())))
 
     def _by_position(self) -> None:
         if len(self.values) != len(self.targets):
             raise ParamGroupError(
                 f"'{self.prefix}': the checkpoint has {len(self.values)} param groups listed by position, the "
-                f"target {len(self.targets)}", atom=f"{self.prefix}.param_groups", saved=len(self.values),
-                wanted=len(self.targets), hint="build the optimizer with the groups it was saved with")
+                f"target {len(self.targets)}",
+                atom=f"{self.prefix}.param_groups",
+                saved=len(self.values),
+                wanted=len(self.targets),
+                hint="build the optimizer with the groups it was saved with",
+            )
         for g in self.targets:
             self._assign(g, [g.index])
 
@@ -106,14 +116,18 @@ class StockGroups:
             if len(found) < len(homes):
                 raise ParamGroupError(
                     f"param group {g.index} of '{self.prefix}': the checkpoint's group(s) "
-                    f"{[i for i in homes if i not in found]} hold no '{hp}'", atom=f"{self.prefix}.param_groups.{hp}",
-                    hint="load into an optimizer of the kind that was saved, or pass allow_partial_load=True")
+                    f"{[i for i in homes if i not in found]} hold no '{hp}'",
+                    atom=f"{self.prefix}.param_groups.{hp}",
+                    hint="load into an optimizer of the kind that was saved, or pass allow_partial_load=True",
+                )
             vals = list(found.values())
             if any(not same_value(v, vals[0]) for v in vals[1:]):
                 raise ParamGroupError(
                     f"param group {g.index} of '{self.prefix}' holds parameters of the checkpoint's groups {homes}, "
                     f"whose '{hp}' differ: " + ", ".join(f"group {i}: {v!r}" for i, v in found.items()),
-                    atom=f"{self.prefix}.param_groups.{g.index}.{hp}", saved=found, wanted=f"one '{hp}'",
-                    hint="group the target optimizer's parameters the way they were grouped at save")
+                    atom=f"{self.prefix}.param_groups.{g.index}.{hp}",
+                    saved=found,
+                    wanted=f"one '{hp}'",
+                    hint="group the target optimizer's parameters the way they were grouped at save",
+                )
             g.group[hp] = vals[0]
-

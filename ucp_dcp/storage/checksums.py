@@ -26,10 +26,19 @@ class BlockChecker:
         """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
         first = start // self.block
         for k in range(0, len(buf), self.block):
-            self.check(first + k // self.block, block_hash(buf[k:k + self.block], self.algo), crcs, rel, index)
+            self.check(first + k // self.block, block_hash(buf[k : k + self.block], self.algo), crcs, rel, index)
 
-    def verify_span(self, pread: Callable[[int, int], memoryview], base: int, start: int, data: memoryview,
-                    crcs: list[int], nbytes: int, rel: str, index: MetadataIndex) -> None:
+    def verify_span(
+        self,
+        pread: Callable[[int, int], memoryview],
+        base: int,
+        start: int,
+        data: memoryview,
+        crcs: list[int],
+        nbytes: int,
+        rel: str,
+        index: MetadataIndex,
+    ) -> None:
         """Verify the blocks touched by ``data`` (chunk bytes ``[start, start + len(data))``), reading
         only the parts of the first and last block that lie outside it (``pread(offset, n)``)."""
         end = start + len(data)
@@ -40,7 +49,7 @@ class BlockChecker:
             h = HASHES[self.algo]()
             if bs < a:
                 h.update(pread(base + bs, a - bs))
-            h.update(data[a - start:c - start])
+            h.update(data[a - start : c - start])
             if c < be:
                 h.update(pread(base + c, be - c))
             self.check(b, int(h.intdigest()), crcs, rel, index)
@@ -52,6 +61,8 @@ class BlockChecker:
             f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
             f"(bytes {b * self.block}.. of the chunk) has {self.algo} {got:#x}, saved "
             f"{f'{crcs[b]:#x}' if b < len(crcs) else 'none'}",
-            atom=index.fqn, saved=crcs[b] if b < len(crcs) else None, wanted=got,
+            atom=index.fqn,
+            saved=crcs[b] if b < len(crcs) else None,
+            wanted=got,
             hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
         )

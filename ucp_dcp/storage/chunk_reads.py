@@ -24,14 +24,23 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .file_ranges import WINDOW, gather_runs, map_window, readinto, regular_fd
-from ..errors import (CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError,
-                     UnsafeCheckpointError)
-from .format import (BoxGrid, TensorRecord, blocks_touching, box_grid, gather_grid, merge_intervals,
-                        block_hash, item_key, parse_tensor_record, split_grid)
 from .._compat import _create_file_view, narrow_tensor_by_index
+from ..errors import CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError, UnsafeCheckpointError
 from .checksums import BlockChecker
 from .commit import Integrity
+from .file_ranges import WINDOW, gather_runs, map_window, readinto, regular_fd
+from .format import (
+    BoxGrid,
+    TensorRecord,
+    block_hash,
+    blocks_touching,
+    box_grid,
+    gather_grid,
+    item_key,
+    merge_intervals,
+    parse_tensor_record,
+    split_grid,
+)
 from .read_job import ReadJob, ReadStats
 
 __all__ = ["ChunkReads"]
@@ -99,7 +108,8 @@ class ChunkReads:
                 raise
             raise MissingFileError(
                 f"checkpoint file {rel} is missing from {self.path} (it holds {_names(atoms)})",
-                atom=atoms[0], saved=rel,
+                atom=atoms[0],
+                saved=rel,
                 hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
             ) from None
 
@@ -110,8 +120,11 @@ class ChunkReads:
         if entry is not None:
             self._checker.verify(data, 0, entry[1], rel, c.index)
         elif self.verify_checksums and self._crc and int(self._io.get("version", 1)) >= 2:
-            raise CorruptCheckpointError(f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
-                                         atom=c.index.fqn, hint="the checkpoint's tables are damaged")
+            raise CorruptCheckpointError(
+                f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
+                atom=c.index.fqn,
+                hint="the checkpoint's tables are damaged",
+            )
         job.keep_if_sent(c.items[0], data)
         with self._lock:
             job.objects.append((c.items[0], data))
@@ -124,8 +137,9 @@ class ChunkReads:
         if record is None or not record.contiguous or info.transform_descriptors:
             self._fallback(f, c, info, job)
             return
-        grids = {id(item): box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths)
-                 for item in c.items}
+        grids = {
+            id(item): box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths) for item in c.items
+        }
         crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
         base = info.offset + record.data_offset
         fd = regular_fd(f)
@@ -143,8 +157,17 @@ class ChunkReads:
         else:
             self._read_union(f, rel, c, runs, intervals, base, record, crcs, job)
 
-    def _read_direct(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]], base: int,
-                     record: TensorRecord, crcs: list[int], job: ReadJob) -> None:
+    def _read_direct(
+        self,
+        f: Any,
+        rel: str,
+        c: _Chunk,
+        runs: dict[int, tuple[np.ndarray, int]],
+        base: int,
+        record: TensorRecord,
+        crcs: list[int],
+        job: ReadJob,
+    ) -> None:
         """Each item's runs straight into its destination; a single-run item verifies the blocks it
         touches from that memory, reading only their edges."""
         for item in c.items:
@@ -152,13 +175,30 @@ class ChunkReads:
             target, mv = job.destination(item, record, len(st) * n)
             self._pread_runs(f, base, st, n, mv, c.index)
             if crcs:
-                self._checker.verify_span(lambda off, n: self._pread(f, off, n, c.index), base, int(st[0]), mv, crcs,
-                                          record.nbytes, rel, c.index)
+                self._checker.verify_span(
+                    lambda off, n: self._pread(f, off, n, c.index),
+                    base,
+                    int(st[0]),
+                    mv,
+                    crcs,
+                    record.nbytes,
+                    rel,
+                    c.index,
+                )
             job.finish(item, target, mv, record)
 
-    def _read_union(self, f: Any, rel: str, c: _Chunk, runs: dict[int, tuple[np.ndarray, int]],
-                    intervals: list[tuple[int, int]], base: int, record: TensorRecord, crcs: list[int],
-                    job: ReadJob) -> None:
+    def _read_union(
+        self,
+        f: Any,
+        rel: str,
+        c: _Chunk,
+        runs: dict[int, tuple[np.ndarray, int]],
+        intervals: list[tuple[int, int]],
+        base: int,
+        record: TensorRecord,
+        crcs: list[int],
+        job: ReadJob,
+    ) -> None:
         """Items sharing bytes, or runs to verify: the union read once (whole checksum blocks)."""
         if crcs:
             intervals = blocks_touching(intervals, record.nbytes, self._block)
@@ -175,16 +215,28 @@ class ChunkReads:
             job.keep_if_sent(item, data)
             job.deliver(item, data, record.dtype)
 
-    def _read_mapped(self, fd: int, rel: str, c: _Chunk, grids: dict[int, BoxGrid], base: int,
-                     record: TensorRecord, crcs: list[int], job: ReadJob) -> None:
+    def _read_mapped(
+        self,
+        fd: int,
+        rel: str,
+        c: _Chunk,
+        grids: dict[int, BoxGrid],
+        base: int,
+        record: TensorRecord,
+        crcs: list[int],
+        job: ReadJob,
+    ) -> None:
         """Strided boxes of a local file: map a bounded window of the chunk at a time and copy the
         runs out with one strided copy (a syscall per run costs more than the bytes). Blocks the
         window touches are verified once each, from the mapping."""
         size = os.fstat(fd).st_size
         if base + record.nbytes > size:
-            raise TruncatedFileError(f"checkpoint file {rel} ends at byte {size}, before the data of '{c.index.fqn}' "
-                           f"(needed up to {base + record.nbytes}): the file is truncated", atom=c.index.fqn,
-                           hint="the checkpoint is incomplete or damaged; restore the file from a good copy")
+            raise TruncatedFileError(
+                f"checkpoint file {rel} ends at byte {size}, before the data of '{c.index.fqn}' "
+                f"(needed up to {base + record.nbytes}): the file is truncated",
+                atom=c.index.fqn,
+                hint="the checkpoint is incomplete or damaged; restore the file from a good copy",
+            )
         B = self._block
         verified: set[int] = set()
         for item in c.items:
@@ -199,10 +251,10 @@ class ChunkReads:
                 window = map_window(fd, base + lo, hi - lo)
                 for b in range(lo // B, -(-hi // B)) if crcs else ():
                     if b not in verified:
-                        blk = window[b * B - lo:min((b + 1) * B, record.nbytes) - lo]
+                        blk = window[b * B - lo : min((b + 1) * B, record.nbytes) - lo]
                         self._checker.check(b, block_hash(blk, self._algo), crcs, rel, c.index)
                         verified.add(b)
-                gather_grid(window, lo, piece, out[done:done + piece.nbytes])
+                gather_grid(window, lo, piece, out[done : done + piece.nbytes])
                 done += piece.nbytes
                 del window
             job.finish(item, target, mv, record)
@@ -212,8 +264,10 @@ class ChunkReads:
             nbytes = next(iter(grids.values())).nbytes
         else:
             gs = list(grids.values())
-            merged = merge_intervals(np.concatenate([g.starts() for g in gs]),
-                                     np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in gs]))
+            merged = merge_intervals(
+                np.concatenate([g.starts() for g in gs]),
+                np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in gs]),
+            )
             nbytes = sum(n for _, n in merged)
         with self._lock:
             self.stats.bytes_read += nbytes
@@ -227,21 +281,27 @@ class ChunkReads:
         stream = self.transforms.transform_load_stream(c.items[0], info.transform_descriptors or (), io.BytesIO(raw))
         data = stream.read() if not stream.seekable() else stream
         try:
-            tensor = torch.load(data if isinstance(data, io.IOBase) else io.BytesIO(data), map_location="cpu",
-                                weights_only=True)
+            tensor = torch.load(
+                data if isinstance(data, io.IOBase) else io.BytesIO(data), map_location="cpu", weights_only=True
+            )
         except pickle.UnpicklingError:
             raise UnsafeCheckpointError(
                 f"the record of '{c.index.fqn}' chunk {list(c.index.offset or ())} in {info.relative_path} is not a "
-                "plain tensor: decoding it could run code", atom=c.index.fqn,
-                hint="the checkpoint was crafted or damaged; do not load it") from None
+                "plain tensor: decoding it could run code",
+                atom=c.index.fqn,
+                hint="the checkpoint was crafted or damaged; do not load it",
+            ) from None
         except Exception as e:
             raise CorruptCheckpointError(
                 f"the record of '{c.index.fqn}' chunk {list(c.index.offset or ())} in {info.relative_path} does not "
-                f"parse ({type(e).__name__}: {e})", atom=c.index.fqn,
-                hint="the checkpoint file is damaged; restore it from a good copy") from None
+                f"parse ({type(e).__name__}: {e})",
+                atom=c.index.fqn,
+                hint="the checkpoint file is damaged; restore it from a good copy",
+            ) from None
         if not isinstance(tensor, torch.Tensor):
-            raise CorruptCheckpointError(f"the record of '{c.index.fqn}' holds a {type(tensor).__name__}, not a tensor",
-                                         atom=c.index.fqn)
+            raise CorruptCheckpointError(
+                f"the record of '{c.index.fqn}' holds a {type(tensor).__name__}, not a tensor", atom=c.index.fqn
+            )
         for item in c.items:
             # a conjugate or negative view (stock DCP saves them as such): its values, not its memory
             piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths).resolve_conj().resolve_neg()
@@ -264,7 +324,9 @@ class ChunkReads:
             raise TruncatedFileError(
                 f"checkpoint file {rel} has {have} bytes, {want} were written: the file is "
                 f"{'truncated' if have < want else 'longer than written'} (it holds {_names(atoms)})",
-                atom=atoms[0], saved=want, wanted=have,
+                atom=atoms[0],
+                saved=want,
+                wanted=have,
                 hint="the checkpoint is damaged (an interrupted copy?); restore the file from a good copy",
             )
 
@@ -285,19 +347,20 @@ class ChunkReads:
             self._records[index] = rec
         return rec
 
-    def _pread_runs(self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview,
-                    index: MetadataIndex) -> None:
+    def _pread_runs(
+        self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview, index: MetadataIndex
+    ) -> None:
         """Read equal-length runs at ``base + starts`` into consecutive parts of ``out``."""
         if len(starts) == 1 or not hasattr(f, "fileno"):
             for k, s0 in enumerate(starts.tolist()):
-                self._pread_into(f, base + s0, out[k * run:(k + 1) * run], index)
+                self._pread_into(f, base + s0, out[k * run : (k + 1) * run], index)
             return
         fd = f.fileno()
         pos = 0
         for s0 in (starts + base).tolist():
-            got = os.preadv(fd, [out[pos:pos + run]], s0)
+            got = os.preadv(fd, [out[pos : pos + run]], s0)
             if got != run:
-                self._pread_into(f, s0, out[pos:pos + run], index)  # short read: finish the slow way
+                self._pread_into(f, s0, out[pos : pos + run], index)  # short read: finish the slow way
                 got = run
                 with self._lock:
                     self.stats.bytes_read -= run
@@ -319,8 +382,11 @@ class ChunkReads:
         while n is not None and n < len(out):  # short reads (pipes, remote files)
             more = f.readinto(out[n:]) if hasattr(f, "readinto") else readinto(f, out[n:])
             if not more:
-                raise TruncatedFileError(f"checkpoint file ended early reading '{index.fqn}': the file is truncated",
-                                         atom=index.fqn, hint="restore the file from a good copy")
+                raise TruncatedFileError(
+                    f"checkpoint file ended early reading '{index.fqn}': the file is truncated",
+                    atom=index.fqn,
+                    hint="restore the file from a good copy",
+                )
             n += more
         self._note(index, len(out))
 

@@ -24,11 +24,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..planning.opened import IntegrityStatus
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..planning.opened import IntegrityStatus
 from .format import IO_KEY
-from .sidecar import (decode_sidecar, metadata_from_sidecar, metadata_hash,
-                      safe_unpickle, sidecar_name)
+from .sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, safe_unpickle, sidecar_name
 
 __all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState"]
 
@@ -148,8 +147,10 @@ class Integrity:
 
     def describe(self) -> str:
         if self.status == "verified":
-            text = (f"verified: metadata matches {self.sidecar}; {self.algo} checksums on every tensor block, "
-                    "value and table")
+            text = (
+                f"verified: metadata matches {self.sidecar}; {self.algo} checksums on every tensor block, "
+                "value and table"
+            )
         elif self.status == "partial":
             text = f"partial: {self.algo} checksums on tensor data only (metadata and values unprotected)"
         else:
@@ -169,8 +170,9 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
     checkpoint that has a sidecar; a stock one only through the safe unpickler (unless ``trust``)."""
     st = scan(fs, path)
     if st is None:
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder does not exist",
-                                      hint="check the path (and that the save finished)")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: the folder does not exist", hint="check the path (and that the save finished)"
+        )
     if not st.has_metadata:
         if st.data_files or st.sidecars or st.tmp_files:
             pieces = st.data_files + st.sidecars + st.tmp_files
@@ -178,19 +180,24 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
                 f"incomplete checkpoint at {path}: {len(pieces)} file(s) of a save ({', '.join(pieces[:4])}"
                 f"{', ...' if len(pieces) > 4 else ''}) but no .metadata — the save that wrote them did not "
                 "commit, so nothing here is a checkpoint",
-                saved=pieces, wanted=METADATA,
+                saved=pieces,
+                wanted=METADATA,
                 hint="load an earlier checkpoint; the next save into this folder removes these files",
             )
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the folder holds no .metadata",
-                                      hint="check the path (and that the save finished)")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: the folder holds no .metadata",
+            hint="check the path (and that the save finished)",
+        )
     md_bytes = _read(fs, fs.concat_path(path, METADATA))
     h = metadata_hash(md_bytes)
     side = sidecar_name(h)
     if side in st.sidecars:
         body = decode_sidecar(_read(fs, fs.concat_path(path, side)), side)
         if body["metadata"] != {"xxh3_128": h, "bytes": len(md_bytes)}:
-            raise CorruptCheckpointError(f"{side} describes another .metadata than the one in {path}",
-                                         hint="the checkpoint is damaged; restore it from a good copy")
+            raise CorruptCheckpointError(
+                f"{side} describes another .metadata than the one in {path}",
+                hint="the checkpoint is damaged; restore it from a good copy",
+            )
         md = metadata_from_sidecar(body, md_bytes, trust)
         files = {k: int(v) for k, v in body["files"].items()}
         io = body.get("io") or {}
@@ -201,7 +208,8 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
         raise CorruptCheckpointError(
             f".metadata in {path} matches none of its integrity records ({', '.join(st.sidecars)}): its bytes hash "
             f"to {h}; the file is damaged or was rewritten by a tool that does not write sidecars",
-            saved=st.sidecars, wanted=h,
+            saved=st.sidecars,
+            wanted=h,
             hint="restore the checkpoint from a good copy; if another tool rewrote it on purpose, delete the "
             ".ucp.*.json files to read it unverified",
         )

@@ -20,21 +20,21 @@ def gather_runs(buffers: list[tuple[int, memoryview]], bstarts: list[int], start
     if len(starts) == 1:
         k = bisect.bisect_right(bstarts, int(starts[0])) - 1
         s0, buf = buffers[k]
-        return buf[int(starts[0]) - s0:int(starts[0]) - s0 + run]
+        return buf[int(starts[0]) - s0 : int(starts[0]) - s0 + run]
     out = bytearray(run * len(starts))
     mv = memoryview(out)
     pos = 0
     for s in starts.tolist():
         k = bisect.bisect_right(bstarts, s) - 1
         s0, buf = buffers[k]
-        mv[pos:pos + run] = buf[s - s0:s - s0 + run]
+        mv[pos : pos + run] = buf[s - s0 : s - s0 + run]
         pos += run
     return mv
 
 
 def readinto(f: Any, out: memoryview) -> int:
     data = f.read(len(out))
-    out[:len(data)] = data
+    out[: len(data)] = data
     return len(data)
 
 
@@ -58,4 +58,4 @@ def map_window(fd: int, offset: int, length: int) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     a = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
     mm = mmap.mmap(fd, offset + length - a, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=a)
-    return np.frombuffer(mm, dtype=np.uint8)[offset - a:]
+    return np.frombuffer(mm, dtype=np.uint8)[offset - a :]

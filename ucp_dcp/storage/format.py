@@ -7,7 +7,6 @@ the chunk. Pure helpers plus a tiny zip/pickle parser for items written without 
 """
 
 from __future__ import annotations
-from .._compat import dtype_of_storage_type, torch_file_reader
 
 import io
 import math
@@ -22,11 +21,31 @@ import xxhash
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .._compat import dtype_of_storage_type, torch_file_reader
 from ..errors import CorruptCheckpointError
 
-__all__ = ["IO_KEY", "IO_VERSION", "BLOCK", "TensorRecord", "parse_tensor_record", "BoxGrid", "box_grid", "box_runs",
-           "gather_grid", "split_grid", "merge_intervals", "HASHES", "DEFAULT_HASH", "block_hash", "block_checksums", "blocks_touching",
-           "item_key", "read_key", "check_tables", "chunk_meta"]
+__all__ = [
+    "IO_KEY",
+    "IO_VERSION",
+    "BLOCK",
+    "TensorRecord",
+    "parse_tensor_record",
+    "BoxGrid",
+    "box_grid",
+    "box_runs",
+    "gather_grid",
+    "split_grid",
+    "merge_intervals",
+    "HASHES",
+    "DEFAULT_HASH",
+    "block_hash",
+    "block_checksums",
+    "blocks_touching",
+    "item_key",
+    "read_key",
+    "check_tables",
+    "chunk_meta",
+]
 
 IO_KEY = "__ucp_io__"
 """Reserved ``MetadataIndex.fqn`` of the ``Metadata.storage_data`` entry holding ucp_dcp's I/O
@@ -74,8 +93,20 @@ class _MetaUnpickler(pickle.Unpickler):
             import collections
 
             return collections.OrderedDict
-        if module == "torch" and name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8",
-                                          "int8", "int16", "bool", "complex64", "complex128"):
+        if module == "torch" and name in (
+            "float32",
+            "float16",
+            "bfloat16",
+            "float64",
+            "int64",
+            "int32",
+            "uint8",
+            "int8",
+            "int16",
+            "bool",
+            "complex64",
+            "complex128",
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor record")
 
@@ -83,8 +114,16 @@ class _MetaUnpickler(pickle.Unpickler):
         return pid
 
 
-def _tensor_args(storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False, hooks: Any = None,
-                 metadata: Any = None, *rest: Any) -> tuple[Any, ...]:
+def _tensor_args(
+    storage: Any,
+    offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: bool = False,
+    hooks: Any = None,
+    metadata: Any = None,
+    *rest: Any,
+) -> tuple[Any, ...]:
     """``_rebuild_tensor_v2``'s arguments; a tensor whose metadata sets bits (a conjugate or negative
     view: the stored bytes are not the values) is not a plain record."""
     if metadata or rest:
@@ -107,7 +146,7 @@ def parse_tensor_record(item: io.IOBase) -> TensorRecord | None:
     if not isinstance(dtype, torch.dtype):
         return None
     itemsize = dtype.itemsize
-    expect = tuple(int(math.prod(size[d + 1:])) for d in range(len(size)))
+    expect = tuple(int(math.prod(size[d + 1 :])) for d in range(len(size)))
     contiguous = all(s == e for s, e, n in zip(stride, expect, size) if n > 1)
     data_offset = reader.get_record_offset(f"data/{key}") + int(offset) * itemsize
     return TensorRecord(data_offset, dtype, tuple(int(s) for s in size), contiguous)
@@ -139,7 +178,11 @@ class BoxGrid:
     @property
     def end(self) -> int:
         """One past the last byte of the last run."""
-        return self.first + sum((c - 1) * s for c, s in zip(self.counts, self.strides)) + self.run if self.run else self.first
+        return (
+            self.first + sum((c - 1) * s for c, s in zip(self.counts, self.strides)) + self.run
+            if self.run
+            else self.first
+        )
 
     def starts(self) -> np.ndarray:
         """Start offset of every run, in row-major grid order."""
@@ -162,13 +205,15 @@ def box_grid(shape: Sequence[int], itemsize: int, offsets: Sequence[int], sizes:
     k = ndim - 1
     while k > 0 and offsets[k] == 0 and sizes[k] == shape[k]:
         k -= 1
-    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(ndim)]
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(ndim)]
     first = sum(offsets[d] * strides[d] for d in range(k + 1))
     outer = [d for d in range(k) if sizes[d] > 1]
     return BoxGrid(first, tuple(sizes[d] for d in outer), tuple(strides[d] for d in outer), sizes[k] * strides[k])
 
 
-def box_runs(shape: Sequence[int], itemsize: int, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, int]:
+def box_runs(
+    shape: Sequence[int], itemsize: int, offsets: Sequence[int], sizes: Sequence[int]
+) -> tuple[np.ndarray, int]:
     """Byte runs of a box of a row-major chunk: ``(starts, run_length)``, starts in row-major box
     order (so the runs, concatenated, are the box's elements in row-major order)."""
     g = box_grid(shape, itemsize, offsets, sizes)
@@ -183,8 +228,9 @@ def gather_grid(src: np.ndarray, src_start: int, grid: BoxGrid, out: np.ndarray)
     lo, hi = grid.first - src_start, grid.end - src_start
     if lo < 0 or hi > len(src) or len(out) != grid.nbytes:  # as_strided does no bounds checks
         raise ValueError(f"grid [{grid.first}, {grid.end}) outside source [{src_start}, {src_start + len(src)})")
-    view = np.lib.stride_tricks.as_strided(src[lo:], shape=(*grid.counts, grid.run), strides=(*grid.strides, 1),
-                                           writeable=False)
+    view = np.lib.stride_tricks.as_strided(
+        src[lo:], shape=(*grid.counts, grid.run), strides=(*grid.strides, 1), writeable=False
+    )
     np.copyto(out.reshape(*grid.counts, grid.run), view)
 
 
@@ -239,7 +285,7 @@ def block_hash(data: Any, algo: str = DEFAULT_HASH) -> int:
 
 def block_checksums(data: memoryview, block: int = BLOCK, algo: str = DEFAULT_HASH) -> list[int]:
     """Checksum of every ``block``-byte block of ``data`` (the last one may be shorter)."""
-    return [block_hash(data[i:i + block], algo) for i in range(0, len(data), block)] or [block_hash(b"", algo)]
+    return [block_hash(data[i : i + block], algo) for i in range(0, len(data), block)] or [block_hash(b"", algo)]
 
 
 def blocks_touching(intervals: Sequence[tuple[int, int]], nbytes: int, block: int = BLOCK) -> list[tuple[int, int]]:
@@ -275,15 +321,21 @@ def check_tables(md: Metadata) -> None:
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, BytesStorageMetadata):
             if MetadataIndex(fqn) not in storage:
-                raise CorruptCheckpointError(f"checkpoint metadata lists object '{fqn}' but has no storage entry for it",
-                                             atom=fqn, hint="the checkpoint's metadata is damaged; restore it")
+                raise CorruptCheckpointError(
+                    f"checkpoint metadata lists object '{fqn}' but has no storage entry for it",
+                    atom=fqn,
+                    hint="the checkpoint's metadata is damaged; restore it",
+                )
             continue
         for ch in smd.chunks:
             if MetadataIndex(fqn, ch.offsets) not in storage:
                 raise CorruptCheckpointError(
                     f"checkpoint metadata lists chunk {list(ch.offsets)} of atom '{fqn}' but has no storage entry "
-                    "for it", atom=fqn, saved=list(ch.offsets),
-                    hint="the checkpoint's metadata is damaged; restore it from a good copy")
+                    "for it",
+                    atom=fqn,
+                    saved=list(ch.offsets),
+                    hint="the checkpoint's metadata is damaged; restore it from a good copy",
+                )
 
 
 def chunk_meta(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:

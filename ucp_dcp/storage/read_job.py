@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .._compat import narrow_tensor_by_index
-from ..planning.device import needs_staging, split_box
 from ..errors import UCPError
+from ..planning.device import needs_staging, split_box
 from .format import TensorRecord
 from .staging import BUFFERS_PER_THREAD, StagingPool, to_device
 from .transport import Incoming
@@ -110,14 +110,17 @@ class ReadJob:
         dtype, _ = self.chunk_meta[item.storage_index]
         return math.prod(item.lengths) * dtype.itemsize
 
-    def destination(self, item: ReadItem, record: TensorRecord,
-                     nbytes: int) -> tuple[torch.Tensor | _Staged | None, memoryview]:
+    def destination(
+        self, item: ReadItem, record: TensorRecord, nbytes: int
+    ) -> tuple[torch.Tensor | _Staged | None, memoryview]:
         """Where an item's bytes go: the target tensor's own memory when it can take them as they
         are (same dtype, contiguous; a piece also sent to other ranks is sent from there); for a
         device target a staging buffer; else a packed buffer."""
         target = self.planner.resolve_tensor(item).detach()
         if needs_staging(target, self.forced):
-            if self.sending(item) or not target.numel() or nbytes > self.stage_bytes:  # kept for the exchange: own memory
+            if (
+                self.sending(item) or not target.numel() or nbytes > self.stage_bytes
+            ):  # kept for the exchange: own memory
                 return None, memoryview(bytearray(nbytes))
             buf = self.staging_pool(target).acquire()
             return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
@@ -125,8 +128,9 @@ class ReadJob:
             return target, memoryview(target.view(-1).view(torch.uint8).numpy())
         return None, memoryview(bytearray(nbytes))
 
-    def finish(self, item: ReadItem, target: torch.Tensor | _Staged | None, mv: memoryview,
-                record: TensorRecord) -> None:
+    def finish(
+        self, item: ReadItem, target: torch.Tensor | _Staged | None, mv: memoryview, record: TensorRecord
+    ) -> None:
         self.keep_if_sent(item, mv)
         if isinstance(target, _Staged):
             assert self.pool is not None
@@ -144,11 +148,16 @@ class ReadJob:
             return
         if dtype is None:
             dtype, _ = self.chunk_meta[item.storage_index]
-        src = torch.frombuffer(data, dtype=dtype).view(tuple(item.lengths)) if len(data) else \
-            torch.empty(tuple(item.lengths), dtype=dtype)
+        src = (
+            torch.frombuffer(data, dtype=dtype).view(tuple(item.lengths))
+            if len(data)
+            else torch.empty(tuple(item.lengths), dtype=dtype)
+        )
         target = self.planner.resolve_tensor(item).detach()
         if target.size() != src.size():
-            raise UCPError(f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})")
+            raise UCPError(
+                f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})"
+            )
         if needs_staging(target, self.forced) and len(data):
             self.stage_copy(data, dtype, tuple(item.lengths), target)
         else:
@@ -160,19 +169,18 @@ class ReadJob:
         pool = self.staging_pool(target)
         itemsize = dtype.itemsize
         src = np.frombuffer(data, dtype=np.uint8)
-        strides = [math.prod(lengths[d + 1:]) for d in range(len(lengths))]
+        strides = [math.prod(lengths[d + 1 :]) for d in range(len(lengths))]
         for offs, lens in split_box(lengths, itemsize, pool.buffer_bytes):
             start = sum(o * s for o, s in zip(offs, strides)) * itemsize
             n = math.prod(lens) * itemsize
             buf = pool.acquire()
-            buf[:n].numpy()[:] = src[start:start + n]
+            buf[:n].numpy()[:] = src[start : start + n]
             to_device(pool, buf, dtype, lens, narrow_tensor_by_index(target, offs, lens))
 
     def staging_pool(self, target: torch.Tensor) -> StagingPool:
         with self.lock:
             if self.pool is None:  # pinned only for CUDA targets (a CPU-only torch cannot pin)
-                self.pool = StagingPool(self.stage_bytes, self.buffers,
-                                        pin=target.device.type == "cuda")
+                self.pool = StagingPool(self.stage_bytes, self.buffers, pin=target.device.type == "cuda")
             return self.pool
 
     def incoming(self, pieces: list[int]) -> Incoming:
@@ -183,12 +191,17 @@ class ReadJob:
         target = None
         if len(items) == 1 and items[0].type != LoadItemType.BYTE_IO and sizes[0]:
             t = self.planner.resolve_tensor(items[0]).detach()
-            if (t.dtype == self.chunk_meta[items[0].storage_index][0] and t.is_contiguous()
-                    and not needs_staging(t, self.forced)):
+            if (
+                t.dtype == self.chunk_meta[items[0].storage_index][0]
+                and t.is_contiguous()
+                and not needs_staging(t, self.forced)
+            ):
                 target = t
 
         def buffer() -> torch.Tensor:
-            return target.view(-1).view(torch.uint8) if target is not None else torch.empty(sum(sizes), dtype=torch.uint8)
+            return (
+                target.view(-1).view(torch.uint8) if target is not None else torch.empty(sum(sizes), dtype=torch.uint8)
+            )
 
         def deliver(buf: torch.Tensor) -> None:
             self.stats.bytes_received += buf.numel()
@@ -198,7 +211,7 @@ class ReadJob:
             mv = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
             pos = 0
             for it, n in zip(items, sizes):
-                self.deliver(it, mv[pos:pos + n], None)
+                self.deliver(it, mv[pos : pos + n], None)
                 pos += n
 
         return Incoming(sum(sizes), buffer, deliver)

@@ -28,18 +28,17 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .commit import Integrity, open_checkpoint
-from .checksums import BlockChecker
-from ..errors import (UCPError,
-                     UnverifiedCheckpointWarning)
-from .format import (HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta)
-from ..planning import device as _device
 from .._compat import fsspec_filesystem
+from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..planning import device as _device
 from ..planning.collectives import p2p_group
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
-from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
-from .chunk_reads import ChunkReads
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
+from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
+from .checksums import BlockChecker
+from .chunk_reads import ChunkReads
+from .commit import Integrity, open_checkpoint
+from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .read_job import ReadJob, ReadStats
 from .staging import BUFFERS_PER_THREAD
 from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
@@ -75,9 +74,17 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             default ``"hosts"``). The host is ``socket.gethostname()`` or ``$UCP_DCP_HOST``.
     """
 
-    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, thread_count: int = 4,
-                 verify_checksums: bool = True, trust: bool = False, staging: StagingMode | None = None,
-                 read_once: ReadOnceMode | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        _extension_registry: Any = None,
+        *,
+        thread_count: int = 4,
+        verify_checksums: bool = True,
+        trust: bool = False,
+        staging: StagingMode | None = None,
+        read_once: ReadOnceMode | None = None,
+    ) -> None:
         super().__init__(path, _extension_registry)
         if "://" in str(path):
             self.fs = fsspec_filesystem()()
@@ -117,17 +124,22 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         check_tables(metadata)
         if self.integrity is None:  # metadata handed in by the caller, not read here
-            self.integrity = Integrity("partial" if (self.storage_data.get(MetadataIndex(IO_KEY)) or {}).get("algo")
-                                       else "none")
+            self.integrity = Integrity(
+                "partial" if (self.storage_data.get(MetadataIndex(IO_KEY)) or {}).get("algo") else "none"
+            )
         if is_coordinator and self.integrity.status != "verified" and self.verify_checksums:
-            warnings.warn(_UNVERIFIED[self.integrity.status].format(path=self.path), UnverifiedCheckpointWarning,
-                          stacklevel=2)
+            warnings.warn(
+                _UNVERIFIED[self.integrity.status].format(path=self.path), UnverifiedCheckpointWarning, stacklevel=2
+            )
         self._io = self.storage_data.get(MetadataIndex(IO_KEY)) or {}
         algo = self._io.get("algo")
         self._algo = algo if algo in HASHES else None
         if algo is not None and self._algo is None and self.verify_checksums:
-            warnings.warn(f"checkpoint checksums use '{algo}', which this ucp_dcp cannot verify: reading "
-                          "without verification (upgrade ucp_dcp to verify them)", stacklevel=2)
+            warnings.warn(
+                f"checkpoint checksums use '{algo}', which this ucp_dcp cannot verify: reading "
+                "without verification (upgrade ucp_dcp to verify them)",
+                stacklevel=2,
+            )
         self._crc = self._io.get("items", {}) if self._algo else {}
         self._block = int(self._io.get("block", 1 << 20))
         self._checker = BlockChecker(self._block, self._algo or "")
@@ -147,8 +159,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         if mode not in READ_ONCE_MODES:
             raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
         summary = local_summary(plan.items, self._md, mode)
-        return LoadPlan([] if getattr(pd, "keeps_items", False) else plan.items, storage_data=summary,
-                        planner_data=pd)
+        return LoadPlan([] if getattr(pd, "keeps_items", False) else plan.items, storage_data=summary, planner_data=pd)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
@@ -163,9 +174,17 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()
         recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
         send_items = {int(i) for pieces, _ in transport.send for i in pieces}
-        job = ReadJob(plan, planner, send_items, chunk_meta=self._chunk_meta, storage_data=self.storage_data,
-                      forced=self._forced, stage_bytes=self.stage_bytes,
-                      buffers=BUFFERS_PER_THREAD * max(1, self.thread_count), stats=self.stats)
+        job = ReadJob(
+            plan,
+            planner,
+            send_items,
+            chunk_meta=self._chunk_meta,
+            storage_data=self.storage_data,
+            forced=self._forced,
+            stage_bytes=self.stage_bytes,
+            buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
+            stats=self.stats,
+        )
         error: BaseException | None = None
         try:
             self._read_local(job, recv_items)
@@ -177,8 +196,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
             for dst in dsts.tolist():
                 sends.setdefault(dst, []).append(payload)
-        incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs]
-                    for src, msgs in transport.recv.items()}
+        incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs] for src, msgs in transport.recv.items()}
         group = p2p_group(transport.ranks) if transport.ranks else None
         failed = exchange(sends, incoming, ok=error is None, group=group)
         if job.pool is not None:  # the one wait for device copies in flight
@@ -233,7 +251,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
 
 _UNVERIFIED = {
     "none": "checkpoint {path} has no checksums: nothing this load reads is verified. Save with "
-            "ucp_dcp.save(...) or storage_writer=UCPFileSystemWriter(path) to get them (and an atomic commit).",
+    "ucp_dcp.save(...) or storage_writer=UCPFileSystemWriter(path) to get them (and an atomic commit).",
     "partial": "checkpoint {path} was written by an older ucp_dcp: tensor data is verified, its metadata "
-               "and non-tensor values are not. Save it again with this version to protect them.",
+    "and non-tensor values are not. Save it again with this version to protect them.",
 }

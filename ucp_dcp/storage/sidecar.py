@@ -19,7 +19,7 @@ import base64
 import io
 import json
 import pickle
-from pathlib import PurePosixPath, PurePath
+from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 import torch
@@ -36,11 +36,20 @@ from torch.distributed.checkpoint.metadata import (
 
 from .._compat import _StorageInfo
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .format import IO_KEY
 from ..layout.placements import dtype_from_name, dtype_name
+from .format import IO_KEY
 
-__all__ = ["SIDECAR_PREFIX", "SIDECAR_SUFFIX", "FORMAT", "sidecar_name", "metadata_hash", "encode_sidecar",
-           "decode_sidecar", "SafeUnpickler", "safe_unpickle"]
+__all__ = [
+    "SIDECAR_PREFIX",
+    "SIDECAR_SUFFIX",
+    "FORMAT",
+    "sidecar_name",
+    "metadata_hash",
+    "encode_sidecar",
+    "decode_sidecar",
+    "SafeUnpickler",
+    "safe_unpickle",
+]
 
 SIDECAR_PREFIX = ".ucp."
 SIDECAR_SUFFIX = ".json"
@@ -59,6 +68,7 @@ def sidecar_name(md_hash: str) -> str:
 
 
 # -- builtins <-> JSON, with tuples, non-string keys and bytes tagged ---------------------------------
+
 
 def _enc(x: Any) -> Any:
     if x is None or isinstance(x, (bool, int, float, str)):
@@ -99,13 +109,20 @@ def _dtype(name: str) -> torch.dtype:
 
 # -- Metadata <-> sidecar -----------------------------------------------------------------------------
 
+
 def encode_sidecar(md: Metadata, md_bytes: bytes, files: dict[str, int]) -> bytes:
     """The sidecar for ``md`` (whose pickle is ``md_bytes``) and its data ``files`` (name -> size)."""
     state = []
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, TensorStorageMetadata):
-            state.append([fqn, dtype_name(smd.properties.dtype), list(smd.size),
-                          [[list(c.offsets), list(c.sizes)] for c in smd.chunks]])
+            state.append(
+                [
+                    fqn,
+                    dtype_name(smd.properties.dtype),
+                    list(smd.size),
+                    [[list(c.offsets), list(c.sizes)] for c in smd.chunks],
+                ]
+            )
         else:
             state.append([fqn])
     storage, io_table = [], None
@@ -113,15 +130,24 @@ def encode_sidecar(md: Metadata, md_bytes: bytes, files: dict[str, int]) -> byte
         if index.fqn == IO_KEY:
             io_table = info
             continue
-        storage.append([index.fqn, None if index.offset is None else list(index.offset), str(info.relative_path),
-                        int(info.offset), int(info.length), list(info.transform_descriptors or [])])
+        storage.append(
+            [
+                index.fqn,
+                None if index.offset is None else list(index.offset),
+                str(info.relative_path),
+                int(info.offset),
+                int(info.length),
+                list(info.transform_descriptors or []),
+            ]
+        )
     try:
         planner_data: Any = _enc(md.planner_data)
     except TypeError:
         planner_data = {"~pickle": True}  # a foreign planner's objects: read from the (hash-checked) pickle
     sm = md.storage_meta
     body = {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "metadata": {"xxh3_128": metadata_hash(md_bytes), "bytes": len(md_bytes)},
         "files": dict(sorted(files.items())),
         "dcp_version": md.version,
@@ -129,9 +155,14 @@ def encode_sidecar(md: Metadata, md_bytes: bytes, files: dict[str, int]) -> byte
         "storage": storage,
         "io": io_table,
         "planner_data": planner_data,
-        "storage_meta": None if sm is None else {
+        "storage_meta": None
+        if sm is None
+        else {
             "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules or [])},
+            "save_id": sm.save_id,
+            "load_id": sm.load_id,
+            "modules": list(sm.modules or []),
+        },
     }
     text = json.dumps(body, separators=(",", ":")).encode()
     return text + b"\n" + json.dumps({"xxh3_128": xxhash.xxh3_128_hexdigest(text)}).encode() + b"\n"
@@ -148,14 +179,17 @@ def decode_sidecar(data: bytes, name: str) -> dict[str, Any]:
     if want != got:
         raise CorruptCheckpointError(
             f"integrity record {name} is damaged: its contents hash to {got}, recorded {want}",
-            saved=want, wanted=got,
+            saved=want,
+            wanted=got,
             hint="the sidecar file is corrupt (disk, copy or transfer error); restore the checkpoint from a good copy",
         )
     body = json.loads(text)
     if body.get("format") != FORMAT or not isinstance(body.get("version"), int) or body["version"] > VERSION:
         raise CorruptCheckpointError(
             f"{name} is not a ucp-dcp sidecar this version can read (format {body.get('format')!r}, "
-            f"version {body.get('version')!r})", hint="upgrade ucp_dcp")
+            f"version {body.get('version')!r})",
+            hint="upgrade ucp_dcp",
+        )
     return body
 
 
@@ -168,12 +202,15 @@ def metadata_from_sidecar(body: dict[str, Any], md_bytes: bytes | None, trust: b
             continue
         fqn, dtype, size, chunks = row
         state[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=_dtype(dtype)), size=torch.Size(size),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
+            properties=TensorProperties(dtype=_dtype(dtype)),
+            size=torch.Size(size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks],
+        )
     storage: dict[MetadataIndex, Any] = {}
     for fqn, offset, rel, off, length, transforms in body["storage"]:
         storage[MetadataIndex(fqn, None if offset is None else torch.Size(offset))] = _StorageInfo(
-            rel, off, length, transforms or None)
+            rel, off, length, transforms or None
+        )
     if body.get("io") is not None:
         storage[MetadataIndex(IO_KEY)] = body["io"]
     planner_data = body.get("planner_data")
@@ -183,9 +220,14 @@ def metadata_from_sidecar(body: dict[str, Any], md_bytes: bytes | None, trust: b
         planner_data = _dec(planner_data)
     sm = body.get("storage_meta")
     return Metadata(
-        state_dict_metadata=state, planner_data=planner_data, storage_data=storage,
-        storage_meta=None if sm is None else StorageMeta(
-            checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], load_id=sm["load_id"], modules=sm["modules"]),
+        state_dict_metadata=state,
+        planner_data=planner_data,
+        storage_data=storage,
+        storage_meta=None
+        if sm is None
+        else StorageMeta(
+            checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], load_id=sm["load_id"], modules=sm["modules"]
+        ),
         version=body.get("dcp_version"),
     )
 
@@ -195,8 +237,16 @@ def metadata_from_sidecar(body: dict[str, Any], md_bytes: bytes | None, trust: b
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP_META, n): getattr(__import__(_DCP_META, fromlist=[n]), n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 }
 _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
 _ALLOWED[("torch", "Size")] = torch.Size
@@ -221,7 +271,9 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return _layout
@@ -244,8 +296,10 @@ def safe_unpickle(data: bytes | memoryview, *, trust: bool = False, where: str =
             "(ucp_dcp.load(..., trust=True), UCPFileSystemReader(path, trust=True), `inspect --trust`)",
         ) from None
     except Exception as e:  # truncated or damaged pickles
-        raise CorruptCheckpointError(f"{where} does not parse as DCP metadata ({type(e).__name__}: {e})",
-                                     hint="the file is damaged; restore it from a good copy") from None
+        raise CorruptCheckpointError(
+            f"{where} does not parse as DCP metadata ({type(e).__name__}: {e})",
+            hint="the file is damaged; restore it from a good copy",
+        ) from None
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where} holds a {type(md).__name__}, not DCP Metadata")
     return md

@@ -35,6 +35,7 @@ __all__ = ["BUFFERS_PER_THREAD", "StagingPool", "PoolStats", "HostCopies", "to_d
 BUFFERS_PER_THREAD = 3
 """Staging buffers per reading thread: one being filled, two whose copies may still be in flight."""
 
+
 @dataclass
 class PoolStats:
     """What a staging pool did during one read."""
@@ -113,8 +114,9 @@ class StagingPool:
             self._free.append(buf)
 
 
-def to_device(pool: StagingPool, buf: torch.Tensor, dtype: torch.dtype, lengths: tuple[int, ...],
-              target: torch.Tensor) -> None:
+def to_device(
+    pool: StagingPool, buf: torch.Tensor, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor
+) -> None:
     """Copy the packed bytes at the start of ``buf`` (a box of ``lengths`` in ``dtype``) into
     ``target`` and give ``buf`` back to ``pool`` once the copy has read it.
 
@@ -148,8 +150,9 @@ class HostCopies:
 
     Iterating yields ``(item, host_tensor)`` in order; at most ``depth + 1`` copies are alive."""
 
-    def __init__(self, items: list[Any], resolve: Callable[[Any], torch.Tensor], depth: int = 2,
-                 forced: bool = False) -> None:
+    def __init__(
+        self, items: list[Any], resolve: Callable[[Any], torch.Tensor], depth: int = 2, forced: bool = False
+    ) -> None:
         self.items, self.resolve, self.depth, self.forced = items, resolve, max(1, depth), forced
         self.copied_bytes = 0
         """Bytes copied device-to-host (or host-to-host when forced)."""
@@ -182,4 +185,3 @@ class HostCopies:
             if event is not None:
                 event.synchronize()
             yield item, host
-

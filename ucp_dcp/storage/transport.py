@@ -31,12 +31,21 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import UCPError
-from .format import read_key
 from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
+from .format import read_key
 
-__all__ = ["BUNDLE", "SOLO", "READ_ONCE_MODES", "Incoming", "assign_readers", "exchange", "as_bytes_tensor",
-           "read_summary", "local_summary", "plan_transport"]
-
+__all__ = [
+    "BUNDLE",
+    "SOLO",
+    "READ_ONCE_MODES",
+    "Incoming",
+    "assign_readers",
+    "exchange",
+    "as_bytes_tensor",
+    "read_summary",
+    "local_summary",
+    "plan_transport",
+]
 
 
 BUNDLE = 16 << 20
@@ -46,8 +55,13 @@ SOLO = 1 << 20
 """A shared piece of at least this many bytes is a bundle of its own (sent zero-copy)."""
 
 
-def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[np.ndarray],
-                   bundle_bytes: int = BUNDLE, solo_bytes: int = SOLO, hosts: np.ndarray | None = None) -> list[dict]:
+def assign_readers(
+    keys_by_rank: Sequence[np.ndarray],
+    sizes_by_rank: Sequence[np.ndarray],
+    bundle_bytes: int = BUNDLE,
+    solo_bytes: int = SOLO,
+    hosts: np.ndarray | None = None,
+) -> list[dict]:
     """For pieces needed by several ranks, pick one reader each. ``keys_by_rank[r]`` are 128-bit
     keys (``(n, 2)`` uint64) of rank r's pieces, ``sizes_by_rank[r]`` their byte sizes.
 
@@ -85,8 +99,9 @@ def assign_readers(keys_by_rank: Sequence[np.ndarray], sizes_by_rank: Sequence[n
     return out
 
 
-def _holder_classes(shared: np.ndarray, inverse: np.ndarray, owner: np.ndarray,
-                    local: np.ndarray) -> dict[bytes, list[np.ndarray]]:
+def _holder_classes(
+    shared: np.ndarray, inverse: np.ndarray, owner: np.ndarray, local: np.ndarray
+) -> dict[bytes, list[np.ndarray]]:
     """Shared pieces grouped by their exact holder list: each group is one piece's entries, one per
     holder (in rank order)."""
     idx = np.nonzero(shared)[0]
@@ -98,8 +113,14 @@ def _holder_classes(shared: np.ndarray, inverse: np.ndarray, owner: np.ndarray,
     return classes
 
 
-def _bundles(classes: dict[bytes, list[np.ndarray]], sizes: np.ndarray, inverse: np.ndarray, rank_dtype: Any,
-             bundle_bytes: int, solo_bytes: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _bundles(
+    classes: dict[bytes, list[np.ndarray]],
+    sizes: np.ndarray,
+    inverse: np.ndarray,
+    rank_dtype: Any,
+    bundle_bytes: int,
+    solo_bytes: int,
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """``(bytes, holders, entries: pieces x holders)`` per bundle: pieces of ``solo_bytes`` or more
     alone, smaller ones with the same holders packed up to ``bundle_bytes``, largest first."""
     bundles: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -122,8 +143,9 @@ def _bundles(classes: dict[bytes, list[np.ndarray]], sizes: np.ndarray, inverse:
     return bundles
 
 
-def _assign(out: list[dict], load: np.ndarray, nbytes: int, holders: np.ndarray, pieces: np.ndarray,
-            hosts: np.ndarray | None) -> None:
+def _assign(
+    out: list[dict], load: np.ndarray, nbytes: int, holders: np.ndarray, pieces: np.ndarray, hosts: np.ndarray | None
+) -> None:
     """Give one bundle to its least-loaded holder; the others (on other hosts, with ``hosts``)
     receive it. ``pieces[:, h]`` are holder ``h``'s own indices of the bundle's pieces."""
     col = int(np.argmin(load[holders]))
@@ -154,8 +176,12 @@ class Incoming:
     """Called with the filled buffer."""
 
 
-def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[Incoming]], ok: bool,
-             group: dist.ProcessGroup | None = None) -> list[int]:
+def exchange(
+    sends: dict[int, list[torch.Tensor | None]],
+    recvs: dict[int, list[Incoming]],
+    ok: bool,
+    group: dist.ProcessGroup | None = None,
+) -> list[int]:
     """Send every ``sends[dst]`` message (uint8 tensors, in order) and receive every ``recvs[src]``
     message (in order), delivering each as it arrives, on ``group`` (None: the default group;
     ranks are global). Returns the sources that reported a failure. ``ok=False`` sends failure
@@ -192,8 +218,10 @@ def exchange(sends: dict[int, list[torch.Tensor | None]], recvs: dict[int, list[
         w.wait()
     if bad_size:
         src, got, expect = bad_size[0]
-        raise UCPError(f"rank {src} sent {got} bytes of shared checkpoint data, expected {expect}",
-                       hint="the ranks disagree on the load plan; this is a bug, please report it")
+        raise UCPError(
+            f"rank {src} sent {got} bytes of shared checkpoint data, expected {expect}",
+            hint="the ranks disagree on the load plan; this is a bug, please report it",
+        )
     return failed
 
 
@@ -210,7 +238,7 @@ def as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
     pos = 0
     for p in parts:
         mv = memoryview(p).cast("B")
-        dst[pos:pos + len(mv)] = mv
+        dst[pos : pos + len(mv)] = mv
         pos += len(mv)
     return out
 
@@ -258,6 +286,11 @@ def plan_transport(summaries: list[ReadSummary | None]) -> list[TransportPlan]:
     glob = np.asarray(ranks, dtype=np.int64)  # plan positions -> global ranks (the p2p group)
     # every rank learns whether anyone exchanges: a side group (NCCL-only jobs) is created by all
     exchanges = any(t["send"] for t in plans)
-    return [TransportPlan([(pieces, glob[dsts]) for pieces, dsts in t["send"]],
-                          {ranks[r]: idx for r, idx in t["recv"].items()},
-                          ranks if exchanges else None) for t in plans]
+    return [
+        TransportPlan(
+            [(pieces, glob[dsts]) for pieces, dsts in t["send"]],
+            {ranks[r]: idx for r, idx in t["recv"].items()},
+            ranks if exchanges else None,
+        )
+        for t in plans
+    ]

@@ -18,31 +18,36 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from dataclasses import dataclass
+import pickle
 import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-import pickle
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, FileSystemWriter, SerializationFormat
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    FileSystemWriter,
+    SerializationFormat,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, metadata_path
-from .commit import commit, new_token
-from ..planning.digests import tensor_bytes
 from ..errors import ReplicaMismatchError, UCPError
+from ..planning.device import staging_forced
+from ..planning.digests import tensor_bytes
+from .commit import commit, new_token
 from .format import BLOCK, DEFAULT_HASH, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
-from ..planning.device import staging_forced
 from .staging import HostCopies
 
 __all__ = ["UCPFileSystemWriter"]
@@ -133,14 +138,18 @@ def check_replica_copies(copies: list[tuple[int, WriteResult]], table: dict[str,
             bad.append((wr.index, rank))
     if bad:
         index, rank = bad[0]
-        lines = "\n".join(f"  {i.fqn}@{list(i.offset or ())}: rank {r}'s copy differs from the written one"
-                          for i, r in bad[:10])
+        lines = "\n".join(
+            f"  {i.fqn}@{list(i.offset or ())}: rank {r}'s copy differs from the written one" for i, r in bad[:10]
+        )
         raise ReplicaMismatchError(
             f"{len(bad)} replicated piece(s) differ between the ranks holding them; the save keeps one copy and "
             "would silently drop the others:\n" + lines,
-            atom=index.fqn, saved=f"rank {rank}'s copy", wanted="identical replicas",
+            atom=index.fqn,
+            saved=f"rank {rank}'s copy",
+            wanted="identical replicas",
             hint="replicas drifted (non-deterministic updates, a rank that missed a step): fix the training, or "
-            "pass check_replicas='warn' / 'off' to save anyway")
+            "pass check_replicas='warn' / 'off' to save anyway",
+        )
 
 
 class UCPFileSystemWriter(FileSystemWriter):
@@ -178,25 +187,52 @@ class UCPFileSystemWriter(FileSystemWriter):
             process skip it too (their files still load; only ``unzip -t`` would complain).
     """
 
-    def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
-                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
-                 overwrite: bool = True, _extensions: Any = None,
-                 serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE, *,
-                 checksums: bool = True, zip_crc32: bool | None = None, staging: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        *,
+        checksums: bool = True,
+        zip_crc32: bool | None = None,
+        staging: str | None = None,
+    ) -> None:
         if "://" in str(path):
-            raise UCPError(f"UCPFileSystemWriter writes local folders, got {path}",
-                           hint="save to a local folder and copy it (with its .ucp.*.json sidecar)")
+            raise UCPError(
+                f"UCPFileSystemWriter writes local folders, got {path}",
+                hint="save to a local folder and copy it (with its .ucp.*.json sidecar)",
+            )
         if _extensions:
-            raise UCPError("UCPFileSystemWriter does not apply stream transforms (_extensions): its checksums and "
-                           "ranged reads work on the plain torch.save records",
-                           wanted=[type(e).__name__ for e in _extensions],
-                           hint="save without _extensions, or use DCP's FileSystemWriter for transformed files")
+            raise UCPError(
+                "UCPFileSystemWriter does not apply stream transforms (_extensions): its checksums and "
+                "ranged reads work on the plain torch.save records",
+                wanted=[type(e).__name__ for e in _extensions],
+                hint="save without _extensions, or use DCP's FileSystemWriter for transformed files",
+            )
         if serialization_format != SerializationFormat.TORCH_SAVE:
-            raise UCPError(f"UCPFileSystemWriter writes DCP's torch.save records only, not {serialization_format}",
-                           wanted=str(serialization_format), hint="leave serialization_format at TORCH_SAVE, or use DCP's "
-                           "FileSystemWriter / HuggingFaceStorageWriter for safetensors")
-        super().__init__(path, single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
-                         cache_staged_state_dict, overwrite, _extensions, serialization_format)
+            raise UCPError(
+                f"UCPFileSystemWriter writes DCP's torch.save records only, not {serialization_format}",
+                wanted=str(serialization_format),
+                hint="leave serialization_format at TORCH_SAVE, or use DCP's "
+                "FileSystemWriter / HuggingFaceStorageWriter for safetensors",
+            )
+        super().__init__(
+            path,
+            single_file_per_rank,
+            sync_files,
+            thread_count,
+            per_thread_copy_ahead,
+            cache_staged_state_dict,
+            overwrite,
+            _extensions,
+            serialization_format,
+        )
         self.checksums = checksums
         self._forced = staging_forced(staging)
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
@@ -206,8 +242,10 @@ class UCPFileSystemWriter(FileSystemWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.fs.mkdir(self.path)
         if not self.overwrite and self.fs.exists(metadata_path(self)):
-            raise UCPError(f"a checkpoint exists in {self.path} and overwrite=False",
-                           hint="save into another folder, or pass overwrite=True")
+            raise UCPError(
+                f"a checkpoint exists in {self.path} and overwrite=False",
+                hint="save into another folder, or pass overwrite=True",
+            )
         ack = getattr(plan.planner_data, "acknowledge_writer", None)
         if ack is not None and self.checksums:  # UCPSavePlanner: this writer compares replicated pieces
             plan = dataclasses.replace(plan, planner_data=ack())
@@ -216,8 +254,11 @@ class UCPFileSystemWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage_plan: _StoragePrefix = plan.storage_data
         work: queue.Queue = queue.Queue()
-        buckets = _split_by_size_and_type(self.thread_count, plan.items) if self.single_file_per_rank else [
-            [it] for it in plan.items]
+        buckets = (
+            _split_by_size_and_type(self.thread_count, plan.items)
+            if self.single_file_per_rank
+            else [[it] for it in plan.items]
+        )
         # names no earlier save used: the checkpoint this save replaces keeps its files until commit
         token = new_token()
         for i, bucket in enumerate(b for b in buckets if b):
@@ -247,8 +288,14 @@ class UCPFileSystemWriter(FileSystemWriter):
         copies = getattr(planner, "replica_copies", None)
         copies = copies() if copies is not None and self.checksums else []
         hasher = ThreadPoolExecutor(1) if copies else None
-        copy_sums = [hasher.submit(block_checksums, tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK,
-                                   DEFAULT_HASH) for _, t in copies] if hasher is not None else []
+        copy_sums = (
+            [
+                hasher.submit(block_checksums, tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK, DEFAULT_HASH)
+                for _, t in copies
+            ]
+            if hasher is not None
+            else []
+        )
         with _zip_crc32(self.zip_crc32):
             for t in threads:
                 t.start()
@@ -277,14 +324,18 @@ class UCPFileSystemWriter(FileSystemWriter):
                 # objects: checksums of the whole item
                 extra = [0, block_checksums(buf, BLOCK, DEFAULT_HASH), None] if self.checksums else None
                 info = _StorageInfo(name, offset, out.pos - offset)
-                results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra))
+                )
             # device tensors reach the host through pinned copies issued ahead of the writes
             tensors = [it for it in items if it.type != WriteItemType.BYTE_IO]
             for item, data in HostCopies(tensors, planner.resolve_data, forced=self._forced):
                 offset = out.pos
                 extra = self._write_tensor(out, data, hash_pool)
                 info = _StorageInfo(name, offset, out.pos - offset)
-                results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra))
+                )
             if self.sync_files:
                 stream.flush()
                 try:
@@ -298,7 +349,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                     extra[1] = extra[1].result()
         return results
 
-    def _write_tensor(self, out: "_Tracked", tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
+    def _write_tensor(self, out: _Tracked, tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
         """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
         taken from the write that carried them. Returns ``[data_offset, sums, frame]`` where ``sums``
         is a future: they are computed concurrently from the tensor's own memory (which the planner
@@ -334,11 +385,16 @@ class UCPFileSystemWriter(FileSystemWriter):
                 storage[wr.index] = info
                 files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
         check_replica_copies(copies, table)  # before the commit: a refused save leaves the last checkpoint
-        storage[MetadataIndex(IO_KEY)] = {"version": IO_VERSION, "block": BLOCK,
-                                          "algo": DEFAULT_HASH if self.checksums else None, "items": table}
+        storage[MetadataIndex(IO_KEY)] = {
+            "version": IO_VERSION,
+            "block": BLOCK,
+            "algo": DEFAULT_HASH if self.checksums else None,
+            "items": table,
+        }
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         md_bytes = pickle.dumps(metadata)
-        self.removed = commit(str(self.path), md_bytes, encode_sidecar(metadata, md_bytes, files), set(files),
-                              sync=self.sync_files)
+        self.removed = commit(
+            str(self.path), md_bytes, encode_sidecar(metadata, md_bytes, files), set(files), sync=self.sync_files
+        )

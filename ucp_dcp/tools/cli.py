@@ -14,22 +14,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ucp_dcp", description="ucp_dcp tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser(
-        "inspect", help="source topology, integrity, and per-atom shape, dtype, kind, chunks, bytes and small values; "
+        "inspect",
+        help="source topology, integrity, and per-atom shape, dtype, kind, chunks, bytes and small values; "
         "the steps of a torchtitan checkpoint/ folder",
         description="Exit status: 0 shown; 1 shown, but a value failed its checksum or could not be read (or, for a "
-        "torchtitan folder, a committed step is damaged); 2 no checkpoint (or no such --step).")
-    ins.add_argument("checkpoint", help="checkpoint folder (or fsspec URL) of any DCP checkpoint, or a torchtitan "
-                     "checkpoint/ folder of step-N checkpoints (lists them)")
+        "torchtitan folder, a committed step is damaged); 2 no checkpoint (or no such --step).",
+    )
+    ins.add_argument(
+        "checkpoint",
+        help="checkpoint folder (or fsspec URL) of any DCP checkpoint, or a torchtitan "
+        "checkpoint/ folder of step-N checkpoints (lists them)",
+    )
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--step", type=int, default=None, help="in a torchtitan checkpoint/ folder: show step-N in full")
-    ins.add_argument("--all", action="store_true",
-                     help="one row per saved atom (optimizer param_groups rows are folded by default)")
-    ins.add_argument("--no-values", action="store_true",
-                     help="do not read small values from the data files (metadata only)")
-    ins.add_argument("--trust", action="store_true",
-                     help="unpickle metadata without the allow-list (only for checkpoints from a trusted source); "
-                     "values are never decoded with more than torch.load(weights_only=True)")
-    ver = sub.add_parser("verify", help="re-hash every byte of a checkpoint against its checksums; exit 0 only if all match")
+    ins.add_argument(
+        "--all", action="store_true", help="one row per saved atom (optimizer param_groups rows are folded by default)"
+    )
+    ins.add_argument(
+        "--no-values", action="store_true", help="do not read small values from the data files (metadata only)"
+    )
+    ins.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle metadata without the allow-list (only for checkpoints from a trusted source); "
+        "values are never decoded with more than torch.load(weights_only=True)",
+    )
+    ver = sub.add_parser(
+        "verify", help="re-hash every byte of a checkpoint against its checksums; exit 0 only if all match"
+    )
     ver.add_argument("checkpoint", help="local checkpoint folder")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.add_argument("--threads", type=int, default=None, help="files hashed in parallel (default: cores, at most 8)")
@@ -70,13 +82,16 @@ def _inspect(a: argparse.Namespace) -> int:
         steps = step_folders(path)
         if a.step is not None:
             if steps is None:
-                print(f"error: --step: {path} is not a torchtitan checkpoint folder (no step-N subfolders)",
-                      file=sys.stderr)
+                print(
+                    f"error: --step: {path} is not a torchtitan checkpoint folder (no step-N subfolders)",
+                    file=sys.stderr,
+                )
                 return 2
             names = dict(steps)
             if a.step not in names:
-                print(f"error: no step-{a.step} in {path}; steps: {', '.join(str(n) for n, _ in steps)}",
-                      file=sys.stderr)
+                print(
+                    f"error: no step-{a.step} in {path}; steps: {', '.join(str(n) for n, _ in steps)}", file=sys.stderr
+                )
                 return 2
             path = f"{str(path).rstrip('/')}/{names[a.step]}"
         elif steps is not None:
@@ -98,4 +113,3 @@ def _print(text: str) -> None:
         sys.stdout.flush()
     except BrokenPipeError:  # `inspect ... | head`: the reader is gone; so is the need to print
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-

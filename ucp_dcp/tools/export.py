@@ -36,31 +36,49 @@ examples:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("export", allow_abbrev=False,
-                       help="rewrite a ucp_dcp checkpoint in a framework's stock format (the way back)",
-                       description="Write CKPT (saved with ucp_dcp's torchtitan option) as a stock torchtitan "
-                                   "checkpoint OUT/step-<k> that torchtitan's own CheckpointManager resumes from: "
-                                   "model, optimizer state and param groups, LR scheduler, train state and the data "
-                                   "position for --dp data-parallel ranks. One process, no GPU.",
-                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "export",
+        allow_abbrev=False,
+        help="rewrite a ucp_dcp checkpoint in a framework's stock format (the way back)",
+        description="Write CKPT (saved with ucp_dcp's torchtitan option) as a stock torchtitan "
+        "checkpoint OUT/step-<k> that torchtitan's own CheckpointManager resumes from: "
+        "model, optimizer state and param groups, LR scheduler, train state and the data "
+        "position for --dp data-parallel ranks. One process, no GPU.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--to", required=True, choices=("torchtitan", "hf"), help="the target format")
     p.add_argument("checkpoint", help="a checkpoint folder, or a torchtitan checkpoint/ folder (its latest step)")
     p.add_argument("out", help="output folder (torchtitan's checkpoint/ folder layout: OUT/step-<k> is written)")
-    p.add_argument("--dp", type=int, default=None,
-                   help="--to torchtitan (required): data-parallel degree of the stock job that resumes (one "
-                        "dataloader entry per rank)")
-    p.add_argument("--mapping", default=None,
-                   help="--to hf (required): the model family's HF names and row orders: 'torchtitan' (with the "
-                        "job's --module and --config) or 'package.module:callable' returning an HFMapping, e.g. "
-                        "ucp_dcp.toy.hf_presets:toy_llama_mapping")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="--to hf: dtype of the exported tensors (default: as saved)")
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="--to torchtitan (required): data-parallel degree of the stock job that resumes (one "
+        "dataloader entry per rank)",
+    )
+    p.add_argument(
+        "--mapping",
+        default=None,
+        help="--to hf (required): the model family's HF names and row orders: 'torchtitan' (with the "
+        "job's --module and --config) or 'package.module:callable' returning an HFMapping, e.g. "
+        "ucp_dcp.toy.hf_presets:toy_llama_mapping",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="--to hf: dtype of the exported tensors (default: as saved)",
+    )
     p.add_argument("--max-shard-size", type=int, default=5 << 30, help="--to hf: most data bytes per file")
     p.add_argument("--overwrite", action="store_true", help="--to hf: replace an existing OUT")
     p.add_argument("--step", type=int, default=None, help="in a torchtitan checkpoint/ folder: export step-N")
-    p.add_argument("--no-dataloader", action="store_true",
-                   help="write no data position (resume with --checkpoint.exclude_from_loading dataloader; the "
-                        "stock data stream restarts)")
+    p.add_argument(
+        "--no-dataloader",
+        action="store_true",
+        help="write no data position (resume with --checkpoint.exclude_from_loading dataloader; the "
+        "stock data stream restarts)",
+    )
     return p
 
 
@@ -74,8 +92,7 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
     try:
         from ..torchtitan.to_stock import export_to_torchtitan
 
-        report = export_to_torchtitan(a.checkpoint, a.out, extra, dp=a.dp, step=a.step,
-                                      dataloader=not a.no_dataloader)
+        report = export_to_torchtitan(a.checkpoint, a.out, extra, dp=a.dp, step=a.step, dataloader=not a.no_dataloader)
     except UCPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,13 +110,21 @@ def _run_hf(a: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         mapping = _hf_mapping(a.mapping, extra)
-        st = export_hf(a.checkpoint, a.out, mapping, dtype=getattr(torch, a.dtype) if a.dtype else None,
-                       max_shard_bytes=a.max_shard_size, overwrite=a.overwrite)
+        st = export_hf(
+            a.checkpoint,
+            a.out,
+            mapping,
+            dtype=getattr(torch, a.dtype) if a.dtype else None,
+            max_shard_bytes=a.max_shard_size,
+            overwrite=a.overwrite,
+        )
     except UCPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {st.tensors} HF tensors to {a.out}: {st.chunks} saved chunks copied, {st.bytes_read} bytes "
-          f"read, {st.bytes_written} written in {st.seconds:.2f} s (this rank)")
+    print(
+        f"exported {st.tensors} HF tensors to {a.out}: {st.chunks} saved chunks copied, {st.bytes_read} bytes "
+        f"read, {st.bytes_written} written in {st.seconds:.2f} s (this rank)"
+    )
     return 0
 
 

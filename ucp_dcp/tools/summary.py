@@ -22,15 +22,24 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UCPError
 from ..planning.catalog import read_catalog
 from ..storage.commit import Integrity, open_checkpoint, scan
-from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UCPError
 from ..storage.opening import filesystem, step_folders
 from .summary_text import _HP_ORDER, _mesh_text, _topology_text, format_steps, format_summary
 from .values import TENSOR_ELEMS, VALUE_BYTES, read_values
 
-__all__ = ["summarize", "atom_kinds", "fold_param_groups", "summarize_steps", "read_values", "format_summary",
-           "format_steps", "VALUE_BYTES", "TENSOR_ELEMS"]
+__all__ = [
+    "summarize",
+    "atom_kinds",
+    "fold_param_groups",
+    "summarize_steps",
+    "read_values",
+    "format_summary",
+    "format_steps",
+    "VALUE_BYTES",
+    "TENSOR_ELEMS",
+]
 
 # -- kinds ------------------------------------------------------------------------------------------
 
@@ -88,8 +97,9 @@ def atom_kinds(md: Metadata, catalog: dict[str, Any] | None = None) -> dict[str,
 # -- summary ----------------------------------------------------------------------------------------
 
 
-def summarize(md: Metadata, integrity: Integrity | None = None, *, path: str | os.PathLike | None = None,
-              values: bool = True) -> dict[str, Any]:
+def summarize(
+    md: Metadata, integrity: Integrity | None = None, *, path: str | os.PathLike | None = None, values: bool = True
+) -> dict[str, Any]:
     """Topology, integrity and one row per atom (``shape``, ``dtype``, ``kind``, ``pattern``,
     ``chunks``, ``bytes``, ``layouts``). With ``path`` (the checkpoint's folder) and ``values``,
     small atoms' rows also get ``value`` (JSON-able), ``value_text``, ``value_verified``, or
@@ -143,9 +153,15 @@ def summarize(md: Metadata, integrity: Integrity | None = None, *, path: str | o
         "values_read": bool(path is not None and values),
         "value_errors": sorted(n for n, r in atoms.items() if "value_error" in r),
         "param_groups": fold_param_groups(atoms),
-        "integrity": None if integrity is None else {
-            "status": integrity.status, "sidecar": integrity.sidecar, "algo": integrity.algo,
-            "strays": integrity.strays, "summary": integrity.describe()},
+        "integrity": None
+        if integrity is None
+        else {
+            "status": integrity.status,
+            "sidecar": integrity.sidecar,
+            "algo": integrity.algo,
+            "strays": integrity.strays,
+            "summary": integrity.describe(),
+        },
     }
 
 
@@ -170,7 +186,6 @@ def _layouts(rec: dict[str, Any], catalog: dict[str, Any] | None) -> list[str]:
 # -- param groups -----------------------------------------------------------------------------------
 
 
-
 def fold_param_groups(atoms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``param_group`` rows (``<optim>.param_groups.<member>.<hp>``: one per parameter and
     hyperparameter as ucp_dcp and ``flatten_optimizer_state_dict`` save them, or one per group
@@ -191,7 +206,7 @@ def fold_param_groups(atoms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         i = segs.index("param_groups")
         if len(segs) < i + 3:
             continue
-        members.setdefault((".".join(segs[:i + 1]), ".".join(segs[i + 1:-1])), {})[segs[-1]] = name
+        members.setdefault((".".join(segs[: i + 1]), ".".join(segs[i + 1 : -1])), {})[segs[-1]] = name
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     per_param = {prefix for (prefix, _), hps in members.items() if "params" not in hps}
     copies: list[tuple[str, dict[str, str]]] = []
@@ -201,15 +216,21 @@ def fold_param_groups(atoms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if "params" in hps and prefix in per_param:  # ucp_dcp's copy in DCP's own form, for stock readers
             copies.append((prefix, hps))
             continue
-        sig = json.dumps(["params" in hps] + sorted((hp, atoms[n]["value_text"]) for hp, n in hps.items()
-                                                   if hp != "params"))
+        sig = json.dumps(
+            ["params" in hps] + sorted((hp, atoms[n]["value_text"]) for hp, n in hps.items() if hp != "params")
+        )
         g = groups.get((prefix, sig))
         if g is None:
             g = groups[(prefix, sig)] = {
-                "prefix": prefix, "form": "group" if "params" in hps else "param", "members": [], "params": [],
+                "prefix": prefix,
+                "form": "group" if "params" in hps else "param",
+                "members": [],
+                "params": [],
                 "values": {hp: atoms[n]["value"] for hp, n in sorted(hps.items(), key=_hp_key) if hp != "params"},
                 "texts": {hp: atoms[n]["value_text"] for hp, n in sorted(hps.items(), key=_hp_key) if hp != "params"},
-                "atoms": [], "bytes": 0}
+                "atoms": [],
+                "bytes": 0,
+            }
         g["members"].append(member)
         if "params" in hps:  # stock DCP's nested form: the member is a group index holding its params
             listed = atoms[hps["params"]].get("value")
@@ -235,7 +256,6 @@ def _hp_key(item: tuple[str, Any]) -> tuple[int, str]:
     return (_HP_ORDER.index(hp) if hp in _HP_ORDER else len(_HP_ORDER), hp)
 
 
-
 def summarize_steps(path: str | os.PathLike, *, trust: bool = False) -> dict[str, Any]:
     """One entry per ``step-N`` checkpoint of a torchtitan folder, by step: ``step``, ``path``,
     ``status`` (the integrity status, ``incomplete``, or ``damaged`` with ``error``), ``atoms``,
@@ -246,8 +266,12 @@ def summarize_steps(path: str | os.PathLike, *, trust: bool = False) -> dict[str
     for step, name in step_folders(path) or []:
         sub = fs.concat_path(root, name)
         st = scan(fs, sub)
-        row: dict[str, Any] = {"step": step, "path": str(sub), "committed": bool(st and st.has_metadata),
-                               "latest": False}
+        row: dict[str, Any] = {
+            "step": step,
+            "path": str(sub),
+            "committed": bool(st and st.has_metadata),
+            "latest": False,
+        }
         try:
             md, integrity = open_checkpoint(fs, sub, trust=trust)
             s = summarize(md, integrity)
@@ -256,9 +280,16 @@ def summarize_steps(path: str | os.PathLike, *, trust: bool = False) -> dict[str
         except UCPError as e:
             row.update(status="damaged", error=e.message)
         else:
-            row.update(status=integrity.status, atoms=len(s["atoms"]), total_bytes=s["total_bytes"],
-                       ucp_catalog=s["ucp_catalog"], writer=s["writer"], topology=s["topology"],
-                       topology_text=s["topology_text"], strays=len(integrity.strays))
+            row.update(
+                status=integrity.status,
+                atoms=len(s["atoms"]),
+                total_bytes=s["total_bytes"],
+                ucp_catalog=s["ucp_catalog"],
+                writer=s["writer"],
+                topology=s["topology"],
+                topology_text=s["topology_text"],
+                strays=len(integrity.strays),
+            )
         steps.append(row)
     committed = [r for r in steps if r["committed"]]
     if committed:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-
 from .values import TENSOR_ELEMS, VALUE_BYTES, _cut
 
 _HP_ORDER = ("lr", "betas", "momentum", "weight_decay", "eps")
@@ -35,8 +34,11 @@ def _topology_text(topo: dict[str, Any] | None) -> str:
         return text + ", no device mesh (plain tensors only)"
     if len(meshes) == 1:
         return f"{text}, {_mesh_text(meshes[0])}"
-    parts = [f"{_mesh_text(m).replace('mesh ', f'mesh{i} ', 1)}" + (f" on ranks {_ranks_text(m['ranks'])}"
-             if m.get("ranks") else "") for i, m in enumerate(meshes)]
+    parts = [
+        f"{_mesh_text(m).replace('mesh ', f'mesh{i} ', 1)}"
+        + (f" on ranks {_ranks_text(m['ranks'])}" if m.get("ranks") else "")
+        for i, m in enumerate(meshes)
+    ]
     return f"{text}, {len(meshes)} meshes: " + "; ".join(parts)
 
 
@@ -88,9 +90,15 @@ def format_summary(s: dict[str, Any], *, all_rows: bool = False) -> str:
         lines.append(f"integrity: {s['integrity']['summary']}")
     if s.get("values_read"):
         checked = (s.get("integrity") or {}).get("algo")
-        lines.append(f"values: objects up to {VALUE_BYTES} bytes" + (
-            f" and tensors up to {TENSOR_ELEMS} elements, verified against their checksums" if checked else
-            ", unverified (no checksums; tensor values not shown)") + "; decoded without running code")
+        lines.append(
+            f"values: objects up to {VALUE_BYTES} bytes"
+            + (
+                f" and tensors up to {TENSOR_ELEMS} elements, verified against their checksums"
+                if checked
+                else ", unverified (no checksums; tensor values not shown)"
+            )
+            + "; decoded without running code"
+        )
     folds = [] if all_rows else s.get("param_groups") or []
     folded = {n: g for g in folds for n in g["atoms"]}
     same = _same_in_all(folds)
@@ -105,14 +113,18 @@ def format_summary(s: dict[str, Any], *, all_rows: bool = False) -> str:
             rows.append((_group_label(g), None, g))
     w = max((len(n) for n, _, _ in rows), default=4)
     lw = max([6] + [len(" ".join(r["layouts"])) for _, r, _ in rows if r is not None])
-    lines.append(f"{'atom':<{w}}  {'shape':<16} {'dtype':<9} {'kind':<11} {'pattern':<10} {'chunks':>6} {'bytes':>10}  "
-                 f"{'layout':<{lw}}  value")
+    lines.append(
+        f"{'atom':<{w}}  {'shape':<16} {'dtype':<9} {'kind':<11} {'pattern':<10} {'chunks':>6} {'bytes':>10}  "
+        f"{'layout':<{lw}}  value"
+    )
     for name, r, g in rows:
         if g is not None:
             pattern = {s["atoms"][n]["pattern"] for n in g["atoms"]}
-            lines.append(f"{name:<{w}}  {'-':<16} {'-':<9} {'param_group':<11} "
-                         f"{pattern.pop() if len(pattern) == 1 else 'mixed':<10} {len(g['atoms']):>6} "
-                         f"{g['bytes']:>10}  {'':<{lw}}  {_group_text(g, same[g['prefix']])}".rstrip())
+            lines.append(
+                f"{name:<{w}}  {'-':<16} {'-':<9} {'param_group':<11} "
+                f"{pattern.pop() if len(pattern) == 1 else 'mixed':<10} {len(g['atoms']):>6} "
+                f"{g['bytes']:>10}  {'':<{lw}}  {_group_text(g, same[g['prefix']])}".rstrip()
+            )
             continue
         shape = "x".join(map(str, r["shape"])) if r["shape"] is not None else "-"
         shape = shape or "scalar"
@@ -121,7 +133,8 @@ def format_summary(s: dict[str, Any], *, all_rows: bool = False) -> str:
         live = f"  <- {r['live']}" if r.get("live") else ""  # the live tensor this atom is a part of
         lines.append(
             f"{name:<{w}}  {shape:<16} {r['dtype'] or '-':<9} {r['kind']:<11} {r['pattern']:<10} {r['chunks']:>6} "
-            f"{r['bytes']:>10}  {layout:<{lw}}  {value}".rstrip() + live
+            f"{r['bytes']:>10}  {layout:<{lw}}  {value}".rstrip()
+            + live
         )
     if folds:
         n = sum(len(g["atoms"]) for g in folds)
@@ -129,14 +142,14 @@ def format_summary(s: dict[str, Any], *, all_rows: bool = False) -> str:
     errors = [(n, r["value_error"]) for n, r in s["atoms"].items() if r.get("value_error")]
     refused = [(n, r["value_refused"]) for n, r in s["atoms"].items() if r.get("value_refused")]
     if errors:
-        lines.append(f"value errors ({len(errors)}): the checkpoint is damaged; `python -m ucp_dcp verify` checks "
-                     "every byte")
+        lines.append(
+            f"value errors ({len(errors)}): the checkpoint is damaged; `python -m ucp_dcp verify` checks every byte"
+        )
         lines.extend(f"  {n}: {msg}" for n, msg in errors)
     if refused:
         lines.append(f"values not decoded ({len(refused)}):")
         lines.extend(f"  {n}: {msg}" for n, msg in refused)
     return "\n".join(lines)
-
 
 
 def _writer_text(row: dict[str, Any]) -> str:
@@ -150,17 +163,23 @@ def format_steps(d: dict[str, Any]) -> str:
     """The step listing as text: one line per step, the latest marked."""
     steps = d["steps"]
     latest = d["latest"]
-    lines = [f"torchtitan checkpoint folder {d['folder']}: {len(steps)} step(s), "
-             + (f"latest step {latest} (torchtitan resumes from it)" if latest is not None else "none committed")]
+    lines = [
+        f"torchtitan checkpoint folder {d['folder']}: {len(steps)} step(s), "
+        + (f"latest step {latest} (torchtitan resumes from it)" if latest is not None else "none committed")
+    ]
     sw = max([4] + [len(str(r["step"])) for r in steps])
     lines.append(f"{'step':>{sw}}  {'integrity':<10} {'atoms':>6} {'MiB':>9}  {'writer':<16} topology")
     for r in steps:
         if "atoms" in r:
-            rest = (f"{r['atoms']:>6} {r['total_bytes'] / 2**20:>9.2f}  {_writer_text(r):<16} {r['topology_text']}"
-                    + (f" ({r['strays']} stray file(s))" if r.get("strays") else ""))
+            rest = f"{r['atoms']:>6} {r['total_bytes'] / 2**20:>9.2f}  {_writer_text(r):<16} {r['topology_text']}" + (
+                f" ({r['strays']} stray file(s))" if r.get("strays") else ""
+            )
         else:
-            why = ("no .metadata: a save that did not commit (torchtitan skips it)" if r["status"] == "incomplete"
-                   else _cut(r["error"], 100))
+            why = (
+                "no .metadata: a save that did not commit (torchtitan skips it)"
+                if r["status"] == "incomplete"
+                else _cut(r["error"], 100)
+            )
             rest = f"{'-':>6} {'-':>9}  {'-':<16} {why}"
         lines.append(f"{r['step']:>{sw}}  {r['status']:<10} {rest}" + ("  <- latest" if r["latest"] else ""))
     if steps:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..storage.checksums import BlockChecker
 from ..errors import UCPError
+from ..storage.checksums import BlockChecker
 from ..storage.format import BLOCK, HASHES, IO_KEY, item_key
 from ..storage.opening import filesystem
 
@@ -83,7 +83,7 @@ def _text(v: Any, depth: int = 0) -> str:
 
 
 def _cut(text: str, n: int = TEXT_CHARS) -> str:
-    return text if len(text) <= n else text[:n - 3] + "..."
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _decode(data: bytes, name: str) -> dict[str, Any]:
@@ -95,17 +95,22 @@ def _decode(data: bytes, name: str) -> dict[str, Any]:
     except pickle.UnpicklingError as e:
         found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|Trying to [^.]*)[^\n.]*", str(e))
         why = found.group(0).strip() if found else type(e).__name__
-        return {"refused": f"value of '{name}' holds a type outside the safe set (tensors, numbers, strings, "
-                           f"lists, dicts, tuples, ...): decoding it could run code ({why}); not decoded",
-                "text": "<refused: type outside the safe set>"}
+        return {
+            "refused": f"value of '{name}' holds a type outside the safe set (tensors, numbers, strings, "
+            f"lists, dicts, tuples, ...): decoding it could run code ({why}); not decoded",
+            "text": "<refused: type outside the safe set>",
+        }
     except Exception as e:
-        return {"error": f"value of '{name}' does not decode ({type(e).__name__}: {str(e)[:200]})",
-                "text": "<error: does not decode>"}
+        return {
+            "error": f"value of '{name}' does not decode ({type(e).__name__}: {str(e)[:200]})",
+            "text": "<error: does not decode>",
+        }
     return {"value": _jsonable(value), "text": _text(value)}
 
 
-def read_values(path: str | os.PathLike, md: Metadata, *, max_bytes: int = VALUE_BYTES,
-                max_elems: int = TENSOR_ELEMS) -> dict[str, dict[str, Any]]:
+def read_values(
+    path: str | os.PathLike, md: Metadata, *, max_bytes: int = VALUE_BYTES, max_elems: int = TENSOR_ELEMS
+) -> dict[str, dict[str, Any]]:
     """Values of the checkpoint's small atoms, by atom: ``{"value": JSON-able, "text": short text,
     "verified": bool}``; ``{"text": "<object, N bytes>"}`` for an object over ``max_bytes``;
     ``{"error": why, "text": ...}`` when its bytes fail their checksum or cannot be read or decoded;
@@ -138,8 +143,10 @@ def read_values(path: str | os.PathLike, md: Metadata, *, max_bytes: int = VALUE
                 continue
             entry = sums.get(item_key(index))
             if entry is None and must_have:
-                out[name] = {"error": f"object '{name}' has no checksum in the checkpoint's I/O table",
-                             "text": "<error: no checksum>"}
+                out[name] = {
+                    "error": f"object '{name}' has no checksum in the checkpoint's I/O table",
+                    "text": "<error: no checksum>",
+                }
                 continue
             jobs[info.relative_path].append((info.offset, info.length, name, index, entry[1] if entry else None, None))
         elif isinstance(smd, TensorStorageMetadata) and algo:
@@ -149,11 +156,24 @@ def read_values(path: str | os.PathLike, md: Metadata, *, max_bytes: int = VALUE
             index = MetadataIndex(name, smd.chunks[0].offsets)
             info, entry = storage.get(index), sums.get(item_key(index))
             nbytes = numel * smd.properties.dtype.itemsize
-            if (info is None or entry is None or entry[0] < 0 or getattr(info, "transform_descriptors", None)
-                    or entry[0] + nbytes > info.length):
+            if (
+                info is None
+                or entry is None
+                or entry[0] < 0
+                or getattr(info, "transform_descriptors", None)
+                or entry[0] + nbytes > info.length
+            ):
                 continue
-            jobs[info.relative_path].append((info.offset + entry[0], nbytes, name, index, entry[1],
-                                             (smd.properties.dtype, tuple(int(s) for s in smd.size))))
+            jobs[info.relative_path].append(
+                (
+                    info.offset + entry[0],
+                    nbytes,
+                    name,
+                    index,
+                    entry[1],
+                    (smd.properties.dtype, tuple(int(s) for s in smd.size)),
+                )
+            )
     for rel, todo in jobs.items():
         try:
             with fs.create_stream(fs.concat_path(root, rel), "rb") as f:
@@ -165,13 +185,24 @@ def read_values(path: str | os.PathLike, md: Metadata, *, max_bytes: int = VALUE
     return out
 
 
-def _read_one(f: Any, rel: str, offset: int, length: int, name: str, index: MetadataIndex, crcs: list[int] | None,
-              tensor: tuple[torch.dtype, tuple[int, ...]] | None, checker: BlockChecker) -> dict[str, Any]:
+def _read_one(
+    f: Any,
+    rel: str,
+    offset: int,
+    length: int,
+    name: str,
+    index: MetadataIndex,
+    crcs: list[int] | None,
+    tensor: tuple[torch.dtype, tuple[int, ...]] | None,
+    checker: BlockChecker,
+) -> dict[str, Any]:
     f.seek(offset)
     data = f.read(length)
     if len(data) != length:
-        return {"error": f"{rel} ends before the bytes of '{name}': the file is truncated",
-                "text": "<error: truncated>"}
+        return {
+            "error": f"{rel} ends before the bytes of '{name}': the file is truncated",
+            "text": "<error: truncated>",
+        }
     if crcs is not None:
         try:
             checker.verify(memoryview(data), 0, crcs, rel, index)
@@ -182,8 +213,11 @@ def _read_one(f: Any, rel: str, offset: int, length: int, name: str, index: Meta
     else:
         dtype, shape = tensor
         try:
-            t = (torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape) if data
-                 else torch.empty(shape, dtype=dtype))
+            t = (
+                torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+                if data
+                else torch.empty(shape, dtype=dtype)
+            )
             got = {"value": _jsonable(t.tolist()), "text": _num_text(t.tolist())}
         except Exception as e:  # a dtype without a Python form (float8, ...): say so, do not fail the summary
             return {"text": f"<tensor, {dtype}: {type(e).__name__}>"}

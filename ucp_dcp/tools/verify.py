@@ -19,8 +19,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
-from ..storage.format import HASHES, IO_KEY, block_hash
-from ..storage.format import item_key
+from ..storage.format import HASHES, IO_KEY, block_hash, item_key
 
 __all__ = ["Problem", "VerifyReport", "verify", "format_report"]
 
@@ -92,8 +91,9 @@ def _box(item: _Item, lo: int, hi: int) -> str:
     return f"[{', '.join(dims)}]"
 
 
-def _check_file(folder: str, rel: str, size: int | None, items: list[_Item], algo: str,
-                block: int) -> tuple[int, int, list[Problem]]:
+def _check_file(
+    folder: str, rel: str, size: int | None, items: list[_Item], algo: str, block: int
+) -> tuple[int, int, list[Problem]]:
     path = os.path.join(folder, rel)
     atoms = sorted({it.index.fqn for it in items})
     try:
@@ -104,8 +104,18 @@ def _check_file(folder: str, rel: str, size: int | None, items: list[_Item], alg
         have = os.fstat(fd).st_size
         want = size if size is not None else max((it.offset + it.length for it in items), default=0)
         if have != want:
-            return 0, 0, [Problem(rel, atoms[0] if atoms else None, None,
-                                  f"file has {have} bytes, {want} were written ({'truncated' if have < want else 'too long'})")]
+            return (
+                0,
+                0,
+                [
+                    Problem(
+                        rel,
+                        atoms[0] if atoms else None,
+                        None,
+                        f"file has {have} bytes, {want} were written ({'truncated' if have < want else 'too long'})",
+                    )
+                ],
+            )
         if have == 0:
             return 0, 0, []
         mm = mmap.mmap(fd, have, prot=mmap.PROT_READ)
@@ -119,8 +129,9 @@ def _check_file(folder: str, rel: str, size: int | None, items: list[_Item], alg
         mm.close()
 
 
-def _check_items(mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: str,
-                 block: int) -> tuple[int, int, list[Problem]]:
+def _check_items(
+    mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: str, block: int
+) -> tuple[int, int, list[Problem]]:
     """Hash every item of one mapped file (every view of the mapping dies with this frame)."""
     problems: list[Problem] = []
     hashed = checks = 0
@@ -130,7 +141,7 @@ def _check_items(mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: s
         if it.offset != pos:
             problems.append(Problem(rel, it.index.fqn, None, f"bytes {pos}..{it.offset} belong to no item"))
         pos = it.offset + it.length
-        raw = view[it.offset:it.offset + it.length]
+        raw = view[it.offset : it.offset + it.length]
         hashed += len(raw)
         if it.entry is None:
             problems.append(Problem(rel, it.index.fqn, None, "item has no checksum in the I/O table"))
@@ -141,25 +152,37 @@ def _check_items(mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: s
             data, what = raw, "object"
         else:
             nbytes = math.prod(it.shape) * it.itemsize
-            data = raw[data_offset:data_offset + nbytes] if data_offset >= 0 and nbytes else raw[:0]
+            data = raw[data_offset : data_offset + nbytes] if data_offset >= 0 and nbytes else raw[:0]
             what = "tensor"
             if frame is not None:
                 h = HASHES[algo]()
-                h.update(raw[:max(data_offset, 0)])
-                h.update(raw[max(data_offset, 0) + len(data):])
+                h.update(raw[: max(data_offset, 0)])
+                h.update(raw[max(data_offset, 0) + len(data) :])
                 checks += 1
                 if int(h.intdigest()) != frame:
-                    problems.append(Problem(rel, it.index.fqn, None,
-                                            f"item frame (zip bytes around the data of chunk at "
-                                            f"{list(it.index.offset or ())}) does not match its checksum"))
+                    problems.append(
+                        Problem(
+                            rel,
+                            it.index.fqn,
+                            None,
+                            f"item frame (zip bytes around the data of chunk at "
+                            f"{list(it.index.offset or ())}) does not match its checksum",
+                        )
+                    )
         for b in range(max(1, -(-len(data) // block))):
-            blk = data[b * block:(b + 1) * block]
+            blk = data[b * block : (b + 1) * block]
             checks += 1
             if b >= len(sums) or block_hash(blk, algo) != sums[b]:
                 where = f"chunk at {list(it.index.offset or ())}" if what == "tensor" else "value"
-                problems.append(Problem(rel, it.index.fqn, _box(it, b * block, b * block + len(blk)) if what == "tensor"
-                                        else None, f"{what} block {b} (bytes {b * block}..{b * block + len(blk)} of the "
-                                        f"{where}) does not match its {algo} checksum"))
+                problems.append(
+                    Problem(
+                        rel,
+                        it.index.fqn,
+                        _box(it, b * block, b * block + len(blk)) if what == "tensor" else None,
+                        f"{what} block {b} (bytes {b * block}..{b * block + len(blk)} of the "
+                        f"{where}) does not match its {algo} checksum",
+                    )
+                )
     if pos != size:
         problems.append(Problem(rel, None, None, f"bytes {pos}..{size} belong to no item"))
     return hashed, checks, problems
@@ -168,8 +191,12 @@ def _check_items(mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: s
 def _items(md: Metadata) -> dict[str, list[_Item]]:
     io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) or {}
     table = io.get("items", {})
-    chunks = {(fqn, tuple(c.offsets)): c for fqn, smd in md.state_dict_metadata.items()
-              if isinstance(smd, TensorStorageMetadata) for c in smd.chunks}
+    chunks = {
+        (fqn, tuple(c.offsets)): c
+        for fqn, smd in md.state_dict_metadata.items()
+        if isinstance(smd, TensorStorageMetadata)
+        for c in smd.chunks
+    }
     out: dict[str, list[_Item]] = {}
     for index, info in (md.storage_data or {}).items():
         if index.fqn == IO_KEY:
@@ -179,17 +206,25 @@ def _items(md: Metadata) -> dict[str, list[_Item]]:
         if isinstance(smd, TensorStorageMetadata):
             chunk = chunks.get((index.fqn, tuple(index.offset or ())))
             if chunk is None:
-                raise CorruptCheckpointError(f"storage entry of '{index.fqn}' at {list(index.offset or ())} "
-                                             "matches no chunk of the tensor table", atom=index.fqn)
+                raise CorruptCheckpointError(
+                    f"storage entry of '{index.fqn}' at {list(index.offset or ())} "
+                    "matches no chunk of the tensor table",
+                    atom=index.fqn,
+                )
             shape = tuple(int(s) for s in chunk.sizes)
             itemsize = smd.properties.dtype.itemsize
         out.setdefault(info.relative_path, []).append(
-            _Item(index, int(info.offset), int(info.length), table.get(item_key(index)), shape, itemsize))
+            _Item(index, int(info.offset), int(info.length), table.get(item_key(index)), shape, itemsize)
+        )
     return out
 
 
-_OPEN_FAILURES = ((CheckpointNotFoundError, "not_found"), (IncompleteCheckpointError, "incomplete"),
-                  (CorruptCheckpointError, "corrupt"), (UCPError, "unsafe"))
+_OPEN_FAILURES = (
+    (CheckpointNotFoundError, "not_found"),
+    (IncompleteCheckpointError, "incomplete"),
+    (CorruptCheckpointError, "corrupt"),
+    (UCPError, "unsafe"),
+)
 
 
 def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool = False) -> VerifyReport:
@@ -209,12 +244,21 @@ def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool =
     algo = io.get("algo")
     if integ.status != "verified" or algo not in HASHES:
         report.status = "unchecksummed"
-        report.problems.append(Problem(None, None, None, (
-            "checkpoint has no checksums (written by stock DCP or with checksums=False): nothing can be verified"
-            if integ.status == "none" else
-            "checkpoint was written by an older ucp_dcp: its metadata and values carry no checksums; "
-            "save it again to protect them" if integ.status == "partial" else
-            f"checkpoint checksums use '{algo}', which this ucp_dcp cannot compute")))
+        report.problems.append(
+            Problem(
+                None,
+                None,
+                None,
+                (
+                    "checkpoint has no checksums (written by stock DCP or with checksums=False): nothing can be verified"
+                    if integ.status == "none"
+                    else "checkpoint was written by an older ucp_dcp: its metadata and values carry no checksums; "
+                    "save it again to protect them"
+                    if integ.status == "partial"
+                    else f"checkpoint checksums use '{algo}', which this ucp_dcp cannot compute"
+                ),
+            )
+        )
         return report
     by_file = _items(md)
     files = dict(integ.files or {})
@@ -223,8 +267,10 @@ def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool =
     block = int(io.get("block", 1 << 20))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-        futs = [pool.submit(_check_file, folder, rel, files[rel], by_file.get(rel, []), algo, block)
-                for rel in sorted(files)]
+        futs = [
+            pool.submit(_check_file, folder, rel, files[rel], by_file.get(rel, []), algo, block)
+            for rel in sorted(files)
+        ]
         for fut in futs:
             hashed, checks, problems = fut.result()
             report.bytes += hashed
@@ -239,19 +285,26 @@ def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool =
 
 def format_report(r: VerifyReport) -> str:
     head = {
-        "ok": "OK", "corrupt": "CORRUPT", "incomplete": "INCOMPLETE CHECKPOINT", "not_found": "NOT FOUND",
-        "unchecksummed": "NOT VERIFIABLE", "unsafe": "UNSAFE",
+        "ok": "OK",
+        "corrupt": "CORRUPT",
+        "incomplete": "INCOMPLETE CHECKPOINT",
+        "not_found": "NOT FOUND",
+        "unchecksummed": "NOT VERIFIABLE",
+        "unsafe": "UNSAFE",
     }[r.status]
     lines = [f"{head}: {r.path}"]
     if r.integrity:
         lines.append(f"  integrity: {r.integrity}")
     if r.files:
         rate = r.bytes / r.seconds / 1e9 if r.seconds else 0.0
-        lines.append(f"  {r.files} file(s), {r.bytes / 2**20:.1f} MiB, {r.blocks} checksums in {r.seconds:.2f} s "
-                     f"({rate:.2f} GB/s)")
+        lines.append(
+            f"  {r.files} file(s), {r.bytes / 2**20:.1f} MiB, {r.blocks} checksums in {r.seconds:.2f} s "
+            f"({rate:.2f} GB/s)"
+        )
     for p in r.problems[:200]:
-        where = ", ".join(x for x in (p.file, f"atom '{p.atom}'" if p.atom else None,
-                                      f"box {p.box}" if p.box else None) if x)
+        where = ", ".join(
+            x for x in (p.file, f"atom '{p.atom}'" if p.atom else None, f"box {p.box}" if p.box else None) if x
+        )
         lines.append(f"  - {where + ': ' if where else ''}{p.what}")
     if len(r.problems) > 200:
         lines.append(f"  ... and {len(r.problems) - 200} more")

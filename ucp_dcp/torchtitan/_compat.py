@@ -29,10 +29,12 @@ def check_torchtitan() -> None:
         found = str(getattr(torchtitan, "__version__", "unknown"))
     if ".".join(found.split(".")[:2]) in TESTED_TORCHTITAN:
         return
-    msg = (f"ucp_dcp.torchtitan is tested with torchtitan {', '.join(v + '.x' for v in TESTED_TORCHTITAN)}, found "
-           f"{found}. It overrides torchtitan's checkpoint manager and dataloader internals, which change between "
-           f"releases; install a tested torchtitan (pip install 'ucp-dcp[torchtitan]') or set {ALLOW_ENV}=1 to try "
-           "anyway at your own risk.")
+    msg = (
+        f"ucp_dcp.torchtitan is tested with torchtitan {', '.join(v + '.x' for v in TESTED_TORCHTITAN)}, found "
+        f"{found}. It overrides torchtitan's checkpoint manager and dataloader internals, which change between "
+        f"releases; install a tested torchtitan (pip install 'ucp-dcp[torchtitan]') or set {ALLOW_ENV}=1 to try "
+        "anyway at your own risk."
+    )
     if os.environ.get(ALLOW_ENV) == "1":
         warnings.warn(msg, stacklevel=3)
         return

@@ -46,7 +46,11 @@ def _gqa_debugmodel(attn_backend: str = "flex") -> Llama3Model.Config:
         norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
         lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=output_init),
         layers=build_layers(
-            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=GQA_KV_HEADS,
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=GQA_KV_HEADS,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
             rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
             attn_backend=attn_backend,

@@ -22,8 +22,14 @@ from ..errors import UCPError
 
 __all__ = ["quiet", "parse_job", "job_config", "TrainState", "DEGREES"]
 
-DEGREES = ("data_parallel_replicate_degree", "data_parallel_shard_degree", "context_parallel_degree",
-           "tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree")
+DEGREES = (
+    "data_parallel_replicate_degree",
+    "data_parallel_shard_degree",
+    "context_parallel_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "expert_parallel_degree",
+)
 """The ``parallelism`` degrees :func:`job_config` sets to 1 for an unsharded job."""
 
 
@@ -39,7 +45,9 @@ class _Quiet(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet(noise: Sequence[str] = ("initial_load_model_only",), warned: Sequence[str] = ("set_vital",)) -> Iterator[None]:
+def quiet(
+    noise: Sequence[str] = ("initial_load_model_only",), warned: Sequence[str] = ("set_vital",)
+) -> Iterator[None]:
     """Within: torchtitan's root-logger records containing any of ``noise`` and the warnings whose message
     contains any of ``warned`` are dropped. The defaults drop the notice that ``initial_load_model_only``
     needs an ``initial_load_path`` (logged for every default config, at every parse and manager build)

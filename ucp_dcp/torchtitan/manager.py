@@ -60,11 +60,11 @@ from torchtitan.models.common.attention import FusedQKVLinear
 
 from .._compat import state_dict_hooks
 from ..errors import PatternError, UCPError, ucp_errors
-from ..storage.opening import read_metadata
-from ..planning.load_planner import UCPLoadPlanner
 from ..layout.patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
-from ..storage.reader import UCPFileSystemReader
+from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
+from ..storage.opening import read_metadata
+from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 from ._compat import qkv_split_hook
 from .mappings import hf_mapping, tied_rules
@@ -113,8 +113,11 @@ class UCPCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
-            for name, mode in (("ntokens_seen", NtokensSeen), ("dataloader_policy", DataloaderPolicy),
-                               ("check_replicas", CheckMode)):
+            for name, mode in (
+                ("ntokens_seen", NtokensSeen),
+                ("dataloader_policy", DataloaderPolicy),
+                ("check_replicas", CheckMode),
+            ):
                 if getattr(self, name) not in get_args(mode):
                     raise ValueError(f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}")
 
@@ -155,8 +158,13 @@ class UCPCheckpointManager(CheckpointManager):
         return rules_for_call(self._rules, left_out)
 
     def _save_planner(self, rules: list[Rule]) -> UCPSavePlanner:
-        return UCPSavePlanner(patterns=rules, strict=self.ucp.strict, check_replicas=self.ucp.check_replicas,
-                              data_slot=self._data_slot, enable_plan_caching=self.ucp.enable_plan_caching)
+        return UCPSavePlanner(
+            patterns=rules,
+            strict=self.ucp.strict,
+            check_replicas=self.ucp.check_replicas,
+            data_slot=self._data_slot,
+            enable_plan_caching=self.ucp.enable_plan_caching,
+        )
 
     def _load_planner(self, rules: list[Rule]) -> UCPLoadPlanner:
         return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
@@ -184,8 +192,11 @@ class UCPCheckpointManager(CheckpointManager):
             return adapter_cfg
         cfg = getattr(self._model_parts[0], "config", None)
         if cfg is None:
-            raise UCPError("a Hugging Face load or save needs the model config (from the state-dict adapter or the "
-                           "model's config)", hint="build the manager with the model's sd_adapter, as the Trainer does")
+            raise UCPError(
+                "a Hugging Face load or save needs the model config (from the state-dict adapter or the "
+                "model's config)",
+                hint="build the manager with the model's sd_adapter, as the Trainer does",
+            )
         return cfg
 
     def _hf_rules(self, state_dict: dict[str, Any], model_config: Any) -> list[Rule]:
@@ -198,8 +209,10 @@ class UCPCheckpointManager(CheckpointManager):
         """Fill the model state from the Hugging Face folder ``checkpoint_id`` (see module doc)."""
         if from_quantized:
             raise UCPError(
-                "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only", atom=MODEL,
-                hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)")
+                "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only",
+                atom=MODEL,
+                hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)",
+            )
         from ..sources.hf import HFStorageReader
 
         begin = time.monotonic()
@@ -207,15 +220,22 @@ class UCPCheckpointManager(CheckpointManager):
         mapping = hf_mapping(cfg)
         reader = HFStorageReader(checkpoint_id, mapping)
         with ucp_errors():
-            tt_dcp.dcp.load(state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict,
-                                                                                                         cfg)))
+            tt_dcp.dcp.load(
+                state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict, cfg))
+            )
         self.states[MODEL].load_state_dict(state_dict)
         self.hf_load_stats = reader.stats
-        logger.info("UCP: loaded Hugging Face %s (%s mapping) in %.2fs, %d bytes read by this rank", checkpoint_id,
-                    mapping.name, time.monotonic() - begin, reader.stats.bytes_read)
+        logger.info(
+            "UCP: loaded Hugging Face %s (%s mapping) in %.2fs, %d bytes read by this rank",
+            checkpoint_id,
+            mapping.name,
+            time.monotonic() - begin,
+            reader.stats.bytes_read,
+        )
 
-    def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
-                 enable_garbage_collection: bool) -> None:
+    def _save_hf(
+        self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, enable_garbage_collection: bool
+    ) -> None:
         """Write the model state as a Hugging Face folder at ``checkpoint_id`` (collective; see module
         doc). torchtitan casts the state to ``export_dtype`` before the call; the files keep it."""
         from ..sources.hf.publish import export_hf
@@ -237,8 +257,9 @@ class UCPCheckpointManager(CheckpointManager):
             planner = self._save_planner(self._hf_rules(state_dict, cfg))
             with ucp_errors():
                 tt_dcp.dcp.save(state_dict, storage_writer=UCPFileSystemWriter(scratch), planner=planner)
-            stats = export_hf(scratch, checkpoint_id, mapping, max_shard_bytes=self.ucp.hf_max_shard_bytes,
-                              overwrite=True)
+            stats = export_hf(
+                scratch, checkpoint_id, mapping, max_shard_bytes=self.ucp.hf_max_shard_bytes, overwrite=True
+            )
             if coordinator:
                 _write_single_file_index(checkpoint_id)
             self.hf_save_stats = stats
@@ -247,8 +268,13 @@ class UCPCheckpointManager(CheckpointManager):
                 dist.barrier()
             if coordinator:
                 shutil.rmtree(scratch, ignore_errors=True)
-        logger.info("UCP: saved Hugging Face %s (%s mapping, %d tensors) in %.2fs", checkpoint_id, mapping.name,
-                    stats.tensors, time.monotonic() - begin)
+        logger.info(
+            "UCP: saved Hugging Face %s (%s mapping, %d tensors) in %.2fs",
+            checkpoint_id,
+            mapping.name,
+            stats.tensors,
+            time.monotonic() - begin,
+        )
         if enable_garbage_collection:
             tt_dcp.GarbageCollection.collect("GC collection invoked by checkpointer.")
 
@@ -260,18 +286,26 @@ class UCPCheckpointManager(CheckpointManager):
         target = loader.state_dict() if hasattr(loader, "state_dict") else loader  # DCP loads Stateful objects
         if not isinstance(target, dict) or not target:  # nothing to load (a loader without state), as stock
             return state_dict
-        saved = {k[len(DATALOADER) + 1:] for k in read_metadata(checkpoint_id).state_dict_metadata
-                 if k.startswith(DATALOADER + ".")}
+        saved = {
+            k[len(DATALOADER) + 1 :]
+            for k in read_metadata(checkpoint_id).state_dict_metadata
+            if k.startswith(DATALOADER + ".")
+        }
         problem = _dataloader_mismatch(saved, set(target), target.get("world_size"))
         if problem is None:
             return state_dict
         if self.ucp.dataloader_policy == "restart":
-            logger.warning("UCP: %s; dataloader_policy='restart': every rank restarts its data stream from the "
-                           "beginning (deterministically), the rest of the state is loaded", problem)
+            logger.warning(
+                "UCP: %s; dataloader_policy='restart': every rank restarts its data stream from the "
+                "beginning (deterministically), the rest of the state is loaded",
+                problem,
+            )
             return {k: v for k, v in state_dict.items() if k != DATALOADER}
         raise UCPError(
             f"{problem}; refusing to resume at an undefined data position",
-            atom=DATALOADER, saved=sorted(saved)[:6], wanted=sorted(target)[:6],
+            atom=DATALOADER,
+            saved=sorted(saved)[:6],
+            wanted=sorted(target)[:6],
             hint="use ucp_dcp's GlobalCursorTextDataLoader (resumes at any DP degree), set "
             "checkpoint.dataloader_policy='restart', or exclude_from_loading=['dataloader']",
         )
@@ -297,8 +331,11 @@ def rules_for_call(rules: list[Rule], left_out: list[str]) -> list[Rule]:
     a call holding its state is still an error in strict mode)."""
     kept = [r for r in rules if not any(anchored_in(r, ns) for ns in left_out)]
     if len(kept) < len(rules):
-        logger.debug("UCP: %s left out of this save/load: rules %s not declared", left_out,
-                     [r.pattern for r in rules if r not in kept])
+        logger.debug(
+            "UCP: %s left out of this save/load: rules %s not declared",
+            left_out,
+            [r.pattern for r in rules if r not in kept],
+        )
     return kept
 
 
@@ -311,8 +348,10 @@ def _dataloader_mismatch(saved: set[str], target: set[str], world: int | None) -
         if not per_rank(saved):
             return "the checkpoint holds a global-cursor dataloader state but this run uses a per-rank loader"
         if len(per_rank(saved)) != world or not set(per_rank(target)) <= saved:
-            return (f"the per-rank dataloader state was saved at data-parallel degree {len(per_rank(saved))} "
-                    f"and cannot be remapped to data-parallel degree {world}")
+            return (
+                f"the per-rank dataloader state was saved at data-parallel degree {len(per_rank(saved))} "
+                f"and cannot be remapped to data-parallel degree {world}"
+            )
         return None
     missing = target - saved
     if missing:
@@ -365,31 +404,40 @@ def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
         dist.all_gather_object(gathered, sorted(shapes))
         shapes = {tuple(s) for g in gathered for s in g}
     if len(shapes) > 1:
-        raise PatternError(f"fused QKV modules with different geometries {sorted(shapes)} are not supported by "
-                           "fused_qkv_atoms; declare one Fused rule per geometry in checkpoint.rules")
+        raise PatternError(
+            f"fused QKV modules with different geometries {sorted(shapes)} are not supported by "
+            "fused_qkv_atoms; declare one Fused rule per geometry in checkpoint.rules"
+        )
     rules = []
     for n_kv, hpk, hd in sorted(shapes):
-        rules.append(Fused(
-            r"(.*)\.qkv_linear\.wqkv\.(weight|bias)",
-            [(r"\1.qkv_linear.wq.\2", n_kv * hpk * hd), (r"\1.qkv_linear.wk.\2", n_kv * hd),
-             (r"\1.qkv_linear.wv.\2", n_kv * hd)],
-            blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
-        ))
+        rules.append(
+            Fused(
+                r"(.*)\.qkv_linear\.wqkv\.(weight|bias)",
+                [
+                    (r"\1.qkv_linear.wq.\2", n_kv * hpk * hd),
+                    (r"\1.qkv_linear.wk.\2", n_kv * hd),
+                    (r"\1.qkv_linear.wv.\2", n_kv * hd),
+                ],
+                blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
+            )
+        )
     return rules
 
 
 def _write_single_file_index(folder: str) -> None:
     """``model.safetensors.index.json`` for a one-file export too, as torchtitan's own HF save writes
     (torchtitan recognises a step folder by ``.metadata`` or this index)."""
-    from ..sources.hf.source import INDEX, SINGLE
     from ..sources.hf.safetensors import read_header
+    from ..sources.hf.source import INDEX, SINGLE
 
     single = os.path.join(folder, SINGLE)
     if os.path.exists(os.path.join(folder, INDEX)) or not os.path.exists(single):
         return
     st = read_header(single)
-    index = {"metadata": {"total_size": sum(t.nbytes for t in st.tensors.values())},
-             "weight_map": {name: SINGLE for name in sorted(st.tensors)}}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in st.tensors.values())},
+        "weight_map": {name: SINGLE for name in sorted(st.tensors)},
+    }
     with open(os.path.join(folder, INDEX), "w") as f:
         json.dump(index, f, indent=2)
 

@@ -43,10 +43,17 @@ from .job import TrainState, job_config, parse_job, quiet
 
 __all__ = ["TitanTarget"]
 
-_DEGREES = (("dp_replicate", "data_parallel_replicate_degree"), ("dp_shard", "data_parallel_shard_degree"),
-            ("cp", "context_parallel_degree"), ("tp", "tensor_parallel_degree"), ("pp", "pipeline_parallel_degree"))
-_HINT_FLAGS = ("give the job's Trainer flags, e.g. --module llama3 --config llama3_debugmodel "
-               "--parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2")
+_DEGREES = (
+    ("dp_replicate", "data_parallel_replicate_degree"),
+    ("dp_shard", "data_parallel_shard_degree"),
+    ("cp", "context_parallel_degree"),
+    ("tp", "tensor_parallel_degree"),
+    ("pp", "pipeline_parallel_degree"),
+)
+_HINT_FLAGS = (
+    "give the job's Trainer flags, e.g. --module llama3 --config llama3_debugmodel "
+    "--parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 2"
+)
 
 
 def _torchtitan() -> None:
@@ -106,8 +113,9 @@ def _init_optimizer_state(optimizers: Any) -> None:
 class TitanTarget:
     """A torchtitan job (see the module docstring): ``TitanTarget.from_args(trainer_flags)``."""
 
-    def __init__(self, config: Any, *, world_size: int | None = None, model_only: bool = False,
-                 argv: list[str] | None = None) -> None:
+    def __init__(
+        self, config: Any, *, world_size: int | None = None, model_only: bool = False, argv: list[str] | None = None
+    ) -> None:
         _torchtitan()
         self.config = config
         self.model_only = model_only
@@ -117,9 +125,11 @@ class TitanTarget:
         if deg["dp_shard"] == -1:
             others = math.prod(v for k, v in deg.items() if k != "dp_shard")
             if world_size is None:
-                raise UCPError("--parallelism.data_parallel_shard_degree is -1 (all remaining ranks), and the plan has "
-                               "no launcher to say how many ranks the job has",
-                               hint="give --parallelism.data_parallel_shard_degree explicitly")
+                raise UCPError(
+                    "--parallelism.data_parallel_shard_degree is -1 (all remaining ranks), and the plan has "
+                    "no launcher to say how many ranks the job has",
+                    hint="give --parallelism.data_parallel_shard_degree explicitly",
+                )
             if world_size % others:
                 raise UCPError(f"world size {world_size} is not a multiple of the other parallel degrees ({others})")
             deg["dp_shard"] = world_size // others
@@ -136,7 +146,8 @@ class TitanTarget:
         if int(P.expert_parallel_degree) > 1:
             shown.append(f"ep={P.expert_parallel_degree}")
         self.name = f"titan {spec.name}/{spec.flavor} {','.join(shown) or 'single rank'}" + (
-            " (model only)" if model_only else "")
+            " (model only)" if model_only else ""
+        )
         self._metadata: Any = None
         self._preflight: list[UCPError] | None = None
         self._loader_dropped = False
@@ -177,14 +188,18 @@ class TitanTarget:
             raise UCPError(f"torchtitan refuses the parallel layout: {e}") from None
         divisor = (dims.tp if P.enable_sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
         if T.seq_len % divisor:
-            raise UCPError(f"training.seq_len {T.seq_len} must be divisible by {divisor} for the configured "
-                           "sequence/context parallelism (torchtitan refuses it)")
+            raise UCPError(
+                f"training.seq_len {T.seq_len} must be divisible by {divisor} for the configured "
+                "sequence/context parallelism (torchtitan refuses it)"
+            )
         batch = deg["dp_replicate"] * deg["dp_shard"]
         gbs = T.global_batch_size if T.global_batch_size > 0 else T.local_batch_size * batch
         if gbs % (T.local_batch_size * batch):
-            raise UCPError(f"global batch size {gbs} is not a multiple of local batch size {T.local_batch_size} x "
-                           f"data-parallel degree {batch} (torchtitan refuses it)",
-                           hint="set --training.global_batch_size / --training.local_batch_size for the target layout")
+            raise UCPError(
+                f"global batch size {gbs} is not a multiple of local batch size {T.local_batch_size} x "
+                f"data-parallel degree {batch} (torchtitan refuses it)",
+                hint="set --training.global_batch_size / --training.local_batch_size for the target layout",
+            )
 
     def coord(self, rank: int) -> dict[str, int]:
         """The rank's (pp, batch, cp, tp) coordinate: torchtitan unflattens its world mesh in this
@@ -237,18 +252,25 @@ class TitanTarget:
                 T, P, C = cfg.training, cfg.parallelism, cfg.checkpoint
                 pp = d["pp"] > 1
                 accum = (T.global_batch_size if T.global_batch_size > 0 else T.local_batch_size * batch) // (
-                    T.local_batch_size * batch)
+                    T.local_batch_size * batch
+                )
                 micro = T.local_batch_size // P.pipeline_parallel_microbatch_size if pp else 1
                 loader = cfg.dataloader.build(
-                    dp_world_size=batch, dp_rank=batch_rank, tokenizer=self._tokenizer, seq_len=T.seq_len,
+                    dp_world_size=batch,
+                    dp_rank=batch_rank,
+                    tokenizer=self._tokenizer,
+                    seq_len=T.seq_len,
                     local_batch_size=P.pipeline_parallel_microbatch_size if pp else T.local_batch_size,
-                    snapshot_every_n_steps=C.interval * accum * micro)  # as with checkpointing on
+                    snapshot_every_n_steps=C.interval * accum * micro,
+                )  # as with checkpointing on
         except UCPError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the job's own loader code
-            raise UCPError(f"building the job's tokenizer/dataloader failed: {type(e).__name__}: {e}",
-                           hint="give the job's --hf_assets_path and --dataloader.dataset_path, or plan without "
-                                "the dataloader state (--checkpoint.exclude_from_loading dataloader)") from None
+            raise UCPError(
+                f"building the job's tokenizer/dataloader failed: {type(e).__name__}: {e}",
+                hint="give the job's --hf_assets_path and --dataloader.dataset_path, or plan without "
+                "the dataloader state (--checkpoint.exclude_from_loading dataloader)",
+            ) from None
         self._loaders[batch_rank] = loader
         return loader
 
@@ -321,13 +343,18 @@ class TitanTarget:
         except UCPError:
             raise
         except Exception as e:  # noqa: BLE001 - torchtitan's own code refusing the job on meta
-            hint = ("the plan builds each rank as the Trainer does, without weights or a GPU; a job whose build "
-                    "needs a GPU cannot be planned here")
+            hint = (
+                "the plan builds each rank as the Trainer does, without weights or a GPU; a job whose build "
+                "needs a GPU cannot be planned here"
+            )
             if "dp_mesh_dims" in str(e):
-                hint = ("torchtitan 0.3.0's default spmd_types backend needs an FSDP newer than this torch's; plan "
-                        "with --parallelism.spmd_backend partial_dtensor (the same checkpoint layout for FSDP)")
-            raise UCPError(f"torchtitan could not build the job on the meta device: {type(e).__name__}: {e}",
-                           hint=hint) from e
+                hint = (
+                    "torchtitan 0.3.0's default spmd_types backend needs an FSDP newer than this torch's; plan "
+                    "with --parallelism.spmd_backend partial_dtensor (the same checkpoint layout for FSDP)"
+                )
+            raise UCPError(
+                f"torchtitan could not build the job on the meta device: {type(e).__name__}: {e}", hint=hint
+            ) from e
 
     def _build(self, rank: int) -> dict[str, Any]:
         import torch
@@ -351,21 +378,35 @@ class TitanTarget:
         else:
             batch_rank = 0
         if dims.pp_enabled and dims.get_mesh("pp").get_local_rank() != c["pp"] or batch_rank != c["batch"]:
-            raise UCPError(f"rank {rank}: torchtitan's meshes place it at another (pp, batch) coordinate than "
-                           f"{c}; TitanTarget's layout arithmetic is out of date")
+            raise UCPError(
+                f"rank {rank}: torchtitan's meshes place it at another (pp, batch) coordinate than "
+                f"{c}; TitanTarget's layout arithmetic is out of date"
+            )
         spec = cfg.model_spec
         mc = spec.model
         with torch.device("meta"), tt_utils.set_default_dtype(TORCH_DTYPE_MAP[T.dtype]):
             model = mc.build()
         model.verify_module_protocol()
         loss_fn = cfg.loss.build(compile_config=cfg.compile)
-        common = dict(parallel_dims=dims, training=T, parallelism=P, compile_config=cfg.compile,
-                      ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
+        common = dict(
+            parallel_dims=dims,
+            training=T,
+            parallelism=P,
+            compile_config=cfg.compile,
+            ac_config=cfg.activation_checkpoint,
+            dump_folder=cfg.dump_folder,
+        )
         if dims.pp_enabled:
             if not spec.pipelining_fn:
                 raise UCPError(f"pipeline parallelism is enabled but {spec.name} does not support pipelining")
-            _, parts, _, _ = spec.pipelining_fn(model, device=torch.device("cpu"), model_config=mc,
-                                                parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn, **common)
+            _, parts, _, _ = spec.pipelining_fn(
+                model,
+                device=torch.device("cpu"),
+                model_config=mc,
+                parallelize_fn=spec.parallelize_fn,
+                loss_fn=loss_fn,
+                **common,
+            )
         else:
             parts = [spec.parallelize_fn(model, **common)]
         optimizers = cfg.optimizer.build(model_parts=parts)
@@ -375,13 +416,22 @@ class TitanTarget:
         _init_optimizer_state(optimizers)
         loader = self._loader(batch_rank) if self._loads_dataloader() else self._slot_only(batch_rank)
         if not self.config.checkpoint.enable:
-            warnings.warn("the job's flags leave checkpoint.enable off (a real job would load nothing); "
-                          "planned as with --checkpoint.enable", stacklevel=2)
+            warnings.warn(
+                "the job's flags leave checkpoint.enable off (a real job would load nothing); "
+                "planned as with --checkpoint.enable",
+                stacklevel=2,
+            )
         ck = cfg.checkpoint
         ck.enable = True
-        manager = ck.build(dataloader=loader, model_parts=parts, optimizers=optimizers,
-                           lr_schedulers=lr_schedulers, states={"train_state": TrainState()}, sd_adapter=None,
-                           base_folder=cfg.dump_folder)
+        manager = ck.build(
+            dataloader=loader,
+            model_parts=parts,
+            optimizers=optimizers,
+            lr_schedulers=lr_schedulers,
+            states={"train_state": TrainState()},
+            sd_adapter=None,
+            base_folder=cfg.dump_folder,
+        )
         states = states_to_load(manager, self.model_only)
         if DATALOADER in states and self._loader_dropped:
             states = {k: v for k, v in states.items() if k != DATALOADER}

@@ -62,8 +62,10 @@ __all__ = ["ExportReport", "export_to_torchtitan", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-_HINT_FLAGS = ("give the job's own torchtitan flags after the export's, e.g. --module llama3 --config "
-               "llama3_debugmodel --hf_assets_path ... --dataloader.dataset_path ... --training.seq_len ...")
+_HINT_FLAGS = (
+    "give the job's own torchtitan flags after the export's, e.g. --module llama3 --config "
+    "llama3_debugmodel --hf_assets_path ... --dataloader.dataset_path ... --training.seq_len ..."
+)
 _CURSOR_KEYS = ("version", "cursor", "epoch", "doc", "offset", "text_hash", "resume", "seq_len", "dataset")
 """The global-cursor loader's state keys (``dataloader.STATE_KEYS``, without importing torchtitan here)."""
 _TEXT_KEYS = ("dataset", "text_hash", "resume")
@@ -89,8 +91,11 @@ class ExportReport:
     seconds: float = 0.0
 
     def resume_flags(self) -> list[str]:
-        flags = ["--checkpoint.initial_load_path", os.path.abspath(self.out_step),
-                 "--checkpoint.no-initial_load_model_only"]
+        flags = [
+            "--checkpoint.initial_load_path",
+            os.path.abspath(self.out_step),
+            "--checkpoint.no-initial_load_model_only",
+        ]
         if not self.dataloader_written:
             flags += ["--checkpoint.exclude_from_loading", "dataloader"]
         return flags
@@ -103,8 +108,10 @@ class ExportReport:
         ts = self.train_state
         share = ""
         if self.ntokens_total is not None:
-            share = (f", ntokens_seen={ts.get('ntokens_seen')} per data-parallel rank (the job's {self.ntokens_total} "
-                     f"over {self.dp}; torchtitan sums the ranks' counts)")
+            share = (
+                f", ntokens_seen={ts.get('ntokens_seen')} per data-parallel rank (the job's {self.ntokens_total} "
+                f"over {self.dp}; torchtitan sums the ranks' counts)"
+            )
         lines = [
             f"export {self.source} -> {self.out_step}: stock torchtitan, data-parallel degree {self.dp}",
             f"  model        {self.model_tensors} tensors, unsharded (fused wqkv split into wq/wk/wv by torchtitan's "
@@ -147,7 +154,7 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
 
 def _saved_dataloader(keys: set[str]) -> tuple[str, list[str]]:
     """``("cursor" | "per_rank" | "none" | "other", names)`` of the saved dataloader entries."""
-    names = sorted(k[len("dataloader."):] for k in keys if k.startswith("dataloader."))
+    names = sorted(k[len("dataloader.") :] for k in keys if k.startswith("dataloader."))
     if not names:
         return "none", names
     if any(n.startswith("dp_rank_") for n in names):
@@ -220,30 +227,39 @@ def _check_degree(config: Any, dp: int) -> None:
     P, T = config.parallelism, config.training
     shard, rep = int(P.data_parallel_shard_degree), int(P.data_parallel_replicate_degree)
     if shard > 0 and shard * rep != dp:
-        raise UCPError(f"the job's flags give data-parallel degree {shard * rep} (dp_replicate {rep} x dp_shard "
-                       f"{shard}), --dp says {dp}", saved=shard * rep, wanted=dp,
-                       hint="give the flags of the job that will resume, or leave its dp_shard at -1")
+        raise UCPError(
+            f"the job's flags give data-parallel degree {shard * rep} (dp_replicate {rep} x dp_shard "
+            f"{shard}), --dp says {dp}",
+            saved=shard * rep,
+            wanted=dp,
+            hint="give the flags of the job that will resume, or leave its dp_shard at -1",
+        )
     gbs = T.global_batch_size if T.global_batch_size > 0 else T.local_batch_size * dp
     if gbs % (T.local_batch_size * dp):
-        raise UCPError(f"global batch size {gbs} is not a multiple of local batch size {T.local_batch_size} x "
-                       f"data-parallel degree {dp}: torchtitan refuses that job", wanted=dp,
-                       hint="--training.global_batch_size / --training.local_batch_size of the job that will resume")
+        raise UCPError(
+            f"global batch size {gbs} is not a multiple of local batch size {T.local_batch_size} x "
+            f"data-parallel degree {dp}: torchtitan refuses that job",
+            wanted=dp,
+            hint="--training.global_batch_size / --training.local_batch_size of the job that will resume",
+        )
 
 
-def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int, step: int | None = None,
-                         dataloader: bool = True) -> ExportReport:
+def export_to_torchtitan(
+    checkpoint: str, out: str, argv: list[str], *, dp: int, step: int | None = None, dataloader: bool = True
+) -> ExportReport:
     """Write ``checkpoint`` (saved with ucp_dcp's torchtitan option) as a stock torchtitan checkpoint
     ``out/step-<k>`` that a job with the flags ``argv`` resumes at data-parallel degree ``dp`` (see
     the module docstring). ``dataloader=False`` writes no dataloader state. Runs in one process, not
     inside a process group. What can be refused is refused before the model is built."""
-    import ucp_dcp.torchtitan  # noqa: F401 - torchtitan present, and a tested version
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.checkpointer.base import DATALOADER, MODEL
     from torchtitan.components.checkpointer.dcp import AsyncMode
     from torchtitan.config import derive
 
-    from ..storage.reader import UCPFileSystemReader
+    import ucp_dcp.torchtitan  # noqa: F401 - torchtitan present, and a tested version
+
     from ..storage.opening import read_metadata
+    from ..storage.reader import UCPFileSystemReader
     from .manager import UCPCheckpointManager
 
     t0 = time.perf_counter()
@@ -254,8 +270,10 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
     src = resolve_checkpoint(checkpoint, step)
     keys = set(read_metadata(src).state_dict_metadata)
     if not any(k.startswith("optimizer.") for k in keys):
-        raise UCPError(f"{src} holds no optimizer state (a model-only checkpoint?): the export writes a full "
-                       "training checkpoint", atom="optimizer")
+        raise UCPError(
+            f"{src} holds no optimizer state (a model-only checkpoint?): the export writes a full training checkpoint",
+            atom="optimizer",
+        )
     with quiet(_NOISE, _WARNED):
         parsed = _parse(argv)
         _check_degree(parsed, dp)
@@ -263,11 +281,20 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
         entries, line = _dataloader_entries(cfg, src, keys, dp) if dataloader else (None, "none (--no-dataloader)")
         job = _build(cfg)
         ts = job.train_state
-        ucp_cfg = cfg.checkpoint if isinstance(cfg.checkpoint, UCPCheckpointManager.Config) else derive(
-            cfg.checkpoint, UCPCheckpointManager.Config)
+        ucp_cfg = (
+            cfg.checkpoint
+            if isinstance(cfg.checkpoint, UCPCheckpointManager.Config)
+            else derive(cfg.checkpoint, UCPCheckpointManager.Config)
+        )
         ucp = _manager_config(ucp_cfg).build(
-            dataloader=None, model_parts=[job.model], optimizers=job.optimizers, lr_schedulers=job.lr_schedulers,
-            states={"train_state": ts}, sd_adapter=None, base_folder=out)
+            dataloader=None,
+            model_parts=[job.model],
+            optimizers=job.optimizers,
+            lr_schedulers=job.lr_schedulers,
+            states={"train_state": ts},
+            sd_adapter=None,
+            base_folder=out,
+        )
         states = states_to_load(ucp, model_only=False)
         states.pop(DATALOADER, None)
         # the manager's own planner options (fused-QKV rules, the ntokens_seen rule, user rules, strict)
@@ -279,14 +306,23 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
         ts.ntokens_seen = total // dp  # every stock rank loads this one value; torchtitan logs their sum
         target = os.path.join(out, f"step-{ts.step}")
         if os.path.exists(target) and os.listdir(target):
-            raise UCPError(f"{target} exists and is not empty: refusing to overwrite it",
-                           hint="choose another OUT or remove it")
-        stock_cfg = cfg.checkpoint if type(cfg.checkpoint) is CheckpointManager.Config else derive(
-            cfg.checkpoint, CheckpointManager.Config)
+            raise UCPError(
+                f"{target} exists and is not empty: refusing to overwrite it", hint="choose another OUT or remove it"
+            )
+        stock_cfg = (
+            cfg.checkpoint
+            if type(cfg.checkpoint) is CheckpointManager.Config
+            else derive(cfg.checkpoint, CheckpointManager.Config)
+        )
         stock = _manager_config(stock_cfg).build(
-            dataloader=_Captured(entries) if entries is not None else None, model_parts=[job.model],
-            optimizers=job.optimizers, lr_schedulers=job.lr_schedulers, states={"train_state": ts}, sd_adapter=None,
-            base_folder=out)
+            dataloader=_Captured(entries) if entries is not None else None,
+            model_parts=[job.model],
+            optimizers=job.optimizers,
+            lr_schedulers=job.lr_schedulers,
+            states={"train_state": ts},
+            sd_adapter=None,
+            base_folder=out,
+        )
         if entries is None:
             stock.states.pop(DATALOADER)
         model_sd = stock.states[MODEL].state_dict()
@@ -294,14 +330,21 @@ def export_to_torchtitan(checkpoint: str, out: str, argv: list[str], *, dp: int,
         stock.close()
     opt_sd = job.optimizers.state_dict()
     return ExportReport(
-        source=src, out=out, step=ts.step, dp=dp,
+        source=src,
+        out=out,
+        step=ts.step,
+        dp=dp,
         model_tensors=sum(1 for v in model_sd.values() if isinstance(v, torch.Tensor)),
         optimizer_tensors=sum(1 for k, v in opt_sd.items() if k.startswith("state.") and isinstance(v, torch.Tensor)),
         param_groups=sum(1 for k in opt_sd if k.startswith("param_groups.")),
-        lr_scheduler=job.lr_schedulers.state_dict(), train_state=ts.state_dict(), ntokens_total=total,
-        dataloader=line, dataloader_written=entries is not None,
+        lr_scheduler=job.lr_schedulers.state_dict(),
+        train_state=ts.state_dict(),
+        ntokens_total=total,
+        dataloader=line,
+        dataloader_written=entries is not None,
         bytes_written=sum(os.path.getsize(os.path.join(target, f)) for f in os.listdir(target)),
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _manager_config(cfg: Any) -> Any:
@@ -320,18 +363,29 @@ def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[di
 
     kind, names = _saved_dataloader(keys)
     if kind == "none":
-        raise UCPError(f"{src} holds no dataloader state", atom="dataloader",
-                       hint="export with --no-dataloader and resume with --checkpoint.exclude_from_loading dataloader")
+        raise UCPError(
+            f"{src} holds no dataloader state",
+            atom="dataloader",
+            hint="export with --no-dataloader and resume with --checkpoint.exclude_from_loading dataloader",
+        )
     if kind == "other":
-        raise UCPError(f"the checkpoint's dataloader state ({', '.join(names[:4])}) is neither ucp_dcp's global "
-                       "cursor nor torchtitan's per-rank state", atom="dataloader", hint=NO_DATA[3:])
+        raise UCPError(
+            f"the checkpoint's dataloader state ({', '.join(names[:4])}) is neither ucp_dcp's global "
+            "cursor nor torchtitan's per-rank state",
+            atom="dataloader",
+            hint=NO_DATA[3:],
+        )
     if kind == "per_rank":
         ranks = [n for n in names if n.startswith("dp_rank_")]
         if len(ranks) != dp:
             raise UCPError(
                 f"the checkpoint holds torchtitan's per-rank dataloader state for data-parallel degree {len(ranks)}, "
-                f"which cannot be remapped to {dp}", atom="dataloader", saved=len(ranks), wanted=dp,
-                hint=f"export with --dp {len(ranks)}, " + NO_DATA)
+                f"which cannot be remapped to {dp}",
+                atom="dataloader",
+                saved=len(ranks),
+                wanted=dp,
+                hint=f"export with --dp {len(ranks)}, " + NO_DATA,
+            )
         template = {**{n: b"" for n in ranks}, "world_size": 0}
     else:
         template = {k: ("" if k in _TEXT_KEYS else 0) for k in _CURSOR_KEYS}
@@ -340,8 +394,12 @@ def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[di
     value = got.value
     if kind == "per_rank":
         if value.get("world_size") != dp:
-            raise UCPError(f"the per-rank dataloader state says world_size {value.get('world_size')}, not {dp}",
-                           atom="dataloader.world_size", saved=value.get("world_size"), wanted=dp)
+            raise UCPError(
+                f"the per-rank dataloader state says world_size {value.get('world_size')}, not {dp}",
+                atom="dataloader.world_size",
+                saved=value.get("world_size"),
+                wanted=dp,
+            )
         return value, f"{dp} per-rank stock entries copied as saved (dp_rank_0..{dp - 1}, world_size {dp})"
     tokenizer = cfg.tokenizer.build(tokenizer_path=cfg.hf_assets_path)
     return cursor_to_stock(cfg, value, dp, tokenizer)

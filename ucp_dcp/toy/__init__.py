@@ -31,6 +31,23 @@ from .parallel import (
     train_step,
 )
 
-__all__ = ["GLOBAL_BATCH", "Job", "ModelConfig", "StageModel", "Topology", "Trainer", "build_job", "build_trainer",
-           "global_batch", "layer_split", "live_logits", "logical_params", "logical_state", "my_stages", "stage_ids", "train_step",
-           "trainer_options", "ucp_options"]
+__all__ = [
+    "GLOBAL_BATCH",
+    "Job",
+    "ModelConfig",
+    "StageModel",
+    "Topology",
+    "Trainer",
+    "build_job",
+    "build_trainer",
+    "global_batch",
+    "layer_split",
+    "live_logits",
+    "logical_params",
+    "logical_state",
+    "my_stages",
+    "stage_ids",
+    "train_step",
+    "trainer_options",
+    "ucp_options",
+]

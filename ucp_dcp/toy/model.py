@@ -123,7 +123,7 @@ def deinterleave(t: torch.Tensor, sizes: list[int], blocks: int, dim: int = 0) -
     """Inverse of :func:`interleave`."""
     widths = [s // blocks for s in sizes]
     pieces = t.split(widths * blocks, dim)
-    return [torch.cat(pieces[i::len(sizes)], dim) for i in range(len(sizes))]
+    return [torch.cat(pieces[i :: len(sizes)], dim) for i in range(len(sizes))]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -357,7 +357,7 @@ class MoE(nn.Module):
             xf = _CopyToGroup.apply(xf, groups.tp)
         y = self.experts(xf, groups)  # [E_local, N, D]
         n_local = y.shape[0]
-        g = gates[:, groups.ep_rank * n_local:(groups.ep_rank + 1) * n_local].T.unsqueeze(-1)
+        g = gates[:, groups.ep_rank * n_local : (groups.ep_rank + 1) * n_local].T.unsqueeze(-1)
         out = (g * y).sum(0)
         if groups.ep is not None:
             out = _ReduceScatterToGroup.apply(out, groups.ep)
@@ -442,4 +442,5 @@ class StageModel(nn.Module):
                     for j in range(n_local):
                         for x in ("w1", "w2", "w3"):
                             blk.moe.experts[j].get_submodule(x).weight.copy_(
-                                p[pre + f"moe.experts.{ep_rank * n_local + j}.{x}.weight"])
+                                p[pre + f"moe.experts.{ep_rank * n_local + j}.{x}.weight"]
+                            )

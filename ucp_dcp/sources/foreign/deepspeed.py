@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from ...planning.payloads import ReadOnceMode
-from ...planning.device import StagingMode
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ...layout.patterns import Rule
-from .inert import Opaque, TensorRef, dig, TorchFile, load_inert
-from .pieces import Piece, flat_boxes, split_rows
+from ...planning.device import StagingMode
+from ...planning.payloads import ReadOnceMode
 from .base import ForeignReader, row_layout
+from .inert import Opaque, TensorRef, TorchFile, dig, load_inert
+from .pieces import Piece, flat_boxes, split_rows
 
 __all__ = ["DeepSpeedReader", "STATES"]
 
@@ -67,12 +67,23 @@ class DeepSpeedReader(ForeignReader):
 
     source = "DeepSpeed"
 
-    def __init__(self, path: str | os.PathLike, *, patterns: Sequence[Rule] = (), degrees: dict[str, int] | None = None,
-                 prefix: str = "model.", optim: str | None = "optim.", tag: str | None = None,
-                 universal: bool = False, thread_count: int = 4, staging: StagingMode | None = None,
-                 read_once: ReadOnceMode | None = None) -> None:
-        super().__init__(_resolve(os.fspath(path), tag, universal), thread_count=thread_count, staging=staging,
-                         read_once=read_once)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        patterns: Sequence[Rule] = (),
+        degrees: dict[str, int] | None = None,
+        prefix: str = "model.",
+        optim: str | None = "optim.",
+        tag: str | None = None,
+        universal: bool = False,
+        thread_count: int = 4,
+        staging: StagingMode | None = None,
+        read_once: ReadOnceMode | None = None,
+    ) -> None:
+        super().__init__(
+            _resolve(os.fspath(path), tag, universal), thread_count=thread_count, staging=staging, read_once=read_once
+        )
         self.rules = list(patterns)
         self.degrees = dict(degrees or {})
         self.prefix, self.optim = prefix, optim
@@ -90,8 +101,10 @@ class DeepSpeedReader(ForeignReader):
         elif any(n.endswith("_optim_states.pt") for n in names):
             self.kind = "zero12"
         else:
-            raise CheckpointNotFoundError(f"no DeepSpeed checkpoint in {self.path}: neither ZeRO optimizer files nor "
-                                          "a universal zero/ folder", hint="pass the save_checkpoint folder or a tag")
+            raise CheckpointNotFoundError(
+                f"no DeepSpeed checkpoint in {self.path}: neither ZeRO optimizer files nor a universal zero/ folder",
+                hint="pass the save_checkpoint folder or a tag",
+            )
         model_files = sorted(n for n in names if re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt", n))
         if not model_files:
             raise CheckpointNotFoundError(f"{self.path} has no *_model_states.pt file")
@@ -111,7 +124,7 @@ class DeepSpeedReader(ForeignReader):
                 hp = {k: v for k, v in _items(group) if k != "params"}
                 for name in shapes[g]:
                     for atom in self._layout(name, shapes[g][name], "").atoms:
-                        part = atom[len(self.prefix):]
+                        part = atom[len(self.prefix) :]
                         values.update({f"{self.optim}param_groups.{part}.{k}": v for k, v in hp.items()})
         for name in _buffers(model.obj):
             self._whole(model, name, dig(model.obj, "module", name), "")
@@ -120,25 +133,42 @@ class DeepSpeedReader(ForeignReader):
     def _check_model(self, model: TorchFile) -> None:
         o = model.obj
         if not isinstance(o, dict) or "param_shapes" not in o:
-            raise CorruptCheckpointError(f"{model.path} is not a DeepSpeed model-states file (no param_shapes)",
-                                         hint="DeepSpeed's own MoE expert files (layer_*_expert_*) are not read")
-        if int(o.get("mp_world_size") or 1) != 1 or int(dig(o.get("checkpoint_parallel_dimensions") or {"pp_degree": 1},
-                                                             "pp_degree")) != 1:
-            raise UCPError(f"{model.path}: a DeepSpeed checkpoint with model parallelism (mp_world_size="
-                           f"{o.get('mp_world_size')}) is not read yet",
-                           hint="data-parallel ZeRO-1/2/3 checkpoints and universal folders are (docs/migrating.md)")
+            raise CorruptCheckpointError(
+                f"{model.path} is not a DeepSpeed model-states file (no param_shapes)",
+                hint="DeepSpeed's own MoE expert files (layer_*_expert_*) are not read",
+            )
+        if (
+            int(o.get("mp_world_size") or 1) != 1
+            or int(dig(o.get("checkpoint_parallel_dimensions") or {"pp_degree": 1}, "pp_degree")) != 1
+        ):
+            raise UCPError(
+                f"{model.path}: a DeepSpeed checkpoint with model parallelism (mp_world_size="
+                f"{o.get('mp_world_size')}) is not read yet",
+                hint="data-parallel ZeRO-1/2/3 checkpoints and universal folders are (docs/migrating.md)",
+            )
         frozen = o.get("frozen_param_shapes")
         groups = frozen if isinstance(frozen, (list, tuple)) else [frozen]
         if any(g and _items_dict(g) for g in groups):
-            raise UCPError(f"{model.path} has frozen parameters (frozen_param_shapes): not read yet",
-                           hint="unfreeze them before saving, or load them from the model weights separately")
+            raise UCPError(
+                f"{model.path} has frozen parameters (frozen_param_shapes): not read yet",
+                hint="unfreeze them before saving, or load them from the model weights separately",
+            )
 
     def _layout(self, name: str, shape: tuple[int, ...], suffix: str) -> Any:
         prefix = self.prefix if not suffix else f"{self.optim}state."
         return row_layout(name, shape[0] if shape else 1, self.rules, self.degrees, prefix=prefix, suffix=suffix)
 
-    def _add(self, name: str, shape: tuple[int, ...], suffix: str, start: int, numel: int, file: str,
-             base: int, dtype: torch.dtype) -> None:
+    def _add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        suffix: str,
+        start: int,
+        numel: int,
+        file: str,
+        base: int,
+        dtype: torch.dtype,
+    ) -> None:
         """Pieces of ``name``'s flat elements ``[start, start + numel)``, element ``start`` at byte ``base``."""
         layout = self._layout(name, shape, suffix)
         for k, atom in enumerate(layout.atoms):
@@ -154,10 +184,12 @@ class DeepSpeedReader(ForeignReader):
             raise CorruptCheckpointError(f"{tf.path}: '{name}' is not a contiguous tensor", atom=name)
         shape = tuple(ref.shape) if shape is None else shape
         if math.prod(shape) != ref.numel:
-            raise CorruptCheckpointError(f"{tf.path}: '{name}' has {ref.numel} elements, param_shapes says "
-                                         f"{list(shape)}", atom=name)
-        self._add(name, shape, suffix, 0, ref.numel, os.path.relpath(tf.path, self.path), tf.byte_offset(ref),
-                  ref.dtype)
+            raise CorruptCheckpointError(
+                f"{tf.path}: '{name}' has {ref.numel} elements, param_shapes says {list(shape)}", atom=name
+            )
+        self._add(
+            name, shape, suffix, 0, ref.numel, os.path.relpath(tf.path, self.path), tf.byte_offset(ref), ref.dtype
+        )
 
     def _step(self, tf: TorchFile, name: str, shape: tuple[int, ...], ref: Any) -> None:
         if self.optim is None:
@@ -172,12 +204,17 @@ class DeepSpeedReader(ForeignReader):
     # -- ZeRO-1/2 and ZeRO-3 ---------------------------------------------------------------------------
 
     def _zero(self, shapes: list[dict[str, tuple[int, ...]]]) -> list[Any]:
-        files = sorted((int(m.group(1)), n) for n in os.listdir(self.path)
-                       if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", n)))
+        files = sorted(
+            (int(m.group(1)), n)
+            for n in os.listdir(self.path)
+            if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", n))
+        )
         dp = len(files)
         if [r for r, _ in files] != list(range(dp)):
-            raise CheckpointNotFoundError(f"{self.path}: optimizer files of ranks {[r for r, _ in files]}; expected "
-                                          f"0..{dp - 1}", hint="the checkpoint is incomplete")
+            raise CheckpointNotFoundError(
+                f"{self.path}: optimizer files of ranks {[r for r, _ in files]}; expected 0..{dp - 1}",
+                hint="the checkpoint is incomplete",
+            )
         groups: list[Any] = []
         for r, fname in files:
             tf = load_inert(os.path.join(self.path, fname))
@@ -189,11 +226,16 @@ class DeepSpeedReader(ForeignReader):
                 fp32, base = dig(osd, "single_partition_of_fp32_groups"), dig(osd, "base_optimizer_state")
                 count = int(dig(osd, "partition_count")[0])
             if count != dp:
-                raise CorruptCheckpointError(f"{fname} was written by one of {count} ranks, the folder has {dp} files",
-                                             hint="the checkpoint is incomplete or mixes two saves")
+                raise CorruptCheckpointError(
+                    f"{fname} was written by one of {count} ranks, the folder has {dp} files",
+                    hint="the checkpoint is incomplete or mixes two saves",
+                )
             if len(fp32) != len(shapes):
-                raise UCPError(f"{fname}: {len(fp32)} flat groups for {len(shapes)} param groups (ZeRO-3 sub-groups "
-                               "smaller than a group are not read)", hint="save with a sub_group_size above the model size")
+                raise UCPError(
+                    f"{fname}: {len(fp32)} flat groups for {len(shapes)} param groups (ZeRO-3 sub-groups "
+                    "smaller than a group are not read)",
+                    hint="save with a sub_group_size above the model size",
+                )
             state = dig(base, "state")
             for g, group in enumerate(shapes):
                 st = state[g] if g in state else state[str(g)]
@@ -210,8 +252,15 @@ class DeepSpeedReader(ForeignReader):
                 groups = list(dig(base, "param_groups"))
         return groups
 
-    def _zero12_group(self, tf: TorchFile, r: int, dp: int, group: dict[str, tuple[int, ...]], pads: Sequence[int],
-                      bufs: dict[str, Any]) -> None:
+    def _zero12_group(
+        self,
+        tf: TorchFile,
+        r: int,
+        dp: int,
+        group: dict[str, tuple[int, ...]],
+        pads: Sequence[int],
+        bufs: dict[str, Any],
+    ) -> None:
         sizes = [math.prod(s) for s in group.values()]
         total = sum(n + int(p) for n, p in zip(sizes, pads))
         align = 2 * dp
@@ -229,8 +278,9 @@ class DeepSpeedReader(ForeignReader):
                     self._add(name, shape, suffix, a - off, b - a, os.path.basename(tf.path), base, ref.dtype)
             off += n + int(pad)
 
-    def _zero3_group(self, tf: TorchFile, r: int, dp: int, group: dict[str, tuple[int, ...]],
-                     bufs: dict[str, Any]) -> None:
+    def _zero3_group(
+        self, tf: TorchFile, r: int, dp: int, group: dict[str, tuple[int, ...]], bufs: dict[str, Any]
+    ) -> None:
         pos = 0
         for name, shape in group.items():
             n = math.prod(shape)
@@ -250,9 +300,12 @@ class DeepSpeedReader(ForeignReader):
         if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or not ref.contiguous:
             raise CorruptCheckpointError(f"{tf.path}: the flat buffer holding '{name}' is not a 1-D tensor", atom=name)
         if (length is not None and ref.numel != length) or ref.numel < need:
-            raise CorruptCheckpointError(f"{tf.path}: the flat buffer holding '{name}' has {ref.numel} elements, the "
-                                         f"layout needs {length or need}", atom=name,
-                                         hint="the file does not match its param_shapes (damaged, or another layout)")
+            raise CorruptCheckpointError(
+                f"{tf.path}: the flat buffer holding '{name}' has {ref.numel} elements, the "
+                f"layout needs {length or need}",
+                atom=name,
+                hint="the file does not match its param_shapes (damaged, or another layout)",
+            )
 
     # -- universal ------------------------------------------------------------------------------------
 
@@ -264,8 +317,11 @@ class DeepSpeedReader(ForeignReader):
             for name, shape in group.items():
                 folder = os.path.join(zero, name)
                 if not os.path.isdir(folder) or os.path.realpath(folder) != os.path.join(os.path.realpath(zero), name):
-                    raise CheckpointNotFoundError(f"universal checkpoint {self.path} has no atom folder for '{name}'",
-                                                  atom=name, hint="the conversion did not finish")
+                    raise CheckpointNotFoundError(
+                        f"universal checkpoint {self.path} has no atom folder for '{name}'",
+                        atom=name,
+                        hint="the conversion did not finish",
+                    )
                 states = [("fp32", "")] + ([(k, "." + k) for k in STATES] if self.optim is not None else [])
                 for fname, suffix in states:
                     tf = load_inert(os.path.join(folder, fname + ".pt"))
@@ -299,6 +355,7 @@ def _buffers(obj: dict) -> list[str]:
 
 def _resolve(path: str, tag: str | None, universal: bool) -> str:
     """The folder holding the files: a tag folder, the universal folder, or ``path`` itself."""
+
     def _pointer(name: str) -> str | None:
         f = os.path.join(path, name)
         if not os.path.isfile(f):
@@ -320,8 +377,10 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
         return path
     found = _pointer("latest")
     if found is None:
-        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint at {path}: no 'latest' file and no ZeRO files",
-                                      hint="pass the folder save_checkpoint wrote, or a tag folder")
+        raise CheckpointNotFoundError(
+            f"no DeepSpeed checkpoint at {path}: no 'latest' file and no ZeRO files",
+            hint="pass the folder save_checkpoint wrote, or a tag folder",
+        )
     return found
 
 

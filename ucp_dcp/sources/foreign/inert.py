@@ -10,7 +10,6 @@ imported, called or allocated from the file's say-so.
 """
 
 from __future__ import annotations
-from ..._compat import dtype_of_storage_type, torch_file_reader
 
 import collections
 import io
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..._compat import dtype_of_storage_type, torch_file_reader
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["Opaque", "TensorRef", "TorchFile", "dig", "load_inert", "parse_pickle"]
@@ -32,7 +32,7 @@ class Opaque:
 
     qualname: str = "?"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
         self = object.__new__(cls)
         self.args, self.kwargs, self.state, self.items, self.entries = args, kwargs, None, [], {}
         return self
@@ -56,8 +56,12 @@ class Opaque:
         """A field by name (from the pickled state or keyword arguments) or constructor position."""
         if isinstance(self.state, dict) and name in self.state:
             return self.state[name]
-        if isinstance(self.state, tuple) and len(self.state) == 2 and isinstance(self.state[1], dict) \
-                and name in self.state[1]:  # (dict state, slots state)
+        if (
+            isinstance(self.state, tuple)
+            and len(self.state) == 2
+            and isinstance(self.state[1], dict)
+            and name in self.state[1]
+        ):  # (dict state, slots state)
             return self.state[1][name]
         if name in self.kwargs:
             return self.kwargs[name]
@@ -94,23 +98,27 @@ class TensorRef:
 
     @property
     def contiguous(self) -> bool:
-        expect = tuple(math.prod(self.shape[d + 1:]) for d in range(len(self.shape)))
+        expect = tuple(math.prod(self.shape[d + 1 :]) for d in range(len(self.shape)))
         return all(s == e for s, e, n in zip(self.stride, expect, self.shape) if n > 1)
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): torch.Size,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex, ("builtins", "range"): range,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "range"): range,
 }
 
 
 def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[1], torch.dtype)):
         raise pickle.UnpicklingError("a tensor without a storage record")
-    return TensorRef(str(storage[0]), storage[1], int(offset), tuple(int(s) for s in size),
-                     tuple(int(s) for s in stride))
+    return TensorRef(
+        str(storage[0]), storage[1], int(offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    )
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -165,8 +173,9 @@ def parse_pickle(data: bytes, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(f"{where}: {e}", hint="the file is damaged or crafted") from None
     except Exception as e:
-        raise CorruptCheckpointError(f"{where} does not parse ({type(e).__name__}: {e})",
-                                     hint="the file is damaged or not a torch.save file") from None
+        raise CorruptCheckpointError(
+            f"{where} does not parse ({type(e).__name__}: {e})", hint="the file is damaged or not a torch.save file"
+        ) from None
 
 
 @dataclass
@@ -188,8 +197,11 @@ class TorchFile:
         start, length = self.records[t.key]
         need = (t.offset + (t.numel and sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1)) * t.dtype.itemsize
         if t.offset < 0 or need > length:
-            raise CorruptCheckpointError(f"{self.path}: a tensor {list(t.shape)} reaches past its storage record "
-                                         f"'data/{t.key}' ({need} > {length} bytes)", hint="the file is damaged")
+            raise CorruptCheckpointError(
+                f"{self.path}: a tensor {list(t.shape)} reaches past its storage record "
+                f"'data/{t.key}' ({need} > {length} bytes)",
+                hint="the file is damaged",
+            )
         return start + t.offset * t.dtype.itemsize
 
 
@@ -202,16 +214,22 @@ def load_inert(path: str | os.PathLike) -> TorchFile:
     except FileNotFoundError:
         raise
     except Exception as e:
-        raise CorruptCheckpointError(f"{path} is not a torch.save zip file ({type(e).__name__}: {e})",
-                                     hint="the file is damaged, or saved with the legacy format") from None
+        raise CorruptCheckpointError(
+            f"{path} is not a torch.save zip file ({type(e).__name__}: {e})",
+            hint="the file is damaged, or saved with the legacy format",
+        ) from None
     obj = parse_pickle(data, path)
     records: dict[str, tuple[int, int]] = {}
     for name in reader.get_all_records():
         if "/data/" in "/" + name or name.startswith("data/"):
             key = name.rsplit("data/", 1)[1]
             if key and "/" not in key:
-                records[key] = (int(reader.get_record_offset(name)), int(reader.get_record_size(name))
-                                if hasattr(reader, "get_record_size") else _record_size(reader, name))
+                records[key] = (
+                    int(reader.get_record_offset(name)),
+                    int(reader.get_record_size(name))
+                    if hasattr(reader, "get_record_size")
+                    else _record_size(reader, name),
+                )
     return TorchFile(path, obj, records, os.path.getsize(path))
 
 

@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
-from ...planning.payloads import ReadOnceMode
-from ...planning.device import StagingMode
 from ..._compat import _create_file_view
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
-from ...storage.format import parse_tensor_record
 from ...layout.patterns import Rule
+from ...planning.device import StagingMode
+from ...planning.payloads import ReadOnceMode
+from ...storage.format import parse_tensor_record
+from .base import ForeignReader, row_layout
 from .inert import Opaque, TensorRef, dig, load_inert, parse_pickle
 from .pieces import Piece, split_rows
-from .base import ForeignReader, row_layout
 
 __all__ = ["MegatronReader", "MegatronRule", "GPT_RULES"]
 
@@ -95,11 +95,21 @@ class MegatronReader(ForeignReader):
 
     source = "Megatron-Core torch_dist"
 
-    def __init__(self, path: str | os.PathLike, *, patterns: Sequence[Rule] = (),
-                 rules: Sequence[MegatronRule] = GPT_RULES, ignore: Sequence[str] = (r".*\._extra_state.*", r"rng_state.*"),
-                 prefix: str = "model.", optim: str | None = "optim.", master_weights: bool = True,
-                 target_rotary: str | None = "interleaved", thread_count: int = 4, staging: StagingMode | None = None,
-                 read_once: ReadOnceMode | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        patterns: Sequence[Rule] = (),
+        rules: Sequence[MegatronRule] = GPT_RULES,
+        ignore: Sequence[str] = (r".*\._extra_state.*", r"rng_state.*"),
+        prefix: str = "model.",
+        optim: str | None = "optim.",
+        master_weights: bool = True,
+        target_rotary: str | None = "interleaved",
+        thread_count: int = 4,
+        staging: StagingMode | None = None,
+        read_once: ReadOnceMode | None = None,
+    ) -> None:
         super().__init__(path, thread_count=thread_count, staging=staging, read_once=read_once)
         self.patterns, self.rules, self.ignore = list(patterns), {r.key: r for r in rules}, tuple(ignore)
         self.prefix, self.optim, self.master_weights, self.target_rotary = prefix, optim, master_weights, target_rotary
@@ -116,10 +126,13 @@ class MegatronReader(ForeignReader):
         optimizer = common.obj.get("optimizer") or {}
         sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
         if sharding == "dp_reshardable" or any(str(k).startswith("optimizer.distributed.") for k in state):
-            raise UCPError(f"{self.path}: distributed-optimizer state saved as 'dp_reshardable' flat buffers (no "
-                           "parameter names) is not read", saved="dp_reshardable",
-                           hint="save with --dist-ckpt-optim-fully-reshardable (fully_reshardable), or load the "
-                                "model alone (optim=None)")
+            raise UCPError(
+                f"{self.path}: distributed-optimizer state saved as 'dp_reshardable' flat buffers (no "
+                "parameter names) is not read",
+                saved="dp_reshardable",
+                hint="save with --dist-ckpt-optim-fully-reshardable (fully_reshardable), or load the "
+                "model alone (optim=None)",
+            )
         pieces: list[Piece] = []
         atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         unmapped: list[str] = []
@@ -144,9 +157,12 @@ class MegatronReader(ForeignReader):
                 raise CorruptCheckpointError(f"{self.path}/.metadata: '{key}' is not a tensor entry", atom=key)
             self._key_pieces(key, rule, kind, smd, storage, pieces, atoms)
         if unmapped:
-            raise UCPError(f"{len(unmapped)} key(s) of the Megatron checkpoint match no rule: {unmapped[:6]}",
-                           atom=unmapped[0], saved=unmapped,
-                           hint="add a MegatronRule for them (key -> parameter name), or list them in ignore")
+            raise UCPError(
+                f"{len(unmapped)} key(s) of the Megatron checkpoint match no rule: {unmapped[:6]}",
+                atom=unmapped[0],
+                saved=unmapped,
+                hint="add a MegatronRule for them (key -> parameter name), or list them in ignore",
+            )
         values = self._optimizer_values(common, optimizer, atoms) if self.optim is not None else {}
         return pieces, atoms, values
 
@@ -155,16 +171,21 @@ class MegatronReader(ForeignReader):
     def _check_backend(self) -> None:
         meta = os.path.join(self.path, "metadata.json")
         if not os.path.isfile(meta):
-            raise CheckpointNotFoundError(f"no Megatron distributed checkpoint at {self.path}: no metadata.json",
-                                          hint="pass the folder dist_checkpointing.save wrote")
+            raise CheckpointNotFoundError(
+                f"no Megatron distributed checkpoint at {self.path}: no metadata.json",
+                hint="pass the folder dist_checkpointing.save wrote",
+            )
         with open(meta) as f:
             try:
                 body = json.load(f)
             except json.JSONDecodeError as e:
                 raise CorruptCheckpointError(f"{meta} is not JSON ({e})") from None
         if body.get("sharded_backend") != "torch_dist":
-            raise UCPError(f"{self.path}: sharded_backend {body.get('sharded_backend')!r} is not read (only torch_dist)",
-                           saved=body.get("sharded_backend"), wanted="torch_dist")
+            raise UCPError(
+                f"{self.path}: sharded_backend {body.get('sharded_backend')!r} is not read (only torch_dist)",
+                saved=body.get("sharded_backend"),
+                wanted="torch_dist",
+            )
 
     def _check_args(self, args: Any) -> None:
         if not isinstance(args, Opaque) or self.target_rotary is None:
@@ -176,11 +197,14 @@ class MegatronReader(ForeignReader):
             return
         saved = "interleaved" if interleaved else "rotate_half"
         if rope == "rope" and saved != self.target_rotary:
-            raise UCPError(f"{self.path} was trained with {saved} rotary embeddings, the target uses "
-                           f"{self.target_rotary}: its q/k rows would need a permutation", saved=saved,
-                           wanted=self.target_rotary,
-                           hint="load into a model with the same rotary convention (or pass target_rotary=None if "
-                                "the target applies the checkpoint's convention)")
+            raise UCPError(
+                f"{self.path} was trained with {saved} rotary embeddings, the target uses "
+                f"{self.target_rotary}: its q/k rows would need a permutation",
+                saved=saved,
+                wanted=self.target_rotary,
+                hint="load into a model with the same rotary convention (or pass target_rotary=None if "
+                "the target applies the checkpoint's convention)",
+            )
 
     def _metadata_file(self) -> Any:
         path = os.path.join(self.path, ".metadata")
@@ -191,8 +215,9 @@ class MegatronReader(ForeignReader):
 
     # -- pieces --------------------------------------------------------------------------------------
 
-    def _key_pieces(self, key: str, rule: MegatronRule, kind: str | None, smd: Any, storage: Any,
-                    pieces: list[Piece], atoms: dict) -> None:
+    def _key_pieces(
+        self, key: str, rule: MegatronRule, kind: str | None, smd: Any, storage: Any, pieces: list[Piece], atoms: dict
+    ) -> None:
         size = tuple(int(x) for x in dig(smd, "size"))
         dtype = _dtype(dig(smd, "properties"), key)
         shape = size[1:] if rule.stacked else size
@@ -210,8 +235,11 @@ class MegatronReader(ForeignReader):
             sizes = tuple(int(x) for x in dig(chunk, "sizes"))
             info = storage.get((key, offs))
             if info is None:
-                raise CorruptCheckpointError(f".metadata lists chunk {list(offs)} of '{key}' but no storage entry for "
-                                             "it", atom=key, hint="the checkpoint's metadata is damaged")
+                raise CorruptCheckpointError(
+                    f".metadata lists chunk {list(offs)} of '{key}' but no storage entry for it",
+                    atom=key,
+                    hint="the checkpoint's metadata is damaged",
+                )
             rel = str(dig(info, "relative_path"))
             at = self._item_data(rel, int(dig(info, "offset")), int(dig(info, "length")), key, dtype, sizes)
             stride = int(torch.Size(sizes[1:]).numel()) if rule.stacked else 0
@@ -223,18 +251,23 @@ class MegatronReader(ForeignReader):
                 for atom, ao, asz, elem in split_rows(layout, o, s, shape):
                     pieces.append(Piece(atom, ao, asz, rel, at + (j * stride + elem) * dtype.itemsize, dtype))
 
-    def _item_data(self, rel: str, offset: int, length: int, key: str, dtype: torch.dtype,
-                   sizes: tuple[int, ...]) -> int:
+    def _item_data(
+        self, rel: str, offset: int, length: int, key: str, dtype: torch.dtype, sizes: tuple[int, ...]
+    ) -> int:
         """Absolute offset of a saved item's tensor data (its torch.save record, parsed inertly)."""
         path = os.path.join(self.path, rel)
         if os.path.basename(rel) != rel or not os.path.isfile(path):
-            raise CheckpointNotFoundError(f"{self.path}: '{key}' is in {rel!r}, which is not a file of the folder",
-                                          atom=key)
+            raise CheckpointNotFoundError(
+                f"{self.path}: '{key}' is in {rel!r}, which is not a file of the folder", atom=key
+            )
         with open(path, "rb") as f:
             rec = parse_tensor_record(_create_file_view(f, offset, length))
         if rec is None or not rec.contiguous or rec.dtype != dtype or tuple(rec.shape) != sizes:
-            raise CorruptCheckpointError(f"{rel}: the item of '{key}' at {offset} is not a contiguous {dtype} tensor "
-                                         f"of {list(sizes)}", atom=key, hint="the file is damaged")
+            raise CorruptCheckpointError(
+                f"{rel}: the item of '{key}' at {offset} is not a contiguous {dtype} tensor of {list(sizes)}",
+                atom=key,
+                hint="the file is damaged",
+            )
         if rec.data_offset + rec.nbytes > length:
             raise CorruptCheckpointError(f"{rel}: the item of '{key}' reaches past its extent", atom=key)
         return offset + rec.data_offset
@@ -248,18 +281,29 @@ class MegatronReader(ForeignReader):
         groups = list(inner.get("param_groups") or [])
         by_mult = {float(g.get("wd_mult", 1.0)): g for g in groups}
         if len(by_mult) != len(groups) or not set(by_mult) <= {0.0, 1.0}:
-            raise UCPError(f"{self.path}: {len(groups)} param groups (wd_mult {sorted(by_mult)}): only Megatron's "
-                           "default split (weight decay for matrices, none for 1-D parameters) can be assigned",
-                           hint="load the model alone (optim=None) and set the groups yourself")
+            raise UCPError(
+                f"{self.path}: {len(groups)} param groups (wd_mult {sorted(by_mult)}): only Megatron's "
+                "default split (weight decay for matrices, none for 1-D parameters) can be assigned",
+                hint="load the model alone (optim=None) and set the groups yourself",
+            )
         step = (inner.get("state") or {}).get("common_step")
         values: dict[str, Any] = {}
-        skip = {"params", "step", "wd_mult", "lr_mult", "is_expert_parallel", "default_config", "is_decoupled_lr",
-                "max_lr", "min_lr"}
+        skip = {
+            "params",
+            "step",
+            "wd_mult",
+            "lr_mult",
+            "is_expert_parallel",
+            "default_config",
+            "is_decoupled_lr",
+            "max_lr",
+            "min_lr",
+        }
         state = f"{self.optim}state."
         for atom, (_, shape) in list(atoms.items()):
             if not atom.startswith(state) or not atom.endswith(".exp_avg"):
                 continue
-            param = atom[len(state):-len(".exp_avg")]
+            param = atom[len(state) : -len(".exp_avg")]
             group = by_mult.get(0.0 if len(shape) <= 1 or param.endswith(".bias") else 1.0)
             if group is None:
                 raise UCPError(f"no param group for '{param}' (wd_mult groups {sorted(by_mult)})", atom=param)
@@ -283,8 +327,13 @@ def _step_tensor(common: Any, s: Any) -> torch.Tensor:
 def _dtype(props: Any, key: str) -> torch.dtype:
     """``TensorProperties`` pickles its fields as a tuple (dtype first)."""
     state = props.state if isinstance(props, Opaque) else None
-    dtype = state[0] if isinstance(state, tuple) and state else (state or {}).get("dtype") if isinstance(state, dict) \
+    dtype = (
+        state[0]
+        if isinstance(state, tuple) and state
+        else (state or {}).get("dtype")
+        if isinstance(state, dict)
         else None
+    )
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f".metadata: '{key}' has no dtype", atom=key)
     return dtype
@@ -293,7 +342,7 @@ def _dtype(props: Any, key: str) -> torch.dtype:
 def _split_key(key: str) -> tuple[str | None, str]:
     """``optimizer.state.exp_avg.<key>`` -> ("exp_avg", key); a model key -> (None, key)."""
     if key.startswith(_OPT):
-        kind, _, base = key[len(_OPT):].partition(".")
+        kind, _, base = key[len(_OPT) :].partition(".")
         return kind, base
     return None, key
 

@@ -82,8 +82,9 @@ class RowLayout:
     """Rows that belong to atoms (a padded dim's logical size); rows past it are padding."""
 
 
-def split_rows(layout: RowLayout, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]
-               ) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+def split_rows(
+    layout: RowLayout, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
     """A box of the source parameter, stored as its own row-major tensor, as boxes of its atoms:
     ``(atom, offsets in the atom, sizes, element offset from the box's first element)``."""
     if not shape:
@@ -95,6 +96,7 @@ def split_rows(layout: RowLayout, offsets: Sequence[int], sizes: Sequence[int], 
         a, b = max(lo, s.start), min(hi, s.start + s.length, layout.size)
         if b <= a:
             continue
-        out.append((layout.atoms[s.part], (s.atom_start + a - s.start, *offsets[1:]), (b - a, *sizes[1:]),
-                    (a - lo) * row))
+        out.append(
+            (layout.atoms[s.part], (s.atom_start + a - s.start, *offsets[1:]), (b - a, *sizes[1:]), (a - lo) * row)
+        )
     return out

@@ -12,8 +12,8 @@ See docs/huggingface.md.
 """
 
 from .load import load_hf
-from .publish import ExportStats, export_hf
 from .mapping import HFMapping, HFRule
+from .publish import ExportStats, export_hf
 from .source import HFStorageReader
 
 __all__ = ["ExportStats", "HFMapping", "HFRule", "HFStorageReader", "export_hf", "load_hf"]

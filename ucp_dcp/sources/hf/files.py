@@ -19,8 +19,8 @@ import torch
 
 from ...storage.format import box_grid
 from .mapping import hf_rows
-from .source import INDEX, SINGLE
 from .safetensors import encode_header
+from .source import INDEX, SINGLE
 
 __all__ = ["HFTensor", "HFFile", "plan_files", "write_box", "create_files", "write_index", "natural_key"]
 
@@ -98,8 +98,10 @@ def create_files(folder: str, files: list[HFFile]) -> None:
 def write_index(folder: str, files: list[HFFile], tensors: list[HFTensor], config: dict) -> None:
     """``config.json`` and, for several files, ``model.safetensors.index.json``."""
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-                 "weight_map": {t.name: t.file for t in sorted(tensors, key=lambda t: natural_key(t.name))}}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: t.file for t in sorted(tensors, key=lambda t: natural_key(t.name))},
+        }
         with open(os.path.join(folder, INDEX), "w") as f:
             json.dump(index, f, indent=2)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -133,7 +135,7 @@ def write_box(fd: int, t: HFTensor, offsets: tuple[int, ...], data: torch.Tensor
             while j < len(starts) and starts[j] == starts[j - 1] + g.run:
                 j += 1
             n = (j - k) * g.run
-            _pwrite_all(fd, raw[pos:pos + n], int(starts[k]))
+            _pwrite_all(fd, raw[pos : pos + n], int(starts[k]))
             pos += n
             written += n
             k = j

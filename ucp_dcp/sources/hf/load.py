@@ -19,9 +19,16 @@ from .source import HFStorageReader
 __all__ = ["load_hf"]
 
 
-def load_hf(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, mapping: HFMapping, *,
-            process_group: dist.ProcessGroup | None = None, thread_count: int = 4, quiet: bool = False,
-            **planner_options: Any) -> ReadStats:
+def load_hf(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike,
+    mapping: HFMapping,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int = 4,
+    quiet: bool = False,
+    **planner_options: Any,
+) -> ReadStats:
     """Load the Hugging Face folder ``path`` into ``state_dict`` in place (collective), at its layout.
 
     ``mapping`` names the HF tensors' atoms (e.g. :func:`ucp_dcp.torchtitan.mappings.hf_mapping`); ``planner_options`` go to
@@ -33,6 +40,7 @@ def load_hf(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, mapping: HFMap
     with ucp_errors(), warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore", UnverifiedCheckpointWarning)
-        dcp.load(state_dict, storage_reader=reader, planner=UCPLoadPlanner(**planner_options),
-                 process_group=process_group)
+        dcp.load(
+            state_dict, storage_reader=reader, planner=UCPLoadPlanner(**planner_options), process_group=process_group
+        )
     return reader.stats

@@ -32,7 +32,7 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 def _compile(template: str) -> re.Pattern[str]:
     out, pos = [], 0
     for m in _PLACEHOLDER.finditer(template):
-        out.append(re.escape(template[pos:m.start()]))
+        out.append(re.escape(template[pos : m.start()]))
         out.append(f"(?P<{m.group(1)}>\\d+)")
         pos = m.end()
     out.append(re.escape(template[pos:]))
@@ -62,8 +62,10 @@ class HFRule:
         hf, atom = sorted(_PLACEHOLDER.findall(self.hf)), sorted(_PLACEHOLDER.findall(self.atom))
         if self.stack is not None:
             if self.stack not in hf or self.stack in atom:
-                raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: stack={self.stack!r} must be a placeholder "
-                               "of the HF template only")
+                raise UCPError(
+                    f"HF rule {self.hf!r} -> {self.atom!r}: stack={self.stack!r} must be a placeholder "
+                    "of the HF template only"
+                )
             hf.remove(self.stack)
         if hf != atom:
             raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: both sides need the same placeholders")
@@ -123,7 +125,7 @@ class HFMapping:
         if not atom.startswith(self.prefix):
             return None
         for rule in self.rules:
-            values = rule.match_atom(atom[len(self.prefix):])
+            values = rule.match_atom(atom[len(self.prefix) :])
             if values is not None:
                 return rule, values
         return None
@@ -134,9 +136,13 @@ class HFMapping:
 
 def _head_dim(rows: int, heads: int, name: str) -> int:
     if heads <= 0 or rows % heads or (rows // heads) % 2:
-        raise UCPError(f"'{name}': {rows} rows cannot be {heads} rotary heads of an even size",
-                       atom=name, saved=rows, wanted=heads,
-                       hint="check rotary_heads of its HF rule (n_heads for q, n_kv_heads for k)")
+        raise UCPError(
+            f"'{name}': {rows} rows cannot be {heads} rotary heads of an even size",
+            atom=name,
+            saved=rows,
+            wanted=heads,
+            hint="check rotary_heads of its HF rule (n_heads for q, n_kv_heads for k)",
+        )
     return rows // heads
 
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ...layout.coverage import exact_cover_problem
 from ...errors import UCPError
+from ...layout.coverage import exact_cover_problem
 from ...layout.fragments import Box
 from ...storage.reader import UCPFileSystemReader
 from .files import HFTensor, create_files, plan_files, write_box, write_index
@@ -106,31 +106,48 @@ def _mapped(md: Metadata, mapping: HFMapping, dtype: torch.dtype | None) -> dict
         if not isinstance(smd, TensorStorageMetadata):
             raise UCPError(f"atom '{atom}' (HF '{rule.hf}') is saved as an object, not a tensor", atom=atom)
         shape = tuple(int(s) for s in smd.size)
-        problem = exact_cover_problem(Box((0,) * len(shape), shape),
-                                      [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks])
+        problem = exact_cover_problem(
+            Box((0,) * len(shape), shape), [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+        )
         if problem:
             raise UCPError(f"atom '{atom}': {problem}", atom=atom, hint="the checkpoint is incomplete or damaged")
         if rule.stack is not None and not shape:
             raise UCPError(f"atom '{atom}' is a scalar; rule {rule.hf!r} stacks along dim 0", atom=atom)
-        ts = ([HFTensor(rule.hf_name(values, k), dtype or smd.properties.dtype, shape[1:]) for k in range(shape[0])]
-              if rule.stack is not None else
-              [HFTensor(rule.hf_name(values), dtype or smd.properties.dtype, shape, rule.rotary_heads)])
+        ts = (
+            [HFTensor(rule.hf_name(values, k), dtype or smd.properties.dtype, shape[1:]) for k in range(shape[0])]
+            if rule.stack is not None
+            else [HFTensor(rule.hf_name(values), dtype or smd.properties.dtype, shape, rule.rotary_heads)]
+        )
         for t in ts:
             if t.name in names:
-                raise UCPError(f"atoms '{names[t.name]}' and '{atom}' both map to HF tensor '{t.name}'", atom=atom,
-                               hint=f"fix the rules of the '{mapping.name}' mapping")
+                raise UCPError(
+                    f"atoms '{names[t.name]}' and '{atom}' both map to HF tensor '{t.name}'",
+                    atom=atom,
+                    hint=f"fix the rules of the '{mapping.name}' mapping",
+                )
             names[t.name] = atom
         out[atom] = ts
     if not out:
-        raise UCPError(f"no atom of the checkpoint maps to a Hugging Face name under the '{mapping.name}' mapping "
-                       f"(prefix {mapping.prefix!r})", saved=sorted(md.state_dict_metadata)[:5],
-                       hint="pick the mapping of the model that was saved, with the prefix its state dict had")
+        raise UCPError(
+            f"no atom of the checkpoint maps to a Hugging Face name under the '{mapping.name}' mapping "
+            f"(prefix {mapping.prefix!r})",
+            saved=sorted(md.state_dict_metadata)[:5],
+            hint="pick the mapping of the model that was saved, with the prefix its state dict had",
+        )
     return out
 
 
-def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, mapping: HFMapping, *,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30, thread_count: int = 4,
-              config: dict[str, Any] | None = None, overwrite: bool = False) -> ExportStats:
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    mapping: HFMapping,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+    thread_count: int = 4,
+    config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> ExportStats:
     """Write the model atoms of ``checkpoint`` as a Hugging Face folder ``out`` (safetensors
     shards, index, ``config.json``) that ``transformers`` loads with ``from_pretrained``.
 
@@ -165,9 +182,18 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, mapping: HF
         create_files(tmp, files)
     _barrier(world)
     mine = sorted(atoms)[rank::world]
-    items = [ReadItem(LoadItemType.TENSOR, MetadataIndex(a, c.offsets), torch.Size([0] * len(c.sizes)),
-                      MetadataIndex(a, c.offsets), torch.Size([0] * len(c.sizes)), c.sizes)
-             for a in mine for c in md.state_dict_metadata[a].chunks]
+    items = [
+        ReadItem(
+            LoadItemType.TENSOR,
+            MetadataIndex(a, c.offsets),
+            torch.Size([0] * len(c.sizes)),
+            MetadataIndex(a, c.offsets),
+            torch.Size([0] * len(c.sizes)),
+            c.sizes,
+        )
+        for a in mine
+        for c in md.state_dict_metadata[a].chunks
+    ]
     fds = {f.name: os.open(os.path.join(tmp, f.name), os.O_WRONLY) for f in files}
     error: BaseException | None = None
     try:

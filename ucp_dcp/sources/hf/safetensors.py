@@ -25,9 +25,18 @@ from ...errors import CorruptCheckpointError, TruncatedFileError
 __all__ = ["DTYPES", "TensorInfo", "SafetensorsFile", "read_header", "encode_header", "dtype_code"]
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 """safetensors dtype codes and their torch dtypes."""
 _CODES = {v: k for k, v in DTYPES.items()}
@@ -37,8 +46,11 @@ MAX_HEADER = 100 << 20
 
 def dtype_code(dtype: torch.dtype) -> str:
     if dtype not in _CODES:
-        raise CorruptCheckpointError(f"dtype {dtype} has no safetensors code", saved=str(dtype),
-                                     hint=f"convert to one of {sorted(str(d) for d in _CODES)}")
+        raise CorruptCheckpointError(
+            f"dtype {dtype} has no safetensors code",
+            saved=str(dtype),
+            hint=f"convert to one of {sorted(str(d) for d in _CODES)}",
+        )
     return _CODES[dtype]
 
 
@@ -75,17 +87,20 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise TruncatedFileError(f"{path} is not a safetensors file: {len(head)} bytes",
-                                     hint="the file is truncated or not safetensors")
+            raise TruncatedFileError(
+                f"{path} is not a safetensors file: {len(head)} bytes", hint="the file is truncated or not safetensors"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"{path}: header of {n} bytes (over {MAX_HEADER})",
-                                         hint="the file is damaged or not safetensors")
+            raise CorruptCheckpointError(
+                f"{path}: header of {n} bytes (over {MAX_HEADER})", hint="the file is damaged or not safetensors"
+            )
         raw = f.read(n)
         have = os.fstat(f.fileno()).st_size
     if len(raw) < n:
-        raise TruncatedFileError(f"{path}: the header is cut off ({len(raw)} of {n} bytes)",
-                                 hint="the file is truncated; download it again")
+        raise TruncatedFileError(
+            f"{path}: the header is cut off ({len(raw)} of {n} bytes)", hint="the file is truncated; download it again"
+        )
     return parse_header(raw, str(path), have)
 
 
@@ -94,8 +109,9 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Safete
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: the safetensors header is not JSON ({e})",
-                                     hint="the file is damaged or not safetensors") from None
+        raise CorruptCheckpointError(
+            f"{where}: the safetensors header is not JSON ({e})", hint="the file is damaged or not safetensors"
+        ) from None
     if not isinstance(body, dict):
         raise CorruptCheckpointError(f"{where}: the safetensors header is not a JSON object")
     meta = body.pop("__metadata__", None) or {}
@@ -107,27 +123,42 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Safete
     for name, rec in body.items():
         bad = _check_record(rec)
         if bad:
-            raise CorruptCheckpointError(f"{where}: tensor '{name}': {bad}", atom=name,
-                                         hint="the file is damaged or was not written by a safetensors writer")
+            raise CorruptCheckpointError(
+                f"{where}: tensor '{name}': {bad}",
+                atom=name,
+                hint="the file is damaged or was not written by a safetensors writer",
+            )
         dtype = DTYPES[rec["dtype"]]
         shape = tuple(rec["shape"])
         begin, end = rec["data_offsets"]
         want = math.prod(shape) * dtype.itemsize
         if end - begin != want:
-            raise CorruptCheckpointError(f"{where}: tensor '{name}' {rec['dtype']}{list(shape)} needs {want} bytes, "
-                                         f"its data_offsets span {end - begin}", atom=name, saved=end - begin,
-                                         wanted=want, hint="the file is damaged")
+            raise CorruptCheckpointError(
+                f"{where}: tensor '{name}' {rec['dtype']}{list(shape)} needs {want} bytes, "
+                f"its data_offsets span {end - begin}",
+                atom=name,
+                saved=end - begin,
+                wanted=want,
+                hint="the file is damaged",
+            )
         tensors[name] = TensorInfo(name, dtype, shape, base + begin, want)
         spans.append((begin, end, name))
     spans.sort()
     for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise CorruptCheckpointError(f"{where}: tensors '{n0}' and '{n1}' overlap in the file", atom=n1,
-                                         hint="the file is damaged or crafted")
+            raise CorruptCheckpointError(
+                f"{where}: tensors '{n0}' and '{n1}' overlap in the file",
+                atom=n1,
+                hint="the file is damaged or crafted",
+            )
     size = base + max((e for _, e, _ in spans), default=0)
     if file_size is not None and file_size < size:
-        raise TruncatedFileError(f"{where} has {file_size} bytes, its header describes {size}",
-                                 saved=size, wanted=file_size, hint="the file is truncated; download it again")
+        raise TruncatedFileError(
+            f"{where} has {file_size} bytes, its header describes {size}",
+            saved=size,
+            wanted=file_size,
+            hint="the file is truncated; download it again",
+        )
     return SafetensorsFile(tensors, size, dict(meta))
 
 
@@ -140,14 +171,19 @@ def _check_record(rec: Any) -> str | None:
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         return f"bad shape {shape!r}"
     offs = rec.get("data_offsets")
-    if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
-                                                                  for o in offs) or not 0 <= offs[0] <= offs[1]):
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        or not 0 <= offs[0] <= offs[1]
+    ):
         return f"bad data_offsets {offs!r}"
     return None
 
 
-def encode_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                  metadata: dict[str, str] | None = None, align: int = 8) -> tuple[bytes, dict[str, int]]:
+def encode_header(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None, align: int = 8
+) -> tuple[bytes, dict[str, int]]:
     """Header bytes (length prefix included) for tensors laid out in the given order, and each
     tensor's absolute offset in the file. The header is padded with spaces to ``align`` bytes, as
     the safetensors library does, so the data is aligned for every dtype."""

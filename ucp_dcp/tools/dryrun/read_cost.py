@@ -19,8 +19,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..._compat import _create_file_view
 from ...storage.file_ranges import WINDOW
-from ...storage.format import (HASHES, IO_KEY, TensorRecord, blocks_touching, box_grid, chunk_meta, item_key,
-                         merge_intervals, parse_tensor_record, split_grid)
+from ...storage.format import (
+    HASHES,
+    IO_KEY,
+    TensorRecord,
+    blocks_touching,
+    box_grid,
+    chunk_meta,
+    item_key,
+    merge_intervals,
+    parse_tensor_record,
+    split_grid,
+)
 
 __all__ = ["ReadCost", "CostModel", "Piece", "pieces", "item_nbytes"]
 
@@ -31,8 +41,12 @@ chunk, offsets None for an object read whole. A plan keeps these for every rank,
 
 def pieces(items: Sequence[ReadItem]) -> list[Piece]:
     """The :data:`Piece` of each read item (a few ints instead of a ReadItem's five objects)."""
-    return [(it.storage_index, None, None) if it.type == LoadItemType.BYTE_IO else
-            (it.storage_index, tuple(it.storage_offsets), tuple(it.lengths)) for it in items]
+    return [
+        (it.storage_index, None, None)
+        if it.type == LoadItemType.BYTE_IO
+        else (it.storage_index, tuple(it.storage_offsets), tuple(it.lengths))
+        for it in items
+    ]
 
 
 @dataclass
@@ -65,8 +79,9 @@ class CostModel:
         local_files: the checkpoint is on a local file system (the reader maps strided windows).
     """
 
-    def __init__(self, md: Metadata, path: str | os.PathLike | None, verify: bool = True,
-                 local_files: bool = True) -> None:
+    def __init__(
+        self, md: Metadata, path: str | os.PathLike | None, verify: bool = True, local_files: bool = True
+    ) -> None:
         self.md = md
         self.storage = md.storage_data or {}
         self.path = path
@@ -169,8 +184,10 @@ class CostModel:
             return sum(min((b + 1) * B, nbytes) - b * B for b in verified)
         if len(grids) == 1:
             return grids[0].nbytes
-        merged = merge_intervals(np.concatenate([g.starts() for g in grids]),
-                                 np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in grids]))
+        merged = merge_intervals(
+            np.concatenate([g.starts() for g in grids]),
+            np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in grids]),
+        )
         return sum(n for _, n in merged)
 
     def _edges(self, out: ReadCost, index: MetadataIndex, start: int, n: int, nbytes: int) -> None:
@@ -190,4 +207,3 @@ def item_nbytes(md: Metadata, item: ReadItem) -> int:
     if item.type == LoadItemType.BYTE_IO:
         return int(getattr((md.storage_data or {}).get(item.storage_index), "length", 0))
     return math.prod(item.lengths) * md.state_dict_metadata[item.storage_index.fqn].properties.dtype.itemsize
-

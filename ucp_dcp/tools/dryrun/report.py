@@ -53,12 +53,23 @@ def estimate(report: PlanReport, bw: Bandwidths) -> dict[str, Any] | None:
     recv_node = max(node_recv, key=lambda n: (node_recv[n], -n))
     t_net = node_recv[recv_node] / bw.network if bw.network else 0.0
     bound = "busiest node" if t_node >= t_agg else "aggregate storage bandwidth"
-    return {"seconds": max(t_node, t_agg) + t_net, "storage_seconds": max(t_node, t_agg), "bound_by": bound,
-            "busiest_node": busiest, "busiest_node_bytes": node_bytes[busiest], "busiest_node_seconds": t_node,
-            "busiest_node_ranks": [r.rank for r in nodes[busiest]], "total_bytes": total,
-            "aggregate_seconds": t_agg, "aggregate_bandwidth": aggregate, "node_bandwidth": bw.node,
-            "network_seconds": t_net, "network_bandwidth": bw.network, "most_received_node": recv_node,
-            "most_received_bytes": node_recv[recv_node]}
+    return {
+        "seconds": max(t_node, t_agg) + t_net,
+        "storage_seconds": max(t_node, t_agg),
+        "bound_by": bound,
+        "busiest_node": busiest,
+        "busiest_node_bytes": node_bytes[busiest],
+        "busiest_node_seconds": t_node,
+        "busiest_node_ranks": [r.rank for r in nodes[busiest]],
+        "total_bytes": total,
+        "aggregate_seconds": t_agg,
+        "aggregate_bandwidth": aggregate,
+        "node_bandwidth": bw.node,
+        "network_seconds": t_net,
+        "network_bandwidth": bw.network,
+        "most_received_node": recv_node,
+        "most_received_bytes": node_recv[recv_node],
+    }
 
 
 def rank_ranges(ranks: list[int]) -> str:
@@ -89,9 +100,11 @@ def _spread(values: list[int], fmt: Any = str) -> str:
 def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
     n = report.world_size
     nodes = -(-n // report.ranks_per_node)
-    lines = [f"plan: {report.checkpoint} -> {report.target} ({n} ranks on {nodes} node(s) of {report.ranks_per_node}; "
-             f"state on {report.device}; read-once {report.read_once})",
-             f"checkpoint integrity: {report.integrity}"]
+    lines = [
+        f"plan: {report.checkpoint} -> {report.target} ({n} ranks on {nodes} node(s) of {report.ranks_per_node}; "
+        f"state on {report.device}; read-once {report.read_once})",
+        f"checkpoint integrity: {report.integrity}",
+    ]
     if report.problems:
         lines.append(f"DOES NOT LOAD: {len(report.problems)} problem(s) a real load would raise")
         for k, p in enumerate(report.problems, 1):
@@ -121,16 +134,23 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
         if est is None:
             lines.append("estimated load time: give --bandwidth (per node, e.g. 2GB/s) for one")
         else:
-            net = (f" + read-once transfers {_secs(est['network_seconds'])} (node {est['most_received_node']} "
-                   f"receives {_mib(est['most_received_bytes'])})" if est["network_bandwidth"] else "")
+            net = (
+                f" + read-once transfers {_secs(est['network_seconds'])} (node {est['most_received_node']} "
+                f"receives {_mib(est['most_received_bytes'])})"
+                if est["network_bandwidth"]
+                else ""
+            )
             lines.append(
                 f"estimated load time: {_secs(est['seconds'])}, bound by the {est['bound_by']}: node "
                 f"{est['busiest_node']} (ranks {rank_ranges(est['busiest_node_ranks'])}) reads "
                 f"{_mib(est['busiest_node_bytes'])} = {_secs(est['busiest_node_seconds'])} at "
                 f"{est['node_bandwidth'] / 1e9:g} GB/s; all nodes {_mib(est['total_bytes'])} = "
-                f"{_secs(est['aggregate_seconds'])} at {est['aggregate_bandwidth'] / 1e9:g} GB/s{net}")
-    lines.append(f"planned in {report.seconds:.1f} s ({report.built} rank(s) built, {n - report.built} rebound), "
-                 f"peak memory of this process {_mib(report.peak_memory)}")
+                f"{_secs(est['aggregate_seconds'])} at {est['aggregate_bandwidth'] / 1e9:g} GB/s{net}"
+            )
+    lines.append(
+        f"planned in {report.seconds:.1f} s ({report.built} rank(s) built, {n - report.built} rebound), "
+        f"peak memory of this process {_mib(report.peak_memory)}"
+    )
     return "\n".join(lines)
 
 

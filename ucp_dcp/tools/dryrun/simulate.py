@@ -19,15 +19,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from ...planning.device import STAGE_BYTES, staging_forced
 from ...errors import MissingFileError, TruncatedFileError, UCPError
-from ...storage.format import check_tables
+from ...planning.device import STAGE_BYTES, staging_forced
 from ...planning.load_planner import UCPLoadPlanner
-from ...planning.payloads import ReadSummary
-from ...storage.staging import BUFFERS_PER_THREAD
 from ...planning.opened import checked
-from ...planning.payloads import ReadOnceMode
+from ...planning.payloads import ReadOnceMode, ReadSummary
+from ...storage.format import check_tables
 from ...storage.opening import open_path
+from ...storage.staging import BUFFERS_PER_THREAD
 from ...storage.transport import plan_transport, read_summary
 from .read_cost import CostModel, Piece, pieces
 from .targets import Target
@@ -146,10 +145,22 @@ def _merge(problems: list[Problem]) -> list[Problem]:
     return list(out.values())
 
 
-def plan_load(checkpoint: str | os.PathLike, target: Target, *, read_once: ReadOnceMode = "hosts", ranks_per_node: int = 8,
-              device: str = "cuda", check_symmetry: bool = True, trust: bool = False, verify_checksums: bool = True,
-              thread_count: int = 4, allow_partial_load: bool = False, allow_lossy_dtype: bool = False,
-              keep_items: bool = False, progress: Callable[[int, int], None] | None = None) -> PlanReport:
+def plan_load(
+    checkpoint: str | os.PathLike,
+    target: Target,
+    *,
+    read_once: ReadOnceMode = "hosts",
+    ranks_per_node: int = 8,
+    device: str = "cuda",
+    check_symmetry: bool = True,
+    trust: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+    allow_partial_load: bool = False,
+    allow_lossy_dtype: bool = False,
+    keep_items: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> PlanReport:
     """Plan the load of ``checkpoint`` into every rank of ``target`` (see the module docstring).
 
     ``read_once``, ``thread_count``, ``verify_checksums``, ``allow_*`` and ``trust`` are the load's
@@ -157,20 +168,47 @@ def plan_load(checkpoint: str | os.PathLike, target: Target, *, read_once: ReadO
     state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place);
     ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default)."""
     t0 = time.perf_counter()
-    report = PlanReport(str(checkpoint), target.name, target.world_size, read_once=read_once,
-                        ranks_per_node=ranks_per_node, device=device)
+    report = PlanReport(
+        str(checkpoint),
+        target.name,
+        target.world_size,
+        read_once=read_once,
+        ranks_per_node=ranks_per_node,
+        device=device,
+    )
     try:
-        _plan(report, checkpoint, target, check_symmetry, trust, verify_checksums, thread_count,
-              allow_partial_load, allow_lossy_dtype, keep_items, progress)
+        _plan(
+            report,
+            checkpoint,
+            target,
+            check_symmetry,
+            trust,
+            verify_checksums,
+            thread_count,
+            allow_partial_load,
+            allow_lossy_dtype,
+            keep_items,
+            progress,
+        )
     finally:
         report.peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         report.seconds = time.perf_counter() - t0
     return report
 
 
-def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: bool, trust: bool, verify: bool,
-          threads: int, allow_partial_load: bool, allow_lossy_dtype: bool, keep_items: bool,
-          progress: Callable[[int, int], None] | None) -> None:
+def _plan(
+    report: PlanReport,
+    checkpoint: Any,
+    target: Target,
+    check_symmetry: bool,
+    trust: bool,
+    verify: bool,
+    threads: int,
+    allow_partial_load: bool,
+    allow_lossy_dtype: bool,
+    keep_items: bool,
+    progress: Callable[[int, int], None] | None,
+) -> None:
     try:
         md, integrity = open_path(checkpoint, trust=trust)
         check_tables(md)
@@ -211,8 +249,13 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
             try:
                 sd, built = _state_dict(target, r, classes[r], reps, last_of, check_symmetry)
                 report.built += built
-                planner = _DryLoadPlanner(read_once=report.read_once, allow_partial_load=allow_partial_load,
-                                          allow_lossy_dtype=allow_lossy_dtype, trust=trust, **target.options(r))
+                planner = _DryLoadPlanner(
+                    read_once=report.read_once,
+                    allow_partial_load=allow_partial_load,
+                    allow_lossy_dtype=allow_lossy_dtype,
+                    trust=trust,
+                    **target.options(r),
+                )
                 planner.device, planner.shared = report.device, shared
                 planner.set_up_planner(sd, md, is_coordinator=r == 0)
                 plan = planner.create_local_plan()
@@ -242,19 +285,27 @@ def _plan(report: PlanReport, checkpoint: Any, target: Target, check_symmetry: b
         report.problems.append(_problem(e, None, "global plan"))
         return
     transport = plan_transport(summaries)
-    model = CostModel(md, None if "://" in str(checkpoint) else str(checkpoint), verify=verify,
-                      local_files="://" not in str(checkpoint))
+    model = CostModel(
+        md,
+        None if "://" in str(checkpoint) else str(checkpoint),
+        verify=verify,
+        local_files="://" not in str(checkpoint),
+    )
     touched: set[str] = set()
     for r in range(n):
         sizes = summaries[r].sizes if summaries[r] is not None else None
-        report.ranks.append(_rank_plan(r, rpn, reads[r], sizes, transport[r], model, threads,
-                                       forced or report.device != "cpu", keep_items))
+        report.ranks.append(
+            _rank_plan(
+                r, rpn, reads[r], sizes, transport[r], model, threads, forced or report.device != "cpu", keep_items
+            )
+        )
         touched.update(report.ranks[-1].files)
     report.problems += _file_problems(checkpoint, touched, integrity)
 
 
-def _state_dict(target: Target, r: int, key: Any, reps: dict[Any, tuple[int, dict[str, Any]]],
-                last_of: dict[Any, int], check: bool) -> tuple[dict[str, Any], bool]:
+def _state_dict(
+    target: Target, r: int, key: Any, reps: dict[Any, tuple[int, dict[str, Any]]], last_of: dict[Any, int], check: bool
+) -> tuple[dict[str, Any], bool]:
     """Rank ``r`` (symmetry class ``key``)'s state dict, and whether the target built it (else: rebound)."""
     if key is None:
         return rebind(target.build(r), r, keep_local=True), True
@@ -267,15 +318,26 @@ def _state_dict(target: Target, r: int, key: Any, reps: dict[Any, tuple[int, dic
         a, b = structure(sd), structure(built)
         if a != b:
             diff = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
-            raise UCPError(f"target {target.name}: rank {r}'s state dict differs from rank {reps[key][0]}'s rebound "
-                           f"to it at '{diff}' (built {b.get(diff)}, rebound {a.get(diff)})",
-                           hint="the target's symmetry() groups ranks whose state dicts differ; fix it or return None")
+            raise UCPError(
+                f"target {target.name}: rank {r}'s state dict differs from rank {reps[key][0]}'s rebound "
+                f"to it at '{diff}' (built {b.get(diff)}, rebound {a.get(diff)})",
+                hint="the target's symmetry() groups ranks whose state dicts differ; fix it or return None",
+            )
         return built, True
     return sd, False
 
 
-def _rank_plan(r: int, rpn: int, items: list[Piece], sizes: Any, transport: Any, model: CostModel, threads: int,
-               staged: bool, keep_items: bool) -> RankPlan:
+def _rank_plan(
+    r: int,
+    rpn: int,
+    items: list[Piece],
+    sizes: Any,
+    transport: Any,
+    model: CostModel,
+    threads: int,
+    staged: bool,
+    keep_items: bool,
+) -> RankPlan:
     recv = {int(i) for msgs in transport.recv.values() for pieces_ in msgs for i in pieces_}
     own = [it for i, it in enumerate(items) if i not in recv]
     cost = model.cost(own)
@@ -287,8 +349,19 @@ def _rank_plan(r: int, rpn: int, items: list[Piece], sizes: Any, transport: Any,
     n_staged = sum(1 for it in own if it[1] is not None) if staged else 0
     staging = min(n_staged, BUFFERS_PER_THREAD * max(1, threads)) * STAGE_BYTES
     extra = staging + cost.largest_buffer * min(threads, max(1, len(cost.files))) + sent_kept + biggest_in
-    return RankPlan(r, r // rpn, len(items), cost.bytes_read, cost.ranges, sorted(cost.files), received, sent,
-                    cost.fallbacks, sorted(cost.items) if keep_items else None, extra)
+    return RankPlan(
+        r,
+        r // rpn,
+        len(items),
+        cost.bytes_read,
+        cost.ranges,
+        sorted(cost.files),
+        received,
+        sent,
+        cost.fallbacks,
+        sorted(cost.items) if keep_items else None,
+        extra,
+    )
 
 
 def _file_problems(checkpoint: Any, files: set[str], integrity: Any) -> list[Problem]:
@@ -300,11 +373,17 @@ def _file_problems(checkpoint: Any, files: set[str], integrity: Any) -> list[Pro
     for rel in sorted(files):
         p = os.path.join(str(checkpoint), rel)
         if not os.path.exists(p):
-            out.append(Problem(MissingFileError.__name__, f"checkpoint file {rel} is missing from {checkpoint}",
-                               [], "files"))
+            out.append(
+                Problem(MissingFileError.__name__, f"checkpoint file {rel} is missing from {checkpoint}", [], "files")
+            )
         elif rel in sizes and os.path.getsize(p) != sizes[rel]:
             have = os.path.getsize(p)
-            out.append(Problem(TruncatedFileError.__name__,
-                               f"checkpoint file {rel} has {have} bytes, {sizes[rel]} were written", [], "files"))
+            out.append(
+                Problem(
+                    TruncatedFileError.__name__,
+                    f"checkpoint file {rel} has {have} bytes, {sizes[rel]} were written",
+                    [],
+                    "files",
+                )
+            )
     return out
-

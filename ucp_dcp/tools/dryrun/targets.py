@@ -42,13 +42,17 @@ def load_function(spec: str) -> Callable[..., Any]:
     """``"pkg.mod:fn"`` -> the function (imported: only code the user names runs)."""
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
-        raise UCPError(f"--target {spec!r}: expected 'package.module:function'",
-                       hint="e.g. --target docs.examples.plan_fsdp2:target --world-size 8")
+        raise UCPError(
+            f"--target {spec!r}: expected 'package.module:function'",
+            hint="e.g. --target docs.examples.plan_fsdp2:target --world-size 8",
+        )
     try:
         obj: Any = importlib.import_module(mod)
     except ImportError as e:
-        raise UCPError(f"--target {spec!r}: cannot import {mod!r} ({e})",
-                       hint="run from the folder that holds the package, or install it") from None
+        raise UCPError(
+            f"--target {spec!r}: cannot import {mod!r} ({e})",
+            hint="run from the folder that holds the package, or install it",
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UCPError(f"--target {spec!r}: {mod!r} has no attribute {attr!r}")

@@ -21,9 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..._compat import (
+    ShardedTensor,
+    compute_local_shape_and_global_offset,
+    dtensor_from_local,
+    fake_store,
+    local_tensor,
+    mesh_for_rank,
+)
 from ...errors import UCPError
-from ..._compat import (ShardedTensor, compute_local_shape_and_global_offset, dtensor_from_local, fake_store, local_tensor,
-                        mesh_for_rank)
 
 __all__ = ["fake_rank", "rebind", "structure"]
 
@@ -32,9 +38,11 @@ __all__ = ["fake_rank", "rebind", "structure"]
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """A fake default process group (no communication) in which this process is ``rank``."""
     if dist.is_initialized():
-        raise UCPError("ucp_dcp.tools.dryrun plays every rank in this process with a fake process group; this process "
-                       f"already has a default process group ({dist.get_backend()})",
-                       hint="run the plan in a process of its own (python -m ucp_dcp plan ...)")
+        raise UCPError(
+            "ucp_dcp.tools.dryrun plays every rank in this process with a fake process group; this process "
+            f"already has a default process group ({dist.get_backend()})",
+            hint="run the plan in a process of its own (python -m ucp_dcp plan ...)",
+        )
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_store())
     try:
         yield
@@ -70,8 +78,11 @@ def rebind(state_dict: Any, rank: int, keep_local: bool = False) -> Any:
         if isinstance(v, DTensor):
             return _rebind_tensor(v, rank, cache, keep_local)
         if isinstance(v, ShardedTensor) and not keep_local:
-            raise UCPError("a ShardedTensor (FSDP1 sharded state) cannot be rebound to another rank: its shards "
-                           "are per-rank metadata", hint="give the target no symmetry classes (every rank built)")
+            raise UCPError(
+                "a ShardedTensor (FSDP1 sharded state) cannot be rebound to another rank: its shards "
+                "are per-rank metadata",
+                hint="give the target no symmetry classes (every rank built)",
+            )
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
         if isinstance(v, list):
@@ -96,8 +107,16 @@ def structure(state_dict: Any) -> dict[str, Any]:
                 walk(f"{prefix}.{i}", x)
         elif isinstance(v, DTensor):
             m = v.device_mesh
-            out[prefix] = ("dtensor", v.dtype, tuple(v.shape), tuple(v.to_local().shape), tuple(v.placements),
-                           m.mesh.tolist(), m.mesh_dim_names, m.get_coordinate())
+            out[prefix] = (
+                "dtensor",
+                v.dtype,
+                tuple(v.shape),
+                tuple(v.to_local().shape),
+                tuple(v.placements),
+                m.mesh.tolist(),
+                m.mesh_dim_names,
+                m.get_coordinate(),
+            )
         elif isinstance(v, torch.Tensor):
             out[prefix] = ("tensor", v.dtype, tuple(v.shape))
         else:
