@@ -1,7 +1,12 @@
 """Load planning, as pure steps: the saved index, the reads that fill each target entry and param
 group, the checks on what was saved, and the errors that explain a failed plan.
 
-:class:`ucp_dcp.planning.load_planner.UCPLoadPlanner` strings these together."""
+:class:`ucp_dcp.planning.load_planner.UCPLoadPlanner` strings these together.
+
+Kept in one module (over 400 lines once formatted): the pure steps ``UCPLoadPlanner`` strings
+together share the saved index (:class:`SavedIndex`) and the read-item builders; as DCP's
+``default_planner.py`` keeps its steps beside each other.
+"""
 
 from __future__ import annotations
 

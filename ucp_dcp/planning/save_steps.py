@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import AmbiguousLayoutError
 from ..layout.fragments import Fragment
 from ..layout.patterns import Patterns
-from ..layout.placements import Layout, global_shape
+from ..layout.placements import Layout
+from ..layout.shards import global_shape
 from ..options import UCPOptions
 from . import catalog as cat_mod
 from .averaging import average_writers, is_averaged

@@ -7,6 +7,9 @@ from a read-only mapping of the file when it is local (:func:`~ucp_dcp.storage.f
 or by ranged reads; widened to whole checksum blocks when verifying; objects whole, checked against
 their checksum. What cannot be read by ranges falls back to DCP's whole-item path. A mixin: the reader
 holds the state (``storage_data``, ``fs``, checksums, stats) these methods use.
+
+Kept in one module (just over 400 lines once formatted): one mixin whose methods hand a chunk to each
+other (direct, union, mapped, fallback reads) and share the reader's verification state.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ then resumes with ``--checkpoint.exclude_from_loading dataloader`` and restarts 
 
 Memory: the whole unsharded training state (parameters and optimizer moments) is held in this
 process's CPU memory, as for a torchtitan seed checkpoint.
+
+Kept in one module (over 400 lines once formatted): the export's steps in the order they run (refusals,
+build, load, write) and the report they fill; the data-position math is apart, in
+:mod:`ucp_dcp.torchtitan.stock_loader`.
 """
 
 from __future__ import annotations
