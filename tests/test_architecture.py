@@ -256,3 +256,17 @@ def test_a_module_over_400_lines_says_why_at_its_top():
         (m, n) for m, n in long.items() if n > 400 and "Kept in one module" not in (ast.get_docstring(SOURCES[m]) or "")
     )
     assert not unexplained, unexplained
+
+
+def test_the_code_map_in_docs_concepts_lists_every_module_and_nothing_else():
+    """docs/concepts.md's code map names every module under ucp_dcp/ (but the packages' __init__) and none
+    that is gone."""
+    import re
+
+    text = (PKG.parent / "docs" / "concepts.md").read_text()
+    section = text.split("## Code map", 1)[1].split("\n## ", 1)[0]
+    rows = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    listed = set(re.findall(r"`([\w/]+\.py)`", rows))
+    present = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert not present - listed, f"modules missing from the code map: {sorted(present - listed)}"
+    assert not listed - present, f"the code map lists modules that do not exist: {sorted(listed - present)}"

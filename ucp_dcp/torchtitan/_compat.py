@@ -2,7 +2,7 @@
 
 The integration subclasses torchtitan's ``CheckpointManager`` and wraps its ``dcp_save`` /
 ``dcp_load``, whose signatures and call order change between torchtitan releases; an untested
-release fails at import (like :func:`ucp_dcp._compat.check_torch`) unless
+release fails at import (like :func:`ucp_dcp._probes.check_torch`) unless
 ``UCP_DCP_ALLOW_UNTESTED_TORCHTITAN=1``. Checked against torchtitan 0.3.0.
 """
 
