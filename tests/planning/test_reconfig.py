@@ -62,7 +62,7 @@ def _transition_worker(rank, world, root, save, load, steps):
 
 
 RUNS: dict[tuple[str, str], dict] = {}
-"""Each transition's figures (its checkpoint and every load rank's ReadStats): test_reconfig_plan.py plans
+"""Each transition's figures (its checkpoint and every load rank's ReadStats): tests/tools/test_dryrun_reconfig.py plans
 the same loads instead of saving again."""
 
 

@@ -56,7 +56,7 @@ def _hang_on_rank_0(rank, world):
     [
         (_fail_on_rank_1, ["--- rank 1: Traceback", "ValueError: rank one says no", "still running"]),
         (_die_on_rank_2, ["rank 2: the process died (exit code 7)", "rank 2 about to go"]),
-        (_hang_on_rank_0, ["rank 0: no result after 5s: hung", 'test_pool.py", line', "in _hang_on_rank_0"]),
+        (_hang_on_rank_0, ["rank 0: no result after 5s: hung", 'test_dist.py", line', "in _hang_on_rank_0"]),
     ],
     ids=["raises", "dies", "hangs"],
 )
