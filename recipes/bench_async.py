@@ -136,6 +136,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     import ucp_dcp
+    from ucp_dcp._compat import default_stager_reusable
 
     device = (
         torch.device(cfg["device"], torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
@@ -154,11 +155,12 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     ckpt_pg = dist.new_group(backend="gloo")
     kind = AsyncCheckpointerType.PROCESS if cfg["checkpointer"] == "process" else AsyncCheckpointerType.THREAD
     stager = None
-    if cfg["stager"] == "default":
+
+    def new_stager():
         cuda = device.type == "cuda"
         # synchronous, so async_save returns once the copy is done (the blocked time is all of it);
         # shared memory when a checkpoint process receives the staged state (no copy to pickle it)
-        stager = DefaultStager(
+        return DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=cfg["checkpointer"] == "process",
@@ -166,6 +168,11 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
                 use_non_blocking_copy=cuda,
             )
         )
+
+    # torch 2.11's DefaultStager cannot stage twice (it closes itself after each stage): one per save there
+    reuse = default_stager_reusable()
+    if cfg["stager"] == "default" and reuse:
+        stager = new_stager()
 
     def writer(system: str, path: str):
         return ucp_dcp.UCPFileSystemWriter(path) if system == "ucp" else dcp.FileSystemWriter(path)
@@ -184,6 +191,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         dist.barrier()
         f0 = _minor_faults()
         t0 = time.perf_counter()
+        this = stager if reuse or cfg["stager"] != "default" else new_stager()
         fut = dcp.async_save(
             sd,
             checkpoint_id=path,
@@ -191,12 +199,14 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
             planner=planner(system),
             process_group=ckpt_pg,
             async_checkpointer_type=kind,
-            async_stager=stager,
+            async_stager=this,
         )
         t1 = time.perf_counter()
         f1 = _minor_faults()
         fut.result()
         t2 = time.perf_counter()
+        if this is not stager:
+            this.close()
         times.append({"blocked": t1 - t0, "total": t2 - t0, "faults": f1 - f0})
         dist.barrier()
     if stager is not None:

@@ -91,3 +91,11 @@ def test_changed_planner_hook_is_refused():
 def test_untested_torch_error_is_an_import_error():
     assert issubclass(ucp_dcp.UnsupportedTorchError, ImportError)
     assert issubclass(ucp_dcp.UntestedTorchWarning, UserWarning)
+
+
+def test_default_stager_reuse_is_found_by_behaviour():
+    """torch 2.11's DefaultStager closes itself after each stage (a second save through it fails in
+    torch); 2.12+ reuse it. The recipes build one stager per save where it cannot be reused."""
+    from ucp_dcp._compat import default_stager_reusable, torch_release
+
+    assert default_stager_reusable() == (torch_release() >= (2, 12))

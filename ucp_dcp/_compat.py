@@ -20,6 +20,10 @@ lives here:
   own ``forward`` (2.12+ refuses only those without). The toy model (which by design imports
   nothing from ucp_dcp) therefore keeps its per-rank experts in a plain ``nn.Module``
   (``ucp_dcp.toy.model.ListExperts``), with the same state-dict names on every release.
+* ``DefaultStager`` on 2.11 closes its state-dict stager after every ``stage`` (clearing its copy
+  dispatch table), so a second save through the same stager fails inside torch with
+  ``KeyError: <class 'type'>``; 2.12+ keep it open until ``close()``. Callers that reuse one stager
+  across saves ask :func:`default_stager_reusable` and build one per save where it is False.
 * ``dcp.async_save`` asserts that its process group has a CPU backend (every release 2.11-2.15):
   under an NCCL-only default group, pass a gloo group (:func:`group_has_cpu_backend`).
 """
@@ -211,6 +215,33 @@ def group_has_cpu_backend(group: _c10d.ProcessGroup | None = None) -> bool:
     ``dcp.async_save`` asserts (``cpu:gloo,cuda:nccl`` has, plain ``nccl`` has not)."""
     pg = group if group is not None else default_group()
     return torch.device("cpu") in pg._device_types
+
+
+_STAGER_REUSABLE: list[bool] = []
+
+
+def default_stager_reusable() -> bool:
+    """Whether one ``DefaultStager`` can stage more than one state dict (False on torch 2.11, whose
+    ``DefaultStager`` closes its stager after each ``stage``). Found by staging a tiny state twice,
+    once per process."""
+    if not _STAGER_REUSABLE:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
+        state = {"t": torch.zeros(1), "kind": torch.Tensor}  # a class object: what 2.11's cleared table misses
+        try:
+            for _ in range(2):
+                stager.stage(state)
+            _STAGER_REUSABLE.append(True)
+        except KeyError:
+            _STAGER_REUSABLE.append(False)
+        finally:
+            stager.close()
+    return _STAGER_REUSABLE[0]
 
 
 # -- private attributes of torch objects (named here so that no other module reaches them) ----------------

@@ -365,3 +365,17 @@ def test_fault_injection(kind, args, expect):
     )
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert out.returncode == 0 and last == f"FAULTS OK: {expect}", out.stdout + out.stderr[-3000:]
+
+
+def test_verify_checks_the_tile_sums_column_reads_use(tmp_path):
+    """A tile table that disagrees with good bytes would fail only column loads: verify reports it."""
+    ucp_dcp.save({"w": torch.randn(1024, 512)}, tmp_path)  # 2-D, 2 KiB rows: tile sums recorded
+    md, _ = open_path(tmp_path)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    entry = md.storage_data[MetadataIndex("__ucp_io__")]["items"]["w|0,0"]
+    assert entry[3] is not None and len(entry[3][2]) > 1
+    entry[3][2][1] ^= 1
+    rewrite_metadata(tmp_path, md)
+    r = verify(tmp_path)
+    assert r.status == "corrupt" and "tile 1" in r.problems[0].what, r

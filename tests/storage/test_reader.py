@@ -364,6 +364,51 @@ def test_damaged_file_on_the_strided_path_is_an_error_on_every_rank(damage, text
         assert any("truncated" in r or "ended early" in r for r in res), res
 
 
+def _tp_dim_verified_worker(rank, world, root, flip):
+    """tp-dim with checksums verified (the default) on a tensor large enough for tile sums: each rank
+    reads its column slice of every saved row block and nothing else, or a flipped byte is an error."""
+    full = torch.arange(512 * 2048, dtype=torch.float32).reshape(512, 2048) / 7
+    mesh, path = DeviceMesh("cpu", torch.arange(4)), f"{root}/tp-dim-tiles-{flip}"
+    dcp.save(
+        {"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)},
+        storage_writer=UCPFileSystemWriter(path),
+        planner=UCPSavePlanner(),
+    )
+    if flip and rank == 0:
+        md = dcp.FileSystemReader(path).read_metadata()
+        info = md.storage_data[MetadataIndex("w", (128, 0))]
+        at = info.offset + md.storage_data[MetadataIndex(IO_KEY)]["items"]["w|128,0"][0] + (5 * 2048 + 1500) * 4
+        with open(os.path.join(path, info.relative_path), "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 4]))
+    dist.barrier()
+    tgt = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)
+    reader = UCPFileSystemReader(path)
+    try:
+        dcp.load({"w": tgt}, storage_reader=reader, planner=UCPLoadPlanner())
+    except CheckpointException as e:
+        return str(ucp_dcp.first_ucp_error(e))
+    expect = distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None).to_local()
+    return bool(torch.equal(tgt.to_local(), expect)), reader.stats.bytes_read, tgt.to_local().nbytes
+
+
+@pytest.mark.slow
+def test_verified_tp_dim_reads_only_the_column_slices():
+    res = D.run(_tp_dim_verified_worker, 4, D.tmpdir(), False, timeout=300)
+    assert all(ok for ok, _, _ in res), res
+    assert all(read == needed for _, read, needed in res), res  # whole checksum blocks would read 4x
+
+
+@pytest.mark.slow
+def test_verified_tp_dim_catches_a_flipped_byte_in_the_slice_it_reads():
+    res = D.run(_tp_dim_verified_worker, 4, D.tmpdir(), True, timeout=300)
+    # the byte is in columns [1500, 1501): rank 2's slice [1024, 1536) of row block [128, 256)
+    assert isinstance(res[2], str) and "tile" in res[2] and "checksum mismatch" in res[2], res
+    assert all(isinstance(r, str) or r[0] for r in res), res
+
+
 def _save_replicated(root):
     """HSDP-like replicas ([Replicate, Shard(0)] on 2x2) plus an object every rank needs."""
     mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))

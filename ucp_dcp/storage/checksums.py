@@ -54,6 +54,19 @@ class BlockChecker:
                 h.update(pread(base + c, be - c))
             self.check(b, int(h.intdigest()), crcs, rel, index)
 
+    def check_tile(self, t: int, got: int, sums: list[int], rel: str, index: MetadataIndex) -> None:
+        """Check tile ``t``'s checksum (:mod:`ucp_dcp.storage.tiles`)."""
+        if t < len(sums) and got == sums[t]:
+            return
+        raise ChecksumError(
+            f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: tile {t} has "
+            f"{self.algo} {got:#x}, saved {f'{sums[t]:#x}' if t < len(sums) else 'none'}",
+            atom=index.fqn,
+            saved=sums[t] if t < len(sums) else None,
+            wanted=got,
+            hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
+        )
+
     def check(self, b: int, got: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
         if b < len(crcs) and got == crcs[b]:
             return

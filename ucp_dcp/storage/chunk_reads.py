@@ -15,6 +15,7 @@ other (direct, union, mapped, fallback reads) and share the reader's verificatio
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import threading
@@ -33,6 +34,7 @@ from .checksums import BlockChecker
 from .commit import Integrity
 from .file_ranges import WINDOW, gather_runs, map_window, readinto, regular_fd
 from .format import (
+    HASHES,
     BoxGrid,
     TensorRecord,
     block_hash,
@@ -45,6 +47,8 @@ from .format import (
     split_grid,
 )
 from .read_job import ReadJob, ReadStats
+from .tiled_read import plan_tiled, read_tiled
+from .tiles import saved_tile_grid
 
 __all__ = ["ChunkReads"]
 
@@ -240,6 +244,8 @@ class ChunkReads:
                 atom=c.index.fqn,
                 hint="the checkpoint is incomplete or damaged; restore the file from a good copy",
             )
+        if crcs and self._read_tiles(fd, rel, c, base, record, job):
+            return
         B = self._block
         verified: set[int] = set()
         for item in c.items:
@@ -276,6 +282,37 @@ class ChunkReads:
             self.stats.bytes_read += nbytes
             self.stats.ranges += 1
             self.stats.items.append(item_key(c.index))
+
+    def _read_tiles(self, fd: int, rel: str, c: _Chunk, base: int, record: TensorRecord, job: ReadJob) -> bool:
+        """Strided boxes verified by the chunk's tile sums (reading the tiles they touch, not whole
+        checksum blocks); False when the chunk has none or a box does not take whole dims >= 2."""
+        entry = self._crc.get(item_key(c.index))
+        tiles = entry[3] if entry is not None and len(entry) > 3 else None
+        if not tiles:
+            return False
+        grid = saved_tile_grid(tiles, record.shape, record.itemsize, c.index)
+        boxes = plan_tiled(grid, record.shape, [(it.storage_offsets, it.lengths) for it in c.items])
+        if boxes is None:
+            return False
+        sums, nbytes = tiles[2], 0
+        verified: set[int] = set()
+
+        def check(t: int, got: int) -> None:
+            self._checker.check_tile(t, got, sums, rel, c.index)
+
+        for item, box in zip(c.items, boxes):
+            n = math.prod(box.sizes) * record.itemsize
+            target, mv = job.destination(item, record, n)
+            out = np.frombuffer(mv, dtype=np.uint8) if n else np.empty(0, dtype=np.uint8)
+            nbytes += read_tiled(
+                fd, base, record.shape, record.itemsize, grid, box, out, verified, check, HASHES[self._algo or ""]
+            )
+            job.finish(item, target, mv, record)
+        with self._lock:
+            self.stats.bytes_read += nbytes
+            self.stats.ranges += 1
+            self.stats.items.append(item_key(c.index))
+        return True
 
     def _fallback(self, f: Any, c: _Chunk, info: Any, job: ReadJob) -> None:
         """DCP's path: deserialize the whole item, then narrow."""

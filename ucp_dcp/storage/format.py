@@ -52,11 +52,13 @@ IO_KEY = "__ucp_io__"
 information (per-item tensor data offsets and block checksums); builtins only."""
 BLOCK = 1 << 20
 """Checksum block: 1 MiB of tensor bytes."""
-IO_VERSION = 2
+IO_VERSION = 3
 """Version of the I/O table. 1: tensor entries ``[data_offset, block sums]``. 2: tensor entries
 ``[data_offset, block sums, frame sum]`` (the frame: the item's bytes outside the tensor data),
 object entries ``[0, block sums of the whole item, None]``, and an integrity sidecar next to
-``.metadata`` (:mod:`ucp_dcp.storage.sidecar`)."""
+``.metadata`` (:mod:`ucp_dcp.storage.sidecar`). 3: tensor entries gain a fourth element, the tile sums
+``[bands, rows_per_tile, sums]`` of a chunk of two or more dims, else None (:mod:`ucp_dcp.storage.tiles`);
+readers of version 2 ignore it."""
 
 
 @dataclass(frozen=True)

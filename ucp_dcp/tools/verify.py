@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
 from ..storage.format import HASHES, IO_KEY, block_hash, item_key
+from ..storage.tiles import saved_tile_grid, tile_checksums
 
 __all__ = ["Problem", "VerifyReport", "verify", "format_report"]
 
@@ -169,6 +170,7 @@ def _check_items(
                             f"{list(it.index.offset or ())}) does not match its checksum",
                         )
                     )
+        before = len(problems)
         for b in range(max(1, -(-len(data) // block))):
             blk = data[b * block : (b + 1) * block]
             checks += 1
@@ -183,9 +185,36 @@ def _check_items(
                         f"{where}) does not match its {algo} checksum",
                     )
                 )
+        tiles = it.entry[3] if what == "tensor" and len(it.entry) > 3 else None
+        if tiles and len(problems) == before:  # bytes the blocks found bad: their tiles add nothing
+            checks += 1
+            problems.extend(_check_tiles(rel, it, data, tiles, algo))
     if pos != size:
         problems.append(Problem(rel, None, None, f"bytes {pos}..{size} belong to no item"))
     return hashed, checks, problems
+
+
+def _check_tiles(rel: str, it: _Item, data: memoryview, tiles: list, algo: str) -> list[Problem]:
+    """The chunk's tile sums (what column reads verify against) agree with its bytes."""
+    where = f"chunk at {list(it.index.offset or ())}"
+    try:
+        grid = saved_tile_grid(tiles, it.shape or (), it.itemsize, it.index)
+    except UCPError as e:
+        return [Problem(rel, it.index.fqn, None, f"{where}: {e}")]
+    got = tile_checksums(data, grid, HASHES[algo]) if len(data) == grid.rows * grid.row_bytes else []
+    bad = [t for t, (a, b) in enumerate(zip(got, tiles[2])) if a != b] if got else [0]
+    return (
+        [
+            Problem(
+                rel,
+                it.index.fqn,
+                None,
+                f"{where}: tile {bad[0]} (of {len(tiles[2])}; {len(bad)} differ) does not match its {algo} checksum",
+            )
+        ]
+        if bad
+        else []
+    )
 
 
 def _items(md: Metadata) -> dict[str, list[_Item]]:
