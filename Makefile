@@ -34,7 +34,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo lint test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -73,8 +73,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
+# style and types, before any test (CI runs it first): ruff's rules and formatting over the code, tests, recipes and
+# tools; mypy over ucp_dcp (pyproject.toml [tool.ruff], [tool.mypy]; both come with the dev extra)
+lint: $(STAMP)
+	$(PY) -m ruff check ucp_dcp tests recipes tools
+	$(PY) -m ruff format --check ucp_dcp tests recipes tools
+	$(PY) -m mypy
+
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
-# multi-process cases, one per item, on the session's pool of gloo workers (tests/dist.py); the 20 slowest listed
+# multi-process cases, one per item, on the session's pool of gloo workers (tests/support/dist.py); the 20 slowest listed
 test: $(STAMP)
 	$(PY) -m pytest -m "not e2e" --durations=20
 
@@ -122,7 +129,7 @@ reconfig: $(STAMP)
 	$(PY) recipes/reconfig.py
 
 # mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
-# perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/mistakes.py); one line per silent,
+# perturbed, the writer/reader swapped, on the whole reconfiguration set (tests/support/mistakes.py); one line per silent,
 # crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
 .PHONY: mistakes
 mistakes: $(STAMP)

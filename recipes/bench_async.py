@@ -83,7 +83,7 @@ def _schedule(reps: int, order: str) -> list[tuple[int, str, bool]]:
     """
     out = [(-1, s, False) for s in SYSTEMS]
     for rep in range(reps):
-        for system in (SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]):
+        for system in SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]:
             if order == "pairs":
                 out.append((rep, system, False))
             out.append((rep, system, True))
@@ -99,8 +99,9 @@ def _minor_faults() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -130,23 +131,25 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    from ucp_dcp._compat import default_stager_reusable
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
     import ucp_dcp
+    from ucp_dcp._compat import default_stager_reusable
 
-    device = torch.device(cfg["device"], torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(cfg["device"], torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    )
     mesh = DeviceMesh(device.type, torch.arange(world))
     rows, cols = cfg["rows"], cfg["cols"]
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     sd: dict = {"model": {}, "train": {"step": 7, "lr": 1e-3}}
     for i in range(TENSORS):
         local = torch.randn(rows // world, cols, generator=g, device=device)
-        sd["model"][f"w{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                  shape=torch.Size((rows, cols)), stride=(cols, 1))
+        sd["model"][f"w{i}"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
+        )
     local_bytes = sum(t.to_local().nbytes for t in sd["model"].values())
     # checkpointing on a gloo group of its own, as trainers do (training collectives stay on theirs)
     ckpt_pg = dist.new_group(backend="gloo")
@@ -157,8 +160,14 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         cuda = device.type == "cuda"
         # synchronous, so async_save returns once the copy is done (the blocked time is all of it);
         # shared memory when a checkpoint process receives the staged state (no copy to pickle it)
-        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=cfg["checkpointer"] == "process",
-                                            use_async_staging=False, use_non_blocking_copy=cuda))
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=cfg["checkpointer"] == "process",
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+        )
 
     # torch 2.11's DefaultStager cannot stage twice (it closes itself after each stage): one per save there
     reuse = default_stager_reusable()
@@ -172,7 +181,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         return ucp_dcp.UCPSavePlanner() if system == "ucp" else None  # None: DCP's DefaultSavePlanner
 
     times: list[dict] = []  # one entry per save of _schedule(), this rank's figures
-    for rep, system, counted in _schedule(cfg["reps"], cfg["order"]):
+    for _rep, system, _counted in _schedule(cfg["reps"], cfg["order"]):
         path = f"{cfg['out']}/{system}"
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -183,8 +192,15 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         f0 = _minor_faults()
         t0 = time.perf_counter()
         this = stager if reuse or cfg["stager"] != "default" else new_stager()
-        fut = dcp.async_save(sd, checkpoint_id=path, storage_writer=writer(system, path), planner=planner(system),
-                             process_group=ckpt_pg, async_checkpointer_type=kind, async_stager=this)
+        fut = dcp.async_save(
+            sd,
+            checkpoint_id=path,
+            storage_writer=writer(system, path),
+            planner=planner(system),
+            process_group=ckpt_pg,
+            async_checkpointer_type=kind,
+            async_stager=this,
+        )
         t1 = time.perf_counter()
         f1 = _minor_faults()
         fut.result()
@@ -196,7 +212,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     if stager is not None:
         stager.close()
     if rank == 0:  # the last checkpoints are complete: check ours once
-        from ucp_dcp.verify import verify
+        from ucp_dcp.tools.verify import verify
 
         status = verify(f"{cfg['out']}/ucp").status
     else:
@@ -222,8 +238,11 @@ def _run(world: int, cfg: dict) -> list[dict]:
                 rank, out = q.get(timeout=5)
                 results[rank] = out
             except queue.Empty:  # a rank that died without reporting (killed, out of memory)
-                dead = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
+                dead = [
+                    f"rank {r} exited with {p.exitcode}"
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results
+                ]
                 if dead:
                     results[-1] = {"error": "; ".join(dead)}
     finally:
@@ -238,9 +257,17 @@ def _run(world: int, cfg: dict) -> list[dict]:
     return results[0]["ranks"]
 
 
-def measure_async(world: int = 4, nbytes: int = 1 << 30, device: str = "cpu", repeats: int = 9, *,
-                  stager: str | None = None, checkpointer: str = "thread", order: str = "pairs",
-                  out: str | None = None) -> dict:
+def measure_async(
+    world: int = 4,
+    nbytes: int = 1 << 30,
+    device: str = "cpu",
+    repeats: int = 9,
+    *,
+    stager: str | None = None,
+    checkpointer: str = "thread",
+    order: str = "pairs",
+    out: str | None = None,
+) -> dict:
     """Blocked and total time of ``dcp.async_save``, DCP's default against ucp_dcp, in one run.
 
     ``nbytes``: the whole state, split over ``world`` ranks. Returns ``{"config", "per_rep":
@@ -258,34 +285,71 @@ def measure_async(world: int = 4, nbytes: int = 1 << 30, device: str = "cpu", re
     scratch.mkdir(parents=True)
     if order not in ("pairs", "alternate"):
         raise ValueError(f"order must be pairs or alternate, got {order}")
-    cfg = {"out": str(scratch.resolve()), "rows": rows, "cols": cols, "reps": repeats, "device": device,
-           "stager": stager, "checkpointer": checkpointer, "order": order}
+    cfg = {
+        "out": str(scratch.resolve()),
+        "rows": rows,
+        "cols": cols,
+        "reps": repeats,
+        "device": device,
+        "stager": stager,
+        "checkpointer": checkpointer,
+        "order": order,
+    }
     try:
         ranks = _run(world, cfg)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     saves = []  # every save, the slowest rank's figures (the next training collective waits for it)
     for i, (rep, system, counted) in enumerate(_schedule(repeats, order)):
-        saves.append({"rep": rep, "system": system, "counted": counted,
-                      **{m: max(r["times"][i][m] for r in ranks) for m in ("blocked", "total", "faults")},
-                      "per_rank": {m: [r["times"][i][m] for r in ranks] for m in ("blocked", "total", "faults")}})
-    per_rep = {s: {m: [x[m] for x in saves if x["system"] == s and x["counted"]] for m in ("blocked", "total", "faults")}
-               for s in SYSTEMS}
+        saves.append(
+            {
+                "rep": rep,
+                "system": system,
+                "counted": counted,
+                **{m: max(r["times"][i][m] for r in ranks) for m in ("blocked", "total", "faults")},
+                "per_rank": {m: [r["times"][i][m] for r in ranks] for m in ("blocked", "total", "faults")},
+            }
+        )
+    per_rep = {
+        s: {m: [x[m] for x in saves if x["system"] == s and x["counted"]] for m in ("blocked", "total", "faults")}
+        for s in SYSTEMS
+    }
     median = {s: {m: statistics.median(v) for m, v in per_rep[s].items()} for s in SYSTEMS}
     spread = {s: {m: [min(v), max(v)] for m, v in per_rep[s].items()} for s in SYSTEMS}
     ratio = {m: median["ucp"][m] / median["dcp"][m] for m in ("blocked", "total")}
     total_bytes = sum(r["local_bytes"] for r in ranks)
-    config = {"world": world, "nbytes": total_bytes, "tensors": TENSORS, "shape": [rows, cols], "dtype": "float32",
-              "device": device, "stager": stager, "checkpointer": checkpointer, "order": order, "repeats": repeats}
+    config = {
+        "world": world,
+        "nbytes": total_bytes,
+        "tensors": TENSORS,
+        "shape": [rows, cols],
+        "dtype": "float32",
+        "device": device,
+        "stager": stager,
+        "checkpointer": checkpointer,
+        "order": order,
+        "repeats": repeats,
+    }
     met = ratio["blocked"] <= GOAL
-    summary = (f"ASYNC blocked ucp/dcp = {ratio['blocked']:.2f}x (goal <= {GOAL}) {'met' if met else 'NOT met'}; "
-               f"blocked ucp {median['ucp']['blocked']:.3f} s dcp {median['dcp']['blocked']:.3f} s; "
-               f"total ucp/dcp = {ratio['total']:.2f}x (ucp {median['ucp']['total']:.3f} s dcp "
-               f"{median['dcp']['total']:.3f} s); {world} ranks, {total_bytes / (1 << 20):.0f} MiB, {device}, "
-               f"{stager} stager, {checkpointer}, {order}, median of {repeats}")
-    return {"config": config, "per_rep": per_rep, "saves": saves, "median": median,
-            "spread": spread, "ratio": ratio, "goal": GOAL, "met": met, "verify": ranks[0]["verify"],
-            "summary": summary}
+    summary = (
+        f"ASYNC blocked ucp/dcp = {ratio['blocked']:.2f}x (goal <= {GOAL}) {'met' if met else 'NOT met'}; "
+        f"blocked ucp {median['ucp']['blocked']:.3f} s dcp {median['dcp']['blocked']:.3f} s; "
+        f"total ucp/dcp = {ratio['total']:.2f}x (ucp {median['ucp']['total']:.3f} s dcp "
+        f"{median['dcp']['total']:.3f} s); {world} ranks, {total_bytes / (1 << 20):.0f} MiB, {device}, "
+        f"{stager} stager, {checkpointer}, {order}, median of {repeats}"
+    )
+    return {
+        "config": config,
+        "per_rep": per_rep,
+        "saves": saves,
+        "median": median,
+        "spread": spread,
+        "ratio": ratio,
+        "goal": GOAL,
+        "met": met,
+        "verify": ranks[0]["verify"],
+        "summary": summary,
+    }
 
 
 def format_table(res: dict) -> str:
@@ -293,10 +357,14 @@ def format_table(res: dict) -> str:
     lines = [f"{'figure':<24} {'ucp':>9} {'dcp':>9} {'ucp/dcp':>8}  {'ucp min..max':<14} dcp min..max"]
     for m, name in (("blocked", "blocked (s)"), ("total", "until committed (s)")):
         u, d = med["ucp"][m], med["dcp"][m]
-        lines.append(f"{name:<24} {u:>9.3f} {d:>9.3f} {ratio[m]:>7.2f}x  "
-                     f"{spr['ucp'][m][0]:.3f}..{spr['ucp'][m][1]:.3f}  {spr['dcp'][m][0]:.3f}..{spr['dcp'][m][1]:.3f}")
-    lines.append(f"{'page faults while blocked':<24} {med['ucp']['faults']:>9.0f} {med['dcp']['faults']:>9.0f}"
-                 f" {'':>8}  (calling thread, max over ranks: staging into fresh memory faults)")
+        lines.append(
+            f"{name:<24} {u:>9.3f} {d:>9.3f} {ratio[m]:>7.2f}x  "
+            f"{spr['ucp'][m][0]:.3f}..{spr['ucp'][m][1]:.3f}  {spr['dcp'][m][0]:.3f}..{spr['dcp'][m][1]:.3f}"
+        )
+    lines.append(
+        f"{'page faults while blocked':<24} {med['ucp']['faults']:>9.0f} {med['dcp']['faults']:>9.0f}"
+        f" {'':>8}  (calling thread, max over ranks: staging into fresh memory faults)"
+    )
     return "\n".join(lines)
 
 
@@ -306,22 +374,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=1024, help="total state size in MiB (default 1024)")
     ap.add_argument("--reps", type=int, default=9, help="counted repetitions per system (default 9)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--stager", choices=("writer", "default"), default=None,
-                    help="writer: the writer's BlockingAsyncStager (default on cpu); default: one DefaultStager, "
-                         "pinned on cuda (default on cuda)")
+    ap.add_argument(
+        "--stager",
+        choices=("writer", "default"),
+        default=None,
+        help="writer: the writer's BlockingAsyncStager (default on cpu); default: one DefaultStager, "
+        "pinned on cuda (default on cuda)",
+    )
     ap.add_argument("--checkpointer", choices=("thread", "process"), default="thread")
-    ap.add_argument("--order", choices=("pairs", "alternate"), default="pairs",
-                    help="pairs: count the second of two saves in a row per system (default); alternate: "
-                         "one save per system and repetition")
+    ap.add_argument(
+        "--order",
+        choices=("pairs", "alternate"),
+        default="pairs",
+        help="pairs: count the second of two saves in a row per system (default); alternate: "
+        "one save per system and repetition",
+    )
     ap.add_argument("--out", default="runs/bench_async", help="scratch folder (removed after)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows, cols = _layout(a.world, a.mib << 20)
-    print(f"state: {TENSORS} fp32 tensors of {rows}x{cols} Shard(0) on {a.world} gloo ranks ({a.device}), "
-          f"{a.reps} reps ({a.order}) + 1 warm-up save per system", flush=True)
-    res = measure_async(a.world, a.mib << 20, a.device, a.reps, stager=a.stager, checkpointer=a.checkpointer,
-                        order=a.order, out=a.out)
+    print(
+        f"state: {TENSORS} fp32 tensors of {rows}x{cols} Shard(0) on {a.world} gloo ranks ({a.device}), "
+        f"{a.reps} reps ({a.order}) + 1 warm-up save per system",
+        flush=True,
+    )
+    res = measure_async(
+        a.world, a.mib << 20, a.device, a.reps, stager=a.stager, checkpointer=a.checkpointer, order=a.order, out=a.out
+    )
     print(format_table(res))
     if res["verify"] != "ok":
         print(f"WARNING: verify of the last ucp checkpoint: {res['verify']}")

@@ -100,16 +100,26 @@ def main() -> int:
     for p in procs:
         p.join()
     rows = {}
-    print(f"{'layout':<8} {'checks on s':>12} {'checks off s':>13} {'on/off':>7}   ({a.mib} MiB, 4 ranks, median of {a.reps})")
+    print(
+        f"{'layout':<8} {'checks on s':>12} {'checks off s':>13} {'on/off':>7}   ({a.mib} MiB, 4 ranks, median of {a.reps})"
+    )
     for lay in LAYOUTS:
         on, off = statistics.median(times[lay]["on"]), statistics.median(times[lay]["off"])
-        rows[lay] = {"on_s": on, "off_s": off, "ratio": on / off, "on_all": times[lay]["on"], "off_all": times[lay]["off"]}
+        rows[lay] = {
+            "on_s": on,
+            "off_s": off,
+            "ratio": on / off,
+            "on_all": times[lay]["on"],
+            "off_all": times[lay]["off"],
+        }
         print(f"{lay:<8} {on:12.3f} {off:13.3f} {on / off:7.3f}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"mib": a.mib, "reps": a.reps, "layouts": rows}, indent=1))
-    print("CHECKS COST: save time with the default checks / without, " +
-          ", ".join(f"{lay} {rows[lay]['ratio']:.3f}" for lay in LAYOUTS))
+    print(
+        "CHECKS COST: save time with the default checks / without, "
+        + ", ".join(f"{lay} {rows[lay]['ratio']:.3f}" for lay in LAYOUTS)
+    )
     return 0
 
 

@@ -51,8 +51,14 @@ def _reset_hwm() -> None:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
     if cfg["staging"]:
         os.environ["UCP_DCP_STAGING"] = cfg["staging"]
     import warnings
@@ -89,8 +95,11 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     cuda = dev.type == "cuda"
     root, reps = cfg["out"], cfg["reps"]
     shape = (cfg["rows"], cfg["cols"])
-    meshes = {"S0": init_device_mesh(dev.type, (world,)), "S1": init_device_mesh(dev.type, (world,)),
-              "RS0": init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("r", "s"))}
+    meshes = {
+        "S0": init_device_mesh(dev.type, (world,)),
+        "S1": init_device_mesh(dev.type, (world,)),
+        "RS0": init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("r", "s")),
+    }
     places = {"S0": [Shard(0)], "S1": [Shard(1)], "RS0": [Replicate(), Shard(0)]}
 
     def state(pl: str, fill: bool) -> dict:
@@ -103,8 +112,9 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
                 local = full[tuple(slice(o, o + n) for o, n in zip(off, lshape))].contiguous()
             else:
                 local = torch.zeros(lshape)
-            out[f"w{i}"] = DTensor.from_local(local.to(dev), meshes[pl], places[pl], run_check=False, shape=shape,
-                                              stride=(shape[1], 1))
+            out[f"w{i}"] = DTensor.from_local(
+                local.to(dev), meshes[pl], places[pl], run_check=False, shape=shape, stride=(shape[1], 1)
+            )
         return out
 
     def slowest(fn) -> float:
@@ -161,7 +171,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
             load(system)
         mem: dict[str, tuple[float, float]] = {}
         for rep in range(reps):
-            for system in (("ucp", "dcp") if rep % 2 == 0 else ("dcp", "ucp")):
+            for system in ("ucp", "dcp") if rep % 2 == 0 else ("dcp", "ucp"):
                 _reset_hwm()
                 base_host = _hwm_kib()
                 if cuda:
@@ -175,15 +185,18 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         raw = _raw_rate(rank, world, root, target_bytes, dev, slowest, reps)
         med = {s: statistics.median(v) for s, v in times.items()}
         res[name] = {
-            "needed_bytes": needed, "time_s": med, "runs": times,
-            "gbps": {s: needed / med[s] / 1e9 for s in med}, "raw_gbps": needed / raw / 1e9,
+            "needed_bytes": needed,
+            "time_s": med,
+            "runs": times,
+            "gbps": {s: needed / med[s] / 1e9 for s in med},
+            "raw_gbps": needed / raw / 1e9,
             "bytes_over_needed": {"ucp": read_ucp / needed, "dcp": read_dcp / needed},
             "peak_host_added_bytes": {s: m[0] for s, m in mem.items()},
             "peak_device_added_bytes": {s: m[1] for s, m in mem.items()},
             "target_bytes_per_rank": target_bytes,
             "staging_buffers": peak(stats["ucp"].stats.staging_buffers),
         }
-        del tgt
+        tgt = None  # the next case's target replaces it; its memory goes now
     return res
 
 
@@ -212,7 +225,7 @@ def _raw_rate(rank: int, world: int, root: str, nbytes: int, dev, slowest, reps:
                 fi, off = (fi + 1) % len(files), 0
                 continue
             off += n
-            dst[done:done + n].copy_(bufs[k][:n], non_blocking=cuda)
+            dst[done : done + n].copy_(bufs[k][:n], non_blocking=cuda)
             if cuda:
                 events[k] = torch.cuda.Event()
                 events[k].record()
@@ -256,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--staging", default=None, choices=[None, "auto", "always"], help="UCP_DCP_STAGING for the ranks")
-    ap.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure async_save blocked time (recipes/bench_async.py)")
+    ap.add_argument(
+        "--async-save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure async_save blocked time (recipes/bench_async.py)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default="runs/bench_device")
     a = ap.parse_args(argv)
@@ -270,21 +287,35 @@ def main(argv: list[str] | None = None) -> int:
     rows = a.mib * (1 << 20) // (4 * cols * a.tensors)
     rows -= rows % a.ranks
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    cfg = {"out": str(Path(a.out).resolve()), "tensors": a.tensors, "rows": rows, "cols": cols, "reps": a.reps,
-           "device": a.device, "backend": a.backend, "staging": a.staging}
+    cfg = {
+        "out": str(Path(a.out).resolve()),
+        "tensors": a.tensors,
+        "rows": rows,
+        "cols": cols,
+        "reps": a.reps,
+        "device": a.device,
+        "backend": a.backend,
+        "staging": a.staging,
+    }
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
-    print(f"device: {name}; {a.ranks} ranks ({a.backend}); state {a.tensors} x {rows}x{cols} fp32 = {a.mib} MiB; "
-          f"{a.reps} interleaved warm reps")
+    print(
+        f"device: {name}; {a.ranks} ranks ({a.backend}); state {a.tensors} x {rows}x{cols} fp32 = {a.mib} MiB; "
+        f"{a.reps} interleaved warm reps"
+    )
     res = run_bench(cfg, a.ranks)
-    print(f"{'case':22} {'UCP GB/s':>9} {'DCP GB/s':>9} {'raw GB/s':>9} {'UCP/raw':>8} {'UCP/DCP t':>9} "
-          f"{'read/need U':>11} {'D':>6} {'host+ U MiB':>11} {'D':>7} {'dev+ U MiB':>10} {'D':>7}")
+    print(
+        f"{'case':22} {'UCP GB/s':>9} {'DCP GB/s':>9} {'raw GB/s':>9} {'UCP/raw':>8} {'UCP/DCP t':>9} "
+        f"{'read/need U':>11} {'D':>6} {'host+ U MiB':>11} {'D':>7} {'dev+ U MiB':>10} {'D':>7}"
+    )
     for case, r in res.items():
         g = r["gbps"]
-        print(f"{case:22} {g['ucp']:9.2f} {g['dcp']:9.2f} {r['raw_gbps']:9.2f} {g['ucp'] / r['raw_gbps']:8.2f} "
-              f"{r['time_s']['ucp'] / r['time_s']['dcp']:9.2f} {r['bytes_over_needed']['ucp']:11.3f} "
-              f"{r['bytes_over_needed']['dcp']:6.2f} {r['peak_host_added_bytes']['ucp'] / 2**20:11.0f} "
-              f"{r['peak_host_added_bytes']['dcp'] / 2**20:7.0f} {r['peak_device_added_bytes']['ucp'] / 2**20:10.0f} "
-              f"{r['peak_device_added_bytes']['dcp'] / 2**20:7.0f}")
+        print(
+            f"{case:22} {g['ucp']:9.2f} {g['dcp']:9.2f} {r['raw_gbps']:9.2f} {g['ucp'] / r['raw_gbps']:8.2f} "
+            f"{r['time_s']['ucp'] / r['time_s']['dcp']:9.2f} {r['bytes_over_needed']['ucp']:11.3f} "
+            f"{r['bytes_over_needed']['dcp']:6.2f} {r['peak_host_added_bytes']['ucp'] / 2**20:11.0f} "
+            f"{r['peak_host_added_bytes']['dcp'] / 2**20:7.0f} {r['peak_device_added_bytes']['ucp'] / 2**20:10.0f} "
+            f"{r['peak_device_added_bytes']['dcp'] / 2**20:7.0f}"
+        )
     out = {"device": name, "ranks": a.ranks, "backend": a.backend, "mib": a.mib, "loads": res}
     if a.async_save:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -293,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             bench_async = None
         if bench_async is not None:
-            out["async_save"] = bench_async.measure_async(world=a.ranks, nbytes=a.mib << 20, device=a.device,
-                                                          repeats=a.reps)
+            out["async_save"] = bench_async.measure_async(
+                world=a.ranks, nbytes=a.mib << 20, device=a.device, repeats=a.reps
+            )
             print("async_save:", json.dumps(out["async_save"]))
     worst = min(r["gbps"]["ucp"] / r["raw_gbps"] for c, r in res.items())
     print(f"DEVICE LOAD {name}: UCP at >= {worst:.2f} of the raw host-to-device rate in every case (goal >= 0.8)")

@@ -32,10 +32,19 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.plans import (ItemKind, LoadPlanPayload, LocalItems, LocalPlanPayload, PackedPlan, PlanStructure,
-                           ReadSummary, RuleUsage, dtype_code)
-from ucp_dcp.transport import read_summary
-from ucp_dcp.patterns import Patterns
+from ucp_dcp.layout.patterns import Patterns
+from ucp_dcp.planning.payloads import (
+    ItemKind,
+    LoadPlanPayload,
+    LocalItems,
+    LocalPlanPayload,
+    PackedPlan,
+    PlanStructure,
+    ReadSummary,
+    RuleUsage,
+    dtype_code,
+)
+from ucp_dcp.storage.transport import read_summary
 
 ROWS, COLS = 8, 256  # rows per rank and columns of every sharded tensor
 
@@ -51,14 +60,23 @@ def dcp_local_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
     for name in _names(tensors):
         off = torch.Size((rank * ROWS, 0))
         size = torch.Size((ROWS, COLS))
-        items.append(WriteItem(index=MetadataIndex(name, off), type=WriteItemType.SHARD,
-                               tensor_data=TensorWriteData(ChunkStorageMetadata(off, size), props,
-                                                           torch.Size((ranks * ROWS, COLS)))))
+        items.append(
+            WriteItem(
+                index=MetadataIndex(name, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(off, size), props, torch.Size((ranks * ROWS, COLS))),
+            )
+        )
         mappings[name] = tuple(name.split(".", 1))
         step = name.replace("model.", "optim.state.") + ".step"
         zero = torch.Size(())
-        items.append(WriteItem(index=MetadataIndex(step, zero), type=WriteItemType.TENSOR,
-                               tensor_data=TensorWriteData(ChunkStorageMetadata(zero, zero), props, zero)))
+        items.append(
+            WriteItem(
+                index=MetadataIndex(step, zero),
+                type=WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(zero, zero), props, zero),
+            )
+        )
         mappings[step] = ("optim", "state", name.split(".", 1)[1], "step")
     return SavePlan(items, planner_data=mappings)
 
@@ -77,10 +95,23 @@ def ucp_local_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
         dtypes += [f32, f32]
         paths[name] = tuple(name.split(".", 1))
         paths[step] = ("optim", "state", param, "step")
-        cat["atoms"][name] = {"kind": "model", "param": param, "value": "tensor", "shape": [ranks * ROWS, COLS],
-                              "dtype": "float32", "pattern": "dtensor", "layout": {"mesh": 0, "placements": ["S(0)"]}}
-        cat["atoms"][step] = {"kind": "optim_state", "param": param, "value": "tensor", "shape": [],
-                              "dtype": "float32", "pattern": "plain"}
+        cat["atoms"][name] = {
+            "kind": "model",
+            "param": param,
+            "value": "tensor",
+            "shape": [ranks * ROWS, COLS],
+            "dtype": "float32",
+            "pattern": "dtensor",
+            "layout": {"mesh": 0, "placements": ["S(0)"]},
+        }
+        cat["atoms"][step] = {
+            "kind": "optim_state",
+            "param": param,
+            "value": "tensor",
+            "shape": [],
+            "dtype": "float32",
+            "pattern": "plain",
+        }
     n = len(names)
     off = np.full((n, 2), -1, dtype=np.int64)
     size = np.full((n, 2), -1, dtype=np.int64)
@@ -90,9 +121,18 @@ def ucp_local_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
     items = LocalItems(np.arange(n, dtype=np.int32), kind, off, size)
     structure = PlanStructure(names, shapes, dtypes, paths, cat, whole_digests=sorted(names[1::2]), piece_digests=[])
     digests = np.full(len(structure.whole_digests), 0x1234567890ABCDEF, dtype=np.uint64)  # the same step everywhere
-    payload = LocalPlanPayload(packed=PackedPlan.pack(structure, items), digests=zlib.compress(digests.tobytes(), 1),
-                               tie_mismatches=[], reduced={}, data_slot=None, usage=RuleUsage(), warn_atoms=[],
-                               averaged=[], coordinator=rank == 0, global_rank=rank)
+    payload = LocalPlanPayload(
+        packed=PackedPlan.pack(structure, items),
+        digests=zlib.compress(digests.tobytes(), 1),
+        tie_mismatches=[],
+        reduced={},
+        data_slot=None,
+        usage=RuleUsage(),
+        warn_atoms=[],
+        averaged=[],
+        coordinator=rank == 0,
+        global_rank=rank,
+    )
     return SavePlan([], planner_data=payload)
 
 
@@ -100,8 +140,16 @@ def _dcp_read_items(rank: int, tensors: int) -> list[ReadItem]:
     items = []
     for name in _names(tensors):
         off = torch.Size((rank * ROWS, 0))
-        items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(name, off, 0), torch.Size((0, 0)),
-                              MetadataIndex(name, off, rank), torch.Size((0, 0)), torch.Size((ROWS, COLS))))
+        items.append(
+            ReadItem(
+                LoadItemType.TENSOR,
+                MetadataIndex(name, off, 0),
+                torch.Size((0, 0)),
+                MetadataIndex(name, off, rank),
+                torch.Size((0, 0)),
+                torch.Size((ROWS, COLS)),
+            )
+        )
         step = name.replace("model.", "optim.state.") + ".step"
         z = torch.Size(())
         items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(step, z, 0), z, MetadataIndex(step, z, 0), z, z))
@@ -117,7 +165,8 @@ class _FakeMeta:
         for name in _names(tensors):
             self.state_dict_metadata[name] = TensorStorageMetadata(props, torch.Size((1, COLS)), [])
             self.state_dict_metadata[name.replace("model.", "optim.state.") + ".step"] = TensorStorageMetadata(
-                props, torch.Size(()), [])
+                props, torch.Size(()), []
+            )
         self.storage_data = {}
 
 
@@ -153,8 +202,10 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
             if system == "dcp":
                 plans = [SavePlan([], usable=False) for _ in range(ranks)]
             else:
-                plans = [SavePlan([], usable=False, planner_data=dataclasses.replace(p.planner_data, packed=None))
-                         for p in plans]
+                plans = [
+                    SavePlan([], usable=False, planner_data=dataclasses.replace(p.planner_data, packed=None))
+                    for p in plans
+                ]
         secs, nbytes, (_, metadata) = _timed_coordinator(plans, planner.create_global_plan)
         return {"seconds": secs, "plan_bytes": nbytes, "metadata_bytes": len(pickle.dumps(metadata))}
     if system == "dcp":
@@ -165,12 +216,19 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
         plans = []
         for r in range(ranks):  # what UCPFileSystemReader.prepare_local_plan leaves in a gathered plan
             keys, sizes = read_summary(_dcp_read_items(r, tensors), md)
-            plans.append(LoadPlan([], storage_data=ReadSummary(r, "ranks", keys, sizes, "h"),
-                                  planner_data=LoadPlanPayload(RuleUsage(), "ranks", keeps_items=True)))
+            plans.append(
+                LoadPlan(
+                    [],
+                    storage_data=ReadSummary(r, "ranks", keys, sizes, "h"),
+                    planner_data=LoadPlanPayload(RuleUsage(), "ranks", keeps_items=True),
+                )
+            )
         planner = UCPLoadPlanner()
         planner._patterns = Patterns(())
         reader = UCPFileSystemReader(".")
-        secs, nbytes, _ = _timed_coordinator(plans, lambda ps: reader.prepare_global_plan(planner.create_global_plan(ps)))
+        secs, nbytes, _ = _timed_coordinator(
+            plans, lambda ps: reader.prepare_global_plan(planner.create_global_plan(ps))
+        )
         return {"seconds": secs, "plan_bytes": nbytes}
     secs, nbytes, _ = _timed_coordinator(plans, planner.create_global_plan)
     return {"seconds": secs, "plan_bytes": nbytes}

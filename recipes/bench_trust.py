@@ -49,8 +49,11 @@ def _save_worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
     mesh = init_device_mesh("cpu", (world,))
     rows = cfg["mib"] * (1 << 20) // (4 * 1024 * world)
     g = torch.Generator().manual_seed(rank)
-    sd = {"w": DTensor.from_local(torch.randn(rows, 1024, generator=g), mesh, [Shard(0)], run_check=False),
-          "step": 7, "lr": 1e-3}
+    sd = {
+        "w": DTensor.from_local(torch.randn(rows, 1024, generator=g), mesh, [Shard(0)], run_check=False),
+        "step": 7,
+        "lr": 1e-3,
+    }
     out: dict = {}
     raw = sd["w"].to_local().numpy().tobytes()
 
@@ -75,7 +78,7 @@ def _save_worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
             path = f"{cfg['out']}/{system}_over"
             (ucp_dcp.save(sd, path) if system == "ucp" else dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
     for rep in range(cfg["reps"]):
-        for system, where in (modes if rep % 2 == 0 else modes[::-1]):
+        for system, where in modes if rep % 2 == 0 else modes[::-1]:
             path = f"{cfg['out']}/{system}_{where}"
             if rank == 0:
                 if where == "fresh" and system != "raw":
@@ -141,7 +144,7 @@ def _raw_read(files: list[str], threads: int) -> float:
 
 
 def bench_verify(path: str, reps: int) -> dict:
-    from ucp_dcp.verify import verify
+    from ucp_dcp.tools.verify import verify
 
     files = [str(p) for p in Path(path).iterdir() if p.is_file()]
     total = sum(os.path.getsize(f) for f in files)
@@ -150,7 +153,7 @@ def bench_verify(path: str, reps: int) -> dict:
     for temp in ("warm", "cold"):
         raw, ver = [], []
         for rep in range(reps):
-            for kind in (("raw", "verify") if rep % 2 == 0 else ("verify", "raw")):
+            for kind in ("raw", "verify") if rep % 2 == 0 else ("verify", "raw"):
                 if temp == "cold":
                     _drop(files)
                 else:
@@ -162,9 +165,13 @@ def bench_verify(path: str, reps: int) -> dict:
                     r = verify(path, threads=threads)
                     ver.append(time.perf_counter() - t0)
                     assert r.status == "ok", r
-        out[temp] = {"raw_s": statistics.median(raw), "verify_s": statistics.median(ver),
-                     "raw_gbs": total / statistics.median(raw) / 1e9, "verify_gbs": total / statistics.median(ver) / 1e9,
-                     "ratio": statistics.median(raw) / statistics.median(ver)}
+        out[temp] = {
+            "raw_s": statistics.median(raw),
+            "verify_s": statistics.median(ver),
+            "raw_gbs": total / statistics.median(raw) / 1e9,
+            "verify_gbs": total / statistics.median(ver) / 1e9,
+            "ratio": statistics.median(raw) / statistics.median(ver),
+        }
     return out
 
 
@@ -189,16 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     ver = bench_verify(str(out / "ucp_over"), a.reps)
     print(f"{'case':<32} {'ucp_dcp':>9} {'DCP':>9} {'ratio':>7}")
     for name, u, d, r in rows:
-        print(f"{name:<32} {u:8.3f}s {d:8.3f}s {r:7.3f}   " + ("(goal <= 1.03)" if name.startswith("save") else
-                                                          "(the same bytes without either library)"))
+        print(
+            f"{name:<32} {u:8.3f}s {d:8.3f}s {r:7.3f}   "
+            + ("(goal <= 1.03)" if name.startswith("save") else "(the same bytes without either library)")
+        )
     for temp in ("warm", "cold"):
         v = ver[temp]
-        print(f"{'verify ' + temp + ' vs raw read':<32} {v['verify_gbs']:6.2f}GB/s {v['raw_gbs']:6.2f}GB/s "
-              f"{v['ratio']:7.3f}   (goal >= 0.9; {ver['files']} files, {ver['threads']} threads)")
+        print(
+            f"{'verify ' + temp + ' vs raw read':<32} {v['verify_gbs']:6.2f}GB/s {v['raw_gbs']:6.2f}GB/s "
+            f"{v['ratio']:7.3f}   (goal >= 0.9; {ver['files']} files, {ver['threads']} threads)"
+        )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"mib": a.mib, "reps": a.reps, "save": save, "save_median": med,
-                                            "verify": ver}, indent=1))
+        Path(a.json).write_text(
+            json.dumps({"mib": a.mib, "reps": a.reps, "save": save, "save_median": med, "verify": ver}, indent=1)
+        )
     shutil.rmtree(out, ignore_errors=True)
     return 0
 

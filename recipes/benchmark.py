@@ -57,11 +57,18 @@ CASES = [
     ("hsdp 2 hosts", 4, "S0", 4, "RS0"),  # the same, replicas on 2 simulated hosts: read once, sent
 ]
 SIMULATED_HOSTS = {"hsdp 2 hosts"}  # UCP_DCP_HOST = node<rank // 2> during these loads
-TARGETS = {"bytes_ratio": 1.05, "load_vs_dcp_same_layout": 1.0, "save_ratio": 1.03, "offline_speedup": 3.0,
-           "planning_speedup": 5.0, "throughput_vs_raw": 0.9}
+TARGETS = {
+    "bytes_ratio": 1.05,
+    "load_vs_dcp_same_layout": 1.0,
+    "save_ratio": 1.03,
+    "offline_speedup": 3.0,
+    "planning_speedup": 5.0,
+    "throughput_vs_raw": 0.9,
+}
 
 
 # -- worker side ----------------------------------------------------------------------------------
+
 
 def _hwm_kib() -> int:
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
@@ -85,8 +92,9 @@ def _drop_cache(path: str) -> None:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -128,10 +136,15 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     def state(n: int, pl: str, fill: bool):
         if rank >= n:
             return None
-        mesh, p = {"S0": (meshes[n], [Shard(0)]), "S1": (meshes[n], [Shard(1)]),
-                   "RS0": (mesh22, [Replicate(), Shard(0)])}[pl]
-        return {f"w{i}": distribute_tensor(t if fill else torch.zeros_like(t), mesh, p, src_data_rank=None)
-                for i, t in enumerate(full)}
+        mesh, p = {
+            "S0": (meshes[n], [Shard(0)]),
+            "S1": (meshes[n], [Shard(1)]),
+            "RS0": (mesh22, [Replicate(), Shard(0)]),
+        }[pl]
+        return {
+            f"w{i}": distribute_tensor(t if fill else torch.zeros_like(t), mesh, p, src_data_rank=None)
+            for i, t in enumerate(full)
+        }
 
     class CountingReader(dcp.FileSystemReader):
         """DCP's reader, counting the bytes it reads: every read item loads its whole saved item."""
@@ -158,16 +171,20 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     # saves (the 4-rank one is the timed save), interleaved; disk writeback makes single saves vary
     # by up to 3x, so the timed save gets 3x the reps
     for rep in range(3 * reps):
-        for system in (("ucp", "dcp") if rep % 2 == 0 else ("dcp", "ucp")):
-            for n, pl in (sources if rep < reps else [(4, "S0")]):
+        for system in ("ucp", "dcp") if rep % 2 == 0 else ("dcp", "ucp"):
+            for n, pl in sources if rep < reps else [(4, "S0")]:
                 sd = state(n, pl, True)
                 path = f"{root}/{system}_{n}{pl}"
                 if rank == 0:  # each save starts on a clean disk: no old files, no dirty pages in flight
                     shutil.rmtree(path, ignore_errors=True)
                     os.sync()
                 if system == "ucp":
-                    fn = lambda: dcp.save(sd, storage_writer=ucp_dcp.UCPFileSystemWriter(path),  # noqa: E731
-                                          planner=ucp_dcp.UCPSavePlanner(), process_group=groups[n])
+                    fn = lambda: dcp.save(
+                        sd,
+                        storage_writer=ucp_dcp.UCPFileSystemWriter(path),  # noqa: E731
+                        planner=ucp_dcp.UCPSavePlanner(),
+                        process_group=groups[n],
+                    )
                 else:
                     fn = lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=groups[n])  # noqa: E731
                 dt = timed(fn, n)
@@ -232,7 +249,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
         for k, v in tgt.items():
             c = v.to_local()
             per = -(-rows // 3)
-            c.copy_(full_sd[k][rank * per: rank * per + c.shape[0]])
+            c.copy_(full_sd[k][rank * per : rank * per + c.shape[0]])
 
     res["offline"] = [timed(offline, 3) for _ in range(max(1, reps // 2))]
     # the physical limit: the same number of bytes written / read sequentially, by one process
@@ -245,7 +262,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     def raw_write(path: str, lo: int, hi: int) -> None:
         with open(path, "wb") as f:
             for pos in range(lo, hi, 64 << 20):
-                f.write(memoryview(flat[pos:min(hi, pos + (64 << 20))]))
+                f.write(memoryview(flat[pos : min(hi, pos + (64 << 20))]))
             f.flush()
             os.fsync(f.fileno())
 
@@ -254,7 +271,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
         with open(path, "rb", buffering=0) as f:
             pos = lo
             while pos < hi:
-                pos += f.readinto(out[pos:min(hi, pos + (64 << 20))])
+                pos += f.readinto(out[pos : min(hi, pos + (64 << 20))])
 
     for rep in range(reps):
         for streams in (1, 4):
@@ -275,6 +292,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
 
 
 # -- orchestration ----------------------------------------------------------------------------------
+
 
 def _run_io(cfg: dict) -> dict:
     with socket.socket() as s:
@@ -301,13 +319,22 @@ def _spread(xs: list[float]) -> str:
     return f"{min(xs):.3f}..{max(xs):.3f}"
 
 
-def _record(records: list, case: str, metric: str, ucp: float, dcp: float | None, target: float | None,
-            lower_is_better: bool = True, ratio: float | None = None) -> None:
+def _record(
+    records: list,
+    case: str,
+    metric: str,
+    ucp: float,
+    dcp: float | None,
+    target: float | None,
+    lower_is_better: bool = True,
+    ratio: float | None = None,
+) -> None:
     if ratio is None and dcp:
         ratio = ucp / dcp
     met = None if target is None or ratio is None else (ratio <= target if lower_is_better else ratio >= target)
-    records.append({"case": case, "metric": metric, "ucp": ucp, "dcp": dcp, "ratio": ratio, "target": target,
-                    "met": met})
+    records.append(
+        {"case": case, "metric": metric, "ucp": ucp, "dcp": dcp, "ratio": ratio, "target": target, "met": met}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,18 +348,27 @@ def main(argv: list[str] | None = None) -> int:
         return bench_device.main(["--device", "cuda", *rest])
     argv = rest
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda: resharding loads into CUDA targets (recipes/bench_device.py)")
-    ap.add_argument("--quick", action="store_true",
-                    help="64 MiB of state, 3 reps, planning at 64 ranks x 500 tensors (< 1 min)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: resharding loads into CUDA targets (recipes/bench_device.py)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="64 MiB of state, 3 reps, planning at 64 ranks x 500 tensors (< 1 min)"
+    )
     ap.add_argument("--json", default=None, help="write the records here")
     ap.add_argument("--out", default="runs/benchmark", help="scratch folder (checkpoints)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--mib", type=int, default=None, help="state size (default 1024; quick: 64)")
     ap.add_argument("--plan-ranks", default=None, help="comma list of simulated ranks (default 256,1024,4096)")
     ap.add_argument("--plan-tensors", type=int, default=None, help="default 1000 (quick: 500)")
-    ap.add_argument("--dcp-plan-limit", type=int, default=1024,
-                    help="largest rank count DCP's planning is measured at; larger ones are extrapolated")
+    ap.add_argument(
+        "--dcp-plan-limit",
+        type=int,
+        default=1024,
+        help="largest rank count DCP's planning is measured at; larger ones are extrapolated",
+    )
     a = ap.parse_args(argv)
     quick = a.quick
     reps = a.reps or (3 if quick else 5)
@@ -350,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     rows_out = []
     save_u, save_d = _med(io["save"]["ucp"]), _med(io["save"]["dcp"])
     _record(records, "save 4 ranks", "time_s", save_u, save_d, TARGETS["save_ratio"])
-    rows_out.append(("save 4 ranks", "time (s)", save_u, save_d, _spread(io["save"]["ucp"]), _spread(io["save"]["dcp"])))
+    rows_out.append(
+        ("save 4 ranks", "time (s)", save_u, save_d, _spread(io["save"]["ucp"]), _spread(io["save"]["dcp"]))
+    )
     same = _med(io["load"]["4->4"]["dcp"])
     for name, *_ in CASES:
         L = io["load"][name]
@@ -364,48 +402,131 @@ def main(argv: list[str] | None = None) -> int:
         _record(records, f"load {name}", "cold_time_s", L["ucp_cold"][0], L["dcp_cold"][0], None)
         _record(records, f"load {name}", "cold_time_with_checksums_s", L["ucp_verify_cold"][0], L["dcp_cold"][0], None)
         b = io["bytes"][name]
-        _record(records, f"load {name}", "bytes_read_over_needed", b["ucp"], b["dcp"], TARGETS["bytes_ratio"],
-                ratio=b["ucp"])
-        _record(records, f"load {name}", "bytes_read_over_needed_checksums", b["ucp_verify"], b["dcp"], None,
-                ratio=b["ucp_verify"])
+        _record(
+            records,
+            f"load {name}",
+            "bytes_read_over_needed",
+            b["ucp"],
+            b["dcp"],
+            TARGETS["bytes_ratio"],
+            ratio=b["ucp"],
+        )
+        _record(
+            records,
+            f"load {name}",
+            "bytes_read_over_needed_checksums",
+            b["ucp_verify"],
+            b["dcp"],
+            None,
+            ratio=b["ucp_verify"],
+        )
         rss = io["rss"][name]
-        _record(records, f"load {name}", "peak_rss_added_over_target", rss["ucp"] / rss["target_per_rank"],
-                rss["dcp"] / rss["target_per_rank"], None)
+        _record(
+            records,
+            f"load {name}",
+            "peak_rss_added_over_target",
+            rss["ucp"] / rss["target_per_rank"],
+            rss["dcp"] / rss["target_per_rank"],
+            None,
+        )
         rows_out.append((f"load {name}", "time (s)", u, d, _spread(L["ucp"]), _spread(L["dcp"])))
-        rows_out.append((f"load {name}", "  checksums on / cold (s)", v, None,
-                         f"cold {L['ucp_cold'][0]:.3f}, checksums {L['ucp_verify_cold'][0]:.3f}",
-                         f"cold {L['dcp_cold'][0]:.3f}"))
-        rows_out.append((f"load {name}", "  bytes read / needed", b["ucp"], b["dcp"], f"checksums {b['ucp_verify']:.3f}", ""))
-        rows_out.append((f"load {name}", "  peak RSS added / target", rss["ucp"] / rss["target_per_rank"],
-                         rss["dcp"] / rss["target_per_rank"], "", ""))
+        rows_out.append(
+            (
+                f"load {name}",
+                "  checksums on / cold (s)",
+                v,
+                None,
+                f"cold {L['ucp_cold'][0]:.3f}, checksums {L['ucp_verify_cold'][0]:.3f}",
+                f"cold {L['dcp_cold'][0]:.3f}",
+            )
+        )
+        rows_out.append(
+            (f"load {name}", "  bytes read / needed", b["ucp"], b["dcp"], f"checksums {b['ucp_verify']:.3f}", "")
+        )
+        rows_out.append(
+            (
+                f"load {name}",
+                "  peak RSS added / target",
+                rss["ucp"] / rss["target_per_rank"],
+                rss["dcp"] / rss["target_per_rank"],
+                "",
+                "",
+            )
+        )
     off = _med(io["offline"])
     u43 = _med(io["load"]["4->3"]["ucp"])
-    _record(records, "load 4->3 vs offline", "speedup", off / u43, None, TARGETS["offline_speedup"],
-            lower_is_better=False, ratio=off / u43)
+    _record(
+        records,
+        "load 4->3 vs offline",
+        "speedup",
+        off / u43,
+        None,
+        TARGETS["offline_speedup"],
+        lower_is_better=False,
+        ratio=off / u43,
+    )
     rows_out.append(("offline 4->3", "time (s)", u43, off, "ucp direct", "dcp_to_torch_save + load"))
     total = io["total_bytes"]
     # the raw limit is the faster of one stream and four parallel streams
     raw = {k: min(_med(io["raw"][f"{k}1"]), _med(io["raw"][f"{k}4"])) for k in ("write", "read")}
     raw["read_cold"] = min(io["raw"]["read_cold1"][0], io["raw"]["read_cold4"][0])
-    streams = {k: f"1 stream {total / _med(io['raw'][k + '1']) / 1e9:.2f}, 4 streams {total / _med(io['raw'][k + '4']) / 1e9:.2f} GB/s"
-               for k in ("write", "read")}
-    streams["read_cold"] = (f"1 stream {total / io['raw']['read_cold1'][0] / 1e9:.2f}, "
-                            f"4 streams {total / io['raw']['read_cold4'][0] / 1e9:.2f} GB/s")
-    for kind, ucp_t, k in (("save", save_u, "write"), ("load 4->4 warm", _med(io["load"]["4->4"]["ucp"]), "read"),
-                           ("load 4->4 cold", io["load"]["4->4"]["ucp_cold"][0], "read_cold")):
+    streams = {
+        k: f"1 stream {total / _med(io['raw'][k + '1']) / 1e9:.2f}, 4 streams {total / _med(io['raw'][k + '4']) / 1e9:.2f} GB/s"
+        for k in ("write", "read")
+    }
+    streams["read_cold"] = (
+        f"1 stream {total / io['raw']['read_cold1'][0] / 1e9:.2f}, "
+        f"4 streams {total / io['raw']['read_cold4'][0] / 1e9:.2f} GB/s"
+    )
+    for kind, ucp_t, k in (
+        ("save", save_u, "write"),
+        ("load 4->4 warm", _med(io["load"]["4->4"]["ucp"]), "read"),
+        ("load 4->4 cold", io["load"]["4->4"]["ucp_cold"][0], "read_cold"),
+    ):
         frac = raw[k] / ucp_t
-        _record(records, f"throughput {kind}", "fraction_of_raw", frac, None, TARGETS["throughput_vs_raw"],
-                lower_is_better=False, ratio=frac)
-        rows_out.append((f"throughput {kind}", "GB/s ucp / raw", total / ucp_t / 1e9, total / raw[k] / 1e9,
-                         f"{frac:.2f} of raw", f"(raw {streams[k]})"))
+        _record(
+            records,
+            f"throughput {kind}",
+            "fraction_of_raw",
+            frac,
+            None,
+            TARGETS["throughput_vs_raw"],
+            lower_is_better=False,
+            ratio=frac,
+        )
+        rows_out.append(
+            (
+                f"throughput {kind}",
+                "GB/s ucp / raw",
+                total / ucp_t / 1e9,
+                total / raw[k] / 1e9,
+                f"{frac:.2f} of raw",
+                f"(raw {streams[k]})",
+            )
+        )
     # what the fixed cost of DCP's load protocol (plan gather/scatter, result all-gather) hides
     data_s = _med(io["load"]["4->4"]["ucp_data_phase"])
     frac = raw["read"] / data_s
-    _record(records, "throughput load 4->4 warm data phase", "fraction_of_raw", frac, None, None,
-            lower_is_better=False, ratio=frac)
-    rows_out.append(("throughput load 4->4 warm", "  data phase GB/s / raw", total / data_s / 1e9,
-                     total / raw["read"] / 1e9, f"{frac:.2f} of raw",
-                     f"(read_data {data_s:.3f} s of {_med(io['load']['4->4']['ucp']):.3f} s)"))
+    _record(
+        records,
+        "throughput load 4->4 warm data phase",
+        "fraction_of_raw",
+        frac,
+        None,
+        None,
+        lower_is_better=False,
+        ratio=frac,
+    )
+    rows_out.append(
+        (
+            "throughput load 4->4 warm",
+            "  data phase GB/s / raw",
+            total / data_s / 1e9,
+            total / raw["read"] / 1e9,
+            f"{frac:.2f} of raw",
+            f"(read_data {data_s:.3f} s of {_med(io['load']['4->4']['ucp']):.3f} s)",
+        )
+    )
     # planning
     from bench_planning import simulate
 
@@ -425,28 +546,59 @@ def main(argv: list[str] | None = None) -> int:
                 note = f"dcp extrapolated from {R0}"
             target = TARGETS["planning_speedup"] if R == 1024 else None
             _record(records, f"plan {phase} {R} ranks", "rank0_cpu_s", u["seconds"], d["seconds"], None)
-            _record(records, f"plan {phase} {R} ranks", "speedup", d["seconds"] / u["seconds"], None, target,
-                    lower_is_better=False, ratio=d["seconds"] / u["seconds"])
+            _record(
+                records,
+                f"plan {phase} {R} ranks",
+                "speedup",
+                d["seconds"] / u["seconds"],
+                None,
+                target,
+                lower_is_better=False,
+                ratio=d["seconds"] / u["seconds"],
+            )
             _record(records, f"plan {phase} {R} ranks", "plan_bytes", u["plan_bytes"], d["plan_bytes"], None)
             if "metadata_bytes" in u:
-                _record(records, f"plan {phase} {R} ranks", "metadata_bytes", u["metadata_bytes"], d["metadata_bytes"], None)
-            rows_out.append((f"plan {phase} {R} ranks", "rank-0 CPU s", u["seconds"], d["seconds"],
-                             f"plans {u['plan_bytes'] / 1e6:.1f} MB", f"{d['plan_bytes'] / 1e6:.1f} MB {note}"))
+                _record(
+                    records, f"plan {phase} {R} ranks", "metadata_bytes", u["metadata_bytes"], d["metadata_bytes"], None
+                )
+            rows_out.append(
+                (
+                    f"plan {phase} {R} ranks",
+                    "rank-0 CPU s",
+                    u["seconds"],
+                    d["seconds"],
+                    f"plans {u['plan_bytes'] / 1e6:.1f} MB",
+                    f"{d['plan_bytes'] / 1e6:.1f} MB {note}",
+                )
+            )
         if phase == "save":
             R = min(ranks_list[-1], a.dcp_plan_limit)
             uc = simulate(R, a.plan_tensors, "ucp", phase, caching=True)
             dc = simulate(R, a.plan_tensors, "dcp", phase, caching=True)
             _record(records, f"plan save {R} ranks cached", "rank0_cpu_s", uc["seconds"], dc["seconds"], None)
-            rows_out.append((f"plan save {R} ranks cached", "rank-0 CPU s", uc["seconds"], dc["seconds"],
-                             f"plans {uc['plan_bytes'] / 1e6:.2f} MB", f"{dc['plan_bytes'] / 1e6:.2f} MB"))
+            rows_out.append(
+                (
+                    f"plan save {R} ranks cached",
+                    "rank-0 CPU s",
+                    uc["seconds"],
+                    dc["seconds"],
+                    f"plans {uc['plan_bytes'] / 1e6:.2f} MB",
+                    f"{dc['plan_bytes'] / 1e6:.2f} MB",
+                )
+            )
     print(f"\n{'case':<26} {'figure':<28} {'ucp':>10} {'dcp':>10}  notes")
     for case, fig, u, d, nu, nd in rows_out:
         dtxt = f"{d:>10.3f}" if isinstance(d, (int, float)) else f"{'':>10}"
         print(f"{case:<26} {fig:<28} {u:>10.3f} {dtxt}  {nu} {nd}".rstrip())
     unmet = [r for r in records if r["met"] is False]
-    print(f"\n{sum(1 for r in records if r['met'])} targets met, {len(unmet)} not met"
-          + (": " + "; ".join(f"{r['case']} {r['metric']} {r['ratio']:.3f} (target {r['target']})" for r in unmet)
-             if unmet else ""))
+    print(
+        f"\n{sum(1 for r in records if r['met'])} targets met, {len(unmet)} not met"
+        + (
+            ": " + "; ".join(f"{r['case']} {r['metric']} {r['ratio']:.3f} (target {r['target']})" for r in unmet)
+            if unmet
+            else ""
+        )
+    )
     print(f"benchmark wall time {time.perf_counter() - t_start:.0f}s")
     if a.json:
         Path(a.json).write_text(json.dumps(records, indent=1))

@@ -32,8 +32,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ucp_dcp
-from ucp_dcp.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step
-from ucp_dcp.toy import trainer_options  # the model's layouts described to ucp_dcp
+from ucp_dcp.toy import (
+    Job,
+    ModelConfig,
+    Topology,
+    build_job,
+    build_trainer,
+    logical_state,
+    train_step,
+    trainer_options,  # the model's layouts described to ucp_dcp
+)
 
 # fp32 tolerances for a resume at a *different* layout (reduction order differs; same layout must be bitwise):
 # relative loss difference at the first resumed step and at the last step.
@@ -43,15 +51,26 @@ TOL_LAST = 1e-4
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--save-topology", default="dp=4",
-                    help="e.g. dp=4 or dp=2,tp=2,pp=2 (keys pp, dpr (HSDP replicas), dp, ep, tp, vpp)")
+    ap.add_argument(
+        "--save-topology",
+        default="dp=4",
+        help="e.g. dp=4 or dp=2,tp=2,pp=2 (keys pp, dpr (HSDP replicas), dp, ep, tp, vpp)",
+    )
     ap.add_argument("--load-topology", default="dp=2")
     ap.add_argument("--steps", type=int, default=4, help="K: steps before the save, and after the resume")
     ap.add_argument("--out", default=None, help="output folder (default runs/elastic_resume/<save>_to_<load>)")
-    ap.add_argument("--storage", choices=["ucp", "dcp"], default="ucp",
-                    help="storage: ucp_dcp's ranged, checksummed, read-once writer/reader, or DCP's stock ones")
-    ap.add_argument("--phase", choices=["save", "load", "all"], default="all",
-                    help="run one phase in the current process group (torchrun), or both in spawned processes")
+    ap.add_argument(
+        "--storage",
+        choices=["ucp", "dcp"],
+        default="ucp",
+        help="storage: ucp_dcp's ranged, checksummed, read-once writer/reader, or DCP's stock ones",
+    )
+    ap.add_argument(
+        "--phase",
+        choices=["save", "load", "all"],
+        default="all",
+        help="run one phase in the current process group (torchrun), or both in spawned processes",
+    )
     ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)  # test hook: flip one loaded element
     a = ap.parse_args(argv)
     a.save_topo, a.load_topo = Topology.parse(a.save_topology), Topology.parse(a.load_topology)
@@ -74,8 +93,12 @@ def save_phase(a: argparse.Namespace, job: Job) -> None:
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=0)
     losses = [train_step(tr) for _ in range(a.steps)]
-    dcp.save(tr.state_dict(), storage_writer=_writer(a, out / "ckpt"), process_group=job.group,
-             planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)))
+    dcp.save(
+        tr.state_dict(),
+        storage_writer=_writer(a, out / "ckpt"),
+        process_group=job.group,
+        planner=ucp_dcp.UCPSavePlanner(**trainer_options(cfg, tr)),
+    )
     oracle = logical_state(tr)
     if lead:
         torch.save(oracle, out / "oracle.pt")
@@ -90,7 +113,9 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
     sd = tr.state_dict()
     reader = _reader(a, out / "ckpt")
-    dcp.load(sd, storage_reader=reader, process_group=job.group, planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr)))
+    dcp.load(
+        sd, storage_reader=reader, process_group=job.group, planner=ucp_dcp.UCPLoadPlanner(**trainer_options(cfg, tr))
+    )
     tr.load_state_dict(sd)
     io_stats = _io_stats(reader, job)
     if a.corrupt and lead:
@@ -101,8 +126,17 @@ def load_phase(a: argparse.Namespace, job: Job) -> None:
     diffs = _compare_state(torch.load(out / "oracle.pt", weights_only=False), loaded) if lead else []
     losses = [train_step(tr) for _ in range(a.steps)]
     if lead:
-        (out / "load.json").write_text(json.dumps(
-            {"topology": str(job.topo), "losses": losses, "state_diffs": diffs, "entries": len(loaded), "io": io_stats}))
+        (out / "load.json").write_text(
+            json.dumps(
+                {
+                    "topology": str(job.topo),
+                    "losses": losses,
+                    "state_diffs": diffs,
+                    "entries": len(loaded),
+                    "io": io_stats,
+                }
+            )
+        )
 
 
 def _io_stats(reader, job: Job) -> dict | None:
@@ -120,10 +154,15 @@ def _io_stats(reader, job: Job) -> dict | None:
         for key in items:
             ranks[key] = ranks.get(key, 0) + 1
             hosts.setdefault(key, set()).add(h)
-    return {"bytes_read": sum(x[0] for x in everyone), "bytes_received": sum(x[1] for x in everyone),
-            "items": len(ranks), "items_read_by_several_ranks": sum(1 for n in ranks.values() if n > 1),
-            "hosts": len({x[3] for x in everyone}),
-            "items_read_on_several_hosts": sum(1 for h in hosts.values() if len(h) > 1)}
+    return {
+        "bytes_read": sum(x[0] for x in everyone),
+        "bytes_received": sum(x[1] for x in everyone),
+        "items": len(ranks),
+        "items_read_by_several_ranks": sum(1 for n in ranks.values() if n > 1),
+        "hosts": len({x[3] for x in everyone}),
+        "items_read_on_several_hosts": sum(1 for h in hosts.values() if len(h) > 1),
+    }
+
 
 def _compare_state(oracle: dict, loaded: dict) -> list[str]:
     """Names of entries that are not bitwise equal (or missing on one side)."""
@@ -163,7 +202,9 @@ def report(a: argparse.Namespace) -> int:
     problems = []
     if loaded["state_diffs"]:
         names = ", ".join(loaded["state_diffs"][:5])
-        problems.append(f"{len(loaded['state_diffs'])} of {loaded['entries']} loaded entries differ from the oracle ({names})")
+        problems.append(
+            f"{len(loaded['state_diffs'])} of {loaded['entries']} loaded entries differ from the oracle ({names})"
+        )
     if same_layout:
         if res != ref[k:]:
             problems.append("same layout but losses are not bitwise equal")
@@ -179,11 +220,15 @@ def report(a: argparse.Namespace) -> int:
         return 1
     io_stats = loaded.get("io")
     if io_stats:
-        print(f"I/O: {io_stats['bytes_read'] / 1e6:.2f} MB read from storage, {io_stats['bytes_received'] / 1e6:.2f} MB "
-              f"received from the rank that read them; {io_stats['items']} saved items, "
-              f"{io_stats['items_read_by_several_ranks']} read (in parts) by several ranks, "
-              f"{io_stats['items_read_on_several_hosts']} on several of {io_stats['hosts']} host(s)")
-    print(f"RESUME OK: {saved['topology']} -> {loaded['topology']}: {loaded['entries']} state entries bitwise equal, {loss_note}")
+        print(
+            f"I/O: {io_stats['bytes_read'] / 1e6:.2f} MB read from storage, {io_stats['bytes_received'] / 1e6:.2f} MB "
+            f"received from the rank that read them; {io_stats['items']} saved items, "
+            f"{io_stats['items_read_by_several_ranks']} read (in parts) by several ranks, "
+            f"{io_stats['items_read_on_several_hosts']} on several of {io_stats['hosts']} host(s)"
+        )
+    print(
+        f"RESUME OK: {saved['topology']} -> {loaded['topology']}: {loaded['entries']} state entries bitwise equal, {loss_note}"
+    )
     return 0
 
 
@@ -230,8 +275,9 @@ def _run_phase(a: argparse.Namespace) -> None:
 
 
 def _worker(rank: int, world: int, port: int, argv: list[str], phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     a = _args(argv)
     a.phase = phase
     _run_phase(a)

@@ -39,21 +39,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException  # noqa: E402
 
 ROWS, COLS = 96, 1024  # per rank: 384 KiB of the sharded parameter (flips and truncations)
-CRASH_ROWS = 8192      # per rank for crash runs: 32 MiB, so a save lasts long enough to be hit
+CRASH_ROWS = 8192  # per rank for crash runs: 32 MiB, so a save lasts long enough to be hit
 
 
 # -- the state: DTensor shards, a replicated tensor, objects (some holding tensors) -------------------
+
 
 def full_state(gen: int, world: int, rows: int = ROWS) -> dict[str, Any]:
     """The logical state of generation ``gen`` (what any load must return)."""
     g = torch.Generator().manual_seed(1000 + gen)
     return {
-        "model": {"w": torch.randn(world * rows, COLS, generator=g), "norm": torch.randn(COLS, generator=g),
-                  "emb": torch.randn(64, 32, generator=g).to(torch.bfloat16)},
+        "model": {
+            "w": torch.randn(world * rows, COLS, generator=g),
+            "norm": torch.randn(COLS, generator=g),
+            "emb": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        },
         "optim": {"lr": 0.001 * (gen + 1), "betas": (0.9, 0.95), "step": torch.tensor(10 * gen)},
         "train": {"step": gen, "run": f"run-{gen}", "rng": (torch.arange(4) + gen,), "milestones": [1, 2, gen]},
     }
@@ -67,7 +70,7 @@ def local_state(rank: int, world: int, gen: int, rows: int) -> dict[str, Any]:
     sd = full_state(gen, world, rows)
     mesh = init_device_mesh("cpu", (world,))
     w = sd["model"]["w"]
-    sd["model"]["w"] = DTensor.from_local(w[rank * rows:(rank + 1) * rows].clone(), mesh, [Shard(0)], run_check=False)
+    sd["model"]["w"] = DTensor.from_local(w[rank * rows : (rank + 1) * rows].clone(), mesh, [Shard(0)], run_check=False)
     return sd
 
 
@@ -106,9 +109,11 @@ def load_single(path: str, world: int, rows: int, system: str = "ucp") -> dict[s
 
 # -- ranks ---------------------------------------------------------------------------------------------
 
+
 def _rank_main(rank: int, world: int, port: int, folder: str, gen: int, rows: int, q: Any, system: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     warnings.simplefilter("ignore")
     log = os.open(os.path.join(os.path.dirname(folder), f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
@@ -152,12 +157,19 @@ class JobDidNotStart(RuntimeError):
     """The ranks did not all reach the save (a start-up failure, not a result)."""
 
 
-def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None = None,
-             rng: random.Random | None = None, system: str = "ucp") -> dict[str, Any]:
+def save_job(
+    folder: str,
+    gen: int,
+    world: int,
+    rows: int,
+    kill_after: float | None = None,
+    rng: random.Random | None = None,
+    system: str = "ucp",
+) -> dict[str, Any]:
     """Run a ``world``-rank save of generation ``gen``; with ``kill_after``, SIGKILL a random rank that
     many seconds after all ranks started saving, then the rest of the job. Start-up failures are
     retried (they say nothing about the checkpoint)."""
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             return _save_job(folder, gen, world, rows, kill_after, rng, system)
         except JobDidNotStart as e:
@@ -165,8 +177,9 @@ def save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | N
     raise JobDidNotStart("three attempts")
 
 
-def _save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | None,
-              rng: random.Random | None, system: str) -> dict[str, Any]:
+def _save_job(
+    folder: str, gen: int, world: int, rows: int, kill_after: float | None, rng: random.Random | None, system: str
+) -> dict[str, Any]:
     import queue as queue_mod
 
     ctx = _ctx()
@@ -209,6 +222,7 @@ def _save_job(folder: str, gen: int, world: int, rows: int, kill_after: float | 
 
 # -- fault kinds ---------------------------------------------------------------------------------------
 
+
 def _files(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
 
@@ -216,7 +230,7 @@ def _files(folder: str) -> list[str]:
 def _judge(path: str, want: dict[str, Any], world: int, rows: int) -> tuple[str, bool]:
     """(load outcome, verify flagged it): outcome is 'raised', 'harmless', 'silent' or 'foreign:<type>'."""
     import ucp_dcp
-    from ucp_dcp.verify import verify
+    from ucp_dcp.tools.verify import verify
 
     try:
         got = load_single(path, world, rows)
@@ -228,7 +242,9 @@ def _judge(path: str, want: dict[str, Any], world: int, rows: int) -> tuple[str,
     return outcome, verify(path).exit_code != 0
 
 
-def damage_trials(kind: str, n: int, base: str, work: str, world: int, rng: random.Random) -> tuple[int, list[str], dict]:
+def damage_trials(
+    kind: str, n: int, base: str, work: str, world: int, rng: random.Random
+) -> tuple[int, list[str], dict]:
     want = full_state(1, world)
     files = _files(base)
     caught, notes, tally = 0, [], {}
@@ -251,7 +267,9 @@ def damage_trials(kind: str, n: int, base: str, work: str, world: int, rng: rand
             os.truncate(p, cut)
             what = f"{name} cut to {cut}/{size}"
         outcome, flagged = _judge(trial, want, world, ROWS)
-        key = f"{'data' if name.endswith('.distcp') else name.split('.')[1] or 'metadata'}: load {outcome.split(':')[0]}"
+        key = (
+            f"{'data' if name.endswith('.distcp') else name.split('.')[1] or 'metadata'}: load {outcome.split(':')[0]}"
+        )
         tally[key] = tally.get(key, 0) + 1
         ok = outcome in ("raised", "harmless") and flagged
         caught += ok
@@ -288,8 +306,9 @@ def crash_trials(n: int, work: str, rng: random.Random, system: str = "ucp") -> 
         else:
             kept["previous" if which == current else "new"] += 1
             current = which
-    notes.append(f"after the kills the folder held the previous checkpoint {kept['previous']}x, the new one "
-                 f"{kept['new']}x")
+    notes.append(
+        f"after the kills the folder held the previous checkpoint {kept['previous']}x, the new one {kept['new']}x"
+    )
     # the next save removes what the interrupted ones left
     save_job(folder, n + 1, world, CRASH_ROWS, system=system)
     try:
@@ -300,7 +319,7 @@ def crash_trials(n: int, work: str, rng: random.Random, system: str = "ucp") -> 
     if not back_ok:
         lost += 1
         notes.append("the save after the crashes did not load back")
-    import ucp_dcp.summary as ins
+    import ucp_dcp.storage.opening as ins
 
     _, integ = ins.open_path(folder)
     if integ.strays and system == "ucp":
@@ -349,9 +368,12 @@ def code_exec_cases(work: str, base: str) -> tuple[int, int, list[str]]:
             os.remove(os.path.join(evil_md, n))
     marker = os.path.join(work, "pwned_md")
     Path(evil_md, ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    check("inspect of a crafted .metadata", marker, lambda: subprocess.run(
-        [sys.executable, "-m", "ucp_dcp", "inspect", evil_md], capture_output=True, timeout=120))
-    check("verify of a crafted .metadata", marker, lambda: __import__("ucp_dcp.verify").verify.verify(evil_md))
+    check(
+        "inspect of a crafted .metadata",
+        marker,
+        lambda: subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", evil_md], capture_output=True, timeout=120),
+    )
+    check("verify of a crafted .metadata", marker, lambda: __import__("ucp_dcp.tools.verify").verify.verify(evil_md))
     check("load of a crafted .metadata", marker, lambda: load_single(evil_md, 2, ROWS))
 
     # 4: a hostile writer stores a crafted object under a valid checksum
@@ -380,7 +402,7 @@ def code_exec_cases(work: str, base: str) -> tuple[int, int, list[str]]:
     md = pickle.loads(Path(evil_t, ".metadata").read_bytes())  # our own fixture: trusted
     buf = io.BytesIO()
     torch.save(_Payload(marker_t), buf)
-    (index, info), = [(k, v) for k, v in md.storage_data.items()]
+    ((index, info),) = [(k, v) for k, v in md.storage_data.items()]
     Path(evil_t, info.relative_path).write_bytes(buf.getvalue())
     info.offset, info.length = 0, len(buf.getvalue())
     Path(evil_t, ".metadata").write_bytes(pickle.dumps(md))
@@ -401,13 +423,17 @@ def main() -> int:
     ap.add_argument("--crashes", type=int, default=20)
     ap.add_argument("--only", choices=["flips", "truncations", "crashes", "code-exec"], default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--system", choices=["ucp", "dcp"], default="ucp",
-                    help="crashes only: 'dcp' runs the same kills against DCP's default planner and storage")
+    ap.add_argument(
+        "--system",
+        choices=["ucp", "dcp"],
+        default="ucp",
+        help="crashes only: 'dcp' runs the same kills against DCP's default planner and storage",
+    )
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     rng = random.Random(a.seed)
     work = tempfile.mkdtemp(prefix="ucp-faults-")
-    run = (lambda k: a.only in (None, k))
+    run = lambda k: a.only in (None, k)
     parts, notes, bad = [], [], False
     try:
         base = os.path.join(work, "base")
@@ -422,16 +448,22 @@ def main() -> int:
             parts.append(f"{label} {c}/{n}" + (" caught" if kind == "flip" else ""))
             bad |= c < n
             notes += nn
-            print(f"{label}: {c}/{n} caught by verify and load ({time.perf_counter() - t:.1f} s); "
-                  f"{dict(sorted(tally.items()))}", flush=True)
+            print(
+                f"{label}: {c}/{n} caught by verify and load ({time.perf_counter() - t:.1f} s); "
+                f"{dict(sorted(tally.items()))}",
+                flush=True,
+            )
         if run("crashes") and a.crashes:
             t = time.perf_counter()
             lost, nn, t_save = crash_trials(a.crashes, work, rng, a.system)
             parts.append(f"crashes {lost}/{a.crashes} lost" + (" (DCP default)" if a.system == "dcp" else ""))
             bad |= lost > 0
             notes += nn
-            print(f"crashes: {lost}/{a.crashes} lost (4 ranks, {4 * CRASH_ROWS * COLS * 4 >> 20} MiB, save {t_save:.2f} s; "
-                  f"{time.perf_counter() - t:.1f} s)", flush=True)
+            print(
+                f"crashes: {lost}/{a.crashes} lost (4 ranks, {4 * CRASH_ROWS * COLS * 4 >> 20} MiB, save {t_save:.2f} s; "
+                f"{time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
         if run("code-exec"):
             ran, cases, nn = code_exec_cases(work, base)
             parts.append(f"code-exec {ran}/{cases}")

@@ -41,8 +41,13 @@ sys.path.insert(0, str(ROOT / "recipes" / "foreign"))
 def _make(script: str, *args: str) -> float:
     t0 = time.perf_counter()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, str(ROOT / "recipes" / "foreign" / script), *args], env=env,
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "foreign" / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if res.returncode:
         print(res.stdout[-2000:], res.stderr[-4000:])
         raise SystemExit(f"FOREIGN MISMATCH: {script} {' '.join(args)} failed (exit {res.returncode})")
@@ -50,8 +55,9 @@ def _make(script: str, *args: str) -> float:
 
 
 def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     warnings.simplefilter("ignore")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # the oracle's gathers
     torch.set_num_threads(1)
@@ -66,11 +72,11 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
         state = load_into_toy(topo, kind, path, options)
         results[name] = (state, time.perf_counter() - t0)
     # train one step from a loaded state (DeepSpeed ZeRO-3): the resumed optimizer steps
+    import torch.distributed.checkpoint as dcp
     from views import deepspeed_config
 
-    import torch.distributed.checkpoint as dcp
     from ucp_dcp import UCPLoadPlanner
-    from ucp_dcp.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
 
     cfg = deepspeed_config()
     job = build_job(Topology.parse(topo))
@@ -98,20 +104,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    made = {"DeepSpeed ZeRO-1": _make("make_deepspeed.py", "--out", str(out / "zero1"), "--stage", "1", "--world", "3"),
-            "DeepSpeed ZeRO-3 (+ds_to_universal)": _make("make_deepspeed.py", "--out", str(out / "zero3"), "--stage",
-                                                         "3", "--world", "3", "--universal")}
+    made = {
+        "DeepSpeed ZeRO-1": _make("make_deepspeed.py", "--out", str(out / "zero1"), "--stage", "1", "--world", "3"),
+        "DeepSpeed ZeRO-3 (+ds_to_universal)": _make(
+            "make_deepspeed.py", "--out", str(out / "zero3"), "--stage", "3", "--world", "3", "--universal"
+        ),
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    made["Megatron-Core torch_dist (tp=2)"] = _make("make_megatron.py", "--out", str(out / "megatron"), "--tp", "2",
-                                                    "--port", port)
+    made["Megatron-Core torch_dist (tp=2)"] = _make(
+        "make_megatron.py", "--out", str(out / "megatron"), "--tp", "2", "--port", port
+    )
     for what, sec in made.items():
         print(f"  made by the real library: {what:38s} {sec:5.1f} s")
-    cases = [("DeepSpeed ZeRO-1", "deepspeed", str(out / "zero1"), {}),
-             ("DeepSpeed ZeRO-3", "deepspeed", str(out / "zero3"), {}),
-             ("DeepSpeed universal (from ZeRO-3)", "deepspeed", str(out / "zero3"), {"universal": True}),
-             ("Megatron-Core torch_dist tp=2", "megatron", str(out / "megatron"), {})]
+    cases = [
+        ("DeepSpeed ZeRO-1", "deepspeed", str(out / "zero1"), {}),
+        ("DeepSpeed ZeRO-3", "deepspeed", str(out / "zero3"), {}),
+        ("DeepSpeed universal (from ZeRO-3)", "deepspeed", str(out / "zero3"), {"universal": True}),
+        ("Megatron-Core torch_dist tp=2", "megatron", str(out / "megatron"), {}),
+    ]
     from ucp_dcp.toy import Topology
 
     world = Topology.parse(a.layout).world
@@ -136,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         view = deepspeed_view(path) if kind == "deepspeed" else megatron_view(path)
         n, bad = compare(view, state)
         total += n
-        print(f"  {name:34s} -> toy at {a.layout}: {n} tensors bitwise equal to the library's own view"
-              f"{'' if not bad else f', {len(bad)} NOT'}; {state['__bytes_read__']} bytes read by rank 0, {sec:.2f} s")
+        print(
+            f"  {name:34s} -> toy at {a.layout}: {n} tensors bitwise equal to the library's own view"
+            f"{'' if not bad else f', {len(bad)} NOT'}; {state['__bytes_read__']} bytes read by rank 0, {sec:.2f} s"
+        )
         if bad:
             problems.append(f"{name}: {bad[:3]}")
     if not torch.isfinite(torch.tensor(got["loss"])) or got["step"] != 4.0:
@@ -146,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("FOREIGN MISMATCH: " + "; ".join(problems))
         return 1
-    print(f"FOREIGN OK: DeepSpeed ZeRO-1, ZeRO-3 and universal and Megatron-Core torch_dist checkpoints written by the "
-          f"real libraries load at {a.layout} inside dcp.load, {total} tensors bitwise equal to the libraries' own views "
-          "(params, fp32 master, Adam moments, step, group hyperparameters); training continues from them")
+    print(
+        f"FOREIGN OK: DeepSpeed ZeRO-1, ZeRO-3 and universal and Megatron-Core torch_dist checkpoints written by the "
+        f"real libraries load at {a.layout} inside dcp.load, {total} tensors bitwise equal to the libraries' own views "
+        "(params, fp32 master, Adam moments, step, group hyperparameters); training continues from them"
+    )
     return 0
 
 

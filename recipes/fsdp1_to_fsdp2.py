@@ -69,8 +69,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-ranks", type=int, default=4, help="N: FSDP1 ranks of the save job")
     ap.add_argument("--load-ranks", type=int, default=3, help="M: FSDP2 ranks of the resumed job")
     ap.add_argument("--steps", type=int, default=3, help="K: steps before the save, and after the resume")
-    ap.add_argument("--writer", choices=["ucp", "dcp"], default="ucp",
-                    help="save with ucp_dcp.save, or with dcp.save and DCP's default planner (a stock FSDP1 checkpoint)")
+    ap.add_argument(
+        "--writer",
+        choices=["ucp", "dcp"],
+        default="ucp",
+        help="save with ucp_dcp.save, or with dcp.save and DCP's default planner (a stock FSDP1 checkpoint)",
+    )
     ap.add_argument("--out", default=None, help="output folder (default runs/fsdp1_to_fsdp2/<N>_to_<M>)")
     ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)  # test hook: flip one loaded element
     a = ap.parse_args(argv)
@@ -84,13 +88,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -- training ---------------------------------------------------------------------------------------------
 
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's equal slice of the global batch of ``step``."""
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
     n = GLOBAL_BATCH // dist.get_world_size()
     r = dist.get_rank()
-    return x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
+    return x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
@@ -107,8 +112,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float
 
 def fsdp1_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=True,
-                 auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    model = FSDP(
+        Net(), device_id=torch.device("cpu"), use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+    )
     return model, torch.optim.AdamW(model.parameters(), **HYPER)
 
 
@@ -123,6 +129,7 @@ def fsdp2_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 # -- logical state (no ucp_dcp code) ------------------------------------------------------------------------
+
 
 def _full(v):
     """The logical value of a state-dict entry: ShardedTensors gathered from every rank's local shards."""
@@ -156,8 +163,12 @@ def compare_state(oracle: dict, loaded: dict) -> list[str]:
     for k in sorted(set(oracle) & set(loaded)):
         a, b = oracle[k], loaded[k]
         if isinstance(a, torch.Tensor):
-            same = (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                    and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+            same = (
+                isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            )
         else:
             same = a == b
         if not same:
@@ -166,6 +177,7 @@ def compare_state(oracle: dict, loaded: dict) -> list[str]:
 
 
 # -- the two jobs -------------------------------------------------------------------------------------------
+
 
 def save_phase(a: argparse.Namespace) -> None:
     out, lead = Path(a.out), dist.get_rank() == 0
@@ -204,8 +216,9 @@ def load_phase(a: argparse.Namespace) -> None:
     diffs = compare_state(torch.load(out / "oracle.pt", weights_only=False), loaded) if lead else []
     losses = [train_step(model, opt, s) for s in range(a.steps + 1, 2 * a.steps + 1)]
     if lead:
-        (out / "load.json").write_text(json.dumps({"ranks": dist.get_world_size(), "losses": losses,
-                                                   "state_diffs": diffs, "entries": len(loaded)}))
+        (out / "load.json").write_text(
+            json.dumps({"ranks": dist.get_world_size(), "losses": losses, "state_diffs": diffs, "entries": len(loaded)})
+        )
 
 
 def report(a: argparse.Namespace) -> int:
@@ -215,8 +228,10 @@ def report(a: argparse.Namespace) -> int:
     k = a.steps
     ref, res = saved["losses"], loaded["losses"]
     what = f"FSDP1 on {saved['ranks']} ranks -> FSDP2 on {loaded['ranks']} ranks"
-    print(f"\n{what}, K={k}, checkpoint written by {'ucp_dcp.save' if a.writer == 'ucp' else 'dcp.save (default planner)'}"
-          f" from {'/'.join(saved['kinds'])} values ({out})")
+    print(
+        f"\n{what}, K={k}, checkpoint written by {'ucp_dcp.save' if a.writer == 'ucp' else 'dcp.save (default planner)'}"
+        f" from {'/'.join(saved['kinds'])} values ({out})"
+    )
     print(f"{'step':>5} {'reference':>14} {'resumed':>14} {'rel diff':>10}")
     rels = []
     for i, r in enumerate(ref, start=1):
@@ -228,8 +243,10 @@ def report(a: argparse.Namespace) -> int:
         print(f"{i:>5} {r:>14.8f} {x:>14.8f} {rels[-1]:>10.2e}")
     problems = []
     if loaded["state_diffs"]:
-        problems.append(f"{len(loaded['state_diffs'])} of {loaded['entries']} loaded entries differ from the oracle "
-                        f"({', '.join(loaded['state_diffs'][:5])})")
+        problems.append(
+            f"{len(loaded['state_diffs'])} of {loaded['entries']} loaded entries differ from the oracle "
+            f"({', '.join(loaded['state_diffs'][:5])})"
+        )
     if rels[0] > TOL_FIRST:
         problems.append(f"first resumed step rel diff {rels[0]:.2e} > {TOL_FIRST:g}")
     if rels[-1] > TOL_LAST:
@@ -237,16 +254,20 @@ def report(a: argparse.Namespace) -> int:
     if problems:
         print(f"RESUME MISMATCH: {what}: " + "; ".join(problems))
         return 1
-    print(f"RESUME OK: {what}: {loaded['entries']} model and optimizer entries bitwise equal, loss rel diff "
-          f"{rels[0]:.1e} at step {k + 1}, {rels[-1]:.1e} at step {2 * k}")
+    print(
+        f"RESUME OK: {what}: {loaded['entries']} model and optimizer entries bitwise equal, loss rel diff "
+        f"{rels[0]:.1e} at step {k + 1}, {rels[-1]:.1e} at step {2 * k}"
+    )
     return 0
 
 
 # -- processes ----------------------------------------------------------------------------------------------
 
+
 def _worker(rank: int, world: int, port: int, argv: list[str], phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     warnings.filterwarnings("ignore")  # FSDP1 and ShardedTensor deprecation notices, per call
     torch.set_num_threads(1)
     a = _args(argv)

@@ -8,10 +8,10 @@
 2. Fresh processes load the Llama into the toy LLM at dp=2·tp=2 (fused QKV and SwiGLU, padded
    vocabulary, rotary rows permuted) and at pp=2 (stage-local layer names), and the Mixtral at
    ep=2·tp=2 (experts as slices of stacked ``[E, F, D]`` DTensors and as EP-local lists), inside
-   ``dcp.load`` (``ucp_dcp.hf.load_hf``); each compares its logits with transformers' and counts
+   ``dcp.load`` (``ucp_dcp.sources.hf.load_hf``); each compares its logits with transformers' and counts
    the bytes each rank read against the bytes its own shards hold.
 3. The dp=2·tp=2 job trains K steps, saves a ucp_dcp checkpoint and exports it collectively with
-   ``ucp_dcp.hf.export_hf``; ``transformers`` loads the export and its logits must equal the trained
+   ``ucp_dcp.sources.hf.export_hf``; ``transformers`` loads the export and its logits must equal the trained
    model's.
 
 The last line is ``HF OK: ...`` (exit 0) or ``HF MISMATCH: ...`` (exit 1).
@@ -38,10 +38,12 @@ ATOL = 2e-5
 
 
 def _models() -> dict:
-    from ucp_dcp.toy.hf import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
-    return {"llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
-            "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig")}
+    return {
+        "llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
+        "mixtral": (TOY_MIXTRAL, toy_mixtral, "MixtralForCausalLM", "MixtralConfig"),
+    }
 
 
 def _make_hf(out: Path, tokens: torch.Tensor) -> dict:
@@ -60,14 +62,15 @@ def _make_hf(out: Path, tokens: torch.Tensor) -> dict:
 
 
 def _job(rank: int, world: int, port: int, out: str, kind: str, topo_text: str, steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     warnings.simplefilter("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     import ucp_dcp
-    from ucp_dcp.hf import export_hf, load_hf
+    from ucp_dcp.sources.hf import export_hf, load_hf
     from ucp_dcp.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
 
     cfg, preset = _models()[kind][:2]
@@ -76,8 +79,11 @@ def _job(rank: int, world: int, port: int, out: str, kind: str, topo_text: str, 
     opts = ucp_options(cfg, job.topo, job.coord, model_only=True)
     tokens = torch.load(Path(out) / "tokens.pt")
     stats = load_hf({"model": tr.state_dict()["model"]}, Path(out) / f"hf-{kind}", preset(cfg), quiet=True, **opts)
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                for c in tr.chunks for p in c.parameters())
+    local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+        for c in tr.chunks
+        for p in c.parameters()
+    )
     res = {"read": stats.bytes_read, "local": local, "logits": live_logits(tr, tokens)}
     if steps:
         for _ in range(steps):
@@ -110,7 +116,9 @@ def _spawn(out: Path, kind: str, topo_text: str, steps: int) -> list[dict]:
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
-        raise SystemExit(f"HF MISMATCH: the {kind} job at {topo_text} failed (exit codes {[p.exitcode for p in procs]})")
+        raise SystemExit(
+            f"HF MISMATCH: the {kind} job at {topo_text} failed (exit codes {[p.exitcode for p in procs]})"
+        )
     return torch.load(out / f"result-{kind}-{topo_text}.pt", weights_only=False)
 
 
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     import transformers
 
-    from ucp_dcp.toy.hf import TOY_LLAMA
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA
 
     tokens = torch.randint(0, TOY_LLAMA.vocab, (3, TOY_LLAMA.seq_len), generator=torch.Generator().manual_seed(5))
     torch.save(tokens, out / "tokens.pt")
@@ -143,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         over = [i for i, r in enumerate(res) if r["read"] > r["local"]]
         if over:
             problems.append(f"{kind} at {topo}: rank(s) {over} read more bytes than their shards hold")
-        lines.append(f"  {kind:8s} {topo:10s} logits max|d| {d:.1e}; bytes read per rank {reads} "
-                     f"(own shards {[r['local'] for r in res]})")
+        lines.append(
+            f"  {kind:8s} {topo:10s} logits max|d| {d:.1e}; bytes read per rank {reads} "
+            f"(own shards {[r['local'] for r in res]})"
+        )
         if steps:
             ex = out / f"{kind}-{topo.replace(',', '_').replace('=', '')}-hf"
             back = transformers.AutoModelForCausalLM.from_pretrained(ex).eval()
@@ -154,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             dx = float((got - trained).abs().max())
             moved = float((trained - refs[kind]).abs().max())
             files = sorted(p.name for p in ex.iterdir())
-            lines.append(f"  export after {steps} steps: {len(files)} files, transformers logits max|d| {dx:.1e} "
-                         f"(training moved them by {moved:.2f})")
+            lines.append(
+                f"  export after {steps} steps: {len(files)} files, transformers logits max|d| {dx:.1e} "
+                f"(training moved them by {moved:.2f})"
+            )
             if dx > ATOL:
                 problems.append(f"export: transformers' logits differ from the trained model's by {dx:.2e}")
             if moved < 1e-3:
@@ -164,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("HF MISMATCH: " + "; ".join(problems))
         return 1
-    print(f"HF OK: transformers' Llama ({refs['llama-params']} params) loads at dp=2·tp=2 and pp=2 and its Mixtral "
-          f"({refs['mixtral-params']} params) at ep=2·tp=2 inside dcp.load with equal logits (max |d| {worst:.1e}), "
-          f"no rank reading more than its own shards; after {a.steps} steps the export loads in transformers with "
-          "equal logits")
+    print(
+        f"HF OK: transformers' Llama ({refs['llama-params']} params) loads at dp=2·tp=2 and pp=2 and its Mixtral "
+        f"({refs['mixtral-params']} params) at ep=2·tp=2 inside dcp.load with equal logits (max |d| {worst:.1e}), "
+        f"no rank reading more than its own shards; after {a.steps} steps the export loads in transformers with "
+        "equal logits"
+    )
     return 0
 
 

@@ -2,7 +2,7 @@
 both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's) on every
 transition of the reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
 and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
-``MISTAKES FAILED: ...``. The harness is tests/mistakes.py (run in-process on the tests' worker pool).
+``MISTAKES FAILED: ...``. The harness is tests/support/mistakes.py (run in-process on the tests' worker pool).
 
     python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
 """
@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the harness (tests/mistakes.py) and the pool; reconfig is found beside this file
+sys.path.insert(
+    0, str(ROOT / "tests" / "support")
+)  # the harness (tests/support/mistakes.py) and the pool; reconfig is found beside this file
 
 import warnings  # noqa: E402
 
@@ -31,6 +33,7 @@ def run_transition(save: str, load: str, names: list[str], timeout: float = 1500
     finished before it and reports the others as crashed."""
     import dist as D
     from mistakes import transition_worker
+
     from ucp_dcp.toy import Topology
 
     world = 4 if max(Topology.parse(save).world, Topology.parse(load).world) <= 4 else 8
@@ -43,8 +46,11 @@ def run_transition(save: str, load: str, names: list[str], timeout: float = 1500
         seen = {r["mistake"] for r in done}
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else "task failed"
         print(f"# {save} -> {load}: the task failed after {len(done)} runs:\n{str(e)[-6000:]}", file=sys.stderr)
-        return done + [{"save": save, "load": load, "mistake": n, "outcome": "crash", "error": f"task failed: {why}"}
-                       for n in names if n not in seen]
+        return done + [
+            {"save": save, "load": load, "mistake": n, "outcome": "crash", "error": f"task failed: {why}"}
+            for n in names
+            if n not in seen
+        ]
 
 
 def main() -> int:
@@ -68,11 +74,15 @@ def main() -> int:
         rs = run_transition(save, load, names)
         results += rs
         bad = sum(1 for r in rs if r["outcome"] in ("silent", "crash", "unclear"))
-        print(f"# {save} -> {load}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s",
-              flush=True)
+        print(
+            f"# {save} -> {load}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s",
+            flush=True,
+        )
         if a.v:
             for r in rs:
-                print(f"#   {r['mistake']:<28} {r['outcome']:<14} {r.get('error', '') or r.get('first', '')}", flush=True)
+                print(
+                    f"#   {r['mistake']:<28} {r['outcome']:<14} {r.get('error', '') or r.get('first', '')}", flush=True
+                )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(results, indent=1, default=str))

@@ -28,8 +28,21 @@ SHAPE_CHANGE = ("pp=2,dp=64,tp=4", "ffn_dim=56")
 
 def _plan(ckpt: Path, out: Path, topology: str, model: str | None = None) -> tuple[dict, float, str]:
     tag = topology.replace(",", "_").replace("=", "") + ("_" + model.replace("=", "") if model else "")
-    cmd = [sys.executable, "-m", "ucp_dcp", "plan", str(ckpt), "--target", "recipe", "--topology", topology,
-           "--bandwidth", "2GB/s", "--json", str(out / f"{tag}.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ucp_dcp",
+        "plan",
+        str(ckpt),
+        "--target",
+        "recipe",
+        "--topology",
+        topology,
+        "--bandwidth",
+        "2GB/s",
+        "--json",
+        str(out / f"{tag}.json"),
+    ]
     if model:
         cmd += ["--model", model]
     t0 = time.perf_counter()
@@ -50,9 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "save" / "ckpt"
     if not (ckpt / ".metadata").exists():
-        save = subprocess.run([sys.executable, str(ROOT / "recipes" / "elastic_resume.py"), "--save-topology", "dp=2",
-                               "--load-topology", "dp=2", "--steps", "1", "--phase", "save", "--out",
-                               str(out / "save")], capture_output=True, text=True, cwd=ROOT)
+        save = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "recipes" / "elastic_resume.py"),
+                "--save-topology",
+                "dp=2",
+                "--load-topology",
+                "dp=2",
+                "--steps",
+                "1",
+                "--phase",
+                "save",
+                "--out",
+                str(out / "save"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if save.returncode != 0:
             print(save.stdout[-2000:], save.stderr[-3000:], sep="\n")
             print("PLAN MISMATCH: the recipe could not save its checkpoint")
@@ -76,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     report, seconds, text = _plan(ckpt, out, topology, model)
     print(f"\n$ python -m ucp_dcp plan {ckpt} --target recipe --topology {topology} --model {model}")
     print("\n".join(text.splitlines()[:6]))
-    named = report["problems"] and report["problems"][0]["error"] == "ShapeMismatchError" and \
-        "ffn.w1.weight" in report["problems"][0]["message"]
+    named = (
+        report["problems"]
+        and report["problems"][0]["error"] == "ShapeMismatchError"
+        and "ffn.w1.weight" in report["problems"][0]["message"]
+    )
     if report["loads"] or not named:
         problems.append(f"{topology} with {model} should fail with a ShapeMismatchError naming ffn.w1.weight")
     if problems:
@@ -86,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     biggest = max(timings)
     lines = report["problems"][0]["message"].splitlines()
     named_line = next((line.strip() for line in lines if "atom '" in line), lines[0])
-    print(f"PLAN OK: {len(layouts)} layouts load (up to {biggest} ranks, planned in {timings[biggest]:.0f} s), "
-          f"the shape change ({model}) is named: {named_line[:100]}")
+    print(
+        f"PLAN OK: {len(layouts)} layouts load (up to {biggest} ranks, planned in {timings[biggest]:.0f} s), "
+        f"the shape change ({model}) is named: {named_line[:100]}"
+    )
     return 0
 
 

@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     import matplotlib.pyplot as plt
 
     records = json.loads(Path(argv[0]).read_text())
-    cases = [r["case"].removeprefix("load ") for r in records if r["metric"] == "time_s" and r["case"].startswith("load ")]
+    cases = [
+        r["case"].removeprefix("load ") for r in records if r["metric"] == "time_s" and r["case"].startswith("load ")
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
     # load time
     ax = axes[0]
@@ -60,9 +62,13 @@ def main(argv: list[str]) -> int:
     # planning
     ax = axes[2]
     for phase, marker in (("save", "o"), ("load", "s")):
-        pts = sorted((int(r["case"].split()[2]), r["ucp"], r["dcp"]) for r in records
-                     if r["metric"] == "rank0_cpu_s" and r["case"].startswith(f"plan {phase} ")
-                     and not r["case"].endswith("cached"))
+        pts = sorted(
+            (int(r["case"].split()[2]), r["ucp"], r["dcp"])
+            for r in records
+            if r["metric"] == "rank0_cpu_s"
+            and r["case"].startswith(f"plan {phase} ")
+            and not r["case"].endswith("cached")
+        )
         if not pts:
             continue
         ranks = [p[0] for p in pts]

@@ -45,8 +45,22 @@ def main() -> int:
             continue
         out = Path(a.out) / f"{save}_to_{load}".replace(",", "_").replace("=", "")
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(recipe), "--save-topology", save, "--load-topology", load,
-                               "--steps", str(a.steps), "--out", str(out)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(recipe),
+                "--save-topology",
+                save,
+                "--load-topology",
+                load,
+                "--steps",
+                str(a.steps),
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+        )
         dt = time.perf_counter() - t0
         lines = proc.stdout.strip().splitlines()
         verdict = lines[-1] if lines else (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -1,7 +1,7 @@
 """torchtitan's stock Hugging Face path vs ucp_dcp's, measured on the same HF folder.
 
 One run: a random ``transformers`` Llama (the torchtitan llama3 model below, config.json from
-``ucp_dcp.torchtitan.hf.hf_mapping``) is saved with ``save_pretrained`` in bf16; then, for each
+``ucp_dcp.torchtitan.mappings.hf_mapping``) is saved with ``save_pretrained`` in bf16; then, for each
 layout (2 ranks: ``dp_shard=2`` and ``tp=2``) and each path, a ``torchrun`` job builds the model
 with torchtitan's own ``parallelize_fn`` and checkpoint manager and
 
@@ -65,14 +65,21 @@ def model_config(size: str):
 
     dim, n_layers, n_heads, n_kv, ffn, vocab = SIZES[size]
     return Llama3Model.Config(
-        dim=dim, vocab_size=vocab,
+        dim=dim,
+        vocab_size=vocab,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=L._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=L._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=L._output_linear_init(dim)),
         layers=L._build_llama3_layers(
-            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=ffn,
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            hidden_dim=ffn,
             rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
-            attn_backend="flex"),
+            attn_backend="flex",
+        ),
     )
 
 
@@ -116,7 +123,7 @@ def _count_stock_reads(hf_folder: str) -> list[int]:
     """Wrap the stock HF reader: bytes of every slice it takes from a file."""
     import torch.distributed.checkpoint.hf_storage as hfs
 
-    from ucp_dcp.hf.reader import scan_hf
+    from ucp_dcp.sources.hf.source import scan_hf
 
     itemsize = {name: st.tensors[name].dtype.itemsize for name, (_, st) in scan_hf(hf_folder).items()}
     total = [0]
@@ -146,7 +153,6 @@ def worker(args) -> None:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -169,9 +175,15 @@ def worker(args) -> None:
     apply_overrides(cfg.override, cfg)
     with torch.device("meta"):
         model = mc.build()
-    model = cfg.model_spec.parallelize_fn(model, parallel_dims=pd, training=cfg.training, parallelism=P,
-                                          compile_config=cfg.compile, ac_config=cfg.activation_checkpoint,
-                                          dump_folder=args.out)
+    model = cfg.model_spec.parallelize_fn(
+        model,
+        parallel_dims=pd,
+        training=cfg.training,
+        parallelism=P,
+        compile_config=cfg.compile,
+        ac_config=cfg.activation_checkpoint,
+        dump_folder=args.out,
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -198,8 +210,15 @@ def worker(args) -> None:
         def load_state_dict(self, sd):
             self.step = sd["step"]
 
-    ckpt = C.build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lrs,
-                   states={"train_state": TrainState()}, sd_adapter=adapter, base_folder=args.out)
+    ckpt = C.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=lrs,
+        states={"train_state": TrainState()},
+        sd_adapter=adapter,
+        base_folder=args.out,
+    )
     out = {"rank": rank}
 
     def measured(name, fn):
@@ -210,12 +229,16 @@ def worker(args) -> None:
             fn()
         dist.barrier()
         io1 = _io()
-        out[name] = {"seconds": time.perf_counter() - t0, "rss_before": rss.base, "rss_peak": rss.peak,
-                     "rchar": io1["rchar"] - io0["rchar"], "wchar": io1["wchar"] - io0["wchar"]}
+        out[name] = {
+            "seconds": time.perf_counter() - t0,
+            "rss_before": rss.base,
+            "rss_peak": rss.peak,
+            "rchar": io1["rchar"] - io0["rchar"],
+            "wchar": io1["wchar"] - io0["wchar"],
+        }
 
     measured("load", lambda: ckpt.load())
-    out["load"]["bytes_read"] = (stock_bytes[0] if stock_bytes is not None else
-                                 getattr(ckpt, "hf_load_stats").bytes_read)
+    out["load"]["bytes_read"] = stock_bytes[0] if stock_bytes is not None else ckpt.hf_load_stats.bytes_read
     if args.path == "ucp":
         out["load"]["bytes_received"] = ckpt.hf_load_stats.bytes_received
     digest = hashlib.sha256()
@@ -247,7 +270,7 @@ def make_hf_folder(size: str, folder: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ucp_dcp.torchtitan.hf import hf_mapping
+    from ucp_dcp.torchtitan.mappings import hf_mapping
 
     mapping = hf_mapping(model_config(size))
     cfg = dict(mapping.config)
@@ -279,9 +302,27 @@ def run(args) -> dict:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
             res = out / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--local-ranks-filter=0",
-                   __file__, "--worker", "--path", path, "--layout", layout, "--size", args.size, "--hf", str(hf),
-                   "--out", str(out), "--result", str(res)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--local-ranks-filter=0",
+                __file__,
+                "--worker",
+                "--path",
+                path,
+                "--layout",
+                layout,
+                "--size",
+                args.size,
+                "--hf",
+                str(hf),
+                "--out",
+                str(out),
+                "--result",
+                str(res),
+            ]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             (out / "log.txt").write_text(proc.stdout + proc.stderr)
@@ -291,8 +332,13 @@ def run(args) -> dict:
             ranks = json.loads(res.read_text())
             export = out / "checkpoint" / "step-1"
             results["runs"][f"{path} {layout}"] = {
-                "path": path, "layout": layout, "ranks": ranks, "job_seconds": time.perf_counter() - t0,
-                "export_bytes": _folder_bytes(export), "export_files": sorted(p.name for p in export.iterdir())}
+                "path": path,
+                "layout": layout,
+                "ranks": ranks,
+                "job_seconds": time.perf_counter() - t0,
+                "export_bytes": _folder_bytes(export),
+                "export_files": sorted(p.name for p in export.iterdir()),
+            }
             print(f"  {path:5s} {layout}: done in {time.perf_counter() - t0:.1f}s", flush=True)
     results["checks"] = _checks(work, results)
     return results
@@ -317,16 +363,20 @@ def _checks(work: Path, results: dict) -> dict:
         b = tensors(work / f"ucp-{layout}" / "checkpoint" / "step-1")
         checks[layout] = {
             "same_loaded_params": s["ranks"][0]["params_sha256"] == u["ranks"][0]["params_sha256"],
-            "stock_tensors": len(a), "ucp_tensors": len(b),
-            "same_hf_tensors": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)}
+            "stock_tensors": len(a),
+            "ucp_tensors": len(b),
+            "same_hf_tensors": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a),
+        }
     return checks
 
 
 def _table(results: dict) -> str:
     mib = lambda n: f"{n / 2**20:8.1f}"  # noqa: E731
-    rows = ["| path  | layout     | load s | load MiB read/rank | load RSS +MiB | save s | save MiB written/rank "
-            "| save RSS +MiB | HF folder MiB | max RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| path  | layout     | load s | load MiB read/rank | load RSS +MiB | save s | save MiB written/rank "
+        "| save RSS +MiB | HF folder MiB | max RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in results["runs"].values():
         rk = run["ranks"]
         worst = lambda op, key: max(r[op][key] for r in rk)  # noqa: E731
@@ -336,15 +386,18 @@ def _table(results: dict) -> str:
             f"{mib(max(r['load']['rss_peak'] - r['load']['rss_before'] for r in rk))} | "
             f"{worst('save', 'seconds'):6.2f} | {' / '.join(mib(r['save']['wchar']).strip() for r in rk):>21s} | "
             f"{mib(max(r['save']['rss_peak'] - r['save']['rss_before'] for r in rk))} | {mib(run['export_bytes'])} | "
-            f"{mib(max(r['maxrss'] for r in rk))} |")
+            f"{mib(max(r['maxrss'] for r in rk))} |"
+        )
     lines = ["\n".join(rows), ""]
     for layout in sorted({r["layout"] for r in results["runs"].values()}):
         s, u = results["runs"][f"stock {layout}"]["ranks"], results["runs"][f"ucp {layout}"]["ranks"]
         ratio = lambda op, key, agg=max: agg(r[op][key] for r in s) / max(agg(r[op][key] for r in u), 1e-9)  # noqa
-        lines.append(f"{layout}: stock/ucp  load time {ratio('load', 'seconds'):.2f}x, load bytes read (sum over "
-                     f"ranks) {ratio('load', 'bytes_read', sum):.2f}x, load RSS growth "
-                     f"{_growth(s, 'load') / max(_growth(u, 'load'), 1):.2f}x, save time {ratio('save', 'seconds'):.2f}x, "
-                     f"save bytes written (sum) {ratio('save', 'wchar', sum):.2f}x; checks {results['checks'][layout]}")
+        lines.append(
+            f"{layout}: stock/ucp  load time {ratio('load', 'seconds'):.2f}x, load bytes read (sum over "
+            f"ranks) {ratio('load', 'bytes_read', sum):.2f}x, load RSS growth "
+            f"{_growth(s, 'load') / max(_growth(u, 'load'), 1):.2f}x, save time {ratio('save', 'seconds'):.2f}x, "
+            f"save bytes written (sum) {ratio('save', 'wchar', sum):.2f}x; checks {results['checks'][layout]}"
+        )
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ from assets import make_assets  # noqa: E402
 TOL_FIRST, TOL_LAST = 1e-5, 1e-4  # relative loss difference at the first resumed and the last step
 
 UCP_CONFIG = "llama3_debugmodel_gqa_ucp"  # registry entry: UCP manager + global-cursor dataloader
-STOCK_CONFIG = "llama3_debugmodel_gqa"    # stock torchtitan checkpointer and dataloader
+STOCK_CONFIG = "llama3_debugmodel_gqa"  # stock torchtitan checkpointer and dataloader
 ONE_FLAG = "ucp_dcp.torchtitan.overrides.checkpointer"  # the --override.imports switch on a stock config
 
 # name -> (save topology, load topology, save config, load config, extra --override.imports at load,
@@ -44,8 +44,14 @@ TRANSITIONS = {
     "dp2async-dp1": ({"dp": 2}, {"dp": 1}, UCP_CONFIG, UCP_CONFIG, [], ["--checkpoint.async_mode", "async"]),
     # async checkpointing in a separate checkpoint process (DCP's PROCESS type: planner and storage
     # writer are pickled into it); on CPU without pinned memory or non-blocking copies (launcher (p))
-    "dp2pinned-dp1": ({"dp": 2}, {"dp": 1}, UCP_CONFIG, UCP_CONFIG, [],
-                      ["--checkpoint.async_mode", "async_with_pinned_mem"]),
+    "dp2pinned-dp1": (
+        {"dp": 2},
+        {"dp": 1},
+        UCP_CONFIG,
+        UCP_CONFIG,
+        [],
+        ["--checkpoint.async_mode", "async_with_pinned_mem"],
+    ),
     # torchtitan's default SPMD backend: FSDP at dp=2 (launcher (s)), resumed under pipeline parallelism
     "spmd-dp2-pp2": ({"dp": 2}, {"pp": 2}, UCP_CONFIG, UCP_CONFIG, [], [], ("spmd_types", "spmd_types")),
     # a checkpoint written by stock torchtitan (no UCP) resumes with the one-flag UCP switch on
@@ -69,25 +75,62 @@ def _world(topo: dict[str, int]) -> int:
     return n
 
 
-def _run(topo: dict[str, int], out: Path, assets: Path, steps: int, extra: list[str], env: dict[str, str],
-         config: str = UCP_CONFIG, overrides: list[str] = (), backend: str | None = "partial_dtensor",
-         ) -> subprocess.CompletedProcess:
+def _run(
+    topo: dict[str, int],
+    out: Path,
+    assets: Path,
+    steps: int,
+    extra: list[str],
+    env: dict[str, str],
+    config: str = UCP_CONFIG,
+    overrides: list[str] = (),
+    backend: str | None = "partial_dtensor",
+) -> subprocess.CompletedProcess:
     """One torchrun job of the launcher; ``backend=None`` leaves torchtitan's default SPMD backend."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={_world(topo)}", "--local-ranks-filter=0",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={_world(topo)}",
+        "--local-ranks-filter=0",
         str(HERE / "titan" / "cpu_launch.py"),
-        "--module", "ucp_dcp.torchtitan", "--config", config,
-        "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "dataset"),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-        "--training.steps", str(steps), "--training.mixed_precision_param", "float32", "--debug.seed", "0",
+        "--module",
+        "ucp_dcp.torchtitan",
+        "--config",
+        config,
+        "--hf_assets_path",
+        str(assets / "tokenizer"),
+        "--dataloader.dataset_path",
+        str(assets / "dataset"),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "float32",
+        "--debug.seed",
+        "0",
         *(["--parallelism.spmd_backend", backend] if backend else []),
-        "--override.imports", "cpu_attention.sdpa_attention", *overrides,
-        "--training.disable_cuda_graphs", "--checkpoint.enable", "--dump_folder", str(out),
-        *_topology_flags(topo), *extra,
+        "--override.imports",
+        "cpu_attention.sdpa_attention",
+        *overrides,
+        "--training.disable_cuda_graphs",
+        "--checkpoint.enable",
+        "--dump_folder",
+        str(out),
+        *_topology_flags(topo),
+        *extra,
     ]
     out.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "titan"), os.environ.get("PYTHONPATH", "")]),
-                **env}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE / "titan"), os.environ.get("PYTHONPATH", "")]),
+        **env,
+    }
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True)
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 and not env.get("UCP_TITAN_EXPECT_FAILURE"):
@@ -107,8 +150,11 @@ def _diffs(a: dict, b: dict) -> list[str]:
     bad = sorted(set(a) ^ set(b))
     for k in sorted(set(a) & set(b)):
         x, y = a[k], b[k]
-        same = (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-                if isinstance(x, torch.Tensor) else x == y)
+        same = (
+            isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            if isinstance(x, torch.Tensor)
+            else x == y
+        )
         if not same:
             bad.append(k)
     return bad
@@ -116,8 +162,13 @@ def _diffs(a: dict, b: dict) -> list[str]:
 
 def resume_flags(save: Path, k: int, steps: int) -> list[str]:
     """Start from the save job's step-k checkpoint (full state, not model-only)."""
-    return ["--checkpoint.interval", str(steps), "--checkpoint.initial_load_path",
-            str((save / "checkpoint" / f"step-{k}").resolve()), "--checkpoint.no-initial_load_model_only"]
+    return [
+        "--checkpoint.interval",
+        str(steps),
+        "--checkpoint.initial_load_path",
+        str((save / "checkpoint" / f"step-{k}").resolve()),
+        "--checkpoint.no-initial_load_model_only",
+    ]
 
 
 def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple[bool, str]:
@@ -128,12 +179,31 @@ def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     t0 = time.perf_counter()
-    _run(save_topo, save, assets, steps, ["--checkpoint.interval", str(k), *save_flags],
-         {"UCP_TITAN_METRICS": str(save / "loss.json"), "UCP_TITAN_STATE": str(save / "oracle.pt"),
-          "UCP_TITAN_STATE_STEP": str(k)}, config=save_cfg, backend=save_backend)
-    _run(load_topo, load, assets, steps, resume_flags(save, k, steps),
-         {"UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
-         config=load_cfg, overrides=overrides, backend=load_backend)
+    _run(
+        save_topo,
+        save,
+        assets,
+        steps,
+        ["--checkpoint.interval", str(k), *save_flags],
+        {
+            "UCP_TITAN_METRICS": str(save / "loss.json"),
+            "UCP_TITAN_STATE": str(save / "oracle.pt"),
+            "UCP_TITAN_STATE_STEP": str(k),
+        },
+        config=save_cfg,
+        backend=save_backend,
+    )
+    _run(
+        load_topo,
+        load,
+        assets,
+        steps,
+        resume_flags(save, k, steps),
+        {"UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
+        config=load_cfg,
+        overrides=overrides,
+        backend=load_backend,
+    )
     dt = time.perf_counter() - t0
     ref, res = _losses(save / "loss.json"), _losses(load / "loss.json")
     oracle = torch.load(save / "oracle.pt", weights_only=False)
@@ -160,13 +230,17 @@ def transition(name: str, root: Path, assets: Path, steps: int, k: int) -> tuple
         problems.append(f"step {steps} rel diff {rels[-1]:.1e} > {TOL_LAST:g}")
     if problems:
         return False, f"{name}: " + "; ".join(problems)
-    return True, (f"{name}: {len(oracle)} state entries bitwise equal, loss rel diff {rels[0]:.1e} at step {k + 1}, "
-                  f"{rels[-1]:.1e} at step {steps}")
+    return True, (
+        f"{name}: {len(oracle)} state entries bitwise equal, loss rel diff {rels[0]:.1e} at step {k + 1}, "
+        f"{rels[-1]:.1e} at step {steps}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", action="append", choices=sorted(TRANSITIONS), help="transition(s) to run (default: demo set)")
+    ap.add_argument(
+        "--only", action="append", choices=sorted(TRANSITIONS), help="transition(s) to run (default: demo set)"
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--save-step", type=int, default=2)
     ap.add_argument("--out", default="runs/titan_resume")

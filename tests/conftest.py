@@ -5,12 +5,20 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Make the `tests/` helpers (dist, helpers, training) importable here and in the worker processes. The toy
-# model and trainer come from the package (ucp_dcp.toy): nothing from recipes/ is imported into the test process.
-sys.path.insert(0, os.path.dirname(__file__))
+# The support modules (tests/support: the pool `dist`, `helpers`, the harnesses) are importable by their names,
+# here and in the worker processes: pyproject's [tool.pytest.ini_options] pythonpath puts tests/support on sys.path
+# (the workers inherit it); this line does the same for a run that does not read that config (pytest -c ...).
+# The toy model and trainer come from the package (ucp_dcp.toy): nothing from recipes/ is imported here.
+SUPPORT = os.path.join(os.path.dirname(__file__), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,
+    "ci",
+    derandomize=True,
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
@@ -30,7 +38,7 @@ def pytest_ignore_collect(collection_path, config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _worker_pools():
-    """The session's pools of gloo workers (tests/dist.py) are stopped when the session ends."""
+    """The session's pools of gloo workers (tests/support/dist.py) are stopped when the session ends."""
     yield
     dist = sys.modules.get("dist")
     if dist is not None:

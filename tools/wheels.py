@@ -66,20 +66,53 @@ def main() -> None:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "pins.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
     tag = a.python_version.replace(".", "")
-    platform = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                "--platform", "manylinux2014_x86_64", "--platform", "any"]
+    platform = [
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--platform",
+        "manylinux_2_17_x86_64",
+        "--platform",
+        "manylinux2014_x86_64",
+        "--platform",
+        "any",
+    ]
     built = []
     for name, version in sorted(pins.items()):
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-               a.python_version, "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3", "--abi", "none",
-               *platform, "-d", str(dest), f"{name}=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            a.python_version,
+            "--implementation",
+            "cp",
+            "--abi",
+            f"cp{tag}",
+            "--abi",
+            "abi3",
+            "--abi",
+            "none",
+            *platform,
+            "-d",
+            str(dest),
+            f"{name}=={version}",
+        ]
         if subprocess.run(cmd, capture_output=True).returncode != 0:  # sdist only: build a (pure Python) wheel
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest),
-                            f"{name}=={version}"], check=True, env={**__import__("os").environ, "DS_BUILD_OPS": "0"})
+            subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), f"{name}=={version}"],
+                check=True,
+                env={**__import__("os").environ, "DS_BUILD_OPS": "0"},
+            )
             built.append(name)
     size = sum(p.stat().st_size for p in dest.glob("*.whl"))
-    print(f"wheels: {len(pins)} distributions for Python {a.python_version} in {dest}/ ({size / 2**20:.1f} MiB); "
-          f"built from sdists: {built or 'none'}")
+    print(
+        f"wheels: {len(pins)} distributions for Python {a.python_version} in {dest}/ ({size / 2**20:.1f} MiB); "
+        f"built from sdists: {built or 'none'}"
+    )
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ which is ``dcp.save``/``dcp.load`` with :class:`UCPSavePlanner`/:class:`UCPLoadP
 :class:`UCPFileSystemWriter`/:class:`UCPFileSystemReader`.
 """
 
-from ._version import __version__
 from ._probes import check_torch as _check_torch
+from ._version import __version__
 
 _check_torch()
 
-from .catalog import CATALOG_KEY, read_catalog  # noqa: E402
+from .api import load, save  # noqa: E402
 from .errors import (  # noqa: E402
     AmbiguousLayoutError,
     CatalogVersionError,
@@ -23,13 +23,13 @@ from .errors import (  # noqa: E402
     CorruptCheckpointError,
     CoverageError,
     DtypeConversionError,
+    IncompleteCheckpointError,
     MissingAtomsError,
+    MissingFileError,
     ParamGroupError,
     PatternError,
     ReplicaMismatchError,
     ShapeMismatchError,
-    IncompleteCheckpointError,
-    MissingFileError,
     TruncatedFileError,
     UCPError,
     UnsafeCheckpointError,
@@ -40,15 +40,17 @@ from .errors import (  # noqa: E402
     raise_first_ucp_error,
     ucp_errors,
 )
-from .api import load, save  # noqa: E402
-from .load_planner import UCPLoadPlanner  # noqa: E402
-from .index_maps import Chunk, IndexMap, expert_map, stage_map  # noqa: E402
-from .naming import NameRules  # noqa: E402
+from .layout.index_maps import Chunk, IndexMap, expert_map, stage_map  # noqa: E402
+from .layout.naming import NameRules  # noqa: E402
+from .layout.patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
 from .options import UCPOptions  # noqa: E402
-from .patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
-from .reader import UCPFileSystemReader  # noqa: E402
-from .save_planner import UCPSavePlanner  # noqa: E402
-from .writer import UCPFileSystemWriter  # noqa: E402
+from .planning.catalog import CATALOG_KEY, read_catalog  # noqa: E402
+from .planning.load_planner import UCPLoadPlanner  # noqa: E402
+from .planning.save_planner import UCPSavePlanner  # noqa: E402
+from .sources.foreign import DeepSpeedReader, ForeignReader, MegatronReader  # noqa: E402
+from .sources.hf import HFMapping, HFRule, HFStorageReader, export_hf, load_hf  # noqa: E402
+from .storage.reader import UCPFileSystemReader  # noqa: E402
+from .storage.writer import UCPFileSystemWriter  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -72,6 +74,14 @@ __all__ = [
     "UCPFileSystemReader",
     "CATALOG_KEY",
     "read_catalog",
+    "load_hf",
+    "export_hf",
+    "HFMapping",
+    "HFRule",
+    "HFStorageReader",
+    "ForeignReader",
+    "DeepSpeedReader",
+    "MegatronReader",
     "UCPError",
     "AmbiguousLayoutError",
     "CatalogVersionError",

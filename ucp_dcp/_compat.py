@@ -30,8 +30,9 @@ lives here:
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import torch
 from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._shard._utils import narrow_tensor_by_index  # narrow a tensor to a box
 from torch.distributed._shard.sharded_tensor import ShardedTensor  # legacy sharded values (refused)
@@ -60,15 +61,44 @@ try:  # torch >= 2.14 (pytorch#189492)
 except ImportError:
     CheckpointableTensor = None
 
-__all__ = ["default_group", "fsspec_filesystem", "narrow_tensor_by_index", "ShardedTensor", "flatten_state_dict",
-           "set_element", "_create_file_view", "_split_by_size_and_type", "_StorageInfo", "_StoragePrefix",
-           "_init_state_dict", "_StridedShard", "compute_local_shape_and_global_offset",
-           "_compute_local_shape_and_global_offset", "fake_store", "mesh_for_rank", "dtensor_from_local",
-           "CheckpointableTensor", "is_checkpointable_tensor", "strided_shard_indices", "split_tensor",
-           "group_has_cpu_backend", "TESTED_TORCH", "ALLOW_ENV", "torch_release", "root_mesh"]
+__all__ = [
+    "default_group",
+    "fsspec_filesystem",
+    "narrow_tensor_by_index",
+    "ShardedTensor",
+    "flatten_state_dict",
+    "set_element",
+    "_create_file_view",
+    "_split_by_size_and_type",
+    "_StorageInfo",
+    "_StoragePrefix",
+    "_init_state_dict",
+    "_StridedShard",
+    "compute_local_shape_and_global_offset",
+    "_compute_local_shape_and_global_offset",
+    "fake_store",
+    "mesh_for_rank",
+    "dtensor_from_local",
+    "CheckpointableTensor",
+    "is_checkpointable_tensor",
+    "strided_shard_indices",
+    "split_tensor",
+    "group_has_cpu_backend",
+    "TESTED_TORCH",
+    "ALLOW_ENV",
+    "torch_release",
+    "root_mesh",
+    "local_tensor",
+    "dtype_of_storage_type",
+    "torch_file_reader",
+    "plan_caching",
+    "cached_plans_key",
+    "metadata_path",
+    "state_dict_hooks",
+]
 
 
-def default_group() -> "_c10d.ProcessGroup":
+def default_group() -> _c10d.ProcessGroup:
     """The default process group object (a cache key for groups we create per job)."""
     return _c10d._get_default_group()
 
@@ -83,16 +113,19 @@ def fsspec_filesystem() -> type:
 
     return FileSystem
 
-def fake_store() -> "torch.distributed.Store":
+
+def fake_store() -> torch.distributed.Store:
     """A store for torch's fake process group (``init_process_group("fake", ...)``): one process
-    plays any rank of any world size, collectives do nothing (``ucp_dcp.plan``)."""
+    plays any rank of any world size, collectives do nothing (``ucp_dcp.tools.dryrun``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     return FakeStore()
 
 
-def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, cache: dict) -> "torch.distributed.device_mesh.DeviceMesh":
-    """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.plan``): a copy with the same layout over
+def mesh_for_rank(
+    mesh: torch.distributed.device_mesh.DeviceMesh, rank: int, cache: dict
+) -> torch.distributed.device_mesh.DeviceMesh:
+    """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.tools.dryrun``): a copy with the same layout over
     the same root rank map whose stored rank and coordinate are ``rank``'s (DeviceMesh's private
     ``_rank``/``_coordinate_on_dim``/``_root_mesh``; ``DeviceMesh.mesh`` slices at the default
     group's rank, which must be ``rank``). No process groups are created. ``cache``: id -> copy."""
@@ -101,7 +134,7 @@ def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, c
         return hit
     new = object.__new__(type(mesh))  # not copy.copy: DeviceMesh.__setstate__ looks groups up again
     new.__dict__.update(mesh.__dict__)
-    new.__dict__.pop("_ucp_dcp_mesh_info", None)  # ucp_dcp.layout's per-mesh cache: the copy has other ranks
+    new.__dict__.pop("_ucp_dcp_mesh_info", None)  # ucp_dcp.layout.placements's per-mesh cache: the copy has other ranks
     new._rank = rank
     new._hash = None
     if mesh._root_mesh is not None:
@@ -111,8 +144,13 @@ def mesh_for_rank(mesh: "torch.distributed.device_mesh.DeviceMesh", rank: int, c
     return new
 
 
-def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh", placements: tuple,
-                       shape: "torch.Size", stride: tuple[int, ...]) -> "torch.distributed.tensor.DTensor":
+def dtensor_from_local(
+    local: torch.Tensor,
+    mesh: torch.distributed.device_mesh.DeviceMesh,
+    placements: tuple,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> torch.distributed.tensor.DTensor:
     """A DTensor of ``local`` without ``from_local``'s checks and autograd (what FSDP2 does)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -121,7 +159,7 @@ def dtensor_from_local(local: torch.Tensor, mesh: "torch.distributed.device_mesh
     return DTensor(local, spec, requires_grad=False)
 
 
-def root_mesh(mesh: "torch.distributed.device_mesh.DeviceMesh") -> "torch.distributed.device_mesh.DeviceMesh":
+def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh) -> torch.distributed.device_mesh.DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself if it was not sliced)."""
     get = getattr(mesh, "_get_root_mesh", None)
     return get() if get is not None else mesh
@@ -172,7 +210,7 @@ def split_tensor(p: object, t: torch.Tensor, k: int) -> list[torch.Tensor]:
     return p._split_tensor(t, k, with_padding=False, contiguous=True)[0]
 
 
-def group_has_cpu_backend(group: "_c10d.ProcessGroup | None" = None) -> bool:
+def group_has_cpu_backend(group: _c10d.ProcessGroup | None = None) -> bool:
     """Whether ``group`` (default: the default group) has a backend for CPU tensors, which
     ``dcp.async_save`` asserts (``cpu:gloo,cuda:nccl`` has, plain ``nccl`` has not)."""
     pg = group if group is not None else default_group()
@@ -189,8 +227,11 @@ def default_stager_reusable() -> bool:
     if not _STAGER_REUSABLE:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
         state = {"t": torch.zeros(1), "kind": torch.Tensor}  # a class object: what 2.11's cleared table misses
         try:
             for _ in range(2):
@@ -201,3 +242,41 @@ def default_stager_reusable() -> bool:
         finally:
             stager.close()
     return _STAGER_REUSABLE[0]
+
+
+# -- private attributes of torch objects (named here so that no other module reaches them) ----------------
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local shard as DTensor stores it (``_local_tensor``: no autograd view, unlike ``to_local()``)."""
+    return t._local_tensor
+
+
+def dtype_of_storage_type(name: str) -> torch.dtype:
+    """The dtype of a pickled legacy storage type name (``FloatStorage`` ...), as ``torch.load`` decodes it."""
+    return torch.storage._get_dtype_from_pickle_storage_type(name)
+
+
+def torch_file_reader(source: Any) -> Any:
+    """torch's zip-archive reader (``torch._C.PyTorchFileReader``) over a path or a binary file object."""
+    return torch._C.PyTorchFileReader(source)
+
+
+def plan_caching(planner: Any) -> bool:
+    """Whether DCP's ``DefaultSavePlanner`` was asked to cache plans (``enable_plan_caching``)."""
+    return bool(planner._enable_plan_caching)
+
+
+def cached_plans_key(planner: Any) -> str:
+    """The key DCP's ``DefaultSavePlanner`` files its cached plans under (per planner class)."""
+    return planner._cached_plans_key
+
+
+def metadata_path(writer: Any) -> Any:
+    """Where DCP's ``FileSystemWriter`` writes the checkpoint's ``.metadata``."""
+    return writer._get_metadata_path()
+
+
+def state_dict_hooks(module: Any) -> dict[int, Any]:
+    """A module's ``state_dict`` post-hooks, by handle id (``nn.Module._state_dict_hooks``: removable in place)."""
+    return module._state_dict_hooks

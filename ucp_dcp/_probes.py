@@ -36,8 +36,8 @@ from torch.distributed.tensor import Shard
 
 from . import _compat as C
 from .errors import UnsupportedTorchError, UntestedTorchWarning
-from .fragments import layout_fragments
-from .layout import Layout, Placement
+from .layout.fragments import layout_fragments
+from .layout.placements import Layout, Placement
 
 __all__ = ["PROBES", "run_probes", "check_torch"]
 
@@ -62,9 +62,11 @@ def _probe_strided_shard() -> None:
     pieces = C.split_tensor(p, torch.arange(8), 2)
     ours = [_rows(layout_fragments("p", (8,), Layout((2,), (Placement.from_torch(p),)), (i,))) for i in range(2)]
     theirs = [t.tolist() for t in pieces]
-    _expect(theirs == ours == [[0, 1, 4, 5], [2, 3, 6, 7]],
-            f"_StridedShard(0, 2) splits rows 0..7 over 2 ranks as {theirs}, ucp_dcp's math as {ours}; "
-            "expected [[0, 1, 4, 5], [2, 3, 6, 7]]")
+    _expect(
+        theirs == ours == [[0, 1, 4, 5], [2, 3, 6, 7]],
+        f"_StridedShard(0, 2) splits rows 0..7 over 2 ranks as {theirs}, ucp_dcp's math as {ours}; "
+        "expected [[0, 1, 4, 5], [2, 3, 6, 7]]",
+    )
     helper = [C.strided_shard_indices(p, 8, 2, i) for i in range(2)]
     _expect(helper == ours, f"_StridedShard.local_shard_size_and_offset gives rows {helper}, expected {ours}")
     # 2-D, FSDP2 x TP on one dim: [Shard(0), _StridedShard(0, 2)] on a 2x2 mesh, shape (8, 3):
@@ -74,27 +76,39 @@ def _probe_strided_shard() -> None:
     t = torch.arange(24).reshape(8, 3)
     local = C.split_tensor(placements[1], C.split_tensor(placements[0], t, 2)[0], 2)[0]
     rows = _rows(layout_fragments("p", (8, 3), layout, (0, 0)))
-    _expect(local[:, 0].div(3, rounding_mode="floor").tolist() == rows == [0, 2],
-            f"[Shard(0), _StridedShard(0, 2)] gives rank (0, 0) rows {local[:, 0].div(3, rounding_mode='floor').tolist()}, "
-            f"ucp_dcp's math {rows}; expected [0, 2]")
+    _expect(
+        local[:, 0].div(3, rounding_mode="floor").tolist() == rows == [0, 2],
+        f"[Shard(0), _StridedShard(0, 2)] gives rank (0, 0) rows {local[:, 0].div(3, rounding_mode='floor').tolist()}, "
+        f"ucp_dcp's math {rows}; expected [0, 2]",
+    )
     shape, _ = C._compute_local_shape_and_global_offset((8, 3), (2, 2), [0, 0], placements)
-    _expect(tuple(shape) == (2, 3), f"the local shape of that case is {tuple(shape)} by torch's helper, expected (2, 3)")
+    _expect(
+        tuple(shape) == (2, 3), f"the local shape of that case is {tuple(shape)} by torch's helper, expected (2, 3)"
+    )
 
 
 def _probe_storage_records() -> None:
     names = [f.name for f in dataclasses.fields(C._StorageInfo)]
-    _expect(names[:3] == ["relative_path", "offset", "length"],
-            f"_StorageInfo's fields are {names}, expected relative_path, offset, length first")
+    _expect(
+        names[:3] == ["relative_path", "offset", "length"],
+        f"_StorageInfo's fields are {names}, expected relative_path, offset, length first",
+    )
     info = C._StorageInfo("__0_0.distcp", 7, 11)
-    _expect((info.relative_path, info.offset, info.length) == ("__0_0.distcp", 7, 11),
-            f"_StorageInfo('__0_0.distcp', 7, 11) reads back as {info!r}")
+    _expect(
+        (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 7, 11),
+        f"_StorageInfo('__0_0.distcp', 7, 11) reads back as {info!r}",
+    )
     back = pickle.loads(pickle.dumps(info))
-    _expect((back.relative_path, back.offset, back.length) == ("__0_0.distcp", 7, 11),
-            f"_StorageInfo does not survive a pickle round trip ({back!r})")
+    _expect(
+        (back.relative_path, back.offset, back.length) == ("__0_0.distcp", 7, 11),
+        f"_StorageInfo does not survive a pickle round trip ({back!r})",
+    )
     where = (C._StorageInfo.__module__, C._StorageInfo.__qualname__)
-    _expect(where == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            f"_StorageInfo pickles as {where}: our sidecar's safe unpickler and stock readers name it "
-            "torch.distributed.checkpoint.filesystem._StorageInfo")
+    _expect(
+        where == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        f"_StorageInfo pickles as {where}: our sidecar's safe unpickler and stock readers name it "
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+    )
     _expect(C._StoragePrefix("__3_").prefix == "__3_", "_StoragePrefix('__3_').prefix is not '__3_'")
     view = C._create_file_view(io.BytesIO(b"abcdefgh"), 2, 3)
     _expect(view.read() == b"cde", "_create_file_view(file, 2, 3) does not read bytes 2..4")
@@ -103,13 +117,30 @@ def _probe_storage_records() -> None:
 
 
 _HOOKS: dict[type, dict[str, int]] = {
-    SavePlanner: {"set_up_planner": 3, "create_local_plan": 0, "create_global_plan": 1, "finish_plan": 1,
-                  "resolve_data": 1},
-    LoadPlanner: {"set_up_planner": 3, "create_local_plan": 0, "create_global_plan": 1, "finish_plan": 1,
-                  "load_bytes": 2, "resolve_tensor": 1, "commit_tensor": 2},
+    SavePlanner: {
+        "set_up_planner": 3,
+        "create_local_plan": 0,
+        "create_global_plan": 1,
+        "finish_plan": 1,
+        "resolve_data": 1,
+    },
+    LoadPlanner: {
+        "set_up_planner": 3,
+        "create_local_plan": 0,
+        "create_global_plan": 1,
+        "finish_plan": 1,
+        "load_bytes": 2,
+        "resolve_tensor": 1,
+        "commit_tensor": 2,
+    },
     StorageWriter: {"prepare_local_plan": 1, "prepare_global_plan": 1, "write_data": 2, "finish": 2},
-    StorageReader: {"read_metadata": 0, "set_up_storage_reader": 2, "prepare_local_plan": 1,
-                    "prepare_global_plan": 1, "read_data": 2},
+    StorageReader: {
+        "read_metadata": 0,
+        "set_up_storage_reader": 2,
+        "prepare_local_plan": 1,
+        "prepare_global_plan": 1,
+        "read_data": 2,
+    },
 }
 """The DCP hooks ucp_dcp's planners and storage override -> their positional arguments (self not
 counted; ``*args``/``**kwargs`` not counted)."""
@@ -123,8 +154,11 @@ def _probe_planner_hooks() -> None:
             if fn is None:
                 bad.append(f"{cls.__name__}.{name} is gone")
                 continue
-            params = [p for p in inspect.signature(fn).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+            params = [
+                p
+                for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+            ]
             if len(params) != want:
                 bad.append(f"{cls.__name__}.{name} takes {[p.name for p in params]}, expected {want} argument(s)")
     _expect(not bad, "; ".join(bad))
@@ -133,16 +167,22 @@ def _probe_planner_hooks() -> None:
 def _probe_state_dict_traversal() -> None:
     t = torch.zeros(2)
     flat, paths = C.flatten_state_dict({"optim": {"state": {"w": {"exp_avg": t}}, "lr": [0.1]}})
-    _expect(set(flat) == {"optim.state.w.exp_avg", "optim.lr"} and flat["optim.state.w.exp_avg"] is t,
-            f"flatten_state_dict gives keys {sorted(flat)}, expected optim.state.w.exp_avg and optim.lr")
-    _expect(tuple(paths["optim.state.w.exp_avg"]) == ("optim", "state", "w", "exp_avg"),
-            f"flatten_state_dict maps optim.state.w.exp_avg to {paths['optim.state.w.exp_avg']}")
+    _expect(
+        set(flat) == {"optim.state.w.exp_avg", "optim.lr"} and flat["optim.state.w.exp_avg"] is t,
+        f"flatten_state_dict gives keys {sorted(flat)}, expected optim.state.w.exp_avg and optim.lr",
+    )
+    _expect(
+        tuple(paths["optim.state.w.exp_avg"]) == ("optim", "state", "w", "exp_avg"),
+        f"flatten_state_dict maps optim.state.w.exp_avg to {paths['optim.state.w.exp_avg']}",
+    )
     d: dict = {}
     C.set_element(d, ("a", "b"), 5)
     _expect(d == {"a": {"b": 5}}, f"set_element(d, ('a', 'b'), 5) gives {d}")
     box = C.narrow_tensor_by_index(torch.arange(12).reshape(3, 4), (1, 1), (2, 2))
     _expect(box.tolist() == [[5, 6], [9, 10]], f"narrow_tensor_by_index(.., (1, 1), (2, 2)) gives {box.tolist()}")
-    _expect(len(inspect.signature(C._init_state_dict).parameters) == 1, "_init_state_dict no longer takes one state dict")
+    _expect(
+        len(inspect.signature(C._init_state_dict).parameters) == 1, "_init_state_dict no longer takes one state dict"
+    )
 
 
 def _probe_checkpointable_tensor() -> None:
@@ -153,16 +193,27 @@ def _probe_checkpointable_tensor() -> None:
     _expect(fields == want, f"CheckpointableTensor's fields are {sorted(fields)}, expected {sorted(want)}")
     t = torch.zeros(2, 3)
     t.global_shape, t.global_offsets, t.local_offsets, t.local_sizes = (4, 3), ((2, 0),), ((0, 0),), ((2, 3),)
-    _expect(C.is_checkpointable_tensor(t) and not C.is_checkpointable_tensor(torch.zeros(1)),
-            "a tensor carrying the four fields is not recognized as a CheckpointableTensor (or a bare one is)")
+    _expect(
+        C.is_checkpointable_tensor(t) and not C.is_checkpointable_tensor(torch.zeros(1)),
+        "a tensor carrying the four fields is not recognized as a CheckpointableTensor (or a bare one is)",
+    )
 
 
 PROBES: dict[str, tuple[Callable[[], None], str]] = {
-    "strided_shard": (_probe_strided_shard, "non-contiguous FSDP2 x TP shards would be saved or loaded at the wrong rows"),
+    "strided_shard": (
+        _probe_strided_shard,
+        "non-contiguous FSDP2 x TP shards would be saved or loaded at the wrong rows",
+    ),
     "storage_records": (_probe_storage_records, "checkpoints would not be written or read in DCP's file format"),
     "planner_hooks": (_probe_planner_hooks, "DCP would call ucp_dcp's planners and storage with other arguments"),
-    "state_dict_traversal": (_probe_state_dict_traversal, "state-dict keys or loaded values would land in the wrong place"),
-    "checkpointable_tensor": (_probe_checkpointable_tensor, "CheckpointableTensor values would be saved with wrong boxes"),
+    "state_dict_traversal": (
+        _probe_state_dict_traversal,
+        "state-dict keys or loaded values would land in the wrong place",
+    ),
+    "checkpointable_tensor": (
+        _probe_checkpointable_tensor,
+        "CheckpointableTensor values would be saved with wrong boxes",
+    ),
 }
 """Probe name -> (check, what goes wrong if it fails)."""
 
@@ -192,17 +243,23 @@ def check_torch() -> None:
     fix = f"pip install 'torch>={C.TESTED_TORCH[0][0]}.{C.TESTED_TORCH[0][1]},<{C.TESTED_TORCH[-1][0]}.{C.TESTED_TORCH[-1][1] + 1}'"
     if failed:
         lines = "\n".join(f"  - probe '{n}': {finding} (if ignored: {why})" for n, finding, why in failed)
-        msg = (f"ucp_dcp cannot rely on torch {torch.__version__}: {len(failed)} probe(s) of the private torch "
-               f"behaviour it depends on failed:\n{lines}\nucp_dcp is tested with torch {tested}; install one "
-               f"(`{fix}`), or set {C.ALLOW_ENV}=1 to import anyway at your own risk (loads may be wrong), "
-               "and report the failed probe.")
+        msg = (
+            f"ucp_dcp cannot rely on torch {torch.__version__}: {len(failed)} probe(s) of the private torch "
+            f"behaviour it depends on failed:\n{lines}\nucp_dcp is tested with torch {tested}; install one "
+            f"(`{fix}`), or set {C.ALLOW_ENV}=1 to import anyway at your own risk (loads may be wrong), "
+            "and report the failed probe."
+        )
         if os.environ.get(C.ALLOW_ENV) == "1":
             warnings.warn(msg, UntestedTorchWarning, stacklevel=3)
             return
-        raise UnsupportedTorchError(msg, wanted=f"torch {tested}", saved=torch.__version__,
-                                    hint=f"{fix} (or set {C.ALLOW_ENV}=1)")
+        raise UnsupportedTorchError(
+            msg, wanted=f"torch {tested}", saved=torch.__version__, hint=f"{fix} (or set {C.ALLOW_ENV}=1)"
+        )
     if C.torch_release() not in C.TESTED_TORCH:
         warnings.warn(
             f"ucp_dcp is tested with torch {tested}, found torch {torch.__version__}. Its probes of the private "
             "torch behaviour it relies on pass, so it imports; run your own save/load round trip before trusting "
-            f"it, or install a tested torch (`{fix}`).", UntestedTorchWarning, stacklevel=3)
+            f"it, or install a tested torch (`{fix}`).",
+            UntestedTorchWarning,
+            stacklevel=3,
+        )

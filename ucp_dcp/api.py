@@ -15,16 +15,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
 from .errors import ucp_errors
-from .load_planner import UCPLoadPlanner
-from .reader import ReadStats, UCPFileSystemReader
-from .save_planner import UCPSavePlanner
-from .writer import UCPFileSystemWriter
+from .planning.load_planner import UCPLoadPlanner
+from .planning.save_planner import UCPSavePlanner
+from .storage.reader import ReadStats, UCPFileSystemReader
+from .storage.writer import UCPFileSystemWriter
 
 __all__ = ["save", "load"]
 
 
-def save(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None,
-         checksums: bool = True, thread_count: int = 1, sync_files: bool = True, **planner_options: Any) -> None:
+def save(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = True,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    **planner_options: Any,
+) -> None:
     """Save ``state_dict`` (collective) into the folder ``path`` as parallelism-independent atoms.
 
     A checkpoint already in ``path`` stays loadable until this one commits. ``planner_options``
@@ -34,13 +42,21 @@ def save(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, *, process_group:
     if checksums:  # replicas are compared from the block checksums the writer computes anyway
         planner_options.setdefault("replica_digests", "writer")
     with ucp_errors():
-        dcp.save(state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options),
-                 process_group=process_group)
+        dcp.save(
+            state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=process_group
+        )
 
 
-def load(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None,
-         trust: bool = False, verify_checksums: bool = True, thread_count: int = 4,
-         **planner_options: Any) -> ReadStats:
+def load(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    trust: bool = False,
+    verify_checksums: bool = True,
+    thread_count: int = 4,
+    **planner_options: Any,
+) -> ReadStats:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), at any layout.
 
     Every byte read is verified against the checksums written at save; the checkpoint's metadata
@@ -49,6 +65,10 @@ def load(state_dict: STATE_DICT_TYPE, path: str | os.PathLike, *, process_group:
     """
     reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
     with ucp_errors():
-        dcp.load(state_dict, storage_reader=reader, planner=UCPLoadPlanner(trust=trust, **planner_options),
-                 process_group=process_group)
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=UCPLoadPlanner(trust=trust, **planner_options),
+            process_group=process_group,
+        )
     return reader.stats

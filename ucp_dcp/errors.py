@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> "UCPError":
+def _rebuild(cls: type, message: str, fields: dict[str, Any]) -> UCPError:
     err = cls.__new__(cls)
     UCPError.__init__(err, message, **fields)
     return err

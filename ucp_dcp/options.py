@@ -14,10 +14,9 @@ from typing import Any
 
 from ._compat import flatten_state_dict
 from .errors import UCPError
-
-from .index_maps import IndexMap
-from .naming import NameRules
-from .patterns import Patterns, Rule
+from .layout.index_maps import IndexMap
+from .layout.naming import NameRules
+from .layout.patterns import Patterns, Rule
 
 __all__ = ["UCPOptions", "split_options", "options_first", "require_flat", "protocol_error"]
 
@@ -72,8 +71,10 @@ def options_first(first: Any, options: UCPOptions | None, planner: str) -> UCPOp
     """The planners' first positional parameter is DCP's ``flatten_state_dict``; a ``UCPOptions``
     passed there (the old first parameter) is refused with the spelling that works."""
     if isinstance(first, UCPOptions):
-        raise TypeError(f"{planner}'s first positional argument is DCP's flatten_state_dict; "
-                        f"pass the layout as {planner}(options=UCPOptions(...))")
+        raise TypeError(
+            f"{planner}'s first positional argument is DCP's flatten_state_dict; "
+            f"pass the layout as {planner}(options=UCPOptions(...))"
+        )
     return options
 
 
@@ -89,7 +90,8 @@ def require_flat(state_dict: Mapping[str, Any], what: str) -> None:
             f"flatten_state_dict=False, but the state dict holds nested containers under {shown}: DCP would "
             f"{what} each as one pickled object, which ucp_dcp cannot reshard, rename or check (it plans "
             "every tensor and value under its flattened key)",
-            wanted="a flat state dict", saved=nested[:20],
+            wanted="a flat state dict",
+            saved=nested[:20],
             hint="pass flatten_state_dict=True (the default: the keys are DCP's dotted keys), or flatten the "
             "state dict yourself (torch.distributed.checkpoint._nested_dict.flatten_state_dict)",
         )

@@ -71,8 +71,19 @@ import torch.nn.functional as F  # noqa: E402
 # Sizes a TP=2 target can take (even KV heads, even FFN) whose flat groups do not divide evenly: at
 # dp=3, ZeRO-1/2 pad the end of group 0 (aligned to 2 * dp elements) and ZeRO-3 pads every
 # 56-element norm (ceil(56 / 3) = 19 per rank).
-CFG_KW = dict(vocab=61, vocab_multiple=7, dim=56, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=54,
-              stacked_moe_layers=(), list_moe_layers=(), rope_theta=10000.0, res_gain=False)
+CFG_KW = dict(
+    vocab=61,
+    vocab_multiple=7,
+    dim=56,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=54,
+    stacked_moe_layers=(),
+    list_moe_layers=(),
+    rope_theta=10000.0,
+    res_gain=False,
+)
 BATCH_PER_RANK = 4
 
 
@@ -81,13 +92,17 @@ def ds_config(stage: int, world: int, param_alignment: bool = False, round_robin
         "train_batch_size": BATCH_PER_RANK * world,
         "train_micro_batch_size_per_gpu": BATCH_PER_RANK,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1, "torch_adam": True}},
-        "zero_optimization": dict({"stage": stage},
-                                  **({"parameter_alignment": True} if param_alignment else {}),
-                                  **({"round_robin_gradients": True} if round_robin else {})),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+        },
+        "zero_optimization": dict(
+            {"stage": stage},
+            **({"parameter_alignment": True} if param_alignment else {}),
+            **({"round_robin_gradients": True} if round_robin else {}),
+        ),
         "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
@@ -100,14 +115,21 @@ def build_model(seed: int, tied: bool):
     m.load_logical(logical_params(cfg, seed), 1, 0, 1)
     if tied:
         m.output.weight = m.tok_embeddings.weight
-    m.groups = Groups(tp=None, ep=None, ep_rank=0, ep_size=1, loss_scale=1.0,
-                      global_tokens=BATCH_PER_RANK * cfg.seq_len)
+    m.groups = Groups(
+        tp=None, ep=None, ep_rank=0, ep_size=1, loss_scale=1.0, global_tokens=BATCH_PER_RANK * cfg.seq_len
+    )
     return cfg, m
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(args.world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.world),
+        LOCAL_WORLD_SIZE=str(args.world),
+    )
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
@@ -125,7 +147,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     g = torch.Generator().manual_seed(1234 + args.seed)
     for _ in range(args.steps):
         tokens = torch.randint(0, cfg.vocab, (BATCH_PER_RANK * args.world, cfg.seq_len + 1), generator=g)
-        local = tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+        local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
         logits = engine(local[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local[:, 1:].reshape(-1))
         engine.backward(loss)
@@ -136,8 +158,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     t0 = time.time()
     tag = f"global_step{engine.global_steps}"
-    engine.save_checkpoint(args.out, tag=tag,
-                           client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+    engine.save_checkpoint(
+        args.out, tag=tag, client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+    )
     dist.barrier()
     t_save = time.time() - t0
 
@@ -153,32 +176,53 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     zo = engine.optimizer
     base = zo.optimizer  # the torch AdamW DeepSpeed steps, on flat fp32 partitions
     if args.stage == 3:  # ZeRO-3 steps sub-groups (one per param group at the default sub_group_size)
-        subs = [(zo.sub_group_to_group_id[i], zo.fp16_groups[i], zo.fp32_partitioned_groups_flat[i])
-                for i in range(len(zo.fp16_groups))]
+        subs = [
+            (zo.sub_group_to_group_id[i], zo.fp16_groups[i], zo.fp32_partitioned_groups_flat[i])
+            for i in range(len(zo.fp16_groups))
+        ]
     else:
         subs = [(i, zo.bit16_groups[i], zo.single_partition_of_fp32_groups[i]) for i in range(len(zo.bit16_groups))]
-    view: dict = {"__groups__": [dict({k: v for k, v in pg.items() if k != "params"}, names=[])
-                                 for pg in base.param_groups]}
+    view: dict = {
+        "__groups__": [dict({k: v for k, v in pg.items() if k != "params"}, names=[]) for pg in base.param_groups]
+    }
     for gi, members, flat in subs:
         step = base.state[flat]["step"].clone() if "step" in base.state.get(flat, {}) else None
         for p in members:
             view["__groups__"][gi]["names"].append(names[p])
-            view[names[p]] = {"exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
-                              "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
-                              "fp32": safe_get_full_fp32_param(p).clone(), "step": step}
+            view[names[p]] = {
+                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+                "fp32": safe_get_full_fp32_param(p).clone(),
+                "step": step,
+            }
     if rank == 0:
         torch.save(view, os.path.join(args.out, "ds_view_optim.pt"))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         torch.save(get_fp32_state_dict_from_zero_checkpoint(args.out), os.path.join(args.out, "ds_view_fp32.pt"))
         with open(os.path.join(args.out, "meta.json"), "w") as f:
-            json.dump({"stage": args.stage, "world": args.world, "steps": args.steps, "seed": args.seed,
-                       "tag": tag, "tied": not args.untied,
-                       "param_alignment": args.param_alignment, "round_robin": args.round_robin,
-                       "model_config": CFG_KW, "ds_config": conf,
-                       "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                       "seconds": {"train": round(t_train, 2), "save": round(t_save, 2),
-                                   }}, f, indent=1)
+            json.dump(
+                {
+                    "stage": args.stage,
+                    "world": args.world,
+                    "steps": args.steps,
+                    "seed": args.seed,
+                    "tag": tag,
+                    "tied": not args.untied,
+                    "param_alignment": args.param_alignment,
+                    "round_robin": args.round_robin,
+                    "model_config": CFG_KW,
+                    "ds_config": conf,
+                    "deepspeed": deepspeed.__version__,
+                    "torch": torch.__version__,
+                    "seconds": {
+                        "train": round(t_train, 2),
+                        "save": round(t_save, 2),
+                    },
+                },
+                f,
+                indent=1,
+            )
     dist.barrier()
     dist.destroy_process_group()
     # Done (every rank passed the barrier). Skip interpreter teardown: about 1 in 10 world-3 ZeRO-3 runs
@@ -197,10 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--universal", action="store_true", help="also run DeepSpeed's ds_to_universal into OUT/universal")
     ap.add_argument("--untied", action="store_true", help="separate output head (no shared_params)")
-    ap.add_argument("--param-alignment", action="store_true",
-                    help="ZeRO-1/2: zero_optimization.parameter_alignment (params start 16-byte aligned in the flat)")
-    ap.add_argument("--round-robin", action="store_true",
-                    help="ZeRO-1/2: zero_optimization.round_robin_gradients (params reordered in the flat group)")
+    ap.add_argument(
+        "--param-alignment",
+        action="store_true",
+        help="ZeRO-1/2: zero_optimization.parameter_alignment (params start 16-byte aligned in the flat)",
+    )
+    ap.add_argument(
+        "--round-robin",
+        action="store_true",
+        help="ZeRO-1/2: zero_optimization.round_robin_gradients (params reordered in the flat group)",
+    )
     args = ap.parse_args(argv)
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -213,10 +263,22 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(args.out, "meta.json")) as f:
             meta = json.load(f)
         t1 = time.time()
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                        "--input_folder", os.path.join(args.out, meta["tag"]),
-                        "--output_folder", os.path.join(args.out, "universal"),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                os.path.join(args.out, meta["tag"]),
+                "--output_folder",
+                os.path.join(args.out, "universal"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ],
+            check=True,
+        )
         meta["seconds"]["universal"] = round(time.time() - t1, 2)
         with open(os.path.join(args.out, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)

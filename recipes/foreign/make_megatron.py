@@ -103,10 +103,10 @@ class CpuAsCuda(TorchFunctionMode):
         if name == "cuda" and args and isinstance(args[0], torch.Tensor):
             return args[0]
         if name == "to" and args and isinstance(args[0], torch.Tensor):
-            args = tuple("cpu" if (i > 0 and _is_cuda(a) and not isinstance(a, bool)) else a
-                         for i, a in enumerate(args))
-        if name == "type" and args and isinstance(args[0], torch.Tensor) and len(args) == 1 \
-                and not kwargs:
+            args = tuple(
+                "cpu" if (i > 0 and _is_cuda(a) and not isinstance(a, bool)) else a for i, a in enumerate(args)
+            )
+        if name == "type" and args and isinstance(args[0], torch.Tensor) and len(args) == 1 and not kwargs:
             t = func(*args)
             return _CPU_TYPES.get(t, t)
         if name == "is_cuda":  # property getter
@@ -133,18 +133,37 @@ def build(tp: int, seed: int, padded: int):
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
     cfg = TransformerConfig(
-        num_layers=4, hidden_size=48, num_attention_heads=6, num_query_groups=2,
-        ffn_hidden_size=52, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, rotary_interleaved=True,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, params_dtype=torch.float32, init_method_std=0.02,
+        num_layers=4,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_query_groups=2,
+        ffn_hidden_size=52,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        rotary_interleaved=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        params_dtype=torch.float32,
+        init_method_std=0.02,
     )
     model = GPTModel(
-        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=padded, max_sequence_length=SEQ, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=True, position_embedding_type="rope",
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded,
+        max_sequence_length=SEQ,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
     )
     return cfg, model, padded
 
@@ -154,7 +173,7 @@ def batches(steps: int, dp_rank: int = 0, dp: int = 1):
     g = torch.Generator().manual_seed(1234)
     for _ in range(steps):
         toks = torch.randint(0, VOCAB, (BATCH * dp, SEQ + 1), generator=g)
-        toks = toks[dp_rank * BATCH:(dp_rank + 1) * BATCH]
+        toks = toks[dp_rank * BATCH : (dp_rank + 1) * BATCH]
         yield toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
 
@@ -166,8 +185,9 @@ def eval_loss(model) -> float:
 
 
 def worker(rank: int, world: int, args, port: int, phase: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     _install_cuda_stubs()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -176,6 +196,7 @@ def worker(rank: int, world: int, args, port: int, phase: str, out: dict) -> Non
         dist.barrier()
     finally:
         from megatron.core import parallel_state
+
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
@@ -187,17 +208,40 @@ def _optimizer(cfg, model, dist_opt: str):
 
     use = dist_opt != "none"
     ddp = DistributedDataParallel(
-        cfg, DistributedDataParallelConfig(use_distributed_optimizer=use, grad_reduce_in_fp32=True,
-                                           overlap_grad_reduce=False, bucket_size=None),
-        module=model)
-    ocfg = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.1,
-                           adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
-                           bf16=False, fp16=False, params_dtype=torch.float32,
-                           use_distributed_optimizer=use)
+        cfg,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=use, grad_reduce_in_fp32=True, overlap_grad_reduce=False, bucket_size=None
+        ),
+        module=model,
+    )
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=LR,
+        min_lr=LR / 10,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        bf16=False,
+        fp16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=use,
+    )
     opt = get_megatron_optimizer(ocfg, [ddp])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=1,
-                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1,
-                                    end_wd=0.1, wd_incr_steps=100, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=LR,
+        min_lr=LR / 10,
+        lr_warmup_steps=1,
+        lr_decay_steps=100,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
     return ddp, opt, sched
 
 
@@ -219,9 +263,15 @@ def _envelope(model, opt, sched, md: dict, iteration: int, tp: int) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd = model.sharded_state_dict(metadata=md)
-    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
-            "rng_tracker_states": {}}]
+    rng = [
+        {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": None,
+            "rng_tracker_states": {},
+        }
+    ]
     return {
         "model": sd,
         "optimizer": opt.sharded_state_dict(sd, metadata=md),
@@ -229,15 +279,29 @@ def _envelope(model, opt, sched, md: dict, iteration: int, tp: int) -> dict:
         "iteration": iteration,
         "checkpoint_version": 3.0,
         "num_floating_point_operations_so_far": 0,
-        "args": argparse.Namespace(tensor_model_parallel_size=tp, num_layers=4, hidden_size=48,
-                                   num_attention_heads=6, num_query_groups=2, ffn_hidden_size=52,
-                                   swiglu=True, normalization="RMSNorm", vocab_size=VOCAB,
-                                   padded_vocab_size=model.vocab_size, rotary_interleaved=True,
-                                   untie_embeddings_and_output_weights=False,
-                                   position_embedding_type="rope", iteration=iteration),
-        "rng_state": ShardedObject("rng_state", rng, (1, ps.get_tensor_model_parallel_world_size()),
-                                   (0, ps.get_tensor_model_parallel_rank()),
-                                   replica_id=ps.get_data_parallel_rank()),
+        "args": argparse.Namespace(
+            tensor_model_parallel_size=tp,
+            num_layers=4,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_query_groups=2,
+            ffn_hidden_size=52,
+            swiglu=True,
+            normalization="RMSNorm",
+            vocab_size=VOCAB,
+            padded_vocab_size=model.vocab_size,
+            rotary_interleaved=True,
+            untie_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            iteration=iteration,
+        ),
+        "rng_state": ShardedObject(
+            "rng_state",
+            rng,
+            (1, ps.get_tensor_model_parallel_world_size()),
+            (0, ps.get_tensor_model_parallel_rank()),
+            replica_id=ps.get_data_parallel_rank(),
+        ),
     }
 
 
@@ -258,8 +322,7 @@ def _train_and_save(args, tp: int, dp: int, sharding: str, out_dir: str, steps: 
         if dist.get_rank() == 0:
             print(f"  step loss={loss.item():.5f} grad_norm={gnorm:.4f} ok={ok}", flush=True)
     md = _metadata(sharding)
-    dist_checkpointing.save(_envelope(model, opt, sched, md, steps, tp), out_dir,
-                            content_metadata=md)
+    dist_checkpointing.save(_envelope(model, opt, sched, md, steps, tp), out_dir, content_metadata=md)
     loss = eval_loss(model)  # every rank: the forward has TP collectives
     if dist.get_rank() == 0:
         out["eval_loss_saved"] = loss
@@ -276,8 +339,7 @@ def _load(tp: int, sharding: str, ckpt: str, padded: int):
     cfg, model, _ = build(tp, seed=7, padded=padded)
     ddp, opt, sched = _optimizer(cfg, model, sharding)
     md = _metadata(sharding)
-    assert dist_checkpointing.load_content_metadata(ckpt) == md, \
-        dist_checkpointing.load_content_metadata(ckpt)
+    assert dist_checkpointing.load_content_metadata(ckpt) == md, dist_checkpointing.load_content_metadata(ckpt)
     # As Megatron-LM loads: the optimizer's sharded state dict is built with is_loading=True
     # (which also creates the Adam state to load into). Without Apex/TE (torch Adam),
     # DistributedOptimizer.state_dict() asserts one common "step" in the state, which only
@@ -326,10 +388,14 @@ def _reshard(args, out: dict) -> None:
 
     model, opt, sched = _load(args.tp, args.dist_opt, args.out, args.padded)
     md = _metadata("full")
-    dist_checkpointing.save({"model": model.sharded_state_dict(metadata=md),
-                             "optimizer": opt.sharded_state_dict(
-                                 model.sharded_state_dict(metadata=md), metadata=md)},
-                            args.tmp, content_metadata=md)
+    dist_checkpointing.save(
+        {
+            "model": model.sharded_state_dict(metadata=md),
+            "optimizer": opt.sharded_state_dict(model.sharded_state_dict(metadata=md), metadata=md),
+        },
+        args.tmp,
+        content_metadata=md,
+    )
 
 
 def _view(args, out: dict) -> None:
@@ -347,21 +413,34 @@ def _view(args, out: dict) -> None:
             optim[n] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
     else:
         # Distributed optimizer at dp=1: one shard per param holding all its elements (1-D).
-        for mg, sg in zip(opt.model_float16_groups + opt.model_fp32_groups,
-                          opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups):
+        for mg, sg in zip(
+            opt.model_float16_groups + opt.model_fp32_groups, opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups
+        ):
             for p, sp in zip(mg, sg):
                 st = opt.optimizer.state[sp]
                 optim[model_name(model, p)] = {
-                    k: (v.detach().clone().view(p.shape) if torch.is_tensor(v) and v.numel() == p.numel()
-                        else v) for k, v in st.items()}
+                    k: (v.detach().clone().view(p.shape) if torch.is_tensor(v) and v.numel() == p.numel() else v)
+                    for k, v in st.items()
+                }
     out["eval_loss_view"] = eval_loss(model)
-    torch.save({"params": params, "optim": optim,
-                "meta": {"padded_vocab": args.padded, "vocab": VOCAB, "tp_saved": args.tp,
-                         "dp_saved": args.dp, "dist_opt": args.dist_opt,
-                         "sharding": SHARDING.get(args.dist_opt), "steps": args.steps,
-                         "eval_loss_saved": args.eval_loss_saved,
-                         "eval_loss_view": out["eval_loss_view"]}},
-               os.path.join(args.out, "mcore_view.pt"))
+    torch.save(
+        {
+            "params": params,
+            "optim": optim,
+            "meta": {
+                "padded_vocab": args.padded,
+                "vocab": VOCAB,
+                "tp_saved": args.tp,
+                "dp_saved": args.dp,
+                "dist_opt": args.dist_opt,
+                "sharding": SHARDING.get(args.dist_opt),
+                "steps": args.steps,
+                "eval_loss_saved": args.eval_loss_saved,
+                "eval_loss_view": out["eval_loss_view"],
+            },
+        },
+        os.path.join(args.out, "mcore_view.pt"),
+    )
 
 
 def model_name(model, p) -> str:
@@ -377,11 +456,19 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dist-opt", choices=["none", "dp", "full"], default="none",
-                    help="none: use_distributed_optimizer=False; dp / full: distributed optimizer "
-                         "saved as dp_reshardable / fully_reshardable")
-    ap.add_argument("--vocab-divisor", type=int, default=128,
-                    help="Megatron-LM's make_vocab_size_divisible_by (padded to a multiple of it x tp)")
+    ap.add_argument(
+        "--dist-opt",
+        choices=["none", "dp", "full"],
+        default="none",
+        help="none: use_distributed_optimizer=False; dp / full: distributed optimizer "
+        "saved as dp_reshardable / fully_reshardable",
+    )
+    ap.add_argument(
+        "--vocab-divisor",
+        type=int,
+        default=128,
+        help="Megatron-LM's make_vocab_size_divisible_by (padded to a multiple of it x tp)",
+    )
     ap.add_argument("--port", type=int, default=29517)
     args = ap.parse_args(argv)
     m = args.vocab_divisor * args.tp
@@ -397,8 +484,7 @@ def main(argv=None) -> None:
         mp.spawn(worker, args=(world, args, args.port, "save", out), nprocs=world)
         args.eval_loss_saved = out["eval_loss_saved"]
         if args.dist_opt == "dp":
-            args.tmp = tempfile.mkdtemp(prefix=".mcore-reshard-",
-                                        dir=os.path.dirname(os.path.abspath(args.out)))
+            args.tmp = tempfile.mkdtemp(prefix=".mcore-reshard-", dir=os.path.dirname(os.path.abspath(args.out)))
             mp.spawn(worker, args=(args.tp, args, args.port + 1, "reshard", out), nprocs=args.tp)
         mp.spawn(worker, args=(1, args, args.port + 2, "view", out), nprocs=1)
         view = out["eval_loss_view"]

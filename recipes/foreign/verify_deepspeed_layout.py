@@ -58,8 +58,9 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused {module}.{name}")
 
 
-_pickle_module = types.SimpleNamespace(Unpickler=_Unpickler, load=lambda f, **kw: _Unpickler(f, **kw).load(),
-                                       __name__="pickle")
+_pickle_module = types.SimpleNamespace(
+    Unpickler=_Unpickler, load=lambda f, **kw: _Unpickler(f, **kw).load(), __name__="pickle"
+)
 
 
 def load(path: str):
@@ -108,28 +109,32 @@ def zero12(ck: str) -> tuple[dict, dict]:
         off = 0
         for (name, shape), pad in zip(shapes.items(), pads):
             n = shape.numel()
-            out[name] = {k: flats[k][off:off + n].view(shape).clone() for k in flats}
+            out[name] = {k: flats[k][off : off + n].view(shape).clone() for k in flats}
             off += n + pad
         # the same from param_slice_mappings: fragments of a name, concatenated in rank order
         frags: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-        for r, o in enumerate(osds):
+        for o in osds:
             st = o["base_optimizer_state"]["state"][g]
-            src = {"fp32": o["single_partition_of_fp32_groups"][g], "exp_avg": st["exp_avg"],
-                   "exp_avg_sq": st["exp_avg_sq"]}
+            src = {
+                "fp32": o["single_partition_of_fp32_groups"][g],
+                "exp_avg": st["exp_avg"],
+                "exp_avg_sq": st["exp_avg_sq"],
+            }
             for name, fa in o["param_slice_mappings"][g].items():
                 assert isinstance(fa, fragment_address)
                 for k, t in src.items():
-                    frags[name][k].append(t[fa.start:fa.start + fa.numel])
+                    frags[name][k].append(t[fa.start : fa.start + fa.numel])
         assert set(frags) == set(shapes)
         rr = ms["ds_config"].get("zero_optimization", {}).get("round_robin_gradients", False)
-        for name, shape in ([] if rr else shapes.items()):  # round robin: the mappings are wrong (see REPORT)
+        for name, shape in [] if rr else shapes.items():  # round robin: the mappings are wrong (see REPORT)
             for k in flats:
                 _check(f"{name}.{k} (slice mappings)", torch.cat(frags[name][k]).view(shape), out[name][k])
         steps = {o["base_optimizer_state"]["state"][g]["step"].item() for o in osds}
         assert len(steps) == 1
         hp = {k: v for k, v in osds[0]["base_optimizer_state"]["param_groups"][g].items() if k != "params"}
-        assert all({k: v for k, v in o["base_optimizer_state"]["param_groups"][g].items() if k != "params"} == hp
-                   for o in osds)
+        assert all(
+            {k: v for k, v in o["base_optimizer_state"]["param_groups"][g].items() if k != "params"} == hp for o in osds
+        )
         groups.append(dict(hp, names=list(shapes), step=steps.pop()))
     rr = bool(ms["ds_config"].get("zero_optimization", {}).get("round_robin_gradients", False))
     for name in out:  # fp32 training: the saved module weights are the master weights
@@ -158,7 +163,7 @@ def zero3(ck: str) -> tuple[dict, dict]:
         off = 0
         for (name, shape), ps in zip(shapes.items(), per):
             n = shape.numel()
-            out[name] = {k: torch.cat([s[k][off:off + ps] for s in srcs])[:n].view(shape).clone() for k in srcs[0]}
+            out[name] = {k: torch.cat([s[k][off : off + ps] for s in srcs])[:n].view(shape).clone() for k in srcs[0]}
             off += ps
         steps = {o["optimizer_state_dict"]["state"][g]["step"].item() for o in osds}
         assert len(steps) == 1
@@ -213,10 +218,12 @@ def verify(d: str) -> None:
                 continue
             a = load(os.path.join(uni, alias, "fp32.pt"))
             _check(f"universal shared {alias}", a["param"] if isinstance(a, dict) else a, fp32_view[alias])
-    print(f"OK {d}: stage {'3' if stage3 else '1/2'}, {len(full)} params x (fp32, exp_avg, exp_avg_sq) bitwise equal "
-          f"to DeepSpeed's view; groups {[len(g['names']) for g in info['groups']]} steps "
-          f"{[g['step'] for g in info['groups']]}; {n_uni} universal atoms checked"
-          + ("; round_robin: only zero_to_fp32 and module compared" if rr else ""))
+    print(
+        f"OK {d}: stage {'3' if stage3 else '1/2'}, {len(full)} params x (fp32, exp_avg, exp_avg_sq) bitwise equal "
+        f"to DeepSpeed's view; groups {[len(g['names']) for g in info['groups']]} steps "
+        f"{[g['step'] for g in info['groups']]}; {n_uni} universal atoms checked"
+        + ("; round_robin: only zero_to_fp32 and module compared" if rr else "")
+    )
 
 
 def main() -> None:

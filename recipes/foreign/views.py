@@ -4,14 +4,15 @@
 ``ds_view_optim.pt``: the live engine's moments, step and groups) and ``make_megatron.py`` Megatron's
 (``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/test_foreign.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ def deepspeed_config() -> Any:
 
 
 def megatron_config() -> Any:
-    from ucp_dcp.toy.hf import TOY_LLAMA
+    from ucp_dcp.toy.hf_presets import TOY_LLAMA
 
     return TOY_LLAMA
 
@@ -42,9 +43,9 @@ def parts(cfg: Any, name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
         ps = deinterleave(full, [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], cfg.n_kv_heads)
         return {name.replace("wqkv", f"w{x}"): p for x, p in zip("qkv", ps)}
     if name.endswith("w13.weight"):
-        return {name.replace("w13", "w1"): full[:cfg.ffn_dim], name.replace("w13", "w3"): full[cfg.ffn_dim:]}
+        return {name.replace("w13", "w1"): full[: cfg.ffn_dim], name.replace("w13", "w3"): full[cfg.ffn_dim :]}
     if name in ("tok_embeddings.weight", "output.weight"):
-        return {"tok_embeddings.weight": full[:cfg.vocab]}
+        return {"tok_embeddings.weight": full[: cfg.vocab]}
     return {name: full}
 
 
@@ -57,10 +58,16 @@ def _source(logical: str) -> str:
 def megatron_name(name: str) -> str:
     """A Megatron parameter name (``decoder.layers.0.self_attention.linear_qkv.weight``) as the toy's."""
     n = name.replace("decoder.", "")
-    for a, b in (("self_attention.linear_qkv", "attn.wqkv"), ("self_attention.linear_proj", "attn.wo"),
-                 ("mlp.linear_fc1", "ffn.w13"), ("mlp.linear_fc2", "ffn.w2"), ("input_layernorm", "attn_norm"),
-                 ("pre_mlp_layernorm", "ffn_norm"), ("final_layernorm", "norm"),
-                 ("embedding.word_embeddings", "tok_embeddings")):
+    for a, b in (
+        ("self_attention.linear_qkv", "attn.wqkv"),
+        ("self_attention.linear_proj", "attn.wo"),
+        ("mlp.linear_fc1", "ffn.w13"),
+        ("mlp.linear_fc2", "ffn.w2"),
+        ("input_layernorm", "attn_norm"),
+        ("pre_mlp_layernorm", "ffn_norm"),
+        ("final_layernorm", "norm"),
+        ("embedding.word_embeddings", "tok_embeddings"),
+    ):
         n = n.replace(a, b)
     return n
 
@@ -76,7 +83,7 @@ def deepspeed_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
 
 def megatron_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
     """The same for a Megatron ``torch_dist`` checkpoint (groups: Megatron's default split)."""
-    from ucp_dcp.foreign.inert import load_inert
+    from ucp_dcp.sources.foreign.inert import load_inert
 
     view = torch.load(os.path.join(path, "mcore_view.pt"), weights_only=False)
     params = {megatron_name(k): v for k, v in view["params"].items()}
@@ -109,8 +116,11 @@ def compare(view: tuple[Any, dict, dict, Callable[[str], dict]], state: dict) ->
                 bad.append(f"step {logical}")
             hp = dict(eval(state[f"group/{logical}"], {"__builtins__": {}}))  # noqa: S307  (the oracle's own repr)
             want = groups(logical)
-            bad += [f"group {logical} {k} {hp[k]} != {want[k]}" for k in ("lr", "betas", "eps", "weight_decay")
-                    if hp[k] != want[k]]
+            bad += [
+                f"group {logical} {k} {hp[k]} != {want[k]}"
+                for k in ("lr", "betas", "eps", "weight_decay")
+                if hp[k] != want[k]
+            ]
     return n, bad
 
 
@@ -122,8 +132,8 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
 
     from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.errors import ucp_errors
-    from ucp_dcp.foreign.deepspeed import DeepSpeedReader
-    from ucp_dcp.foreign.megatron import MegatronReader
+    from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
 
     cfg = deepspeed_config() if kind == "deepspeed" else megatron_config()

@@ -40,12 +40,17 @@ def make_assets(folder: str | Path, n_docs: int = 2000, seed: int = 0) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     tok.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
     with open(data_dir / "data.json", "w") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")

@@ -62,10 +62,9 @@ def _patch_device() -> None:
 
 def _patch_torchtitan(cpu: bool = True) -> None:
     """All patches; ``cpu=False`` keeps only those for the torch 2.13 / torchtitan 0.3.0 gap."""
-    from torch.distributed.fsdp import FSDPModule
-
     import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.distributed.utils as tt_dist
+    from torch.distributed.fsdp import FSDPModule
 
     divide = tt_fsdp.disable_fsdp_gradient_division
 
@@ -144,7 +143,8 @@ def _patch_spmd_types_fsdp() -> None:
         axes = tuple(mesh.mesh_dim_names or ())
         if dims is not None and set(axes) <= {"dp_replicate", "dp_shard"}:
             logging.getLogger("cpu_launch").info(
-                "cpu_launch (s): spmd_types FSDP on data-parallel mesh %s without DataParallelMeshDims", axes)
+                "cpu_launch (s): spmd_types FSDP on data-parallel mesh %s without DataParallelMeshDims", axes
+            )
             return mesh, None
         logging.getLogger("cpu_launch").info("cpu_launch (s): spmd_types FSDP mesh %s, dims %s (unpatched)", axes, dims)
         return mesh, dims
@@ -158,11 +158,21 @@ def _patch_spmd_types_fsdp() -> None:
 def _patch_step(cls) -> None:
     whole_batch_step = cls.step
 
-    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
-             return_outputs=True, loss_kwargs=None, **kwargs):
+    def step(
+        self,
+        *args,
+        arg_mbs=None,
+        kwarg_mbs=None,
+        target_mbs=None,
+        losses=None,
+        return_outputs=True,
+        loss_kwargs=None,
+        **kwargs,
+    ):
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return whole_batch_step(self, *args, losses=losses, return_outputs=return_outputs,
-                                    loss_kwargs=loss_kwargs, **kwargs)
+            return whole_batch_step(
+                self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
+            )
         stages = getattr(self, "_stages", None) or [self._stage]
         for s in stages:
             s.has_backward = self._has_backward
@@ -213,7 +223,9 @@ def _full_state(manager) -> dict:
                 for k, v in opt.state.get(p, {}).items():
                     out[f"state/{names[id(p)]}/{k}"] = full(v) if isinstance(v, torch.Tensor) else v
                 # membership (params, param_names) depends on the layout; hyperparameters must not
-                out[f"group/{names[id(p)]}"] = repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
+                out[f"group/{names[id(p)]}"] = repr(
+                    sorted((k, v) for k, v in group.items() if k not in ("params", "param_names"))
+                )
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, out)
     merged: dict = {}

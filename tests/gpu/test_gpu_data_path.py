@@ -7,6 +7,7 @@ our host-byte exchanges need a gloo side group. Run with ``make test-gpu``.
 
 import os
 
+import dist as D
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,11 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import dist as D
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp._compat import group_has_cpu_backend
-from ucp_dcp.collectives import p2p_group
+from ucp_dcp.planning.collectives import p2p_group
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -45,8 +45,9 @@ def _mesh(kind: str, world: int) -> tuple[DeviceMesh, list]:
     raise ValueError(kind)
 
 
-def _dtensors(values: dict[str, torch.Tensor], kind: str, world: int, empty: bool = False,
-              dtype: torch.dtype | None = None) -> dict[str, DTensor]:
+def _dtensors(
+    values: dict[str, torch.Tensor], kind: str, world: int, empty: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, DTensor]:
     """DTensors of ``values`` at a layout, built from local pieces (no collectives)."""
     mesh, placements = _mesh(kind, world)
     out = {}
@@ -62,8 +63,9 @@ def _dtensors(values: dict[str, torch.Tensor], kind: str, world: int, empty: boo
 def _full_cpu(dt: DTensor) -> torch.Tensor:
     """The global value of a CUDA DTensor, gathered on CPU (gloo) so no CUDA collective is needed."""
     cpu_mesh = DeviceMesh("cpu", dt.device_mesh.mesh, mesh_dim_names=dt.device_mesh.mesh_dim_names)
-    local = DTensor.from_local(dt.to_local().cpu(), cpu_mesh, dt.placements, run_check=False, shape=dt.shape,
-                               stride=dt.stride())
+    local = DTensor.from_local(
+        dt.to_local().cpu(), cpu_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+    )
     return local.full_tensor()
 
 
@@ -114,8 +116,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("save_kind,load_kind,load_dtype,backend", CASES,
-                         ids=[f"{a}-to-{b}-{c}-{d}" for a, b, c, d in CASES])
+@pytest.mark.parametrize(
+    "save_kind,load_kind,load_dtype,backend", CASES, ids=[f"{a}-to-{b}-{c}-{d}" for a, b, c, d in CASES]
+)
 def test_gpu_resharding_load_is_bitwise(save_kind, load_kind, load_dtype, backend):
     out = D.run(_reshard_worker, 4, D.tmpdir(), save_kind, load_kind, load_dtype, backend=backend)
     assert all(not bad for bad, *_ in out), out
@@ -132,8 +135,7 @@ def _nccl_worker(rank, world, root):
     # dcp.async_save asserts a CPU backend in its group (torch 2.11-2.15): under plain NCCL, give it the gloo
     # side group ucp_dcp uses for host bytes anyway
     group = None if group_has_cpu_backend() else p2p_group()
-    fut = dcp.async_save(state, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(),
-                         process_group=group)
+    fut = dcp.async_save(state, storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(), process_group=group)
     for v in state.values():  # training goes on: the staged copy, not the live tensors, is saved
         v.to_local().add_(1.0)
     fut.result()
@@ -151,7 +153,7 @@ def _nccl_worker(rank, world, root):
 
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
 def test_gpu_one_rank_nccl_save_async_save_and_load(backend):
-    (results, got_backend, side), = D.run(_nccl_worker, 1, D.tmpdir(), backend=backend)
+    ((results, got_backend, side),) = D.run(_nccl_worker, 1, D.tmpdir(), backend=backend)
     assert results == {"sync": [], "async": []}, results
     # host bytes need a gloo group: a side group under NCCL only, the default group when it has gloo
     assert side == ("gloo" if got_backend == "nccl" else None), (got_backend, side)

@@ -45,16 +45,39 @@ def _save_and_resume(tmp_path, extra_save_flags):
     assets = tr.make_assets(tmp_path / "assets")
     save, load = tmp_path / "save", tmp_path / "resume"
     env = dict(DEVICE_ENV)
-    tr.run_job({"dp": 1}, save, assets, STEPS, ["--checkpoint.interval", str(K), *extra_save_flags],
-            {**env, "UCP_TITAN_METRICS": str(save / "loss.json"), "UCP_TITAN_STATE": str(save / "oracle.pt"),
-             "UCP_TITAN_STATE_STEP": str(K)}, backend=None)
-    tr.run_job({"dp": 1}, load, assets, STEPS, tr.resume_flags(save, K, STEPS),
-            {**env, "UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
-            backend=None)
+    tr.run_job(
+        {"dp": 1},
+        save,
+        assets,
+        STEPS,
+        ["--checkpoint.interval", str(K), *extra_save_flags],
+        {
+            **env,
+            "UCP_TITAN_METRICS": str(save / "loss.json"),
+            "UCP_TITAN_STATE": str(save / "oracle.pt"),
+            "UCP_TITAN_STATE_STEP": str(K),
+        },
+        backend=None,
+    )
+    tr.run_job(
+        {"dp": 1},
+        load,
+        assets,
+        STEPS,
+        tr.resume_flags(save, K, STEPS),
+        {**env, "UCP_TITAN_METRICS": str(load / "loss.json"), "UCP_TITAN_STATE": str(load / "loaded.pt")},
+        backend=None,
+    )
     oracle = torch.load(save / "oracle.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
-    return (oracle, loaded, tr._losses(save / "loss.json"), tr._losses(load / "loss.json"),
-            (save / "log.txt").read_text(), (load / "log.txt").read_text())
+    return (
+        oracle,
+        loaded,
+        tr._losses(save / "loss.json"),
+        tr._losses(load / "loss.json"),
+        (save / "log.txt").read_text(),
+        (load / "log.txt").read_text(),
+    )
 
 
 def _check(tmp_path, oracle, loaded, ref, res, save_log, resume_log):
@@ -69,7 +92,7 @@ def _check(tmp_path, oracle, loaded, ref, res, save_log, resume_log):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ucp_dcp.summary import open_path
+    from ucp_dcp.storage.opening import open_path
 
     step_dir = tmp_path / "save" / "checkpoint" / f"step-{K}"
     keys = set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)

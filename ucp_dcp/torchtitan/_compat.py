@@ -2,7 +2,7 @@
 
 The integration subclasses torchtitan's ``CheckpointManager`` and wraps its ``dcp_save`` /
 ``dcp_load``, whose signatures and call order change between torchtitan releases; an untested
-release fails at import (like :func:`ucp_dcp._compat.check_torch`) unless
+release fails at import (like :func:`ucp_dcp._probes.check_torch`) unless
 ``UCP_DCP_ALLOW_UNTESTED_TORCHTITAN=1``. Checked against torchtitan 0.3.0.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import warnings
+from typing import Any
 
 from ..errors import UnsupportedTorchError
 
@@ -28,10 +29,12 @@ def check_torchtitan() -> None:
         found = str(getattr(torchtitan, "__version__", "unknown"))
     if ".".join(found.split(".")[:2]) in TESTED_TORCHTITAN:
         return
-    msg = (f"ucp_dcp.torchtitan is tested with torchtitan {', '.join(v + '.x' for v in TESTED_TORCHTITAN)}, found "
-           f"{found}. It overrides torchtitan's checkpoint manager and dataloader internals, which change between "
-           f"releases; install a tested torchtitan (pip install 'ucp-dcp[torchtitan]') or set {ALLOW_ENV}=1 to try "
-           "anyway at your own risk.")
+    msg = (
+        f"ucp_dcp.torchtitan is tested with torchtitan {', '.join(v + '.x' for v in TESTED_TORCHTITAN)}, found "
+        f"{found}. It overrides torchtitan's checkpoint manager and dataloader internals, which change between "
+        f"releases; install a tested torchtitan (pip install 'ucp-dcp[torchtitan]') or set {ALLOW_ENV}=1 to try "
+        "anyway at your own risk."
+    )
     if os.environ.get(ALLOW_ENV) == "1":
         warnings.warn(msg, stacklevel=3)
         return
@@ -58,3 +61,38 @@ def datasets_iterable_kinds(ds) -> set[str] | None:
         todo += [x for x in [getattr(it, "ex_iterable", None)] if x is not None]
         todo += list(getattr(it, "ex_iterables", None) or [])
     return kinds
+
+
+# -- private torchtitan names the integration uses (torchtitan 0.3), each in one place -----------------
+
+
+def states_to_load(manager: Any, model_only: bool) -> dict[str, Any]:
+    """What a ``CheckpointManager`` hands ``dcp.load`` at a resume (its ``_states_to_load``)."""
+    return manager._states_to_load(model_only)
+
+
+def flattened_model_states_sd(manager: Any) -> dict[str, Any]:
+    """The state dict a ``CheckpointManager`` saves: model entries flattened to the top level
+    (its ``_flattened_model_states_sd``)."""
+    return manager._flattened_model_states_sd()
+
+
+def qkv_split_hook() -> Any:
+    """``FusedQKVLinear``'s state-dict post-hook that splits ``wqkv`` into ``wq``/``wk``/``wv`` on save."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    return FusedQKVLinear._split_qkv_on_save
+
+
+def text_dataset_parts(ds: Any) -> tuple[Any, Any, Any]:
+    """A ``HuggingFaceTextDataset``'s map-style data, tokenizer and text processor (``_data``,
+    ``_tokenizer``, ``_text_processor``)."""
+    return ds._data, ds._tokenizer, ds._text_processor
+
+
+def llama3_debug_parts(dim: int) -> tuple[Any, Any, Any, Any]:
+    """The llama3 package's initializers and layer builder its debug model is made of: embedding init,
+    norm init, output-head init for ``dim``, and ``_build_llama3_layers``."""
+    from torchtitan.models import llama3 as L
+
+    return L._EMBEDDING_INIT, L._NORM_INIT, L._output_linear_init(dim), L._build_llama3_layers

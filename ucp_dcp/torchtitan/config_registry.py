@@ -17,6 +17,7 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.models.llama3.model import Llama3Model
 
+from ._compat import llama3_debug_parts
 from .dataloader import GlobalCursorTextDataLoader
 from .manager import UCPCheckpointManager
 
@@ -36,17 +37,20 @@ def llama3_debugmodel_ucp():
 
 
 def _gqa_debugmodel(attn_backend: str = "flex") -> Llama3Model.Config:
-    from torchtitan.models import llama3 as L
-
     dim, n_heads, n_layers = 256, 16, 6
+    embedding_init, norm_init, output_init, build_layers = llama3_debug_parts(dim)
     return Llama3Model.Config(
         dim=dim,
         vocab_size=2048,
-        tok_embeddings=Embedding.Config(num_embeddings=2048, embedding_dim=dim, param_init=L._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=L._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=L._output_linear_init(dim)),
-        layers=L._build_llama3_layers(
-            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=GQA_KV_HEADS,
+        tok_embeddings=Embedding.Config(num_embeddings=2048, embedding_dim=dim, param_init=embedding_init),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=2048, param_init=output_init),
+        layers=build_layers(
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=GQA_KV_HEADS,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
             rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
             attn_backend=attn_backend,

@@ -103,9 +103,17 @@ class GlobalWindowDataset(IterableDataset, Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         pos = self._position_of(self.cursor)
-        return {"version": STATE_VERSION, "cursor": self.cursor, "epoch": pos.epoch, "doc": pos.doc,
-                "offset": pos.offset, "text_hash": pos.text_hash, "resume": pos.resume,
-                "seq_len": self.seq_len, "dataset": self.dataset_name}
+        return {
+            "version": STATE_VERSION,
+            "cursor": self.cursor,
+            "epoch": pos.epoch,
+            "doc": pos.doc,
+            "offset": pos.offset,
+            "text_hash": pos.text_hash,
+            "resume": pos.resume,
+            "seq_len": self.seq_len,
+            "dataset": self.dataset_name,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sources" in state:
@@ -117,14 +125,18 @@ class GlobalWindowDataset(IterableDataset, Stateful):
         if state.get("version") != STATE_VERSION:
             raise UCPError(
                 f"dataloader state version {state.get('version')} is not this loader's ({STATE_VERSION})",
-                atom="dataloader.version", saved=state.get("version"), wanted=STATE_VERSION,
+                atom="dataloader.version",
+                saved=state.get("version"),
+                wanted=STATE_VERSION,
                 hint="version 1 (ucp_dcp before streaming-exact resume) cannot say where a streaming epoch "
-                     "resumes; skip it with checkpoint.exclude_from_loading=['dataloader']")
+                "resumes; skip it with checkpoint.exclude_from_loading=['dataloader']",
+            )
         if state.get("seq_len") != self.seq_len or state.get("dataset") != self.dataset_name:
             raise UCPError(
                 f"dataloader state is for dataset {state.get('dataset')!r} with seq_len {state.get('seq_len')}, "
                 f"this run uses {self.dataset_name!r} with seq_len {self.seq_len}",
-                atom="dataloader", saved=(state.get("dataset"), state.get("seq_len")),
+                atom="dataloader",
+                saved=(state.get("dataset"), state.get("seq_len")),
                 wanted=(self.dataset_name, self.seq_len),
                 hint="windows are cut at seq_len: resume with the same dataset and training.seq_len",
             )
@@ -133,12 +145,15 @@ class GlobalWindowDataset(IterableDataset, Stateful):
             raise UCPError(
                 f"the saved global cursor ({cursor} windows) is not a multiple of the new data-parallel "
                 f"degree {self.dp_world_size}: ranks cannot split the next global batch",
-                atom="dataloader.cursor", saved=cursor, wanted=self.dp_world_size,
+                atom="dataloader.cursor",
+                saved=cursor,
+                wanted=self.dp_world_size,
                 hint="choose a data-parallel degree that divides the global batch size",
             )
         self.cursor = self._base = cursor
-        self._start = Pos(int(state["epoch"]), int(state["doc"]), int(state["offset"]), str(state["text_hash"]),
-                          str(state["resume"]))
+        self._start = Pos(
+            int(state["epoch"]), int(state["doc"]), int(state["offset"]), str(state["text_hash"]), str(state["resume"])
+        )
         self._src = None
 
 
@@ -175,12 +190,28 @@ class GlobalCursorTextDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        ds = GlobalWindowDataset(config.dataset, config.dataset_path, tokenizer, seq_len, dp_rank, dp_world_size,
-                                 config.infinite, batch_size=local_batch_size)
-        super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
-                         collate_fn=_collate, num_workers=config.num_workers,
-                         persistent_workers=config.persistent_workers, pin_memory=config.pin_memory,
-                         prefetch_factor=config.prefetch_factor, snapshot_every_n_steps=snapshot_every_n_steps)
+        ds = GlobalWindowDataset(
+            config.dataset,
+            config.dataset_path,
+            tokenizer,
+            seq_len,
+            dp_rank,
+            dp_world_size,
+            config.infinite,
+            batch_size=local_batch_size,
+        )
+        super().__init__(
+            ds,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            batch_size=local_batch_size,
+            collate_fn=_collate,
+            num_workers=config.num_workers,
+            persistent_workers=config.persistent_workers,
+            pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
         self._state: dict[str, Any] | None = None
         """The global state after the last batch handed out (None: none since the last load)."""
 

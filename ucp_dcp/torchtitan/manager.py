@@ -5,14 +5,14 @@ modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoi
 model-only exports) and only hands DCP the UCP planners.
 
 Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
-(:mod:`ucp_dcp.torchtitan.hf` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
+(:mod:`ucp_dcp.torchtitan.mappings` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
 
-* load: :class:`~ucp_dcp.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
+* load: :class:`~ucp_dcp.sources.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
   fills the live (sharded) state from them -- the fused ``wqkv`` local shards straight from the
   separate q/k/v tensors, rotary rows permuted on the way, each rank reading only the byte ranges
   its shards need; no all-gather and no full tensor. Quantized HF checkpoints are refused;
 * save: the model state is saved as a ucp_dcp checkpoint in a temporary sibling folder, exported
-  collectively (:func:`~ucp_dcp.hf.export.export_hf`, box by box, every rank a share) into the
+  collectively (:func:`~ucp_dcp.sources.hf.publish.export_hf`, box by box, every rank a share) into the
   checkpoint folder, and the temporary folder is removed. Files are sharded by size
   (``hf_max_shard_bytes``); the adapter's ``fqn_to_index_mapping`` is not followed.
 
@@ -33,6 +33,10 @@ What changes in the checkpoint:
 * the dataloader state is either global (``GlobalCursorTextDataLoader``: loads at any DP degree) or,
   for loaders that cannot be remapped, handled by ``dataloader_policy`` -- never a silent wrong
   position.
+
+Kept in one module (over 400 lines): one class, a subclass of torchtitan's ``CheckpointManager`` whose
+overrides share its state (planner options, HF paths, the dataloader policy); split, the overrides of one
+class would sit in several files.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -54,18 +58,25 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import DATALOADER, MODEL, ModelWrapper
 from torchtitan.models.common.attention import FusedQKVLinear
 
+from .._compat import state_dict_hooks
 from ..errors import PatternError, UCPError, ucp_errors
-from ..summary import read_metadata
-from ..load_planner import UCPLoadPlanner
-from ..patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
-from ..reader import UCPFileSystemReader
-from ..save_planner import UCPSavePlanner
-from ..writer import UCPFileSystemWriter
-from .hf import hf_mapping, tied_rules
+from ..layout.patterns import Fused, Reduce, Rule, Tied, anchored_in, rule_from_json
+from ..planning.load_planner import UCPLoadPlanner
+from ..planning.save_planner import CheckMode, UCPSavePlanner
+from ..storage.opening import read_metadata
+from ..storage.reader import UCPFileSystemReader
+from ..storage.writer import UCPFileSystemWriter
+from ._compat import qkv_split_hook
+from .mappings import hf_mapping, tied_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
 logger = logging.getLogger(__name__)
+
+NtokensSeen = Literal["sum", "off"]
+"""``ntokens_seen``: sum the per-rank counts over data-parallel slots at save, or leave them alone."""
+DataloaderPolicy = Literal["error", "restart"]
+"""``dataloader_policy``: refuse a dataloader state that cannot be remapped, or restart the data streams."""
 
 
 class UCPCheckpointManager(CheckpointManager):
@@ -76,7 +87,7 @@ class UCPCheckpointManager(CheckpointManager):
         rules: list[str] = field(default_factory=list)
         """Extra ucp_dcp pattern rules, one JSON object each, e.g.
         '{"kind": "padded", "pattern": "tok_embeddings\\\\.weight", "size": 2000}'
-        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.patterns, including
+        (kinds: fused, padded, replicated, reduce, tied; fields as in ucp_dcp.layout.patterns, including
         "optional": true for a rule strict mode should not count). A rule anchored in a training
         state (its pattern starts with the state's name and an escaped dot, 'train_state\\.') is
         declared only in saves and loads that include that state."""
@@ -86,19 +97,29 @@ class UCPCheckpointManager(CheckpointManager):
         fused_qkv_atoms: bool = True
         """Save fused wqkv weights and their optimizer moments as wq/wk/wv atoms from local shards
         (no all-gather). Off: torchtitan's state-dict hook splits them (weights only)."""
-        ntokens_seen: Literal["sum", "off"] = "sum"
+        ntokens_seen: NtokensSeen = "sum"
         """train_state.ntokens_seen is a per-rank count: sum it over data-parallel slots at save
         (on load, slot 0 gets the total, the others 0, so the next save sums right)."""
-        dataloader_policy: Literal["error", "restart"] = "error"
+        dataloader_policy: DataloaderPolicy = "error"
         """When the saved dataloader state cannot be remapped to this run's data-parallel degree
         (per-rank loaders): 'error' refuses the load before reading anything; 'restart' restarts
         every rank's data stream from its beginning, with a warning."""
-        check_replicas: Literal["error", "warn", "off"] = "error"
+        check_replicas: CheckMode = "error"
         """Plain values saved under one name by several ranks must agree: error, warn or off."""
         enable_plan_caching: bool = False
         """DCP save-plan caching (the cache also compares layouts)."""
         hf_max_shard_bytes: int = 5 * 1024**3
         """Most data bytes per safetensors file of a Hugging Face save (``last_save_in_hf``)."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
+            for name, mode in (
+                ("ntokens_seen", NtokensSeen),
+                ("dataloader_policy", DataloaderPolicy),
+                ("check_replicas", CheckMode),
+            ):
+                if getattr(self, name) not in get_args(mode):
+                    raise ValueError(f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         model_parts = kwargs["model_parts"]
@@ -137,8 +158,13 @@ class UCPCheckpointManager(CheckpointManager):
         return rules_for_call(self._rules, left_out)
 
     def _save_planner(self, rules: list[Rule]) -> UCPSavePlanner:
-        return UCPSavePlanner(patterns=rules, strict=self.ucp.strict, check_replicas=self.ucp.check_replicas,
-                              data_slot=self._data_slot, enable_plan_caching=self.ucp.enable_plan_caching)
+        return UCPSavePlanner(
+            patterns=rules,
+            strict=self.ucp.strict,
+            check_replicas=self.ucp.check_replicas,
+            data_slot=self._data_slot,
+            enable_plan_caching=self.ucp.enable_plan_caching,
+        )
 
     def _load_planner(self, rules: list[Rule]) -> UCPLoadPlanner:
         return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
@@ -166,8 +192,11 @@ class UCPCheckpointManager(CheckpointManager):
             return adapter_cfg
         cfg = getattr(self._model_parts[0], "config", None)
         if cfg is None:
-            raise UCPError("a Hugging Face load or save needs the model config (from the state-dict adapter or the "
-                           "model's config)", hint="build the manager with the model's sd_adapter, as the Trainer does")
+            raise UCPError(
+                "a Hugging Face load or save needs the model config (from the state-dict adapter or the "
+                "model's config)",
+                hint="build the manager with the model's sd_adapter, as the Trainer does",
+            )
         return cfg
 
     def _hf_rules(self, state_dict: dict[str, Any], model_config: Any) -> list[Rule]:
@@ -180,27 +209,36 @@ class UCPCheckpointManager(CheckpointManager):
         """Fill the model state from the Hugging Face folder ``checkpoint_id`` (see module doc)."""
         if from_quantized:
             raise UCPError(
-                "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only", atom=MODEL,
-                hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)")
-        from ..hf import HFStorageReader
+                "initial_load_in_hf_quantized: ucp_dcp's Hugging Face path reads plain safetensors only",
+                atom=MODEL,
+                hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)",
+            )
+        from ..sources.hf import HFStorageReader
 
         begin = time.monotonic()
         cfg = self._hf_model_config()
         mapping = hf_mapping(cfg)
         reader = HFStorageReader(checkpoint_id, mapping)
         with ucp_errors():
-            tt_dcp.dcp.load(state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict,
-                                                                                                         cfg)))
+            tt_dcp.dcp.load(
+                state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict, cfg))
+            )
         self.states[MODEL].load_state_dict(state_dict)
         self.hf_load_stats = reader.stats
-        logger.info("UCP: loaded Hugging Face %s (%s mapping) in %.2fs, %d bytes read by this rank", checkpoint_id,
-                    mapping.name, time.monotonic() - begin, reader.stats.bytes_read)
+        logger.info(
+            "UCP: loaded Hugging Face %s (%s mapping) in %.2fs, %d bytes read by this rank",
+            checkpoint_id,
+            mapping.name,
+            time.monotonic() - begin,
+            reader.stats.bytes_read,
+        )
 
-    def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
-                 enable_garbage_collection: bool) -> None:
+    def _save_hf(
+        self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, enable_garbage_collection: bool
+    ) -> None:
         """Write the model state as a Hugging Face folder at ``checkpoint_id`` (collective; see module
         doc). torchtitan casts the state to ``export_dtype`` before the call; the files keep it."""
-        from ..hf.export import export_hf
+        from ..sources.hf.publish import export_hf
 
         if async_mode != tt_dcp.AsyncMode.DISABLED:
             logger.warning("UCP: a Hugging Face save is written synchronously (async_mode %s ignored)", async_mode)
@@ -219,8 +257,9 @@ class UCPCheckpointManager(CheckpointManager):
             planner = self._save_planner(self._hf_rules(state_dict, cfg))
             with ucp_errors():
                 tt_dcp.dcp.save(state_dict, storage_writer=UCPFileSystemWriter(scratch), planner=planner)
-            stats = export_hf(scratch, checkpoint_id, mapping, max_shard_bytes=self.ucp.hf_max_shard_bytes,
-                              overwrite=True)
+            stats = export_hf(
+                scratch, checkpoint_id, mapping, max_shard_bytes=self.ucp.hf_max_shard_bytes, overwrite=True
+            )
             if coordinator:
                 _write_single_file_index(checkpoint_id)
             self.hf_save_stats = stats
@@ -229,8 +268,13 @@ class UCPCheckpointManager(CheckpointManager):
                 dist.barrier()
             if coordinator:
                 shutil.rmtree(scratch, ignore_errors=True)
-        logger.info("UCP: saved Hugging Face %s (%s mapping, %d tensors) in %.2fs", checkpoint_id, mapping.name,
-                    stats.tensors, time.monotonic() - begin)
+        logger.info(
+            "UCP: saved Hugging Face %s (%s mapping, %d tensors) in %.2fs",
+            checkpoint_id,
+            mapping.name,
+            stats.tensors,
+            time.monotonic() - begin,
+        )
         if enable_garbage_collection:
             tt_dcp.GarbageCollection.collect("GC collection invoked by checkpointer.")
 
@@ -242,18 +286,26 @@ class UCPCheckpointManager(CheckpointManager):
         target = loader.state_dict() if hasattr(loader, "state_dict") else loader  # DCP loads Stateful objects
         if not isinstance(target, dict) or not target:  # nothing to load (a loader without state), as stock
             return state_dict
-        saved = {k[len(DATALOADER) + 1:] for k in read_metadata(checkpoint_id).state_dict_metadata
-                 if k.startswith(DATALOADER + ".")}
+        saved = {
+            k[len(DATALOADER) + 1 :]
+            for k in read_metadata(checkpoint_id).state_dict_metadata
+            if k.startswith(DATALOADER + ".")
+        }
         problem = _dataloader_mismatch(saved, set(target), target.get("world_size"))
         if problem is None:
             return state_dict
         if self.ucp.dataloader_policy == "restart":
-            logger.warning("UCP: %s; dataloader_policy='restart': every rank restarts its data stream from the "
-                           "beginning (deterministically), the rest of the state is loaded", problem)
+            logger.warning(
+                "UCP: %s; dataloader_policy='restart': every rank restarts its data stream from the "
+                "beginning (deterministically), the rest of the state is loaded",
+                problem,
+            )
             return {k: v for k, v in state_dict.items() if k != DATALOADER}
         raise UCPError(
             f"{problem}; refusing to resume at an undefined data position",
-            atom=DATALOADER, saved=sorted(saved)[:6], wanted=sorted(target)[:6],
+            atom=DATALOADER,
+            saved=sorted(saved)[:6],
+            wanted=sorted(target)[:6],
             hint="use ucp_dcp's GlobalCursorTextDataLoader (resumes at any DP degree), set "
             "checkpoint.dataloader_policy='restart', or exclude_from_loading=['dataloader']",
         )
@@ -279,8 +331,11 @@ def rules_for_call(rules: list[Rule], left_out: list[str]) -> list[Rule]:
     a call holding its state is still an error in strict mode)."""
     kept = [r for r in rules if not any(anchored_in(r, ns) for ns in left_out)]
     if len(kept) < len(rules):
-        logger.debug("UCP: %s left out of this save/load: rules %s not declared", left_out,
-                     [r.pattern for r in rules if r not in kept])
+        logger.debug(
+            "UCP: %s left out of this save/load: rules %s not declared",
+            left_out,
+            [r.pattern for r in rules if r not in kept],
+        )
     return kept
 
 
@@ -293,8 +348,10 @@ def _dataloader_mismatch(saved: set[str], target: set[str], world: int | None) -
         if not per_rank(saved):
             return "the checkpoint holds a global-cursor dataloader state but this run uses a per-rank loader"
         if len(per_rank(saved)) != world or not set(per_rank(target)) <= saved:
-            return (f"the per-rank dataloader state was saved at data-parallel degree {len(per_rank(saved))} "
-                    f"and cannot be remapped to data-parallel degree {world}")
+            return (
+                f"the per-rank dataloader state was saved at data-parallel degree {len(per_rank(saved))} "
+                f"and cannot be remapped to data-parallel degree {world}"
+            )
         return None
     missing = target - saved
     if missing:
@@ -317,19 +374,19 @@ class FusedQKVModelWrapper(ModelWrapper):
 @contextlib.contextmanager
 def _without_qkv_split_hooks(models: list[nn.Module]) -> Iterator[None]:
     removed: list[tuple[nn.Module, int, Any]] = []
-    split = FusedQKVLinear._split_qkv_on_save
+    split = qkv_split_hook()
     for model in models:
         for m in model.modules():
             if isinstance(m, FusedQKVLinear):
-                for hid, hook in list(m._state_dict_hooks.items()):
+                for hid, hook in list(state_dict_hooks(m).items()):
                     if hook is split:
                         removed.append((m, hid, hook))
-                        del m._state_dict_hooks[hid]
+                        del state_dict_hooks(m)[hid]
     try:
         yield
     finally:
         for m, hid, hook in removed:
-            m._state_dict_hooks[hid] = hook
+            state_dict_hooks(m)[hid] = hook
 
 
 def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
@@ -347,31 +404,40 @@ def fused_qkv_rules(model_parts: list[nn.Module]) -> list[Fused]:
         dist.all_gather_object(gathered, sorted(shapes))
         shapes = {tuple(s) for g in gathered for s in g}
     if len(shapes) > 1:
-        raise PatternError(f"fused QKV modules with different geometries {sorted(shapes)} are not supported by "
-                           "fused_qkv_atoms; declare one Fused rule per geometry in checkpoint.rules")
+        raise PatternError(
+            f"fused QKV modules with different geometries {sorted(shapes)} are not supported by "
+            "fused_qkv_atoms; declare one Fused rule per geometry in checkpoint.rules"
+        )
     rules = []
     for n_kv, hpk, hd in sorted(shapes):
-        rules.append(Fused(
-            r"(.*)\.qkv_linear\.wqkv\.(weight|bias)",
-            [(r"\1.qkv_linear.wq.\2", n_kv * hpk * hd), (r"\1.qkv_linear.wk.\2", n_kv * hd),
-             (r"\1.qkv_linear.wv.\2", n_kv * hd)],
-            blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
-        ))
+        rules.append(
+            Fused(
+                r"(.*)\.qkv_linear\.wqkv\.(weight|bias)",
+                [
+                    (r"\1.qkv_linear.wq.\2", n_kv * hpk * hd),
+                    (r"\1.qkv_linear.wk.\2", n_kv * hd),
+                    (r"\1.qkv_linear.wv.\2", n_kv * hd),
+                ],
+                blocks=n_kv,  # group-major: per KV head, its query heads then its key and value head
+            )
+        )
     return rules
 
 
 def _write_single_file_index(folder: str) -> None:
     """``model.safetensors.index.json`` for a one-file export too, as torchtitan's own HF save writes
     (torchtitan recognises a step folder by ``.metadata`` or this index)."""
-    from ..hf.reader import INDEX, SINGLE
-    from ..hf.safetensors import read_header
+    from ..sources.hf.safetensors import read_header
+    from ..sources.hf.source import INDEX, SINGLE
 
     single = os.path.join(folder, SINGLE)
     if os.path.exists(os.path.join(folder, INDEX)) or not os.path.exists(single):
         return
     st = read_header(single)
-    index = {"metadata": {"total_size": sum(t.nbytes for t in st.tensors.values())},
-             "weight_map": {name: SINGLE for name in sorted(st.tensors)}}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in st.tensors.values())},
+        "weight_map": {name: SINGLE for name in sorted(st.tensors)},
+    }
     with open(os.path.join(folder, INDEX), "w") as f:
         json.dump(index, f, indent=2)
 

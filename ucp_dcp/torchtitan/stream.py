@@ -39,10 +39,17 @@ __all__ = ["Pos", "Documents", "TokenStream", "WindowSource", "text_hash"]
 
 logger = logging.getLogger(__name__)
 
-EXACT_STATE_TYPES = frozenset({
-    "ExamplesIterable", "ArrowExamplesIterable", "RebatchedArrowExamplesIterable", "FormattedExamplesIterable",
-    "SkipExamplesIterable", "TakeExamplesIterable", "StepExamplesIterable",
-})
+EXACT_STATE_TYPES = frozenset(
+    {
+        "ExamplesIterable",
+        "ArrowExamplesIterable",
+        "RebatchedArrowExamplesIterable",
+        "FormattedExamplesIterable",
+        "SkipExamplesIterable",
+        "TakeExamplesIterable",
+        "StepExamplesIterable",
+    }
+)
 """``datasets`` example iterables whose ``state_dict`` resumes at exactly the next example (its docs
 name the exceptions: shuffle buffers lose their contents, batched ``map`` may skip a batch). A dataset
 built from any other kind is resumed by re-reading the epoch instead."""
@@ -74,16 +81,22 @@ class Documents:
         self.data, self.text_of, self.infinite, self.name = data, text_of, infinite, name
         self.mapstyle = hasattr(data, "__len__")
         if not self.mapstyle and not (hasattr(data, "set_epoch") and hasattr(data, "iter")):
-            raise UCPError(f"dataset {name}: an iterable dataset needs set_epoch() and iter() (a datasets."
-                           f"IterableDataset) so each epoch's order can be reproduced; got {type(data).__name__}",
-                           hint="load it with datasets.load_dataset(..., streaming=True), or as a map-style dataset")
+            raise UCPError(
+                f"dataset {name}: an iterable dataset needs set_epoch() and iter() (a datasets."
+                f"IterableDataset) so each epoch's order can be reproduced; got {type(data).__name__}",
+                hint="load it with datasets.load_dataset(..., streaming=True), or as a map-style dataset",
+            )
         self._pid = os.getpid()
         kinds = None if self.mapstyle else datasets_iterable_kinds(data)
         self._exact = kinds is not None and kinds <= EXACT_STATE_TYPES
         """Does ``datasets``' own state resume this dataset exactly? (else a resume re-reads the epoch)"""
         if not self.mapstyle and not self._exact:
-            logger.info("dataset %s: datasets' state does not resume it exactly (%s); a resume re-reads the epoch "
-                        "up to its document", name, sorted((kinds or {"unknown"}) - EXACT_STATE_TYPES))
+            logger.info(
+                "dataset %s: datasets' state does not resume it exactly (%s); a resume re-reads the epoch "
+                "up to its document",
+                name,
+                sorted((kinds or {"unknown"}) - EXACT_STATE_TYPES),
+            )
 
     def _order(self, epoch: int) -> list[int] | None:
         if epoch == 0:
@@ -119,9 +132,12 @@ class Documents:
                 f"dataset {self.name}: document {doc} of epoch {epoch} is not the one the checkpoint was saved at "
                 "(its text differs): the data changed, or its order cannot be reproduced (e.g. an unseeded "
                 "shuffle); refusing to resume at another place",
-                atom="dataloader.text_hash", saved=expect, wanted=got,
+                atom="dataloader.text_hash",
+                saved=expect,
+                wanted=got,
                 hint="resume with the same data files in the same order (seeded shuffles only), or skip the "
-                     "dataloader state: checkpoint.exclude_from_loading=['dataloader']")
+                "dataloader state: checkpoint.exclude_from_loading=['dataloader']",
+            )
 
     def _open(self, epoch: int, state: dict | None) -> Iterator[Any]:
         if self._pid != os.getpid():
@@ -143,9 +159,13 @@ class Documents:
                 logger.info("dataset %s: re-reading epoch %d up to document %d to resume there", self.name, epoch, doc)
             for n in range(doc):
                 if next(it, None) is None:
-                    raise UCPError(f"dataset {self.name}: epoch {epoch} has {n} documents, the checkpoint is at "
-                                   f"document {doc}", atom="dataloader.doc", saved=doc, wanted=n,
-                                   hint="resume with the data the checkpoint was trained on")
+                    raise UCPError(
+                        f"dataset {self.name}: epoch {epoch} has {n} documents, the checkpoint is at document {doc}",
+                        atom="dataloader.doc",
+                        saved=doc,
+                        wanted=n,
+                        hint="resume with the data the checkpoint was trained on",
+                    )
         before = resume if jumped else (self._state_json() if doc else "")  # datasets' state before `doc`
         i = doc
         for sample in it:
@@ -153,8 +173,12 @@ class Documents:
             h = text_hash(text)
             if i == doc and expect and h != expect:
                 if jumped:  # datasets' state did not land on the saved document: read the epoch instead
-                    logger.warning("dataset %s: datasets' saved state resumed at another document; re-reading "
-                                   "epoch %d from its start", self.name, epoch)
+                    logger.warning(
+                        "dataset %s: datasets' saved state resumed at another document; re-reading "
+                        "epoch %d from its start",
+                        self.name,
+                        epoch,
+                    )
                     self._exact = False
                     yield from self._stream_epoch(epoch, doc, "", expect)
                     return

@@ -1,6 +1,6 @@
 """The small decoder-only transformer of the recipes and tests, and its pp x dpr x dp x ep x tp trainer.
 
-Not part of the checkpointing library proper: no core ucp_dcp module imports it (``ucp_dcp.plan``
+Not part of the checkpointing library proper: no core ucp_dcp module imports it (``ucp_dcp.tools.dryrun``
 may). It is the one copy of the model and trainer the recipes (``recipes/elastic_resume.py``), the
 multi-process tests and ``python -m ucp_dcp plan --target recipe`` use:
 
@@ -31,6 +31,23 @@ from .parallel import (
     train_step,
 )
 
-__all__ = ["GLOBAL_BATCH", "Job", "ModelConfig", "StageModel", "Topology", "Trainer", "build_job", "build_trainer",
-           "global_batch", "layer_split", "live_logits", "logical_params", "logical_state", "my_stages", "stage_ids", "train_step",
-           "trainer_options", "ucp_options"]
+__all__ = [
+    "GLOBAL_BATCH",
+    "Job",
+    "ModelConfig",
+    "StageModel",
+    "Topology",
+    "Trainer",
+    "build_job",
+    "build_trainer",
+    "global_batch",
+    "layer_split",
+    "live_logits",
+    "logical_params",
+    "logical_state",
+    "my_stages",
+    "stage_ids",
+    "train_step",
+    "trainer_options",
+    "ucp_options",
+]

@@ -9,8 +9,8 @@ The result is the keyword arguments of ``UCPSavePlanner`` / ``UCPLoadPlanner`` (
 
 from __future__ import annotations
 
-from ..index_maps import Chunk, IndexMap
-from ..patterns import Fused, Padded, Reduce, Replicated, Tied
+from ..layout.index_maps import Chunk, IndexMap
+from ..layout.patterns import Fused, Padded, Reduce, Replicated, Tied
 from .model import ModelConfig
 from .parallel import Topology, Trainer, layer_split, stage_ids
 
@@ -23,21 +23,39 @@ def ucp_options(cfg: ModelConfig, topo: Topology, coord: dict[str, int], model_o
     import), without the train-state rule."""
     hd, t = cfg.head_dim, topo
     patterns = [
-        Fused(r"(.*)\.attn\.wqkv\.weight",
-              [(r"\1.attn.wq.weight", cfg.n_heads * hd), (r"\1.attn.wk.weight", cfg.n_kv_heads * hd),
-               (r"\1.attn.wv.weight", cfg.n_kv_heads * hd)], blocks=cfg.n_kv_heads),   # group-major
+        Fused(
+            r"(.*)\.attn\.wqkv\.weight",
+            [
+                (r"\1.attn.wq.weight", cfg.n_heads * hd),
+                (r"\1.attn.wk.weight", cfg.n_kv_heads * hd),
+                (r"\1.attn.wv.weight", cfg.n_kv_heads * hd),
+            ],
+            blocks=cfg.n_kv_heads,
+        ),  # group-major
         Tied("tok_embeddings.weight", (r"output\.weight",)),
         Padded(r"tok_embeddings\.weight", size=cfg.vocab),
         Replicated(r".*norm\.weight|.*\.router\.weight|.*res_gain", check="error"),
     ]
     if any(cfg.ffn_kind(i) == "dense" for i in range(cfg.n_layers)):  # [w1_r; w3_r] per TP rank
-        patterns.insert(1, Fused(r"(.*)\.ffn\.w13\.weight", [(r"\1.ffn.w1.weight", cfg.ffn_dim),
-                                                               (r"\1.ffn.w3.weight", cfg.ffn_dim)], blocks="tp"))
+        patterns.insert(
+            1,
+            Fused(
+                r"(.*)\.ffn\.w13\.weight",
+                [(r"\1.ffn.w1.weight", cfg.ffn_dim), (r"\1.ffn.w3.weight", cfg.ffn_dim)],
+                blocks="tp",
+            ),
+        )
     if not model_only:
         patterns.append(Reduce(r"train_state\.tokens_seen", "sum"))
     split = layer_split(cfg, t.n_stages)
-    stage_map = IndexMap("layers", [Chunk(tuple(split[sid]), (f"model.c{v}", f"optim.c{v}"), sid)
-                                    for v, sid in enumerate(stage_ids(t, coord["pp"]))], total=cfg.n_layers)
+    stage_map = IndexMap(
+        "layers",
+        [
+            Chunk(tuple(split[sid]), (f"model.c{v}", f"optim.c{v}"), sid)
+            for v, sid in enumerate(stage_ids(t, coord["pp"]))
+        ],
+        total=cfg.n_layers,
+    )
     n_local = cfg.n_experts // t.ep  # expert lists: local expert j on EP rank e is global e * n_local + j
     expert_map = IndexMap("experts", [Chunk(coord["ep"] * n_local, (), coord["ep"])], total=cfg.n_experts)
     out = {"patterns": patterns, "stage_map": stage_map}

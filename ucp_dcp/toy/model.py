@@ -10,12 +10,16 @@
 * learned per-layer residual gains with two entries (empty FSDP shards at dp x ep >= 3),
 * optionally (``rope_theta``) rotary position embeddings in Meta's interleaved-pair order (as
   torchtitan's llama): with ``res_gain=False`` and no MoE layers the model is a Llama, so a Hugging
-  Face Llama checkpoint loads into it (:mod:`ucp_dcp.hf`).
+  Face Llama checkpoint loads into it (:mod:`ucp_dcp.sources.hf`).
 
 Parameters are generated in their *logical* form (:func:`logical_params`) from a seed and turned
 into the live layout of a topology, so every topology starts from the same model. Nothing here
 imports the rest of ucp_dcp (the oracle must not depend on the code under test), and only public
 torch APIs are used.
+
+Kept in one module (over 400 lines): the model's layers, their fused/padded/tied/expert layouts and
+:func:`logical_params` (the oracle's view of the same weights) must be read side by side; split, each layout
+would live apart from the inverse that checks it.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def deinterleave(t: torch.Tensor, sizes: list[int], blocks: int, dim: int = 0) -
     """Inverse of :func:`interleave`."""
     widths = [s // blocks for s in sizes]
     pieces = t.split(widths * blocks, dim)
-    return [torch.cat(pieces[i::len(sizes)], dim) for i in range(len(sizes))]
+    return [torch.cat(pieces[i :: len(sizes)], dim) for i in range(len(sizes))]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -319,13 +323,13 @@ class ListExperts(nn.Module):
             self.add_module(str(i), Expert(cfg))
 
     def __iter__(self):
-        return iter(self._modules.values())
+        return self.children()
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return sum(1 for _ in self.children())
 
     def __getitem__(self, i: int) -> nn.Module:
-        return self._modules[str(i % len(self))]
+        return self.get_submodule(str(i % len(self)))
 
     def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         return torch.stack([e(x) for e in self])  # TP is inside each Expert (Colwise/Rowwise)
@@ -353,7 +357,7 @@ class MoE(nn.Module):
             xf = _CopyToGroup.apply(xf, groups.tp)
         y = self.experts(xf, groups)  # [E_local, N, D]
         n_local = y.shape[0]
-        g = gates[:, groups.ep_rank * n_local:(groups.ep_rank + 1) * n_local].T.unsqueeze(-1)
+        g = gates[:, groups.ep_rank * n_local : (groups.ep_rank + 1) * n_local].T.unsqueeze(-1)
         out = (g * y).sum(0)
         if groups.ep is not None:
             out = _ReduceScatterToGroup.apply(out, groups.ep)
@@ -438,4 +442,5 @@ class StageModel(nn.Module):
                     for j in range(n_local):
                         for x in ("w1", "w2", "w3"):
                             blk.moe.experts[j].get_submodule(x).weight.copy_(
-                                p[pre + f"moe.experts.{ep_rank * n_local + j}.{x}.weight"])
+                                p[pre + f"moe.experts.{ep_rank * n_local + j}.{x}.weight"]
+                            )

@@ -9,6 +9,9 @@ job's own groups, so a test can run several jobs on sub-groups of one process wo
 :func:`build_trainer` with ``device="meta"`` builds the same sharded structure without weights (no
 pipeline schedule): its ``state_dict()`` is what a load at that layout hands to ``dcp.load``, for
 planning a load without running it (e.g. on torch's fake process group).
+
+Kept in one module (over 400 lines): the parallelization and the oracle (:func:`logical_state`) are
+each other's inverse over the same mesh dims; they are read and changed together.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class Topology:
     vpp: int = 1
 
     @staticmethod
-    def parse(text: str) -> "Topology":
+    def parse(text: str) -> Topology:
         """``"dp=2,tp=2,pp=2"`` -> ``Topology(...)``; missing keys default to 1."""
         kw: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -100,7 +103,9 @@ def build_job(topo: Topology, ranks: list[int] | None = None) -> Job:
     job = Job(topo, ranks)
     job.group = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
     job.full = DeviceMesh("cpu", grid, mesh_dim_names=("pp", "dpr", "dp", "ep", "tp"))
-    job.dense = DeviceMesh("cpu", grid.reshape(t.pp, t.dpr, t.dp * t.ep, t.tp), mesh_dim_names=("pp", "dpr", "dp_ep", "tp"))
+    job.dense = DeviceMesh(
+        "cpu", grid.reshape(t.pp, t.dpr, t.dp * t.ep, t.tp), mesh_dim_names=("pp", "dpr", "dp_ep", "tp")
+    )
     coord = job.full.get_coordinate()
     if coord is not None:
         job.coord = dict(zip(("pp", "dpr", "dp", "ep", "tp"), coord))
@@ -143,8 +148,7 @@ class Trainer:
         model, optim = {}, {}
         for v, (m, o) in enumerate(zip(self.chunks, self.optims)):
             model[f"c{v}"], optim[f"c{v}"] = get_state_dict(m, o)
-        return {"model": model, "optim": optim,
-                "train_state": {"step": self.step, "tokens_seen": self.tokens_seen}}
+        return {"model": model, "optim": optim, "train_state": {"step": self.step, "tokens_seen": self.tokens_seen}}
 
     def load_state_dict(self, sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -175,7 +179,9 @@ def build_trainer(cfg: ModelConfig, job: Job, seed: int = 0, device: str = "cpu"
     groups = Groups(
         tp=job.full["tp"].get_group() if t.tp > 1 else None,
         ep=job.full["ep"].get_group() if t.ep > 1 else None,
-        ep_rank=c["ep"], ep_size=t.ep, loss_scale=float(t.data_parallel),
+        ep_rank=c["ep"],
+        ep_size=t.ep,
+        loss_scale=float(t.data_parallel),
         global_tokens=GLOBAL_BATCH * cfg.seq_len,
     )
     chunks, optims, sids = [], [], my_stages(job)
@@ -191,13 +197,17 @@ def build_trainer(cfg: ModelConfig, job: Job, seed: int = 0, device: str = "cpu"
     schedule = None
     if t.pp > 1 and not meta:
         pp_group = job.full["pp"].get_group()
-        stages = [PipelineStage(m, sid, t.n_stages, torch.device("cpu"), group=pp_group)
-                  for m, sid in zip(chunks, sids)]
+        stages = [
+            PipelineStage(m, sid, t.n_stages, torch.device("cpu"), group=pp_group) for m, sid in zip(chunks, sids)
+        ]
         loss = _loss_fn(cfg, t)
         n_mb = 2 if t.vpp == 1 else t.pp
         # the loss is already a sum over tokens / global tokens: microbatch gradients must add up, not average
-        schedule = (ScheduleGPipe(stages[0], n_mb, loss_fn=loss, scale_grads=False) if t.vpp == 1
-                    else ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss, scale_grads=False))
+        schedule = (
+            ScheduleGPipe(stages[0], n_mb, loss_fn=loss, scale_grads=False)
+            if t.vpp == 1
+            else ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss, scale_grads=False)
+        )
     return Trainer(job, cfg, chunks, optims, sids, schedule)
 
 
@@ -218,8 +228,7 @@ def _parallelize(m: StageModel, job: Job, src_data_rank: int | None = 0) -> None
                 par(blk.ffn, tp_dense, {"w13": ColwiseParallel(), "w2": RowwiseParallel()})
             elif not hasattr(blk.moe.experts, "w1"):
                 for e in blk.moe.experts:
-                    par(e, tp_full, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                     "w2": RowwiseParallel()})
+                    par(e, tp_full, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
     for blk in m.layers:
         if hasattr(blk, "moe"):
             ex = blk.moe.experts
@@ -241,8 +250,12 @@ def _fsdp_mesh(mesh: DeviceMesh, shard_dim: str, t: Topology) -> DeviceMesh:
 def _optimizer(m: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in m.parameters() if p.ndim >= 2]
     no_decay = [p for p in m.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
 
 
 def global_batch(cfg: ModelConfig, step: int, seed: int = 1234) -> torch.Tensor:
@@ -257,7 +270,9 @@ def _loss_fn(cfg: ModelConfig, t: Topology):
     scale = t.data_parallel / (GLOBAL_BATCH * cfg.seq_len)
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum") * scale
+        return (
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum") * scale
+        )
 
     return loss
 
@@ -269,7 +284,7 @@ def train_step(tr: Trainer) -> float:
     tokens = global_batch(cfg, tr.step)
     slot = (job.coord["dpr"] * t.dp + job.coord["dp"]) * t.ep + job.coord["ep"]
     per = GLOBAL_BATCH // t.data_parallel
-    local = tokens[slot * per:(slot + 1) * per]
+    local = tokens[slot * per : (slot + 1) * per]
     # contiguous: torch 2.11's pipeline stages check each microbatch's strides against the first's
     inp, tgt = local[:, :-1].contiguous(), local[:, 1:]
     loss_fn = _loss_fn(cfg, t)
@@ -323,7 +338,7 @@ def live_logits(tr: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
         if not m.last:
             dist.send(y.contiguous(), peer(job.coord["pp"] + 1))
             return None
-        return y[..., :tr.cfg.vocab]
+        return y[..., : tr.cfg.vocab]
 
 
 def _sync_tied_grads(tr: Trainer) -> None:
@@ -334,11 +349,11 @@ def _sync_tied_grads(tr: Trainer) -> None:
     if emb is None and out is None:
         return
     if emb is not None and out is not None:
-        total = emb.grad._local_tensor + out.grad._local_tensor
-        emb.grad._local_tensor.copy_(total)
-        out.grad._local_tensor.copy_(total)
+        total = emb.grad.to_local() + out.grad.to_local()
+        emb.grad.to_local().copy_(total)
+        out.grad.to_local().copy_(total)
         return
-    mine = (emb if emb is not None else out).grad._local_tensor
+    mine = (emb if emb is not None else out).grad.to_local()
     other_pp = t.pp - 1 if emb is not None else 0
     c = dict(job.coord, pp=other_pp)
     peer = int(job.full.mesh[c["pp"], c["dpr"], c["dp"], c["ep"], c["tp"]])
@@ -350,6 +365,7 @@ def _sync_tied_grads(tr: Trainer) -> None:
 
 
 # -- the oracle: logical full state, independent of ucp_dcp ------------------------------------------
+
 
 def logical_state(tr: Trainer) -> dict[str, object]:
     """Every logical parameter and optimizer entry as a full tensor (unfused, unpadded, global names),
@@ -368,7 +384,7 @@ def logical_state(tr: Trainer) -> dict[str, object]:
             for sk, sv in opt.state.get(p, {}).items():
                 for k, v in _logical(cfg, t, tr, m, names[id(p)], _full(sv)).items():
                     put(f"state/{k}/{sk}", v)
-        for gi, group in enumerate(opt.param_groups):
+        for _gi, group in enumerate(opt.param_groups):
             hp = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 for k in _logical(cfg, t, tr, m, names[id(p)], None):
@@ -409,7 +425,9 @@ def _logical(cfg: ModelConfig, topo: Topology, tr: Trainer, m: StageModel, live:
     if name.endswith("attn.wqkv.weight"):
         base = name[: -len("wqkv.weight")]
         sizes = [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd]
-        parts = deinterleave(full, sizes, cfg.n_kv_heads) if isinstance(full, torch.Tensor) and full.ndim else [full] * 3
+        parts = (
+            deinterleave(full, sizes, cfg.n_kv_heads) if isinstance(full, torch.Tensor) and full.ndim else [full] * 3
+        )
         return {f"{base}w{x}.weight": v for x, v in zip("qkv", parts)}
     if name.endswith("ffn.w13.weight"):
         base = name[: -len("w13.weight")]

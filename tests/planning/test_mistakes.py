@@ -1,0 +1,146 @@
+"""The mistake-injection tier (tests/support/mistakes.py): every ordinary mistake on every transition of the
+reconfiguration set loads bitwise right or is refused with a UCPError naming the atom and the fix.
+
+The harness's own logic is checked here without processes; a sample of runs (4 ranks) is in ``make test``;
+the whole set, one item per transition, is in the e2e tier (``make mistakes`` prints the same set's summary).
+"""
+
+import dataclasses
+
+import dist as D
+import pytest
+from mistakes import (
+    RULES,
+    SAME_LAYOUT,
+    USER_OWNED,
+    WRITER_SWAP_TRANSITIONS,
+    Mistake,
+    all_mistakes,
+    is_noop,
+    options,
+    plan,
+    rule_key,
+    summary,
+    transition_worker,
+)
+from test_reconfig import TRANSITIONS, _id
+
+from ucp_dcp.toy import ModelConfig, Topology
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+BAD = ("silent", "crash", "unclear")
+
+
+def test_every_rule_and_map_of_the_toy_has_a_key():
+    opts = _options(Topology(tp=2, ep=2), ("correct",))
+    keys = [rule_key(r) for r in opts["patterns"]] + [k for k in ("stage_map", "expert_map") if k in opts]
+    assert sorted(keys) == sorted(RULES)
+
+
+def _options(topo: Topology, variant: tuple[str, ...]) -> dict:
+    return options(ModelConfig(), _FakeJob(topo), variant)
+
+
+@dataclasses.dataclass
+class _FakeJob:
+    """What :func:`mistakes.options` reads of a job: its topology and this rank's coordinate."""
+
+    topo: Topology
+    coord: dict = dataclasses.field(default_factory=lambda: dict(pp=0, dpr=0, dp=0, ep=0, tp=0))
+
+
+@pytest.mark.parametrize("key", RULES)
+def test_a_drop_removes_exactly_that_rule(key):
+    topo = Topology(tp=2, ep=2)
+    full, dropped = _options(topo, ("correct",)), _options(topo, ("drop", key))
+    have = lambda o: sorted([rule_key(r) for r in o["patterns"]] + [k for k in ("stage_map", "expert_map") if k in o])
+    assert have(dropped) == sorted(set(have(full)) - {key})
+
+
+@pytest.mark.parametrize("key", ["fused_wqkv", "fused_w13", "tied", "padded", "reduce", "stage_map", "expert_map"])
+def test_an_alter_changes_exactly_that_rule(key):
+    topo = Topology(tp=2, ep=2)
+    full, altered = _options(topo, ("correct",)), _options(topo, ("alter", key))
+    assert (
+        altered["stage_map"] != full["stage_map"] if key == "stage_map" else altered["stage_map"] == full["stage_map"]
+    )
+    assert (
+        altered["expert_map"] != full["expert_map"]
+        if key == "expert_map"
+        else altered["expert_map"] == full["expert_map"]
+    )
+    changed = [rule_key(a) for a, b in zip(altered["patterns"], full["patterns"]) if a != b]
+    assert changed == ([] if key.endswith("_map") else [key])
+
+
+def test_noops_are_skipped_not_run():
+    dp4, tp2, ep2 = Topology(dp=4), Topology(dp=2, tp=2), Topology(ep=2, dp=2)
+    assert is_noop(Mistake("drop", "expert_map", "both"), dp4, tp2)  # no EP at either side
+    assert not is_noop(Mistake("drop", "expert_map", "load"), dp4, ep2)
+    assert is_noop(Mistake("alter", "fused_w13", "save"), dp4, tp2)  # blocks="tp" is 1 block at tp=1
+    assert not is_noop(Mistake("alter", "fused_w13", "load"), dp4, tp2)
+    assert is_noop(Mistake("perturb", "hsdp"), dp4, tp2) and is_noop(Mistake("perturb", "tp_norm"), dp4, tp2)
+    assert not is_noop(Mistake("perturb", "plain"), dp4, tp2)
+
+
+def test_the_plan_covers_every_class_on_every_transition_and_swaps_on_four():
+    jobs, skipped = plan(TRANSITIONS)
+    assert len(jobs) == len(TRANSITIONS) == 15 and skipped > 0
+    names = {m.name for m in all_mistakes()}
+    assert set(USER_OWNED) <= names  # the user-owned list names real mistakes
+    for save, load, ms in jobs:
+        assert ms[0] == "none" and len(ms) == len(set(ms))
+        assert ("writer" in ms) == ((save, load) in WRITER_SWAP_TRANSITIONS)
+    assert WRITER_SWAP_TRANSITIONS <= set(TRANSITIONS)
+
+
+def test_the_summary_counts_silent_runs_and_leaves_user_owned_and_stock_ones_apart():
+    r = lambda m, o, **kw: {"save": "dp=4", "load": "tp=4", "mistake": m, "outcome": o, **kw}
+    ok, good = summary([r("none", "ok"), r("drop-padded-save", "refused", error="E")], skipped=3)
+    assert good and ok[-1].startswith("MISTAKES OK: 2 runs, 0 silent")
+    lines, good = summary(
+        [
+            r("none", "ok"),
+            r("drop-stage_map-save", "silent", diffs=2, first=["a", "b"]),
+            r("drop-fused_w13-both", "silent", diffs=1, first=["c"]),
+            r("reader", "stock-silent"),
+        ],
+        0,
+    )
+    assert not good and lines[-1].startswith("MISTAKES FAILED: 4 runs, 1 silent, 0 crashed, 0 unclear")
+    assert lines[0].startswith("SILENT") and "drop-stage_map-save" in lines[0]
+    assert any(x.startswith("USER-OWNED") for x in lines) and any(x.startswith("STOCK-SILENT") for x in lines)
+
+
+def _run(save: str, load: str, names: list[str]) -> list[dict]:
+    world = 4 if max(Topology.parse(save).world, Topology.parse(load).world) <= 4 else 8
+    return D.run(transition_worker, world, D.tmpdir(), save, load, names, timeout=1500)[0]
+
+
+SAMPLE = [
+    ("dp=2,pp=2", "pp=4", "none"),
+    ("dp=2,pp=2", "pp=4", "drop-padded-save"),
+    ("dp=2,pp=2", "pp=4", "perturb-plain"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save,load,mistake", SAMPLE, ids=[m for _, _, m in SAMPLE])
+def test_a_sample_mistake_loads_right_or_is_refused(save, load, mistake):
+    (r,) = _run(save, load, [mistake])
+    print(r)
+    assert r["outcome"] in (("ok",) if mistake == "none" else ("ok", "refused")), r
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("save,load", TRANSITIONS + SAME_LAYOUT, ids=[_id(t) for t in TRANSITIONS + SAME_LAYOUT])
+def test_no_mistake_is_silent(save, load):
+    same = (save, load) in SAME_LAYOUT
+    jobs, skipped = plan([] if same else [(save, load)], same_layout=[(save, load)] if same else [])
+    ((_, _, names),) = jobs
+    results = _run(save, load, names)
+    lines, ok = summary(results, skipped)
+    print("\n".join(lines))
+    assert len(results) == len(names)
+    assert ok, "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Stage-local layer numbers and local expert numbers -> global ones.
+
+A pipeline stage that builds its layers as a re-indexed ``ModuleList`` names global layer 4
+``layers.0``; an expert-parallel rank that keeps its experts in a list names global expert
+``E/ep`` ``experts.0``. An :class:`IndexMap` rewrites such names (weights and optimizer state
+alike) so atoms are parallelism-independent. A rank holding several model chunks (interleaved
+schedules) namespaces them in its state dict (``{"model": {"c0": ..., "c1": ...}}``); each
+:class:`Chunk` names its namespaces, and that namespace segment is dropped from atom names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PatternError
+from .naming import Path
+
+__all__ = ["Chunk", "IndexMap", "stage_map", "expert_map", "check_ownership"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The local->global numbering of one model chunk on this rank."""
+
+    indices: tuple[int, ...] | int
+    """Global index of each local index, in local order; an int is an offset (global = offset + local)."""
+    prefixes: tuple[str, ...] = ()
+    """Dotted path prefixes of this chunk's namespaces (e.g. ``"model.c1"``, ``"optim.c1"``); their
+    last segment is removed from names. Empty: the chunk is the whole state dict."""
+    owner: int | None = None
+    """Id of the pipeline stage (or expert shard) owning the chunk: a global index claimed by two
+    different owners is an error at save."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.indices, int):
+            object.__setattr__(self, "indices", tuple(int(i) for i in self.indices))
+        object.__setattr__(self, "prefixes", tuple(self.prefixes))
+
+    def global_index(self, local: int, key: str) -> int:
+        if isinstance(self.indices, int):
+            return self.indices + local
+        if not 0 <= local < len(self.indices):
+            raise PatternError(
+                f"local {key}.{local} has no entry in the map's table {list(self.indices)}",
+                hint=f"list the global index of every local {key} entry",
+            )
+        return self.indices[local]
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """Renumbers ``<key>.<local>`` in names (``key`` = ``"layers"`` or ``"experts"``)."""
+
+    key: str
+    """Name of the ModuleList/ModuleDict whose entries are renumbered."""
+    chunks: tuple[Chunk, ...]
+    """One per model chunk on this rank."""
+    total: int | None = None
+    """Number of global indices (layers/experts); if set, every one must be owned by some rank."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        if sum(1 for c in self.chunks if not c.prefixes) > 1:
+            raise PatternError(f"index map '{self.key}': several chunks without namespaces are ambiguous")
+
+    def _chunk(self, path: Path) -> tuple[Chunk, int] | None:
+        best: tuple[Chunk, int] | None = None
+        for c in self.chunks:
+            if not c.prefixes:
+                if best is None:
+                    best = (c, 0)
+                continue
+            for p in c.prefixes:
+                segs = tuple(p.split("."))
+                if tuple(map(str, path[: len(segs)])) == segs and (best is None or len(segs) > best[1]):
+                    best = (c, len(segs))
+        return best
+
+    def rewrite(self, path: Path) -> tuple[Path, int | None]:
+        """``path`` with its chunk namespace dropped and ``<key>.<i>`` renumbered, plus the global index."""
+        hit = self._chunk(path)
+        if hit is None:
+            return path, None
+        chunk, plen = hit
+        if plen:
+            path = path[: plen - 1] + path[plen:]
+        out = list(path)
+        for i, e in enumerate(out):
+            if not isinstance(e, str):
+                continue
+            segs = e.split(".")
+            for j, s in enumerate(segs):
+                if s != self.key:
+                    continue
+                if j + 1 < len(segs) and segs[j + 1].isdigit():
+                    g = chunk.global_index(int(segs[j + 1]), self.key)
+                    segs[j + 1] = str(g)
+                    out[i] = ".".join(segs)
+                    return tuple(out), g
+                if j + 1 == len(segs) and i + 1 < len(out) and str(out[i + 1]).isdigit():
+                    g = chunk.global_index(int(out[i + 1]), self.key)
+                    out[i + 1] = str(g)
+                    return tuple(out), g
+        return tuple(out), None
+
+    def owner_of(self, path: Path) -> int | None:
+        hit = self._chunk(path)
+        return hit[0].owner if hit else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "total": self.total}
+
+
+def stage_map(
+    layers: Sequence[int] | int, *, total: int | None = None, stage: int | None = None, prefixes: Sequence[str] = ()
+) -> IndexMap:
+    """One pipeline chunk: ``layers`` is the global index of each local layer (or the first one)."""
+    return IndexMap(
+        "layers", (Chunk(layers if isinstance(layers, int) else tuple(layers), tuple(prefixes), stage),), total
+    )
+
+
+def expert_map(experts: Sequence[int] | int, *, total: int | None = None, owner: int | None = None) -> IndexMap:
+    """Local expert lists: ``experts`` is the global index of each local expert (or the first one)."""
+    return IndexMap("experts", (Chunk(experts if isinstance(experts, int) else tuple(experts), (), owner),), total)
+
+
+def check_ownership(key: str, total: int | None, claims: Iterable[tuple[int, int | None]], where: str) -> None:
+    """Every global index in ``range(total)`` must be claimed, and never by two different owners.
+    ``claims`` are ``(global index, owner id or None)`` pairs gathered from all ranks."""
+    owners: dict[int, set[int]] = {}
+    seen: set[int] = set()
+    for g, owner in claims:
+        seen.add(g)
+        if owner is not None:
+            owners.setdefault(g, set()).add(owner)
+    clash = {g: sorted(o) for g, o in owners.items() if len(o) > 1}
+    if clash:
+        g, o = min(clash.items())
+        raise PatternError(
+            f"{key} {g} is claimed by owners {o} {where} ({len(clash)} such {key})",
+            atom=f"{key}.{g}",
+            hint=f"each global {key} entry must belong to exactly one stage/shard; check the map's tables",
+        )
+    if total is not None:
+        bad = sorted(g for g in seen if not 0 <= g < total)
+        missing = sorted(set(range(total)) - seen)
+        if bad:
+            raise PatternError(f"{key} indices {bad[:10]} are outside 0..{total - 1} {where}", atom=f"{key}.{bad[0]}")
+        if missing:
+            raise PatternError(
+                f"{len(missing)} of {total} {key} are owned by no rank {where}: {missing[:20]}",
+                atom=f"{key}.{missing[0]}",
+                saved=total,
+                wanted=sorted(seen)[:20],
+                hint=f"the stage/expert map leaves {key} unowned: fix the per-rank tables",
+            )

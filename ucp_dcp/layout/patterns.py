@@ -1,0 +1,344 @@
+"""Pattern rules: declared layouts that DTensor placements cannot describe.
+
+Rules are matched with ``re.fullmatch`` against canonical *parameter* names (wrappers stripped,
+pipeline layers and experts renumbered), so one rule covers a weight and all of its optimizer
+state; :class:`Reduce` rules match full atom names instead (they concern single values such as
+``train_state.ntokens_seen``). Every rule is recorded in the checkpoint's catalog, so a load
+applies the saved rules automatically; rules passed at load add to them.
+
+Strict mode (default): a rule that matches nothing is an error, judged on the union over all
+ranks at save and on saved + target names at load. A rule declared ``optional=True`` applies where
+it matches and is not counted by strict mode (state that only some saves hold). Optionality belongs
+to the declaration, not to the layout: it is not recorded in the catalog.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, get_args
+
+from ..errors import PatternError
+
+__all__ = [
+    "Fused",
+    "Padded",
+    "Replicated",
+    "Reduce",
+    "Tied",
+    "Patterns",
+    "Rule",
+    "REDUCE_OPS",
+    "literal_prefix",
+    "anchored_in",
+]
+
+ReduceOp = Literal["sum", "mean", "max", "equal"]
+"""How a :class:`Reduce` rule combines the ranks' values."""
+ReplicaCheck = Literal["error", "warn", "average", "off"]
+"""What a :class:`Replicated` rule does when replicas differ at save."""
+REDUCE_OPS: tuple[str, ...] = get_args(ReduceOp)
+REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What every rule has besides its own fields."""
+
+    optional: bool = field(default=False, compare=False, kw_only=True)
+    """Strict mode does not count this rule when it matches nothing (it still applies where it
+    matches). Not part of the rule's identity, and not recorded in the catalog."""
+
+
+@dataclass(frozen=True)
+class Fused(_Rule):
+    """A parameter holding several logical parameters side by side along ``dim``.
+
+    ``parts`` are ``(name template, logical size)``; templates may use the pattern's groups
+    (``r"\\1.wq.weight"``). ``blocks`` says how the parts interleave: ``1`` plain concatenation
+    ``[A; B]``; an int ``n``: ``n`` blocks ``[A_0; B_0; A_1; B_1; ...]`` (group-major QKV, one block
+    per KV head); a mesh dim name such as ``"tp"``: one block per rank of that mesh dim
+    (Megatron's per-rank ``[q_r; k_r; v_r]``), 1 when the value is not sharded over it.
+    """
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    parts: tuple[tuple[str, int], ...]
+    """``(atom name template, size along dim)`` per sub-parameter, in layout order."""
+    dim: int = 0
+    """The fused dim."""
+    blocks: int | str = 1
+    """Number of interleaved blocks, or the mesh dim whose size gives it."""
+    kind: ClassVar[str] = "fused"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple((str(t), int(n)) for t, n in self.parts))
+        if len(self.parts) < 2:
+            raise PatternError(f"fused rule {self.pattern!r} needs at least two parts, got {self.parts}")
+
+
+@dataclass(frozen=True)
+class Padded(_Rule):
+    """A dim padded beyond its logical ``size`` (e.g. vocabulary padded to a multiple of TP x 128).
+    Atoms store the logical size; load fills the padding of any padded size."""
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    size: int
+    """Logical size of the padded dim."""
+    dim: int = 0
+    """The padded dim."""
+    fill: float = 0.0
+    """Value written into the padding of model tensors at load."""
+    state_fill: float = 0.0
+    """Value written into the padding of optimizer state at load."""
+    discard: bool = False
+    """The padding may hold other values than ``fill``/``state_fill`` (it was trained, or holds
+    garbage) and is dropped at save anyway. By default a save refuses padding that holds anything
+    else: a wrong ``size`` would otherwise drop real rows without a word."""
+    kind: ClassVar[str] = "padded"
+
+
+def _one_of(rule: Any, field_name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(rule, field_name)
+    if value not in choices:
+        raise PatternError(f"{rule.kind} rule {rule.pattern!r}: {field_name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Replicated(_Rule):
+    """Values replicated over some mesh dims (TP-replicated norms and row-parallel biases): saved
+    once; ``check`` what to do if the replicas differ at save: ``"error"``, ``"warn"``, ``"average"``
+    (save their mean, like DeepSpeed's params-to-average) or ``"off"``."""
+
+    pattern: str
+    """Regex, full match against the parameter name."""
+    check: ReplicaCheck = "error"
+    """``error`` | ``warn`` | ``average`` | ``off``."""
+    kind: ClassVar[str] = "replicated"
+
+    def __post_init__(self) -> None:
+        _one_of(self, "check", REPLICA_CHECKS)
+
+
+@dataclass(frozen=True)
+class Reduce(_Rule):
+    """A per-rank scalar/object (a token counter each rank keeps) reduced across ranks at save.
+
+    On load, ``sum`` gives the total to the coordinator rank and 0 to the others (so the next save
+    sums right); ``mean``/``max``/``equal`` give every rank the value. ``equal`` refuses to save
+    values that differ.
+    """
+
+    pattern: str
+    """Regex, full match against the atom name (e.g. ``r"train_state\\.ntokens_seen"``)."""
+    op: ReduceOp = "sum"
+    """``sum`` | ``mean`` | ``max`` | ``equal``."""
+    kind: ClassVar[str] = "reduce"
+
+    def __post_init__(self) -> None:
+        _one_of(self, "op", REDUCE_OPS)
+
+
+@dataclass(frozen=True)
+class Tied(_Rule):
+    """Parameters that are one logical tensor (input embedding and output head on the first and
+    last pipeline stage): saved once under ``param``, loaded into every alias; save checks that
+    the copies agree."""
+
+    param: str
+    """Canonical parameter name of the tied atom."""
+    aliases: tuple[str, ...]
+    """Regexes (full match) of parameter names that are copies of it."""
+    kind: ClassVar[str] = "tied"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+
+    @property
+    def pattern(self) -> str:
+        return "|".join([re.escape(self.param), *self.aliases])
+
+
+Rule = Fused | Padded | Replicated | Reduce | Tied
+_KINDS: dict[str, type] = {c.kind: c for c in (Fused, Padded, Replicated, Reduce, Tied)}
+
+
+def rule_to_json(rule: Rule) -> dict[str, Any]:
+    """The catalog record of a rule: its layout (``optional`` is a property of the declaration and is
+    left out, so a catalog reads the same in every ucp_dcp that knows the kind)."""
+    d: dict[str, Any] = {"kind": rule.kind}
+    for k, v in rule.__dict__.items():
+        if k == "optional":
+            continue
+        d[k] = [list(p) for p in v] if k == "parts" else (list(v) if isinstance(v, tuple) else v)
+    return d
+
+
+def rule_from_json(d: dict[str, Any]) -> Rule:
+    d = dict(d)
+    cls = _KINDS.get(d.pop("kind", None))
+    if cls is None:
+        raise PatternError(f"unknown rule kind in catalog: {d}")
+    if "parts" in d:
+        d["parts"] = tuple(tuple(p) for p in d["parts"])
+    if "aliases" in d:
+        d["aliases"] = tuple(d["aliases"])
+    return cls(**d)
+
+
+def literal_prefix(pattern: str) -> str:
+    """Text that every full match of ``pattern`` starts with (``"train_state."`` for
+    ``r"train_state\\.ntokens_seen"``); ``""`` when that cannot be read off simply (a top-level
+    alternation, or a metacharacter first). Conservative: a prefix it returns is always right."""
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):  # a top-level "|" means several possible starts
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            return ""
+        i += 1
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            out.append(pattern[i + 1])
+            i += 2
+        elif c in ".^$*+?{}[]()|\\":
+            break
+        else:
+            out.append(c)
+            i += 1
+    if out and i < len(pattern) and pattern[i] in "*?{":  # the last literal may be repeated 0 times
+        out.pop()
+    return "".join(out)
+
+
+def anchored_in(rule: Rule, namespace: str) -> bool:
+    """Whether every name ``rule`` can match lies under ``namespace``: its pattern starts with
+    ``namespace`` and a literal dot (``r"train_state\\.ntokens_seen"`` in ``"train_state"``)."""
+    return literal_prefix(rule.pattern).startswith(namespace + ".")
+
+
+def describe(rule: Rule) -> str:
+    if isinstance(rule, Tied):
+        return f"tied({rule.param!r} <- {list(rule.aliases)})"
+    return f"{rule.kind}({rule.pattern!r})"
+
+
+@dataclass
+class Patterns:
+    """A set of rules with strictness; tracks which rules matched (for the strict check)."""
+
+    rules: Sequence[Rule] = ()
+    """The rules, in declaration order."""
+    strict: bool = True
+    """A declared rule that matches nothing is an error."""
+    used: set[int] = field(default_factory=set)
+    """Indices of rules that matched some name (this rank)."""
+
+    def __post_init__(self) -> None:
+        self.rules = tuple(self.rules)
+        self._re: list[re.Pattern[str]] = []
+        for r in self.rules:
+            if not isinstance(r, tuple(_KINDS.values())):
+                raise PatternError(f"not a pattern rule: {r!r}")
+            try:
+                self._re.append(re.compile(r.pattern))
+            except re.error as e:
+                raise PatternError(f"rule {describe(r)}: bad regex ({e})") from None
+
+    def merged(self, other: Iterable[Rule]) -> Patterns:
+        """These rules plus ``other`` (duplicates dropped); strictness applies to ours only."""
+        extra = [r for r in other if r not in self.rules]
+        merged = Patterns([*self.rules, *extra], strict=self.strict)
+        merged._declared = len(self.rules)
+        return merged
+
+    @property
+    def declared(self) -> range:
+        return range(getattr(self, "_declared", len(self.rules)))
+
+    def _matches(self, kind: str | tuple[str, ...], name: str) -> list[tuple[int, re.Match[str]]]:
+        kinds = (kind,) if isinstance(kind, str) else kind
+        return [(i, m) for i, m in self._all_matches(name) if self.rules[i].kind in kinds]
+
+    def _all_matches(self, name: str) -> list[tuple[int, re.Match[str]]]:
+        """Every rule matching ``name``: resolving a name asks for several kinds, one scan serves them."""
+        cache = self.__dict__.setdefault("_match_cache", {})
+        hit = cache.get(name)
+        if hit is None:
+            if len(cache) > 65536:  # bounded: names are a state dict's, asked a few times each
+                cache.clear()
+            hit = cache[name] = [(i, m) for i, rx in enumerate(self._re) if (m := rx.fullmatch(name))]
+        return hit
+
+    def _one(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[Rule, re.Match[str]] | None:
+        hits = self._matches(kind, name)
+        declared = [h for h in hits if h[0] in self.declared]
+        if declared and len(declared) < len(hits):
+            hits = declared  # rules passed at load override the ones recorded at save
+        if len(hits) > 1:
+            rules = ", ".join(describe(self.rules[i]) for i, _ in hits)
+            raise PatternError(
+                f"{what} '{name}' matches conflicting rules: {rules}",
+                atom=name,
+                hint="make the patterns disjoint; one layout rule per parameter",
+            )
+        if not hits:
+            return None
+        self.used.add(hits[0][0])
+        return self.rules[hits[0][0]], hits[0][1]
+
+    def tie(self, param: str) -> str:
+        """The canonical name of a tied parameter (``param`` itself if it is not tied)."""
+        hit = self._one("tied", param, "parameter")
+        return hit[0].param if hit else param
+
+    def tensor_rule(self, param: str) -> tuple[Fused | Padded, re.Match[str]] | None:
+        return self._one(("fused", "padded"), param, "parameter")  # type: ignore[return-value]
+
+    def replicated(self, param: str) -> Replicated | None:
+        hit = self._one("replicated", param, "parameter")
+        return hit[0] if hit else None  # type: ignore[return-value]
+
+    def reduce(self, atom: str) -> Reduce | None:
+        hit = self._one("reduce", atom, "atom")
+        return hit[0] if hit else None  # type: ignore[return-value]
+
+    def note_names(self, names: Iterable[str]) -> None:
+        """Mark rules matching any of ``names`` as used (names seen only in a saved catalog)."""
+        for name in names:
+            for i, rx in enumerate(self._re):
+                if rx.fullmatch(name):
+                    self.used.add(i)
+
+    def check_used(self, used: set[int], where: str) -> None:
+        """Strict mode: every declared rule must have matched somewhere."""
+        if not self.strict:
+            return
+        unused = [self.rules[i] for i in self.declared if i not in used and not self.rules[i].optional]
+        if unused:
+            first = unused[0]
+            raise PatternError(
+                f"{len(unused)} declared rule(s) matched no name {where}: " + ", ".join(describe(r) for r in unused),
+                atom=first.param if isinstance(first, Tied) else first.pattern,
+                hint="fix the regex (it must match the whole canonical parameter name, e.g. "
+                r"'layers\.\d+\.attn\.wqkv\.weight'), declare the rule optional=True if it concerns state "
+                "that only some saves hold, or pass strict=False",
+            )
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [rule_to_json(r) for r in self.rules]

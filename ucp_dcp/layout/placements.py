@@ -1,0 +1,228 @@
+"""How a value is laid out at save or load: a mesh and one placement per mesh dim.
+
+A ``Layout`` is a plain, hashable description (no process group, no tensors) so that it can be
+recorded in the catalog, compared by the plan cache, and fed to the pure fragment math. It is
+derived from a DTensor's ``device_mesh``/``placements``; plain tensors have ``Layout.replicated()``.
+Values without placements (``ShardedTensor``, ``CheckpointableTensor``): :mod:`ucp_dcp.layout.shards`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .._compat import _StridedShard, root_mesh
+from ..errors import AmbiguousLayoutError
+
+__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo"]
+
+_PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
+
+
+class PlacementKind(str, enum.Enum):
+    """A placement's kind; the value is its code in the catalog (``R``, ``S(d)``, ...)."""
+
+    REPLICATE = "R"
+    SHARD = "S"
+    STRIDED_SHARD = "SS"
+    """``_StridedShard``: FSDP2 x TP on one dim, non-contiguous."""
+    PARTIAL = "P"
+    """A pending reduction (refused at save)."""
+
+    @property
+    def shards(self) -> bool:
+        """Whether this kind cuts a tensor dim."""
+        return self in (PlacementKind.SHARD, PlacementKind.STRIDED_SHARD)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One mesh dim's placement, decoupled from DTensor classes."""
+
+    kind: PlacementKind
+    """Replicate, shard, strided shard or partial."""
+    dim: int = -1
+    """Tensor dim sharded by ``S``/``SS``; -1 otherwise."""
+    split_factor: int = 1
+    """``_StridedShard.split_factor`` for ``SS``; 1 otherwise."""
+    reduce_op: str = ""
+    """Reduction of a ``Partial`` placement (only to name it in errors)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", PlacementKind(self.kind))  # codes ("S") are accepted too
+
+    @staticmethod
+    def from_torch(p: Any) -> Placement:
+        if isinstance(p, _StridedShard):  # check first: _StridedShard is not a Shard subclass today,
+            return Placement(PlacementKind.STRIDED_SHARD, int(p.dim), int(p.split_factor))  # be explicit
+        if isinstance(p, Shard):
+            return Placement(PlacementKind.SHARD, int(p.dim))
+        if isinstance(p, Replicate):
+            return Placement(PlacementKind.REPLICATE)
+        if isinstance(p, Partial):
+            return Placement(PlacementKind.PARTIAL, reduce_op=str(p.reduce_op))
+        raise AmbiguousLayoutError(f"unsupported DTensor placement {p!r}")
+
+    def encode(self) -> str:
+        if self.kind is PlacementKind.REPLICATE:
+            return "R"
+        if self.kind is PlacementKind.SHARD:
+            return f"S({self.dim})"
+        if self.kind is PlacementKind.STRIDED_SHARD:
+            return f"SS({self.dim},{self.split_factor})"
+        return f"P({self.reduce_op})"
+
+    @staticmethod
+    def decode(text: str) -> Placement:
+        m = _PLACEMENT_RE.match(text)
+        if not m:
+            raise ValueError(f"bad placement code {text!r}")
+        if text == "R":
+            return Placement(PlacementKind.REPLICATE)
+        if m.group(2) is not None:
+            return Placement(PlacementKind.SHARD, int(m.group(2)))
+        if m.group(3) is not None:
+            return Placement(PlacementKind.STRIDED_SHARD, int(m.group(3)), int(m.group(4)))
+        return Placement(PlacementKind.PARTIAL, reduce_op=m.group(5))
+
+    def __str__(self) -> str:
+        return self.encode()
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A device mesh as recorded in the catalog."""
+
+    shape: tuple[int, ...]
+    """Mesh shape, e.g. ``(2, 2)``."""
+    dim_names: tuple[str, ...] | None
+    """``mesh_dim_names`` or None."""
+    ranks: tuple[int, ...]
+    """Global ranks of the mesh in row-major order (``mesh.mesh.flatten()``)."""
+    position: tuple[tuple[str, int], ...] = ()
+    """Where a mesh sliced from a larger one sits along that root mesh's pipeline and expert dims
+    (``(("pp", 1),)`` for stage 1's FSDP mesh): the dims it does not span, with this rank's
+    coordinate. Empty for a mesh that is not a slice, or spans them all."""
+    replica_siblings: bool = False
+    """The root mesh also has non-trivial dims of another kind the slice does not span (data-parallel
+    ranks of a TP-only job each hold a whole copy on their own TP mesh): sibling slices hold replicas."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shape": list(self.shape),
+            "dim_names": list(self.dim_names) if self.dim_names is not None else None,
+            "ranks": list(self.ranks),
+        }
+        if self.position:
+            out["position"] = [list(p) for p in self.position]
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Mesh shape + placements of one value; ``mesh_shape == ()`` means a plain (replicated) value."""
+
+    mesh_shape: tuple[int, ...]
+    """Shape of the device mesh the value lives on (empty for plain tensors)."""
+    placements: tuple[Placement, ...]
+    """One placement per mesh dim, applied left to right like DTensor does."""
+    mesh_dim_names: tuple[str, ...] | None = None
+    """Mesh dim names, kept for the catalog and error messages."""
+
+    @staticmethod
+    def replicated() -> Layout:
+        return Layout((), ())
+
+    @staticmethod
+    def from_dtensor(t: DTensor) -> Layout:
+        mesh = t.device_mesh
+        return Layout(
+            tuple(int(s) for s in mesh.shape),
+            tuple(Placement.from_torch(p) for p in t.placements),
+            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        )
+
+    @property
+    def is_plain(self) -> bool:
+        return not self.mesh_shape
+
+    def partial_dims(self) -> list[int]:
+        return [i for i, p in enumerate(self.placements) if p.kind is PlacementKind.PARTIAL]
+
+    def encode_placements(self) -> list[str]:
+        return [p.encode() for p in self.placements]
+
+    def describe(self) -> str:
+        if self.is_plain:
+            return "plain tensor"
+        names = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
+        dims = ",".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
+        return f"mesh({dims}) [{', '.join(self.encode_placements())}]"
+
+
+def mesh_info(t: DTensor) -> MeshInfo:
+    mesh = t.device_mesh
+    info = getattr(mesh, "_ucp_dcp_mesh_info", None)
+    if info is None:
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        position, siblings = _slice_position(mesh, ranks)
+        info = MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
+        # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
+        with contextlib.suppress(AttributeError):
+            mesh._ucp_dcp_mesh_info = info
+    return info
+
+
+_STAGE_DIMS = {"pp", "pipe", "pipeline", "stage", "stages"}
+_EXPERT_DIMS = {"ep", "expert", "experts"}
+
+
+def is_stage_or_expert_dim(name: str) -> bool:
+    """Whether a mesh dim named ``name`` numbers pipeline stages or expert-parallel ranks."""
+    return bool(set(name.lower().split("_")) & (_STAGE_DIMS | _EXPERT_DIMS))
+
+
+def _slice_position(mesh: Any, ranks: tuple[int, ...]) -> tuple[tuple[tuple[str, int], ...], bool]:
+    """:attr:`MeshInfo.position` and :attr:`MeshInfo.replica_siblings` of ``mesh``, read off the
+    root mesh it was sliced (or flattened) from: the root dims along which all of its ranks share
+    one coordinate."""
+    root = root_mesh(mesh)
+    if root is mesh or not root.mesh_dim_names:
+        return (), False
+    grid = root.mesh
+    coords = [tuple(int(c) for c in (grid == r).nonzero()[0].tolist()) for r in ranks if (grid == r).any()]
+    if len(coords) != len(ranks):
+        return (), False
+    position, siblings = [], False
+    for d, name in enumerate(root.mesh_dim_names):
+        if grid.shape[d] == 1 or len({c[d] for c in coords}) > 1:
+            continue  # trivial, or spanned by the slice
+        if is_stage_or_expert_dim(name):
+            position.append((name, coords[0][d]))
+        else:
+            siblings = True
+    return tuple(position), siblings
+
+
+def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:
+    """This rank's coordinate in ``t``'s mesh, or None if the rank is not part of it."""
+    coord = t.device_mesh.get_coordinate()
+    return None if coord is None else tuple(int(c) for c in coord)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt

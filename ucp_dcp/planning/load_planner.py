@@ -1,0 +1,398 @@
+"""``UCPLoadPlanner``: turns the target's fragments into reads of saved chunks of the same atoms."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from .._compat import _init_state_dict, narrow_tensor_by_index, set_element
+from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..layout.dtypes import check_range, conversion
+from ..layout.patterns import Patterns, rule_from_json
+from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
+from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
+from .catalog import read_catalog
+from .consistency import check_rule_usage, zero_like
+from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
+from .device import needs_staging, split_reads, staging_forced
+from .entries import GroupTarget
+from .load_steps import (
+    SavedIndex,
+    combine_problems,
+    decode_value,
+    entry_reads,
+    group_atom,
+    group_reads,
+    itemsize,
+    missing_error,
+    saved_names,
+)
+from .opened import integrity_of, raise_if_unopened
+from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
+from .resolve import Resolved, Resolver
+from .stock_groups import StockGroups
+
+__all__ = ["UCPLoadPlanner"]
+
+logger = logging.getLogger(__name__)
+
+
+class UCPLoadPlanner(DefaultLoadPlanner):
+    """Load planner that fills any target layout from the atoms of a checkpoint.
+
+    A drop-in for ``DefaultLoadPlanner``: the first three parameters are DCP's, in DCP's order and
+    with DCP's meaning; ucp_dcp's own options are keyword-only after them.
+
+    Args:
+        flatten_state_dict: as in DCP. ``True`` (default): nested dicts and lists are loaded leaf by
+            leaf under their dotted keys. ``False``: the state dict must already be flat (no nested
+            containers); then nothing changes. A nested one raises :class:`UCPError` at
+            ``set_up_planner``: DCP would load each nested container as one pickled object, which
+            cannot be resharded or renamed.
+        flatten_sharded_tensors: as in DCP; it only concerns nested (2-D) ``ShardedTensor`` values,
+            which DCP's planner first flattens into one. ucp_dcp never needs that step (it plans each
+            value from the boxes of memory it holds, or refuses it), so both values behave the same.
+        allow_partial_load: as in DCP: skip atoms the checkpoint lacks instead of raising
+            :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
+        options: the layout description shared with the save planner (:class:`UCPOptions`:
+            ``patterns`` for the *target* layout — the rules recorded in the checkpoint's catalog
+            apply too —, ``strict``, ``stage_map``, ``expert_map``, ``name_rules`` (as at save),
+            ``data_slot``: for ``Reduce(op="sum")`` the ranks of slot 0 receive the total and the
+            others 0; default only the coordinator), or those fields as keyword arguments.
+        read_once: saved bytes several ranks need (replicas) are read by one rank the coordinator
+            picks and sent to the others by ``UCPFileSystemReader``. ``"hosts"`` (default): only
+            ranks on *other* hosts receive them; ranks on the reader's host read for themselves,
+            since that host's page cache already holds the bytes (on one machine nothing is sent).
+            ``"ranks"``: every other rank receives them. ``"off"``: every rank reads what it needs.
+            ``True``/``False`` mean ``"ranks"``/``"off"``. The host is ``socket.gethostname()``,
+            or ``UCP_DCP_HOST`` when set (to simulate several hosts on one machine).
+        allow_lossy_dtype: load atoms into targets of a dtype that loses values, the way
+            ``Tensor.copy_`` converts (float -> int truncates, complex -> real drops the imaginary
+            part, values outside the target's range wrap or become inf). By default such loads
+            raise :class:`DtypeConversionError`: kind changes at planning, before any byte is read,
+            out-of-range values when the data is read. Widening and precision-only conversions
+            (fp32 -> bf16 in range, int32 -> int64, int -> float) are always allowed.
+        trust: decode non-tensor values with a full unpickle. By default they are decoded with
+            ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts, tuples and
+            the types registered with ``torch.serialization.add_safe_globals``; anything else is
+            refused with :class:`UnsafeCheckpointError`, since unpickling it could run code.
+
+    Call order (DCP's): ``set_up_planner`` → ``create_local_plan`` → [coordinator:
+    ``create_global_plan``] → ``finish_plan`` → ``load_bytes``/``resolve_tensor``/``commit_tensor``.
+    As with DCP's planner, ``finish_plan`` may also be given the local plan itself (one process, no
+    global step). A missing step raises :class:`UCPError` naming it.
+    """
+
+    _materialize = True
+    """Give meta-device targets memory at set-up (``ucp_dcp.tools.dryrun`` plans without any)."""
+    _check_meshes = True
+    """Refuse one atom wanted whole at two pipeline/expert positions (``ucp_dcp.tools.dryrun`` leaves it to the load)."""
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        allow_partial_load: bool = False,
+        *,
+        options: UCPOptions | None = None,
+        read_once: ReadOnceMode | bool = "hosts",
+        allow_lossy_dtype: bool = False,
+        trust: bool = False,
+        **layout: Any,
+    ) -> None:
+        options = options_first(flatten_state_dict, options, "UCPLoadPlanner")
+        super().__init__(
+            flatten_state_dict=bool(flatten_state_dict),
+            flatten_sharded_tensors=bool(flatten_sharded_tensors),
+            allow_partial_load=allow_partial_load,
+        )
+        self.options = split_options(options, layout)
+        self._config = {
+            "flatten_state_dict": self.flatten_state_dict,
+            "flatten_sharded_tensors": self.flatten_sharded_tensors,
+            "read_once": read_once,
+            "allow_partial_load": allow_partial_load,
+            "allow_lossy_dtype": allow_lossy_dtype,
+            "trust": trust,
+        }
+        self.allow_lossy_dtype = bool(allow_lossy_dtype)
+        self.trust = bool(trust)
+        self.read_once = (
+            {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
+        )
+        if self.read_once not in READ_ONCE_MODES:
+            raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
+        self.missing_atoms: list[str] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.options, self._config))  # configuration only (see UCPSavePlanner)
+
+    name_rules = property(lambda self: self.options.name_rules)
+    rules = property(lambda self: self.options.patterns)
+    strict = property(lambda self: self.options.strict)
+    maps = property(lambda self: self.options.maps)
+    data_slot = property(lambda self: self.options.data_slot)
+
+    def set_up_planner(
+        self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        for stale in ("_targets", "_reads", "_sinks"):  # a reused planner: the previous load's plan is gone
+            self.__dict__.pop(stale, None)
+        if metadata is None:
+            raise UCPError(
+                "set_up_planner(state_dict, metadata) was given no checkpoint metadata to plan against",
+                hint="pass the Metadata of the checkpoint (storage_reader.read_metadata()), as dcp.load does",
+            )
+        raise_if_unopened(metadata)  # a ucp_dcp reader could not open it: its error
+        if not self.flatten_state_dict:
+            require_flat(state_dict, "load")
+        if self._materialize:
+            _init_state_dict(state_dict)  # meta targets get memory (DCP's behaviour)
+        self.original_state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        if is_coordinator and integrity_of(metadata) is None:
+            warnings.warn(
+                "this load reads through a storage reader that verifies no checksums and unpickles the "
+                "checkpoint's metadata: use ucp_dcp.load(state, path) or storage_reader=UCPFileSystemReader(path)",
+                UnverifiedCheckpointWarning,
+                stacklevel=2,
+            )
+        self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
+        saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
+        self._saved_rules = saved_rules
+        conflicts = rule_conflicts(self.rules, saved_rules, self._catalog)
+        if conflicts and self.strict:
+            raise combine_problems(conflicts)
+        for c in conflicts:
+            logger.warning("UCP (strict=False): %s", c)
+        self._patterns = Patterns(self.rules, strict=self.strict).merged(saved_rules)
+        self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
+        resolved, self._groups = self._resolver.resolve_state_dict(state_dict, for_load=True)
+        self._targets: dict[str, Resolved] = {r.entry.key: r for r in resolved}
+        self.state_dict = {r.entry.key: r.value for r in resolved}
+        self.mappings = {r.entry.key: r.entry.path for r in resolved}
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def create_local_plan(self) -> LoadPlan:
+        if not hasattr(self, "_targets"):
+            raise protocol_error("create_local_plan", "set_up_planner(state_dict, metadata)")
+        saved = self._saved_index()
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._zero: list[Resolved] = []
+        self.missing_atoms = []
+        self._stock_reads: list[ReadItem] = []
+        reads: list[ReadItem] = []
+        problems: list[UCPError] = []
+        keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
+        problems += alias_problems(list(self._targets.values()))
+        for r in self._targets.values():
+            if not r.present:
+                continue
+            tied = tie_problem(r, saved.lookup, self._saved_rules, self.rules)
+            if tied is None:
+                tied = reduce_problem(r, self._catalog)
+            if tied is not None:
+                problems.append(tied)
+                continue
+            keeps_total = self.is_coordinator if self.data_slot is None else self.data_slot == 0
+            if r.reduce is not None and r.reduce.op == "sum" and not keeps_total:
+                self._zero.append(r)  # the coordinator takes the total; the next save sums right
+                continue
+            try:
+                entry, missing = entry_reads(r, saved, self.allow_lossy_dtype)
+            except UCPError as err:
+                problems.append(err)
+                continue
+            reads += entry
+            self.missing_atoms += missing
+            keys.update((a, r.entry.key) for a in missing)
+            if entry and not r.entry.is_tensor:
+                self._sinks[r.entry.key] = lambda v, path=r.entry.path: _set_value(self.original_state_dict, path, v)
+        for g in self._stock_groups(saved, problems):
+            try:
+                group, sinks, missing = group_reads(g, saved, self._resolver)
+            except UCPError as err:
+                problems.append(err)
+                continue
+            reads += group
+            self._sinks.update(sinks)
+            self.missing_atoms += missing
+        reads += self._stock_reads
+        if self.missing_atoms and not self.allow_partial_load:
+            problems.insert(0, missing_error(self.missing_atoms, saved, keys))
+        elif self.missing_atoms:
+            logger.warning(
+                "UCP partial load: %d atom(s) not in the checkpoint were left as they are: %s",
+                len(self.missing_atoms),
+                ", ".join(self.missing_atoms[:10]),
+            )
+        if problems:
+            raise with_map_note(
+                combine_problems(problems), (self._catalog or {}).get("maps", []), [m.key for m in self.maps]
+            )
+        self._patterns.note_names(saved_names(self.metadata, self._catalog))
+        # reads into device targets are cut to the staging buffer's size (bounded host memory,
+        # also for pieces other ranks send)
+        forced = staging_forced()
+        reads = split_reads(reads, lambda it: itemsize(self.metadata, it), lambda it: self._staged(it, forced))
+        self._reads = reads
+        usage = RuleUsage(
+            sorted(self._patterns.used),
+            [c for r in self._targets.values() for c in r.index_claims],
+            {m.key: m.total for m in self.maps},
+        )
+        # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
+        return LoadPlan(
+            reads,
+            planner_data=LoadPlanPayload(
+                usage, self.read_once, keeps_items=True, meshes=target_meshes(self._targets.values())
+            ),
+        )
+
+    def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
+        """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
+        membership, :class:`StockGroups`); returns the target groups left to the per-parameter path."""
+        rest: list[GroupTarget] = []
+        by_prefix: dict[str, list[GroupTarget]] = {}
+        for g in self._groups:
+            by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
+        for prefix, groups in by_prefix.items():
+            per_param = any(
+                saved.lookup(group_atom(self._resolver, g, p, hp))
+                for g in groups
+                for p in g.params[:1]
+                for hp in g.hyperparams[:1]
+            )
+            stock = None if per_param else StockGroups.find(prefix, groups, saved.by_atom, self.name_rules)
+            if stock is None:
+                rest.extend(groups)
+                continue
+            self._stock_reads += stock.reads
+            self._sinks.update(stock.sinks)
+            self.missing_atoms += stock.missing()
+        return rest
+
+    def _saved_index(self) -> SavedIndex:
+        """The checkpoint's keys by atom name (``ucp_dcp.tools.dryrun`` shares one across the ranks it plans)."""
+        return SavedIndex(self.metadata, self.name_rules)
+
+    def _staged(self, item: ReadItem, forced: bool) -> bool:
+        """Whether the item's target is filled through host staging (its read is cut to fit)."""
+        return needs_staging(self._targets[item.dest_index.fqn].local, forced)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        foreign = [i for i, p in enumerate(global_plan) if not isinstance(p.planner_data, LoadPlanPayload)]
+        if foreign:
+            raise UCPError(
+                f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPLoadPlanner.create_local_plan",
+                hint="give every rank a UCPLoadPlanner and pass create_global_plan the plans their create_local_plan "
+                "returned",
+            )
+        usages = [p.planner_data.usage for p in global_plan]
+        # a coordinator that planned nothing itself still checks the usage of its own rules
+        patterns = getattr(self, "_patterns", None)
+        if patterns is None:
+            patterns = Patterns(self.rules, strict=self.strict)
+        # facts before declarations: one atom wanted whole on two meshes is a forgotten map
+        if self._check_meshes:
+            check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
+        check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
+        if getattr(self, "_catalog", None):
+            check_map_orders(self._catalog.get("map_orders", {}), map_orders(usages))
+        # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
+        return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # the plan's items are this planner's own reads: the coordinator's answer carries none, and
+        # the local plan itself (DCP's planner accepts it here too, with no global step) carries them
+        if not hasattr(self, "_reads"):
+            raise protocol_error("finish_plan", "create_local_plan()")
+        new_plan = LoadPlan(self._reads, storage_data=new_plan.storage_data, planner_data=new_plan.planner_data)
+        # the load is validated on every rank: now it is safe to touch the target
+        with torch.no_grad():
+            for r in self._targets.values():
+                for box in r.fills:
+                    region = r.local
+                    for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+                        region = region.narrow(d, o, n)
+                    region.fill_(r.fill_value)
+            for r in self._zero:
+                if isinstance(r.value, torch.Tensor):
+                    r.local.zero_()
+                else:
+                    set_element(self.original_state_dict, r.entry.path, zero_like(r.value))
+        return new_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if not hasattr(self, "_sinks"):
+            raise protocol_error("load_bytes", "create_local_plan()")
+        self._sinks[read_item.dest_index.fqn](decode_value(value, read_item.storage_index.fqn, self.trust))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._target_region(read_item)
+        saved = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
+        viewed = target.is_conj() or target.is_neg()  # its memory holds other bytes than its values
+        if not viewed and (
+            saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"
+        ):
+            return target  # the reader writes (and converts) straight into the target
+        # a narrowing conversion: read into a scratch tensor of the saved dtype, range-check the
+        # values in commit_tensor, then convert into the target (copy_ also writes through views)
+        return torch.empty(tuple(read_item.lengths), dtype=saved)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        target = self._target_region(read_item)
+        if tensor.dtype == target.dtype and not (target.is_conj() or target.is_neg()):
+            return  # the target itself (see resolve_tensor)
+        r = self._targets[read_item.dest_index.fqn]
+        if tensor.dtype != target.dtype:
+            check_range(r.fragments[read_item.dest_index.index].atom, tensor, target.dtype)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def _target_region(self, read_item: ReadItem) -> torch.Tensor:
+        if not hasattr(self, "_targets"):
+            raise protocol_error("resolve_tensor", "set_up_planner(state_dict, metadata)")
+        r = self._targets[read_item.dest_index.fqn]
+        region = r.fragments[read_item.dest_index.index].view(r.local)
+        return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
+
+
+def _set_value(root: STATE_DICT_TYPE, path: tuple[Any, ...], value: Any) -> None:
+    """Put a loaded object at its flatten ``path`` in the target. DCP's paths hold dict keys as
+    strings: the existing key that prints as the segment (``1`` for ``"1"``) is the one replaced,
+    where DCP's ``set_element`` adds a second key ``"1"`` and leaves ``1`` as it was."""
+    node: Any = root
+    for i, seg in enumerate(path):
+        if isinstance(node, dict):
+            key = seg if seg in node else next((k for k in node if str(k) == seg), _ABSENT)
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            key = seg
+        else:
+            key = _ABSENT
+        if key is _ABSENT:
+            break
+        if i == len(path) - 1:
+            node[key] = value
+            return
+        node = node[key]
+    set_element(root, path, value)  # a path the target lacks: DCP's way (it creates it)
+
+
+_ABSENT = object()
+
+
+def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:
+    return cls(options=options, **config)

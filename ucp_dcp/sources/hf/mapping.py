@@ -1,0 +1,163 @@
+"""How Hugging Face tensor names and orders map to ucp_dcp atoms (both ways).
+
+A rule pairs an HF name template with an atom template, e.g.
+``HFRule("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight", rotary_heads=32)``;
+``{name}`` placeholders match a decimal index and carry it across, so one rule serves every layer
+and reads in both directions (import and export). Fused targets need no rule of their own: the
+target's ``Fused`` pattern already names its parts (``wq``, ``wk``, ``wv``) as atoms, which the
+rules find in separate HF tensors.
+
+``rotary_heads`` marks a projection whose rows HF keeps in *rotate-half* order (per head: the first
+halves of all rotary pairs, then the second halves) while the atom is in the interleaved-pair order
+of Meta's checkpoints and torchtitan's llama (per head: ``x0, y0, x1, y1, ...``). The permutation
+stays inside each head, so any box of atom rows is a set of HF rows (:func:`hf_rows`): a rank
+reads exactly the rows its box needs, whatever the sharding.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import UCPError
+
+__all__ = ["HFRule", "HFMapping", "hf_rows", "atom_rows"]
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    out, pos = [], 0
+    for m in _PLACEHOLDER.finditer(template):
+        out.append(re.escape(template[pos : m.start()]))
+        out.append(f"(?P<{m.group(1)}>\\d+)")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+@dataclass(frozen=True)
+class HFRule:
+    """One HF tensor name template and the atom it holds."""
+
+    hf: str
+    """HF name template, e.g. ``model.layers.{i}.mlp.gate_proj.weight``."""
+    atom: str
+    """Atom template (without the mapping's ``prefix``), e.g. ``layers.{i}.feed_forward.w1.weight``."""
+    rotary_heads: int | None = None
+    """Heads of a q/k projection stored by HF in rotate-half order (rows permuted within each head)."""
+    stack: str | None = None
+    """A placeholder of the HF template only: the HF tensors for its values ``0..n-1`` are the
+    slices ``[v]`` along dim 0 of one stacked atom (experts saved one tensor each by HF, held as
+    ``[E, ...]`` by the target). Each is one saved chunk of the atom."""
+    _hf_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    """The HF template as a pattern (set from ``hf``)."""
+    _atom_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    """The atom template as a pattern (set from ``atom``)."""
+
+    def __post_init__(self) -> None:
+        hf, atom = sorted(_PLACEHOLDER.findall(self.hf)), sorted(_PLACEHOLDER.findall(self.atom))
+        if self.stack is not None:
+            if self.stack not in hf or self.stack in atom:
+                raise UCPError(
+                    f"HF rule {self.hf!r} -> {self.atom!r}: stack={self.stack!r} must be a placeholder "
+                    "of the HF template only"
+                )
+            hf.remove(self.stack)
+        if hf != atom:
+            raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: both sides need the same placeholders")
+        if self.stack is not None and self.rotary_heads:
+            raise UCPError(f"HF rule {self.hf!r}: a stacked atom cannot have rotary rows")
+        object.__setattr__(self, "_hf_re", _compile(self.hf))
+        object.__setattr__(self, "_atom_re", _compile(self.atom))
+
+    def match_hf(self, name: str) -> tuple[str, int | None] | None:
+        """The atom an HF name holds, and (stacked rules) its index along the atom's dim 0."""
+        m = self._hf_re.fullmatch(name)
+        if m is None:
+            return None
+        vals = {k: int(v) for k, v in m.groupdict().items()}
+        index = vals.pop(self.stack) if self.stack is not None else None
+        return self.atom.format(**vals), index
+
+    def match_atom(self, name: str) -> dict[str, int] | None:
+        """The placeholder values of an atom name this rule produces (None: not this rule's)."""
+        m = self._atom_re.fullmatch(name)
+        return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+
+    def hf_name(self, values: dict[str, int], index: int | None = None) -> str:
+        """The HF name for placeholder ``values`` (and, stacked, the slice ``index``)."""
+        return self.hf.format(**values, **({self.stack: index} if self.stack is not None else {}))
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """The rules between one model family's HF checkpoints and its atoms."""
+
+    rules: tuple[HFRule, ...]
+    """Name (and row-order) rules; the first matching rule wins."""
+    prefix: str = ""
+    """Prefix of the atoms in the target state dict (``"model."`` when the model sits under a
+    ``"model"`` key; torchtitan's model state is at the top level: ``""``)."""
+    ignore: tuple[str, ...] = ()
+    """Regexes of HF tensor names an import skips (e.g. buffers HF once saved); any other HF tensor
+    no rule maps is an error, so a forgotten rule cannot drop weights silently."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The HF ``config.json`` an export writes (``architectures``, ``model_type``, sizes...)."""
+    name: str = "custom"
+    """Family name, for messages."""
+
+    def atom_of(self, hf_name: str) -> tuple[str, HFRule, int | None] | None:
+        """The atom an HF tensor holds (with prefix), the rule, and the slice index of a stacked
+        rule; None if no rule maps it."""
+        for rule in self.rules:
+            hit = rule.match_hf(hf_name)
+            if hit is not None:
+                return self.prefix + hit[0], rule, hit[1]
+        return None
+
+    def hf_of(self, atom: str) -> tuple[HFRule, dict[str, int]] | None:
+        """The rule and placeholder values of an atom (with prefix) that has HF names
+        (``rule.hf_name(values[, index])``), or None (optimizer state, ...)."""
+        if not atom.startswith(self.prefix):
+            return None
+        for rule in self.rules:
+            values = rule.match_atom(atom[len(self.prefix) :])
+            if values is not None:
+                return rule, values
+        return None
+
+    def ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.ignore)
+
+
+def _head_dim(rows: int, heads: int, name: str) -> int:
+    if heads <= 0 or rows % heads or (rows // heads) % 2:
+        raise UCPError(
+            f"'{name}': {rows} rows cannot be {heads} rotary heads of an even size",
+            atom=name,
+            saved=rows,
+            wanted=heads,
+            hint="check rotary_heads of its HF rule (n_heads for q, n_kv_heads for k)",
+        )
+    return rows // heads
+
+
+def hf_rows(atom_rows_: np.ndarray, rows: int, heads: int, name: str = "") -> np.ndarray:
+    """HF (rotate-half) row of each atom (interleaved-pair) row: within head ``h`` the atom row
+    ``2i + j`` is HF row ``j * hd/2 + i``."""
+    hd = _head_dim(rows, heads, name)
+    h, r = np.divmod(np.asarray(atom_rows_, dtype=np.int64), hd)
+    i, j = np.divmod(r, 2)
+    return h * hd + j * (hd // 2) + i
+
+
+def atom_rows(hf_rows_: np.ndarray, rows: int, heads: int, name: str = "") -> np.ndarray:
+    """Inverse of :func:`hf_rows`: the atom row of each HF row."""
+    hd = _head_dim(rows, heads, name)
+    h, r = np.divmod(np.asarray(hf_rows_, dtype=np.int64), hd)
+    j, i = np.divmod(r, hd // 2)
+    return h * hd + 2 * i + j

@@ -1,0 +1,226 @@
+"""Atomic commit of a checkpoint folder, and telling a committed checkpoint from pieces of a save.
+
+A save never touches the files of the checkpoint it replaces. Data files get names no earlier save
+used (``__<rank>_<token>_<n>.distcp``, ``token`` random per rank and save); the coordinator then
+writes the sidecar (:mod:`ucp_dcp.storage.sidecar`) and ``.metadata`` under temporary names, fsyncs them,
+and **renames ``.metadata`` into place: that rename is the commit**. The folder is fsynced, and only
+then are files that the new metadata does not reference removed (the old checkpoint's, and pieces
+of earlier saves that died). A save that dies at any point before the rename leaves the previous
+checkpoint as it was; one that dies after it leaves the new checkpoint plus stray files that the
+next save removes.
+
+:func:`open_checkpoint` is the reading side: it finds ``.metadata``, verifies it against its
+sidecar, and names what is wrong when a folder holds no committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..planning.opened import IntegrityStatus
+from .format import IO_KEY
+from .sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, safe_unpickle, sidecar_name
+
+__all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState"]
+
+logger = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+_DATA = re.compile(r"^__\d+_.*\.distcp$")
+_TMP = re.compile(r"^(\.metadata|\.ucp\.[0-9a-f]+\.json)\.[0-9a-f]+\.tmp$")
+_SIDECAR = re.compile(r"^\.ucp\.([0-9a-f]{32})\.json$")
+
+
+def new_token() -> str:
+    """A fresh name component for one rank's files of one save."""
+    return secrets.token_hex(4)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes, sync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: bool = True) -> list[str]:
+    """Make ``.metadata`` (pickle ``md_bytes``) and its ``sidecar`` the folder's checkpoint in one
+    atomic step, then remove checkpoint files not in ``keep`` (data files of the new checkpoint).
+    Returns the removed names."""
+    token = new_token()
+    side = sidecar_name(metadata_hash(md_bytes))
+    side_tmp = os.path.join(folder, f"{side}.{token}.tmp")
+    md_tmp = os.path.join(folder, f"{METADATA}.{token}.tmp")
+    _write_file(side_tmp, sidecar, sync)
+    os.replace(side_tmp, os.path.join(folder, side))
+    _write_file(md_tmp, md_bytes, sync)
+    if sync:
+        _fsync_dir(folder)  # the data files' and the sidecar's names are durable before the switch
+    os.replace(md_tmp, os.path.join(folder, METADATA))  # the commit
+    if sync:
+        _fsync_dir(folder)
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        stale = (_DATA.match(name) and name not in keep) or _TMP.match(name) or (_SIDECAR.match(name) and name != side)
+        if stale:
+            try:
+                os.remove(os.path.join(folder, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    if removed and sync:
+        _fsync_dir(folder)
+    return removed
+
+
+@dataclass
+class DirState:
+    """What a checkpoint folder holds, by file name."""
+
+    has_metadata: bool = False
+    """``.metadata`` exists."""
+    sidecars: list[str] = field(default_factory=list)
+    """Integrity sidecars (``.ucp.<hash>.json``)."""
+    data_files: list[str] = field(default_factory=list)
+    """``__*.distcp`` data files."""
+    tmp_files: list[str] = field(default_factory=list)
+    """Temporary files of a commit that did not finish."""
+
+
+def scan(fs: Any, path: Any) -> DirState | None:
+    """Classify the files of a checkpoint folder (None when the folder does not exist)."""
+    try:
+        names = [os.path.basename(str(p).rstrip("/")) for p in fs.ls(path)]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    st = DirState()
+    for n in sorted(names):
+        if n == METADATA:
+            st.has_metadata = True
+        elif _SIDECAR.match(n):
+            st.sidecars.append(n)
+        elif _DATA.match(n):
+            st.data_files.append(n)
+        elif _TMP.match(n):
+            st.tmp_files.append(n)
+    return st
+
+
+@dataclass
+class Integrity:
+    """How much of a checkpoint a load can verify, as found when it was opened."""
+
+    status: IntegrityStatus
+    """``"verified"``: metadata checked against its sidecar, checksums on every data byte a load
+    uses; ``"partial"``: tensor checksums but unprotected metadata and values (ucp_dcp < 0.2);
+    ``"none"``: no checksums (stock DCP, or a writer with ``checksums=False``)."""
+    sidecar: str | None = None
+    """Name of the sidecar the metadata was verified against."""
+    algo: str | None = None
+    """Block checksum algorithm (None: no checksums)."""
+    files: dict[str, int] | None = None
+    """Size of every data file as written (from the sidecar)."""
+    strays: list[str] = field(default_factory=list)
+    """Files of an interrupted save (not part of this checkpoint; the next save removes them)."""
+
+    def describe(self) -> str:
+        if self.status == "verified":
+            text = (
+                f"verified: metadata matches {self.sidecar}; {self.algo} checksums on every tensor block, "
+                "value and table"
+            )
+        elif self.status == "partial":
+            text = f"partial: {self.algo} checksums on tensor data only (metadata and values unprotected)"
+        else:
+            text = "none: no checksums, nothing a load reads is verified"
+        if self.strays:
+            text += f"; {len(self.strays)} stray file(s) of an interrupted save (removed by the next save)"
+        return text
+
+
+def _read(fs: Any, path: Any) -> bytes:
+    with fs.create_stream(path, "rb") as f:
+        return f.read()
+
+
+def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadata, Integrity]:
+    """Metadata of the checkpoint at ``path`` and how far it can be verified. Never unpickles a
+    checkpoint that has a sidecar; a stock one only through the safe unpickler (unless ``trust``)."""
+    st = scan(fs, path)
+    if st is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: the folder does not exist", hint="check the path (and that the save finished)"
+        )
+    if not st.has_metadata:
+        if st.data_files or st.sidecars or st.tmp_files:
+            pieces = st.data_files + st.sidecars + st.tmp_files
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint at {path}: {len(pieces)} file(s) of a save ({', '.join(pieces[:4])}"
+                f"{', ...' if len(pieces) > 4 else ''}) but no .metadata — the save that wrote them did not "
+                "commit, so nothing here is a checkpoint",
+                saved=pieces,
+                wanted=METADATA,
+                hint="load an earlier checkpoint; the next save into this folder removes these files",
+            )
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: the folder holds no .metadata",
+            hint="check the path (and that the save finished)",
+        )
+    md_bytes = _read(fs, fs.concat_path(path, METADATA))
+    h = metadata_hash(md_bytes)
+    side = sidecar_name(h)
+    if side in st.sidecars:
+        body = decode_sidecar(_read(fs, fs.concat_path(path, side)), side)
+        if body["metadata"] != {"xxh3_128": h, "bytes": len(md_bytes)}:
+            raise CorruptCheckpointError(
+                f"{side} describes another .metadata than the one in {path}",
+                hint="the checkpoint is damaged; restore it from a good copy",
+            )
+        md = metadata_from_sidecar(body, md_bytes, trust)
+        files = {k: int(v) for k, v in body["files"].items()}
+        io = body.get("io") or {}
+        strays = [n for n in st.data_files if n not in files] + [n for n in st.sidecars if n != side] + st.tmp_files
+        # a writer with checksums=False: the tables are checked, the data cannot be
+        return md, Integrity("verified" if io.get("algo") else "none", side, io.get("algo"), files, strays)
+    if st.sidecars:
+        raise CorruptCheckpointError(
+            f".metadata in {path} matches none of its integrity records ({', '.join(st.sidecars)}): its bytes hash "
+            f"to {h}; the file is damaged or was rewritten by a tool that does not write sidecars",
+            saved=st.sidecars,
+            wanted=h,
+            hint="restore the checkpoint from a good copy; if another tool rewrote it on purpose, delete the "
+            ".ucp.*.json files to read it unverified",
+        )
+    md = safe_unpickle(md_bytes, trust=trust, where=f".metadata in {path}")
+    io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) if isinstance(md.storage_data, dict) else None
+    if isinstance(io, dict) and io.get("version", 1) >= 2:
+        raise CorruptCheckpointError(
+            f"the checkpoint in {path} was written with an integrity sidecar, which is missing",
+            hint="copy the checkpoint's .ucp.*.json file along with it, or restore it from a good copy",
+        )
+    algo = io.get("algo") if isinstance(io, dict) else None
+    referenced = {getattr(i, "relative_path", None) for i in (md.storage_data or {}).values()}
+    strays = [n for n in st.data_files if n not in referenced] + st.tmp_files
+    return md, Integrity("partial" if algo else "none", None, algo, None, strays)

@@ -1,0 +1,217 @@
+"""One ``read_data`` call's state, and where the bytes it reads go.
+
+A read item's bytes land in the target tensor's own memory when it can take them as they are; a
+device target's go through a staging buffer and a non-blocking copy; anything else through a
+packed buffer and a converting copy. The planner then commits the item. Pieces other ranks need
+are kept for the exchange; pieces from other ranks are received here too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from .._compat import narrow_tensor_by_index
+from ..errors import UCPError
+from ..planning.device import needs_staging, split_box
+from .format import TensorRecord
+from .staging import BUFFERS_PER_THREAD, StagingPool, to_device
+from .transport import Incoming
+
+__all__ = ["ReadStats", "ReadJob"]
+
+
+@dataclass
+class ReadStats:
+    """What one rank requested from storage during the last ``read_data``."""
+
+    bytes_read: int = 0
+    """Bytes requested from storage (byte ranges, incl. checksum widening and fallbacks)."""
+    ranges: int = 0
+    """Read calls issued."""
+    items: list[str] = field(default_factory=list)
+    """Storage items (``fqn|offsets``) this rank read bytes of."""
+    bytes_received: int = 0
+    """Bytes received from other ranks instead of storage."""
+    fallbacks: int = 0
+    """Items read whole, DCP-style (transforms or foreign records)."""
+    seconds: float = 0.0
+    """Wall time of ``read_data`` (reads, verification and transfers; not DCP's planning collectives)."""
+    staged_bytes: int = 0
+    """Bytes that reached their targets through staging buffers (device targets, or forced)."""
+    staging_buffers: int = 0
+    """Staging buffers allocated (each ``stage_bytes``; pinned for CUDA targets)."""
+    staging_waits: int = 0
+    """Times a read waited for a device copy to free a staging buffer."""
+
+
+@dataclass
+class _Staged:
+    """A staging buffer being filled for a target that cannot take host writes."""
+
+    target: torch.Tensor
+    buf: torch.Tensor
+
+
+@dataclass
+class ReadJob:
+    """One ``read_data`` call: the items, the planner that resolves them, and the pieces other
+    ranks need (kept after they are read, for the exchange)."""
+
+    plan: LoadPlan
+    planner: LoadPlanner
+    send: set[int]
+    """Positions (in ``plan.items``) of items this rank reads for other ranks too."""
+    keep: dict[int, bytes | memoryview] = field(default_factory=dict)
+    """Bytes of those items, by position."""
+    positions: dict[int, int] = field(default_factory=dict)
+    """``id(item) -> position``; sub-items of a split item map to their item's position."""
+    objects: list[tuple[ReadItem, memoryview]] = field(default_factory=list)
+    """Object items read by the file threads, delivered on the calling thread."""
+    chunk_meta: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    """Saved dtype and shape of every chunk."""
+    storage_data: dict[MetadataIndex, Any] = field(default_factory=dict)
+    """The checkpoint's storage entries (sizes of saved objects)."""
+    forced: bool = False
+    """Stage CPU targets too (``staging="always"``)."""
+    stage_bytes: int = 16 << 20
+    """Size of one staging buffer."""
+    buffers: int = BUFFERS_PER_THREAD
+    """Most staging buffers in the pool."""
+    stats: ReadStats = field(default_factory=ReadStats)
+    pool: StagingPool | None = None
+    """Created on the first staged target (pinned for CUDA targets)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.positions.update((id(it), i) for i, it in enumerate(self.plan.items))
+
+    def sending(self, item: ReadItem) -> bool:
+        return self.positions[id(item)] in self.send
+
+    def keep_if_sent(self, item: ReadItem, data: bytes | memoryview) -> None:
+        if self.sending(item):
+            self.keep[self.positions[id(item)]] = data
+
+    def itemsize(self, item: ReadItem) -> int:
+        return self.chunk_meta[item.storage_index][0].itemsize
+
+    def item_nbytes(self, item: ReadItem) -> int:
+        if item.type == LoadItemType.BYTE_IO:
+            return int(self.storage_data[item.storage_index].length)
+        dtype, _ = self.chunk_meta[item.storage_index]
+        return math.prod(item.lengths) * dtype.itemsize
+
+    def destination(
+        self, item: ReadItem, record: TensorRecord, nbytes: int
+    ) -> tuple[torch.Tensor | _Staged | None, memoryview]:
+        """Where an item's bytes go: the target tensor's own memory when it can take them as they
+        are (same dtype, contiguous; a piece also sent to other ranks is sent from there); for a
+        device target a staging buffer; else a packed buffer."""
+        target = self.planner.resolve_tensor(item).detach()
+        if needs_staging(target, self.forced):
+            if (
+                self.sending(item) or not target.numel() or nbytes > self.stage_bytes
+            ):  # kept for the exchange: own memory
+                return None, memoryview(bytearray(nbytes))
+            buf = self.staging_pool(target).acquire()
+            return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
+        if target.dtype == record.dtype and target.is_contiguous() and target.numel():
+            return target, memoryview(target.view(-1).view(torch.uint8).numpy())
+        return None, memoryview(bytearray(nbytes))
+
+    def finish(
+        self, item: ReadItem, target: torch.Tensor | _Staged | None, mv: memoryview, record: TensorRecord
+    ) -> None:
+        self.keep_if_sent(item, mv)
+        if isinstance(target, _Staged):
+            assert self.pool is not None
+            to_device(self.pool, target.buf, record.dtype, tuple(item.lengths), target.target)
+            self.planner.commit_tensor(item, target.target)
+        elif target is not None:
+            self.planner.commit_tensor(item, target)
+        else:
+            self.deliver(item, mv, record.dtype)
+
+    def deliver(self, item: ReadItem, data: Any, dtype: torch.dtype | None) -> None:
+        """Copy packed bytes of an item into its target (converting dtype) and commit it."""
+        if item.type == LoadItemType.BYTE_IO:
+            self.planner.load_bytes(item, io.BytesIO(bytes(data)))
+            return
+        if dtype is None:
+            dtype, _ = self.chunk_meta[item.storage_index]
+        src = (
+            torch.frombuffer(data, dtype=dtype).view(tuple(item.lengths))
+            if len(data)
+            else torch.empty(tuple(item.lengths), dtype=dtype)
+        )
+        target = self.planner.resolve_tensor(item).detach()
+        if target.size() != src.size():
+            raise UCPError(
+                f"read {tuple(src.size())} for a target of {tuple(target.size())} ({item.storage_index.fqn})"
+            )
+        if needs_staging(target, self.forced) and len(data):
+            self.stage_copy(data, dtype, tuple(item.lengths), target)
+        else:
+            target.copy_(src)
+        self.planner.commit_tensor(item, target)
+
+    def stage_copy(self, data: Any, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor) -> None:
+        """Copy packed host bytes of a box into a staged target, one staging buffer at a time."""
+        pool = self.staging_pool(target)
+        itemsize = dtype.itemsize
+        src = np.frombuffer(data, dtype=np.uint8)
+        strides = [math.prod(lengths[d + 1 :]) for d in range(len(lengths))]
+        for offs, lens in split_box(lengths, itemsize, pool.buffer_bytes):
+            start = sum(o * s for o, s in zip(offs, strides)) * itemsize
+            n = math.prod(lens) * itemsize
+            buf = pool.acquire()
+            buf[:n].numpy()[:] = src[start : start + n]
+            to_device(pool, buf, dtype, lens, narrow_tensor_by_index(target, offs, lens))
+
+    def staging_pool(self, target: torch.Tensor) -> StagingPool:
+        with self.lock:
+            if self.pool is None:  # pinned only for CUDA targets (a CPU-only torch cannot pin)
+                self.pool = StagingPool(self.stage_bytes, self.buffers, pin=target.device.type == "cuda")
+            return self.pool
+
+    def incoming(self, pieces: list[int]) -> Incoming:
+        """How to receive one bundle: a lone tensor piece straight into its target when the target
+        takes the saved bytes as they are, anything else through a buffer of the bundle's size."""
+        items = [self.plan.items[i] for i in pieces]
+        sizes = [self.item_nbytes(it) for it in items]
+        target = None
+        if len(items) == 1 and items[0].type != LoadItemType.BYTE_IO and sizes[0]:
+            t = self.planner.resolve_tensor(items[0]).detach()
+            if (
+                t.dtype == self.chunk_meta[items[0].storage_index][0]
+                and t.is_contiguous()
+                and not needs_staging(t, self.forced)
+            ):
+                target = t
+
+        def buffer() -> torch.Tensor:
+            return (
+                target.view(-1).view(torch.uint8) if target is not None else torch.empty(sum(sizes), dtype=torch.uint8)
+            )
+
+        def deliver(buf: torch.Tensor) -> None:
+            self.stats.bytes_received += buf.numel()
+            if target is not None:
+                self.planner.commit_tensor(items[0], target)
+                return
+            mv = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+            pos = 0
+            for it, n in zip(items, sizes):
+                self.deliver(it, mv[pos : pos + n], None)
+                pos += n
+
+        return Incoming(sum(sizes), buffer, deliver)

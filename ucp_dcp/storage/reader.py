@@ -1,0 +1,257 @@
+"""``UCPFileSystemReader``: reads only the bytes each rank needs, each file once, in offset order.
+
+DCP's ``FileSystemReader`` deserializes a whole saved chunk for every read item and narrows it, so
+resharding reads several times the needed bytes. Here every read item becomes byte runs of its
+chunk (see :mod:`ucp_dcp.storage.format`); the runs of all items of a chunk are merged (a chunk feeding
+several target boxes is read once), widened to whole checksum blocks when verifying, and read with
+one open file per thread, in offset order. A single contiguous run of matching dtype lands directly
+in the target tensor; anything else goes through a buffer of at most one chunk's needed bytes.
+Pieces the coordinator marked as shared are read by one rank and sent to the others
+(:mod:`ucp_dcp.storage.transport`). Items this reader cannot read by ranges (stream transforms, foreign
+records) fall back to DCP's whole-item path. Device targets (CUDA tensors) are reached through
+bounded host staging buffers and non-blocking copies (:mod:`ucp_dcp.storage.staging`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .._compat import fsspec_filesystem
+from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..planning import device as _device
+from ..planning.collectives import p2p_group
+from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
+from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
+from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
+from .checksums import BlockChecker
+from .chunk_reads import ChunkReads
+from .commit import Integrity, open_checkpoint
+from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
+from .read_job import ReadJob, ReadStats
+from .staging import BUFFERS_PER_THREAD
+from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
+
+__all__ = ["UCPFileSystemReader", "ReadStats"]
+
+
+class UCPFileSystemReader(ChunkReads, FileSystemReader):
+    """Ranged, checksummed, read-once ``StorageReader`` for DCP checkpoints (local or fsspec paths).
+
+    Opening a checkpoint never runs code from it: the metadata is rebuilt from its JSON sidecar
+    (checked against the ``.metadata`` bytes and its own hash), or, for checkpoints without one,
+    unpickled with an allow-list of DCP's metadata types (:mod:`ucp_dcp.storage.sidecar`).
+
+    The positional parameters are ``FileSystemReader``'s, in its order (a drop-in); ucp_dcp's own
+    options are keyword-only after them.
+
+    Args:
+        path: checkpoint folder or fsspec URL.
+        _extension_registry: as in DCP: the stream transforms items written with them are decoded
+            by (those items are read whole, DCP's way).
+        thread_count: files read concurrently by this rank.
+        verify_checksums: verify the checksum of every 1 MiB block and object read (when the
+            checkpoint has them).
+        trust: unpickle a checkpoint's metadata without the allow-list (only for checkpoints from a
+            source you trust whose metadata holds other types).
+        staging: ``"auto"``: stage only non-CPU targets through host buffers; ``"always"``: CPU
+            targets too (exercises the device path without a GPU). None: ``$UCP_DCP_STAGING``.
+        read_once: who receives saved bytes several ranks need, read by one rank the coordinator
+            picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
+            cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
+            reads what it needs). None: the load planner's ``read_once`` (``UCPLoadPlanner``'s
+            default ``"hosts"``). The host is ``socket.gethostname()`` or ``$UCP_DCP_HOST``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        _extension_registry: Any = None,
+        *,
+        thread_count: int = 4,
+        verify_checksums: bool = True,
+        trust: bool = False,
+        staging: StagingMode | None = None,
+        read_once: ReadOnceMode | None = None,
+    ) -> None:
+        super().__init__(path, _extension_registry)
+        if "://" in str(path):
+            self.fs = fsspec_filesystem()()
+            self.path = self.fs.init_path(path)
+        self.thread_count = thread_count
+        self.verify_checksums = verify_checksums
+        self.trust = trust
+        if read_once is not None and read_once not in READ_ONCE_MODES:
+            raise UCPError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
+        self.read_once = read_once
+        self._forced = staging_forced(staging)
+        self.stage_bytes = _device.STAGE_BYTES
+        """Size of a staging buffer (and the largest item read into one)."""
+        self.stats = ReadStats()
+        self.integrity: Integrity | None = None
+        """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
+
+    def _open(self) -> tuple[Metadata, Integrity]:
+        """The checkpoint's metadata and how far it can be verified (readers of other formats
+        override this and inherit the error handling of :meth:`read_metadata`)."""
+        return open_checkpoint(self.fs, self.path, trust=self.trust)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            md, self.integrity = self._open()
+        except UCPError as e:
+            # dcp.load turns read_metadata's exceptions into a bare AssertionError string; hand back
+            # an empty Metadata carrying the error, raised by set_up_storage_reader / the planner
+            self.integrity = None
+            return UnopenedMetadata(state_dict_metadata={}, storage_data={}, error=e)
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return checked(md, self.integrity.status)  # its integrity is seen by UCPLoadPlanner
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        raise_if_unopened(metadata)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        check_tables(metadata)
+        if self.integrity is None:  # metadata handed in by the caller, not read here
+            self.integrity = Integrity(
+                "partial" if (self.storage_data.get(MetadataIndex(IO_KEY)) or {}).get("algo") else "none"
+            )
+        if is_coordinator and self.integrity.status != "verified" and self.verify_checksums:
+            warnings.warn(
+                _UNVERIFIED[self.integrity.status].format(path=self.path), UnverifiedCheckpointWarning, stacklevel=2
+            )
+        self._io = self.storage_data.get(MetadataIndex(IO_KEY)) or {}
+        algo = self._io.get("algo")
+        self._algo = algo if algo in HASHES else None
+        if algo is not None and self._algo is None and self.verify_checksums:
+            warnings.warn(
+                f"checkpoint checksums use '{algo}', which this ucp_dcp cannot verify: reading "
+                "without verification (upgrade ucp_dcp to verify them)",
+                stacklevel=2,
+            )
+        self._crc = self._io.get("items", {}) if self._algo else {}
+        self._block = int(self._io.get("block", 1 << 20))
+        self._checker = BlockChecker(self._block, self._algo or "")
+        self._records: dict[MetadataIndex, TensorRecord | None] = {}
+        self._lock = threading.Lock()
+        self._chunk_meta = chunk_meta(metadata)
+        self._md = metadata
+
+    # -- planning: read-once ------------------------------------------------------------------------
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Summarize this rank's reads for read-once (keys and sizes, not items). A planner that
+        puts its items back in ``finish_plan`` (``LoadPlanPayload.keeps_items``) gets them left out
+        of the gathered plan, so planning stays O(summary) per rank."""
+        pd = plan.planner_data
+        mode = self.read_once or getattr(pd, "read_once", None) or "hosts"
+        if mode not in READ_ONCE_MODES:
+            raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
+        summary = local_summary(plan.items, self._md, mode)
+        return LoadPlan([] if getattr(pd, "keeps_items", False) else plan.items, storage_data=summary, planner_data=pd)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
+        summaries = [p.storage_data if isinstance(p.storage_data, ReadSummary) else None for p in plans]
+        return [dataclasses.replace(p, storage_data=t) for p, t in zip(plans, plan_transport(summaries))]
+
+    # -- entry point -------------------------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.stats = ReadStats()
+        t0 = time.perf_counter()
+        transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()
+        recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
+        send_items = {int(i) for pieces, _ in transport.send for i in pieces}
+        job = ReadJob(
+            plan,
+            planner,
+            send_items,
+            chunk_meta=self._chunk_meta,
+            storage_data=self.storage_data,
+            forced=self._forced,
+            stage_bytes=self.stage_bytes,
+            buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
+            stats=self.stats,
+        )
+        error: BaseException | None = None
+        try:
+            self._read_local(job, recv_items)
+        except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
+            error = e
+        sends: dict[int, list[torch.Tensor | None]] = {}
+        for pieces, dsts in transport.send:
+            # one payload per bundle, shared by all its consumers (a lone piece: its own memory)
+            payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
+            for dst in dsts.tolist():
+                sends.setdefault(dst, []).append(payload)
+        incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs] for src, msgs in transport.recv.items()}
+        group = p2p_group(transport.ranks) if transport.ranks else None
+        failed = exchange(sends, incoming, ok=error is None, group=group)
+        if job.pool is not None:  # the one wait for device copies in flight
+            job.pool.drain()
+            self.stats.staged_bytes = job.pool.stats.staged_bytes
+            self.stats.staging_buffers = job.pool.stats.allocated
+            self.stats.staging_waits = job.pool.stats.waits
+        self.stats.seconds = time.perf_counter() - t0
+        if error is not None:
+            raise error
+        if failed:
+            raise UCPError(
+                f"rank(s) {failed} failed reading checkpoint data this rank needs (see their errors)",
+                hint="the reading rank reports the cause (e.g. a checksum mismatch)",
+            )
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- local reads -------------------------------------------------------------------------------
+
+    def _read_local(self, job: ReadJob, skip: set[int]) -> None:
+        """Read every item not received from another rank: files in parallel, chunks of a file
+        in offset order; objects are delivered on this thread (planner sinks are not locked)."""
+        work = sorted(self._by_file(self._local_items(job, skip)).items())
+        if self.thread_count > 1 and len(work) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(work))) as pool:
+                for fut in [pool.submit(self._read_file, job, rel, cs) for rel, cs in work]:
+                    fut.result()
+        else:
+            for rel, cs in work:
+                self._read_file(job, rel, cs)
+        for item, data in job.objects:
+            job.deliver(item, data, None)
+
+    def _local_items(self, job: ReadJob, skip: set[int]) -> list[ReadItem]:
+        """The items this rank reads itself; a large item for a staged target (planners other than
+        ours do not cut them) becomes sub-boxes that fit a staging buffer."""
+        out: list[ReadItem] = []
+        for i, item in enumerate(job.plan.items):
+            if i in skip:
+                continue
+            if item.type == LoadItemType.BYTE_IO or i in job.send or job.item_nbytes(item) <= self.stage_bytes:
+                out.append(item)
+                continue
+            staged = lambda it: needs_staging(job.planner.resolve_tensor(it), self._forced)  # noqa: E731
+            for sub in split_reads([item], job.itemsize, staged, self.stage_bytes):
+                job.positions[id(sub)] = i
+                out.append(sub)
+        return out
+
+
+_UNVERIFIED = {
+    "none": "checkpoint {path} has no checksums: nothing this load reads is verified. Save with "
+    "ucp_dcp.save(...) or storage_writer=UCPFileSystemWriter(path) to get them (and an atomic commit).",
+    "partial": "checkpoint {path} was written by an older ucp_dcp: tensor data is verified, its metadata "
+    "and non-tensor values are not. Save it again with this version to protect them.",
+}

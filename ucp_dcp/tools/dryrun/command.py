@@ -1,0 +1,143 @@
+"""``python -m ucp_dcp plan CKPT --target ...`` (also ``ucp-dcp plan``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ...errors import UCPError
+
+__all__ = ["add_parser", "run"]
+
+_TARGETS = """targets:
+  recipe            the recipe's toy LLM at --topology (e.g. pp=2,dp=512,tp=4)
+  titan             a torchtitan job: --module, --config and the Trainer's own parallelism flags
+                    after the known options (e.g. --parallelism.data_parallel_shard_degree 64)
+  pkg.mod:fn        your job: fn(rank, world_size) returns the state dict that rank loads
+                    (or (state_dict, UCPLoadPlanner options)); needs --world-size"""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="will CKPT load at a target layout, and what will the load cost? (no GPUs, no ranks)",
+        description="Plan the load of a checkpoint into every rank of a target job, in this process: "
+        "every problem a real load would raise, and per rank the bytes, reads and files.",
+        epilog=_TARGETS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="checkpoint folder")
+    p.add_argument("--target", required=True, help="recipe | titan | package.module:function (see below)")
+    p.add_argument("--topology", help="recipe target: pp=..,dpr=..,dp=..,ep=..,tp=..,vpp=..")
+    p.add_argument("--model", help="recipe target: ModelConfig overrides, e.g. ffn_dim=56,n_layers=6")
+    p.add_argument("--world-size", type=int, help="function target: ranks of the job")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per host (default 8)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="where the job's state lives (cuda: reads cut to 16 MiB staging buffers)",
+    )
+    p.add_argument(
+        "--read-once",
+        choices=("hosts", "ranks", "off"),
+        default="hosts",
+        help="the load's read_once setting (default hosts)",
+    )
+    p.add_argument("--threads", type=int, default=4, help="the reader's thread_count (default 4)")
+    p.add_argument("--bandwidth", help="storage read bandwidth per node, e.g. 2GB/s: gives a load-time estimate")
+    p.add_argument(
+        "--aggregate-bandwidth", help="storage bandwidth of all nodes together (default: nodes x --bandwidth)"
+    )
+    p.add_argument("--network", help="per-node network bandwidth for read-once transfers (default: not counted)")
+    p.add_argument("--allow-partial-load", action="store_true", help="as UCPLoadPlanner(allow_partial_load=True)")
+    p.add_argument("--allow-lossy-dtype", action="store_true", help="as UCPLoadPlanner(allow_lossy_dtype=True)")
+    p.add_argument("--trust", action="store_true", help="open the checkpoint's metadata without the allow-list")
+    p.add_argument(
+        "--no-check-symmetry",
+        action="store_true",
+        help="do not build one extra rank per class of ranks to check the rebinding",
+    )
+    p.add_argument("--json", metavar="OUT", help="also write the full report (every rank) as JSON to OUT ('-': stdout)")
+    return p
+
+
+def _target(a: argparse.Namespace, extra: list[str]) -> Any:
+    from .targets import FunctionTarget, RecipeTarget, load_function
+
+    if a.target == "recipe":
+        if not a.topology:
+            raise UCPError("--target recipe needs --topology, e.g. pp=2,dp=512,tp=4")
+        _no_extra(extra)
+        return RecipeTarget(a.topology, cfg=_model_config(a.model))
+    if a.target == "titan":
+        from ...torchtitan.plan_target import TitanTarget
+
+        return TitanTarget.from_args(extra, world_size=a.world_size)
+    _no_extra(extra)
+    if not a.world_size or a.world_size < 1:
+        raise UCPError(f"--target {a.target}: give the job's --world-size")
+    return FunctionTarget(load_function(a.target), a.world_size, name=a.target)
+
+
+def _model_config(text: str | None) -> Any:
+    """``"ffn_dim=56,n_layers=6"`` -> the recipe's ModelConfig with those fields changed."""
+    import dataclasses
+
+    from ...toy.model import ModelConfig
+
+    if not text:
+        return None
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    kw: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, val = part.partition("=")
+        if key not in fields or not val.lstrip("-").isdigit():
+            raise UCPError(
+                f"--model: bad item {part!r} (integer fields: "
+                f"{', '.join(n for n, f in fields.items() if f.type in ('int', int))})"
+            )
+        kw[key] = int(val)
+    return ModelConfig(**kw)
+
+
+def _no_extra(extra: list[str]) -> None:
+    if extra:
+        raise UCPError(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def run(a: argparse.Namespace, extra: list[str]) -> int:
+    """0: loads; 1: a real load would fail (problems listed); 2: bad arguments or unreadable checkpoint."""
+    from .report import Bandwidths, format_report, parse_rate, report_json
+    from .simulate import plan_load
+
+    try:
+        bw = Bandwidths(*(parse_rate(x) if x else None for x in (a.bandwidth, a.aggregate_bandwidth, a.network)))
+        target = _target(a, extra)
+    except UCPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = plan_load(
+        a.checkpoint,
+        target,
+        read_once=a.read_once,
+        ranks_per_node=a.ranks_per_node,
+        device=a.device,
+        check_symmetry=not a.no_check_symmetry,
+        trust=a.trust,
+        thread_count=a.threads,
+        allow_partial_load=a.allow_partial_load,
+        allow_lossy_dtype=a.allow_lossy_dtype,
+    )
+    if a.json == "-":
+        print(json.dumps(report_json(report, bw), indent=1, default=str))
+    else:
+        print(format_report(report, bw))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(report_json(report, bw), f, indent=1, default=str)
+    if any(p.where == "open" for p in report.problems):
+        return 2
+    return 0 if report.loads else 1

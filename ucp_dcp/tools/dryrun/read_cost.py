@@ -1,0 +1,209 @@
+"""What ``UCPFileSystemReader.read_data`` will request from storage for a list of read items,
+computed without reading: the same decisions, in the same order, as the reader's ``_read_chunk``
+(mapped window / direct runs / merged union / whole-item fallback), its checksum widening and its
+edge reads for verification. ``ReadCost`` counts what ``ReadStats`` counts, so a plan's figures
+are the load's figures; ``tests/tools/test_dryrun.py`` holds the two side by side.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from ..._compat import _create_file_view
+from ...storage.file_ranges import WINDOW
+from ...storage.format import (
+    HASHES,
+    IO_KEY,
+    TensorRecord,
+    blocks_touching,
+    box_grid,
+    chunk_meta,
+    item_key,
+    merge_intervals,
+    parse_tensor_record,
+    split_grid,
+)
+
+__all__ = ["ReadCost", "CostModel", "Piece", "pieces", "item_nbytes"]
+
+Piece = tuple[MetadataIndex, "tuple[int, ...] | None", "tuple[int, ...] | None"]
+"""What the cost of a read item depends on: ``(storage index, offsets, lengths)`` in the saved
+chunk, offsets None for an object read whole. A plan keeps these for every rank, not read items."""
+
+
+def pieces(items: Sequence[ReadItem]) -> list[Piece]:
+    """The :data:`Piece` of each read item (a few ints instead of a ReadItem's five objects)."""
+    return [
+        (it.storage_index, None, None)
+        if it.type == LoadItemType.BYTE_IO
+        else (it.storage_index, tuple(it.storage_offsets), tuple(it.lengths))
+        for it in items
+    ]
+
+
+@dataclass
+class ReadCost:
+    """One rank's storage requests, as ``ReadStats`` counts them."""
+
+    bytes_read: int = 0
+    """Bytes requested from storage (incl. checksum widening, edge reads and whole-item fallbacks)."""
+    ranges: int = 0
+    """Read calls (each mapped window pass of a strided chunk counts once, as in the reader)."""
+    items: set[str] = field(default_factory=set)
+    """Storage items (``fqn|offsets``) read from."""
+    files: set[str] = field(default_factory=set)
+    """Data files opened."""
+    fallbacks: int = 0
+    """Items read whole, DCP-style (stream transforms or records the reader cannot range-read)."""
+    largest_buffer: int = 0
+    """Largest host buffer one chunk's read needs (a merged union of runs); 0 when every read
+    lands in its target."""
+
+
+class CostModel:
+    """The reader's view of one checkpoint: its I/O table, checksum block size, chunk records.
+
+    Args:
+        md: the checkpoint's metadata (``storage_data`` with the I/O table).
+        path: the checkpoint folder, to parse the records of chunks another writer saved (their
+            data offset is in the item's zip directory); None: such chunks count as fallbacks.
+        verify: the reader verifies checksums (its default).
+        local_files: the checkpoint is on a local file system (the reader maps strided windows).
+    """
+
+    def __init__(
+        self, md: Metadata, path: str | os.PathLike | None, verify: bool = True, local_files: bool = True
+    ) -> None:
+        self.md = md
+        self.storage = md.storage_data or {}
+        self.path = path
+        self.local_files = local_files
+        iot = self.storage.get(MetadataIndex(IO_KEY)) or {}
+        self.io_items = iot.get("items", {})
+        algo = iot.get("algo")
+        self.crc = self.io_items if (algo in HASHES and verify) else {}
+        self.block = int(iot.get("block", 1 << 20))
+        self.meta = chunk_meta(md)
+        self._foreign: dict[MetadataIndex, TensorRecord | None] = {}
+
+    def record(self, index: MetadataIndex) -> tuple[TensorRecord | None, bool]:
+        """The chunk's record and whether reading it costs the reader a parse (one range)."""
+        info = self.storage[index]
+        entry = self.io_items.get(item_key(index))
+        if entry is not None and entry[0] >= 0 and index in self.meta:
+            dtype, sizes = self.meta[index]
+            return TensorRecord(entry[0], dtype, sizes, True), False
+        if info.transform_descriptors:
+            return None, False
+        if index not in self._foreign:
+            self._foreign[index] = self._parse(index, info)
+        return self._foreign[index], True
+
+    def _parse(self, index: MetadataIndex, info: Any) -> TensorRecord | None:
+        if self.path is None:
+            return None
+        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            return parse_tensor_record(_create_file_view(f, info.offset, info.length))
+
+    def cost(self, items: Sequence[ReadItem | Piece]) -> ReadCost:
+        """Storage requests of reading ``items`` (one rank's items minus those it receives), given as
+        read items or as their :func:`pieces`."""
+        out = ReadCost()
+        chunks: dict[MetadataIndex, list[Piece]] = {}
+        for item in items:
+            piece = item if isinstance(item, tuple) else pieces([item])[0]
+            index = piece[0]
+            info = self.storage[index]
+            out.files.add(info.relative_path)
+            if piece[1] is None:  # an object: read whole
+                self._count(out, index, int(info.length))
+                continue
+            chunks.setdefault(index, []).append(piece)
+        for index, chunk_pieces in chunks.items():
+            self._chunk(out, index, chunk_pieces)
+        return out
+
+    def _count(self, out: ReadCost, index: MetadataIndex, nbytes: int, ranges: int = 1) -> None:
+        out.bytes_read += int(nbytes)
+        out.ranges += ranges
+        out.items.add(item_key(index))
+
+    def _chunk(self, out: ReadCost, index: MetadataIndex, items: list[Piece]) -> None:
+        info = self.storage[index]
+        record, parsed = self.record(index)
+        if parsed:
+            out.ranges += 1
+        if record is None or not record.contiguous or info.transform_descriptors:
+            out.fallbacks += 1
+            self._count(out, index, info.length)
+            return
+        grids = [box_grid(record.shape, record.itemsize, offsets, lengths) for _, offsets, lengths in items]
+        crcs = self.crc.get(item_key(index), [None, []])[1]
+        if self.local_files and any(g.nruns > 1 for g in grids):
+            self._count(out, index, self._mapped_bytes(grids, record.nbytes, crcs))
+            return
+        runs = [(g.starts(), g.run) for g in grids]
+        total = sum(g.nbytes for g in grids)
+        starts = np.concatenate([st for st, _ in runs])
+        lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs])
+        intervals = merge_intervals(starts, lens) if len(items) > 1 or crcs else None
+        disjoint = intervals is None or sum(n for _, n in intervals) == total
+        if disjoint and (not crcs or all(len(st) == 1 for st, _ in runs)):
+            for st, n in runs:  # straight into the targets
+                if len(st) == 1 or not self.local_files:
+                    for _ in range(len(st)):
+                        self._count(out, index, n)
+                else:
+                    self._count(out, index, len(st) * n, ranges=len(st))
+                if crcs:
+                    self._edges(out, index, int(st[0]), n, record.nbytes)
+            return
+        assert intervals is not None
+        if crcs:
+            intervals = blocks_touching(intervals, record.nbytes, self.block)
+        for _, n in intervals:
+            self._count(out, index, n)
+        out.largest_buffer = max(out.largest_buffer, sum(n for _, n in intervals))
+
+    def _mapped_bytes(self, grids: list[Any], nbytes: int, crcs: list[int]) -> int:
+        B = self.block
+        if crcs:
+            verified: set[int] = set()
+            for g in grids:
+                for piece in split_grid(g, WINDOW):
+                    lo, hi = piece.first // B * B, min(nbytes, -(-piece.end // B) * B)
+                    verified.update(range(lo // B, -(-hi // B)))
+            return sum(min((b + 1) * B, nbytes) - b * B for b in verified)
+        if len(grids) == 1:
+            return grids[0].nbytes
+        merged = merge_intervals(
+            np.concatenate([g.starts() for g in grids]),
+            np.concatenate([np.full(g.nruns, g.run, dtype=np.int64) for g in grids]),
+        )
+        return sum(n for _, n in merged)
+
+    def _edges(self, out: ReadCost, index: MetadataIndex, start: int, n: int, nbytes: int) -> None:
+        """The parts of the first and last checksum block outside a directly read run."""
+        B, end = self.block, start + n
+        for b in range(start // B, (max(end, start + 1) - 1) // B + 1):
+            bs, be = b * B, min((b + 1) * B, nbytes)
+            a, c = max(bs, start), min(be, end)
+            if bs < a:
+                self._count(out, index, a - bs)
+            if c < be:
+                self._count(out, index, be - c)
+
+
+def item_nbytes(md: Metadata, item: ReadItem) -> int:
+    """Bytes of saved data one read item needs (what read-once sends for it)."""
+    if item.type == LoadItemType.BYTE_IO:
+        return int(getattr((md.storage_data or {}).get(item.storage_index), "length", 0))
+    return math.prod(item.lengths) * md.state_dict_metadata[item.storage_index.fqn].properties.dtype.itemsize

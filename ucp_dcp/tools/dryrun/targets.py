@@ -1,0 +1,143 @@
+"""Target jobs a plan can build, rank by rank, inside one process.
+
+A target knows its world size, builds the state dict one rank would pass to ``dcp.load`` (under a
+fake default process group whose rank is that rank, tensors on the meta device), and the
+``UCPLoadPlanner`` options that rank would use. ``symmetry(rank)`` may name a class of ranks whose
+state dicts share one structure: the plan builds one rank per class and rebinds its state dict
+to the others (:func:`ucp_dcp.tools.dryrun.world.rebind`), checking the claim on one more rank per class.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ...errors import UCPError
+
+__all__ = ["Target", "FunctionTarget", "RecipeTarget", "load_function"]
+
+
+class Target(Protocol):
+    """What the plan needs from a target job."""
+
+    name: str
+    """Shown in the report (e.g. ``recipe pp=2,dp=512,tp=4``)."""
+    world_size: int
+    """Ranks of the target job."""
+
+    def symmetry(self, rank: int) -> Hashable | None:
+        """A class key: ranks with equal keys have state dicts of the same structure (None: build
+        this rank in full)."""
+
+    def build(self, rank: int) -> dict[str, Any]:
+        """The state dict rank ``rank`` would load into (meta tensors), under :func:`fake_rank`."""
+
+    def options(self, rank: int) -> dict[str, Any]:
+        """``UCPLoadPlanner`` keyword options of rank ``rank`` (patterns, stage_map, ...)."""
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """``"pkg.mod:fn"`` -> the function (imported: only code the user names runs)."""
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        raise UCPError(
+            f"--target {spec!r}: expected 'package.module:function'",
+            hint="e.g. --target docs.examples.plan_fsdp2:target --world-size 8",
+        )
+    try:
+        obj: Any = importlib.import_module(mod)
+    except ImportError as e:
+        raise UCPError(
+            f"--target {spec!r}: cannot import {mod!r} ({e})",
+            hint="run from the folder that holds the package, or install it",
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UCPError(f"--target {spec!r}: {mod!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UCPError(f"--target {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+@dataclass
+class FunctionTarget:
+    """A user job: ``fn(rank, world_size)`` returns the state dict that rank would load, or
+    ``(state_dict, options)`` with ``UCPLoadPlanner`` keyword options. It runs under a fake default
+    process group of ``world_size`` ranks (so ``init_device_mesh("cpu", ...)`` and ``fully_shard``
+    work) and should build its modules on the meta device. An optional attribute
+    ``fn.plan_symmetry(rank, world_size) -> key`` declares classes of ranks with the same state-dict
+    structure (e.g. the pipeline stage), so only one rank per class is built."""
+
+    fn: Callable[..., Any]
+    world_size: int
+    name: str = ""
+    extra_options: dict[str, Any] = field(default_factory=dict)
+    _options: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def symmetry(self, rank: int) -> Hashable | None:
+        sym = getattr(self.fn, "plan_symmetry", None)
+        return None if sym is None else sym(rank, self.world_size)
+
+    def build(self, rank: int) -> dict[str, Any]:
+        out = self.fn(rank, self.world_size)
+        sd, opts = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(sd, dict):
+            raise UCPError(f"target {self.name}: rank {rank}: expected a state dict, got {type(sd).__name__}")
+        self._options[rank] = dict(opts or {})
+        return sd
+
+    def options(self, rank: int) -> dict[str, Any]:
+        # a rank that was rebound, not built, takes its class representative's options unless the
+        # function's own options depend on the rank (then it must not declare plan_symmetry)
+        opts = self._options.get(rank)
+        if opts is None:
+            opts = next(iter(self._options.values()), {})
+        return {**opts, **self.extra_options}
+
+
+@dataclass
+class RecipeTarget:
+    """The recipe's toy LLM (:mod:`ucp_dcp.toy`) at a topology string such as
+    ``pp=2,dp=512,tp=4``: the state dict and layout options ``recipes/elastic_resume.py`` loads with."""
+
+    topology: str
+    name: str = ""
+    cfg: Any = None
+    """The model's ``ucp_dcp.toy.ModelConfig`` (default: the recipe's)."""
+
+    def __post_init__(self) -> None:
+        from ...toy.model import ModelConfig
+        from ...toy.parallel import Topology
+
+        try:
+            self.topo = Topology.parse(self.topology)
+        except ValueError as e:
+            raise UCPError(f"--topology: {e}") from None
+        self.cfg = self.cfg or ModelConfig()
+        self.world_size = self.topo.world
+        self.name = self.name or f"recipe {self.topo}"
+        self._dims = ("pp", "dpr", "dp", "ep", "tp")
+        self._shape = tuple(getattr(self.topo, d) for d in self._dims)
+
+    def coord(self, rank: int) -> dict[str, int]:
+        """The rank's coordinate on the job's (pp, dpr, dp, ep, tp) mesh (row-major, as build_job)."""
+        out, rest = {}, rank
+        for d, n in zip(reversed(self._dims), reversed(self._shape)):
+            out[d], rest = rest % n, rest // n
+        return out
+
+    def symmetry(self, rank: int) -> Hashable:
+        return self.coord(rank)["pp"]  # stages differ in modules; every other coordinate only moves shards
+
+    def build(self, rank: int) -> dict[str, Any]:
+        from ...toy.parallel import build_job, build_trainer
+
+        return build_trainer(self.cfg, build_job(self.topo), device="meta").state_dict()
+
+    def options(self, rank: int) -> dict[str, Any]:
+        from ...toy.layouts import ucp_options
+
+        return ucp_options(self.cfg, self.topo, self.coord(rank))
