@@ -41,7 +41,7 @@ def _stream_files(folder: Path, shards: int, docs: int, seed: int) -> str:
     texts = _texts(shards * docs, seed=seed)
     for s in range(shards):
         with open(folder / f"part-{s:02d}.json", "w") as f:
-            for t in texts[s * docs:(s + 1) * docs]:
+            for t in texts[s * docs : (s + 1) * docs]:
                 f.write(json.dumps({"text": t}) + "\n")
     return str(folder)
 
@@ -61,9 +61,11 @@ def assets(tmp_path_factory):
     4 shards of 10) and ``ilv_one`` (streaming, 1 shard of 15), registered as torchtitan datasets."""
     root = tmp_path_factory.mktemp("ilv")
     folder = make_assets(root / "assets", n_docs=40, seed=3)
-    added = {"ilv_map": (str(folder / "dataset"), _mapstyle),
-             "ilv_four": (_stream_files(root / "four", 4, 10, seed=1), _streaming),
-             "ilv_one": (_stream_files(root / "one", 1, 15, seed=2), _streaming)}
+    added = {
+        "ilv_map": (str(folder / "dataset"), _mapstyle),
+        "ilv_four": (_stream_files(root / "four", 4, 10, seed=1), _streaming),
+        "ilv_one": (_stream_files(root / "one", 1, 15, seed=2), _streaming),
+    }
     for name, (path, loader) in added.items():
         DATASETS[name] = DatasetConfig(path=path, loader=loader, sample_processor=lambda sample: sample["text"])
     yield folder
@@ -76,8 +78,10 @@ def _tok(assets):
 
 
 def _sources(infinite=True, mix=MIX, paths=None):
-    return [HFDataSource(dataset=f"ilv_{name}", weight=w, infinite=infinite,
-                         dataset_path=(paths or {}).get(name)) for name, w in mix]
+    return [
+        HFDataSource(dataset=f"ilv_{name}", weight=w, infinite=infinite, dataset_path=(paths or {}).get(name))
+        for name, w in mix
+    ]
 
 
 def _datasets(assets, d, state=None, *, seed=SEED, strategy="on_first_exhausted", **kw):
@@ -157,16 +161,21 @@ def test_resume_without_the_saved_interleaver_state_differs(assets):
 
 # -- finite sources: torchtitan's stopping strategies -------------------------------------------------------
 
-@pytest.mark.parametrize(("strategy", "mix", "reloops"), [
-    ("on_first_exhausted", (("map", 1.0), ("four", 2.0)), [0, 0]),
-    ("all_exhausted", (("one", 1.0), ("four", 3.0)), [1, 0]),
-    ("all_exhausted", (("map", 1.0), ("four", 2.0), ("one", 0.5)), [0, 2, 1]),  # four shards: reordered epoch 2
-])
+
+@pytest.mark.parametrize(
+    ("strategy", "mix", "reloops"),
+    [
+        ("on_first_exhausted", (("map", 1.0), ("four", 2.0)), [0, 0]),
+        ("all_exhausted", (("one", 1.0), ("four", 3.0)), [1, 0]),
+        ("all_exhausted", (("map", 1.0), ("four", 2.0), ("one", 0.5)), [0, 2, 1]),  # four shards: reordered epoch 2
+    ],
+)
 def test_finite_sources_stop_as_torchtitans_interleaver(assets, strategy, mix, reloops):
     """At dp=1 the windows are torchtitan's own loader's, to the last one (its draws, its exhaustion
     and re-loops; a re-looped map-style source would differ: its epoch shuffle is not torchtitan's)."""
-    cfg = InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(False, mix), seed=SEED,
-                                                      stopping_strategy=strategy)
+    cfg = InterleavedHuggingFaceTextDataLoader.Config(
+        sources=_sources(False, mix), seed=SEED, stopping_strategy=strategy
+    )
     stock = cfg.build(dp_world_size=1, dp_rank=0, tokenizer=_tok(assets), seq_len=SEQ, local_batch_size=1)
     want = [(x["input"][0].tolist(), y[0].tolist(), x["positions"][0].tolist()) for x, y in stock]
     ours = InterleavedWindowDataset(_sources(False, mix), _tok(assets), SEQ, 0, 1, SEED, strategy)
@@ -182,8 +191,8 @@ def test_finite_sources_stop_as_torchtitans_interleaver(assets, strategy, mix, r
 
 @pytest.mark.parametrize("strategy", ["on_first_exhausted", "all_exhausted"])
 def test_finite_sources_resume_at_new_dp_to_the_end(assets, strategy):
-    ref = _steps(_datasets(assets, 1, strategy=strategy, infinite=False), 10 ** 6)  # to the end: 8 or 17 steps
-    plan = ((2, 3), (3, 3), (1, 10 ** 6)) if strategy == "on_first_exhausted" else ((2, 6), (3, 5), (1, 10 ** 6))
+    ref = _steps(_datasets(assets, 1, strategy=strategy, infinite=False), 10**6)  # to the end: 8 or 17 steps
+    plan = ((2, 3), (3, 3), (1, 10**6)) if strategy == "on_first_exhausted" else ((2, 6), (3, 5), (1, 10**6))
     run, states = _resumed(assets, plan, strategy=strategy, infinite=False)
     if strategy == "all_exhausted":
         assert max(states[1]["reloops"]) >= 1, "a save after a source was re-looped"
@@ -193,10 +202,12 @@ def test_finite_sources_resume_at_new_dp_to_the_end(assets, strategy):
 
 # -- the loader class: workers, override -------------------------------------------------------------------
 
+
 def _loader(assets, d, r, workers=0):
     cfg = InterleavedGlobalCursorDataLoader.Config(sources=_sources(), seed=SEED, num_workers=workers)
-    return InterleavedGlobalCursorDataLoader(cfg, dp_world_size=d, dp_rank=r, tokenizer=_tok(assets),
-                                             seq_len=SEQ, local_batch_size=B // d)
+    return InterleavedGlobalCursorDataLoader(
+        cfg, dp_world_size=d, dp_rank=r, tokenizer=_tok(assets), seq_len=SEQ, local_batch_size=B // d
+    )
 
 
 def _batches(loaders, n):
@@ -229,13 +240,18 @@ def test_loader_with_workers_resumes_exactly_at_new_dp(assets):
 def test_override_swaps_torchtitans_interleaved_loader_keeping_its_fields(assets):
     from ucp_dcp.torchtitan.overrides import interleaved_dataloader
 
-    stock = InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED,
-                                                        stopping_strategy="all_exhausted", num_workers=2,
-                                                        prefetch_factor=3)
+    stock = InterleavedHuggingFaceTextDataLoader.Config(
+        sources=_sources(), seed=SEED, stopping_strategy="all_exhausted", num_workers=2, prefetch_factor=3
+    )
     cfg = interleaved_dataloader(stock)
     assert type(cfg) is InterleavedGlobalCursorDataLoader.Config
-    assert (cfg.sources, cfg.seed, cfg.stopping_strategy, cfg.num_workers, cfg.prefetch_factor) == \
-        (stock.sources, SEED, "all_exhausted", 2, 3)
+    assert (cfg.sources, cfg.seed, cfg.stopping_strategy, cfg.num_workers, cfg.prefetch_factor) == (
+        stock.sources,
+        SEED,
+        "all_exhausted",
+        2,
+        3,
+    )
     dl = cfg.build(dp_world_size=1, dp_rank=0, tokenizer=_tok(assets), seq_len=SEQ, local_batch_size=2)
     assert isinstance(dl, InterleavedGlobalCursorDataLoader)
 
@@ -256,10 +272,16 @@ def test_both_loader_overrides_apply_to_one_config_tree():
         train: InterleavedHuggingFaceTextDataLoader.Config
         validation: HuggingFaceTextDataLoader.Config
 
-    root = Root(train=InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED),
-                validation=HuggingFaceTextDataLoader.Config(dataset="ilv_map"))
-    lines = apply_overrides(OverrideConfig(imports=["ucp_dcp.torchtitan.overrides.dataloader",
-                                                    "ucp_dcp.torchtitan.overrides.interleaved_dataloader"]), root)
+    root = Root(
+        train=InterleavedHuggingFaceTextDataLoader.Config(sources=_sources(), seed=SEED),
+        validation=HuggingFaceTextDataLoader.Config(dataset="ilv_map"),
+    )
+    lines = apply_overrides(
+        OverrideConfig(
+            imports=["ucp_dcp.torchtitan.overrides.dataloader", "ucp_dcp.torchtitan.overrides.interleaved_dataloader"]
+        ),
+        root,
+    )
     assert len(lines) == 2, lines
     assert type(root.train) is InterleavedGlobalCursorDataLoader.Config
     assert type(root.validation) is GlobalCursorTextDataLoader.Config
@@ -267,6 +289,7 @@ def test_both_loader_overrides_apply_to_one_config_tree():
 
 
 # -- state: keys, refusals ---------------------------------------------------------------------------------
+
 
 def test_state_keys_are_the_same_on_every_rank_and_round_trip(assets):
     fresh = _state(_datasets(assets, 2))
@@ -284,13 +307,16 @@ def _saved(assets, steps=3, d=2):
     return _state(ds)
 
 
-@pytest.mark.parametrize(("change", "atom"), [
-    ({"seed": SEED + 1}, "seed"),
-    ({"mix": (("map", 1.0), ("four", 3.0), ("one", 0.5))}, "weights"),
-    ({"mix": (("four", 2.0), ("map", 1.0), ("one", 0.5))}, "sources"),
-    ({"strategy": "all_exhausted"}, "stopping_strategy"),
-    ({"infinite": False}, "infinite"),
-])
+@pytest.mark.parametrize(
+    ("change", "atom"),
+    [
+        ({"seed": SEED + 1}, "seed"),
+        ({"mix": (("map", 1.0), ("four", 3.0), ("one", 0.5))}, "weights"),
+        ({"mix": (("four", 2.0), ("map", 1.0), ("one", 0.5))}, "sources"),
+        ({"strategy": "all_exhausted"}, "stopping_strategy"),
+        ({"infinite": False}, "infinite"),
+    ],
+)
 def test_changed_interleaving_is_refused(assets, change, atom):
     st = _saved(assets)
     with pytest.raises(UCPError, match=f"saved with {atom}=") as e:
@@ -331,7 +357,6 @@ def test_mid_step_cursor_and_other_loaders_states_are_refused(assets):
         _datasets(assets, 1, single.state_dict())
     with pytest.raises(UCPError, match="an interleaved loader's"):
         single.load_state_dict(st)
-
 
 
 def test_export_to_torchtitan_refuses_the_interleaved_state():

@@ -360,13 +360,16 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
         tok = HuggingFaceTokenizer(tokenizer_path=os.path.join(assets, "tokenizer"))
         path = os.path.join(assets, "dataset")
         if interleaved:  # the same file twice: two sources, each with its own position
-            cfg = InterleavedGlobalCursorDataLoader.Config(sources=[
-                HFDataSource(dataset="c4_test", dataset_path=path, weight=w) for w in (1.0, 3.0)])
-            return InterleavedGlobalCursorDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=32,
-                                                     local_batch_size=4, tokenizer=tok)
+            cfg = InterleavedGlobalCursorDataLoader.Config(
+                sources=[HFDataSource(dataset="c4_test", dataset_path=path, weight=w) for w in (1.0, 3.0)]
+            )
+            return InterleavedGlobalCursorDataLoader(
+                cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4, tokenizer=tok
+            )
         cfg = GlobalCursorTextDataLoader.Config(dataset="c4_test", dataset_path=path)
-        return GlobalCursorTextDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4,
-                                          tokenizer=tok)
+        return GlobalCursorTextDataLoader(
+            cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4, tokenizer=tok
+        )
 
     model, opt, sched = _parts(0)
     dl = loader()

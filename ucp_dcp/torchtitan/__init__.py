@@ -23,5 +23,10 @@ from .dataloader import GlobalCursorTextDataLoader, GlobalWindowDataset  # noqa:
 from .interleave import InterleavedGlobalCursorDataLoader  # noqa: E402
 from .manager import UCPCheckpointManager  # noqa: E402
 
-__all__ = ["UCPCheckpointManager", "GlobalCursorTextDataLoader", "GlobalWindowDataset",
-           "InterleavedGlobalCursorDataLoader", "TESTED_TORCHTITAN"]
+__all__ = [
+    "UCPCheckpointManager",
+    "GlobalCursorTextDataLoader",
+    "GlobalWindowDataset",
+    "InterleavedGlobalCursorDataLoader",
+    "TESTED_TORCHTITAN",
+]

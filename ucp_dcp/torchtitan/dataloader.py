@@ -119,9 +119,13 @@ class GlobalWindowDataset(IterableDataset, Stateful):
         if "sources" in state:
             raise UCPError(
                 f"the dataloader state is an interleaved loader's (sources {state['sources']}), this run reads "
-                f"the one dataset {self.dataset_name!r}", atom="dataloader.dataset", saved=state.get("sources"),
-                wanted=self.dataset_name, hint="resume with the saved interleaved sources, or skip the loader's "
-                                               "state: checkpoint.exclude_from_loading=['dataloader']")
+                f"the one dataset {self.dataset_name!r}",
+                atom="dataloader.dataset",
+                saved=state.get("sources"),
+                wanted=self.dataset_name,
+                hint="resume with the saved interleaved sources, or skip the loader's "
+                "state: checkpoint.exclude_from_loading=['dataloader']",
+            )
         if state.get("version") != STATE_VERSION:
             raise UCPError(
                 f"dataloader state version {state.get('version')} is not this loader's ({STATE_VERSION})",
@@ -157,7 +161,7 @@ class GlobalWindowDataset(IterableDataset, Stateful):
         self._src = None
 
 
-def _collate(samples: list[tuple[Any, Any, dict[str, Any]]]) -> tuple[Any, Any, dict[str, Any]]:
+def _collate(samples: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
     """Collate ``(inputs, labels)`` as stock and pass on the state after the batch's last sample."""
     inputs, labels = default_collate([(i, lab) for i, lab, _ in samples])
     return inputs, labels, samples[-1][2]

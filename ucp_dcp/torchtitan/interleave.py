@@ -40,8 +40,17 @@ from ._compat import validate_dataset as _validate_dataset
 from .dataloader import GlobalCursorTextDataLoader, _collate
 from .stream import Documents, Pos, TokenStream, WindowSource
 
-__all__ = ["Mix", "mix_step", "draw", "probabilities", "InterleavedWindowDataset",
-           "InterleavedGlobalCursorDataLoader", "STATE_VERSION", "STATE_KEYS", "DATASET_MARK"]
+__all__ = [
+    "Mix",
+    "mix_step",
+    "draw",
+    "probabilities",
+    "InterleavedWindowDataset",
+    "InterleavedGlobalCursorDataLoader",
+    "STATE_VERSION",
+    "STATE_KEYS",
+    "DATASET_MARK",
+]
 
 StoppingStrategy = Literal["on_first_exhausted", "all_exhausted"]
 STATE_VERSION = 1
@@ -49,8 +58,20 @@ DATASET_MARK = "interleaved"
 """``dataloader.dataset`` of an interleaved state (a single-source loader refuses it by this name)."""
 SOURCE_KEYS = ("taken", "reloops", "exhausted", "epoch", "doc", "offset", "text_hash", "resume")
 """Per-source entries of the state: one list each, in the order of the config's sources."""
-STATE_KEYS = ("version", "cursor", "dataset", "seq_len", "sources", "weights", "seed", "stopping_strategy",
-              "infinite", "draws", "rng", "done") + SOURCE_KEYS
+STATE_KEYS = (
+    "version",
+    "cursor",
+    "dataset",
+    "seq_len",
+    "sources",
+    "weights",
+    "seed",
+    "stopping_strategy",
+    "infinite",
+    "draws",
+    "rng",
+    "done",
+) + SOURCE_KEYS
 """The keys of the interleaved loader's state, the same for every dataset kind and on every rank."""
 
 
@@ -108,8 +129,14 @@ class Schedule:
     ``fits(s, k, reloops)`` says whether source ``s`` has window ``k`` ending in an epoch ``<= reloops``.
     """
 
-    def __init__(self, mix: Mix, first: int, probs: list[float], strategy: StoppingStrategy,
-                 fits: Callable[[int, int, int], bool]) -> None:
+    def __init__(
+        self,
+        mix: Mix,
+        first: int,
+        probs: list[float],
+        strategy: StoppingStrategy,
+        fits: Callable[[int, int, int], bool],
+    ) -> None:
         self._rng = random.Random()
         self._rng.setstate(mix.rng)
         self._probs, self._strategy, self._fits = probs, strategy, fits
@@ -158,16 +185,27 @@ class InterleavedWindowDataset(IterableDataset, Stateful):
     """Rank ``dp_rank``'s share of the interleaved global window stream (see the module docstring);
     workers split this rank's batches as :class:`~ucp_dcp.torchtitan.dataloader.GlobalWindowDataset`'s."""
 
-    def __init__(self, sources: list[Any], tokenizer: Any, seq_len: int, dp_rank: int, dp_world_size: int,
-                 seed: int = 42, stopping_strategy: StoppingStrategy = "on_first_exhausted",
-                 batch_size: int = 1) -> None:
+    def __init__(
+        self,
+        sources: list[Any],
+        tokenizer: Any,
+        seq_len: int,
+        dp_rank: int,
+        dp_world_size: int,
+        seed: int = 42,
+        stopping_strategy: StoppingStrategy = "on_first_exhausted",
+        batch_size: int = 1,
+    ) -> None:
         if stopping_strategy not in ("on_first_exhausted", "all_exhausted"):
-            raise UCPError(f"stopping_strategy must be 'on_first_exhausted' or 'all_exhausted', "
-                           f"got {stopping_strategy!r}")
+            raise UCPError(
+                f"stopping_strategy must be 'on_first_exhausted' or 'all_exhausted', got {stopping_strategy!r}"
+            )
         infinite = {bool(s.infinite) for s in sources}
         if len(infinite) != 1:
-            raise UCPError("all interleaved sources must have the same 'infinite' setting, got "
-                           f"{[(s.dataset, s.infinite) for s in sources]}")
+            raise UCPError(
+                "all interleaved sources must have the same 'infinite' setting, got "
+                f"{[(s.dataset, s.infinite) for s in sources]}"
+            )
         self.infinite = infinite.pop()
         self.names = [s.dataset.lower() for s in sources]
         self.weights = [float(s.weight) for s in sources]
@@ -190,15 +228,23 @@ class InterleavedWindowDataset(IterableDataset, Stateful):
         self._starts = [Pos(0, 0, 0)] * n
         """Where each source's next window starts at ``self._base``."""
         self._live: tuple[Schedule, list[WindowSource]] | None = None
-        self._static = {"version": STATE_VERSION, "dataset": DATASET_MARK, "seq_len": seq_len, "sources": self.names,
-                        "weights": self.probs, "seed": seed, "stopping_strategy": stopping_strategy,
-                        "infinite": self.infinite}
+        self._static = {
+            "version": STATE_VERSION,
+            "dataset": DATASET_MARK,
+            "seq_len": seq_len,
+            "sources": self.names,
+            "weights": self.probs,
+            "seed": seed,
+            "stopping_strategy": stopping_strategy,
+            "infinite": self.infinite,
+        }
         """The entries of the state that do not move."""
 
     def _fits(self, srcs: list[WindowSource]) -> Callable[[int, int, int], bool]:
         def fits(s: int, k: int, reloops: int) -> bool:
             end = srcs[s].end_epoch(k)
             return end is not None and (self.infinite or end <= reloops)
+
         return fits
 
     def iter_windows(self) -> Iterator[tuple[int, int, dict[str, torch.Tensor], torch.Tensor]]:
@@ -221,11 +267,17 @@ class InterleavedWindowDataset(IterableDataset, Stateful):
             if got is None:
                 return
             s, k = got
-            _, (inp, lab, positions) = srcs[s].take(k)
+            taken = srcs[s].take(k)
+            assert taken is not None, "the schedule assigned a window its source does not have"  # _fits checked it
+            _, (inp, lab, positions) = taken
             self.cursor = base + d * (j + 1)
             sched.forget(w)
-            yield w, s, {"input": torch.LongTensor(inp), "positions": torch.LongTensor(positions)}, \
-                torch.LongTensor(lab)
+            yield (
+                w,
+                s,
+                {"input": torch.LongTensor(inp), "positions": torch.LongTensor(positions)},
+                torch.LongTensor(lab),
+            )
 
     def __iter__(self):
         """``(inputs, labels, state after this sample)``, the state not yet encoded: the loader's collate
@@ -248,49 +300,84 @@ class InterleavedWindowDataset(IterableDataset, Stateful):
         if state.get("dataset") != DATASET_MARK:
             raise UCPError(
                 f"the dataloader state is a single-source loader's (dataset {state.get('dataset')!r}), this run "
-                f"interleaves {self.names}", atom="dataloader.dataset", saved=state.get("dataset"),
-                wanted=DATASET_MARK, hint="resume with the saved loader, or skip its state: "
-                                          "checkpoint.exclude_from_loading=['dataloader']")
+                f"interleaves {self.names}",
+                atom="dataloader.dataset",
+                saved=state.get("dataset"),
+                wanted=DATASET_MARK,
+                hint="resume with the saved loader, or skip its state: checkpoint.exclude_from_loading=['dataloader']",
+            )
         if state.get("version") != STATE_VERSION:
-            raise UCPError(f"interleaved dataloader state version {state.get('version')} is not this loader's "
-                           f"({STATE_VERSION})", atom="dataloader.version", saved=state.get("version"),
-                           wanted=STATE_VERSION)
-        wanted = {"sources": self.names, "weights": self.probs, "seed": self.seed, "seq_len": self.seq_len,
-                  "stopping_strategy": self.strategy, "infinite": self.infinite}
+            raise UCPError(
+                f"interleaved dataloader state version {state.get('version')} is not this loader's ({STATE_VERSION})",
+                atom="dataloader.version",
+                saved=state.get("version"),
+                wanted=STATE_VERSION,
+            )
+        wanted = {
+            "sources": self.names,
+            "weights": self.probs,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "stopping_strategy": self.strategy,
+            "infinite": self.infinite,
+        }
         for key, want in wanted.items():
             saved = list(state[key]) if isinstance(want, list) else state.get(key)
             if saved != want:
                 raise UCPError(
                     f"the interleaved dataloader state was saved with {key}={saved!r}, this run has {want!r}: "
                     "the sequence of windows would differ, so the saved position means nothing here",
-                    atom=f"dataloader.{key}", saved=saved, wanted=want,
+                    atom=f"dataloader.{key}",
+                    saved=saved,
+                    wanted=want,
                     hint="resume with the saved sources, weights (normalised), seed, seq_len, stopping_strategy "
-                         "and infinite, or skip the loader's state: checkpoint.exclude_from_loading=['dataloader']")
+                    "and infinite, or skip the loader's state: checkpoint.exclude_from_loading=['dataloader']",
+                )
         cursor = int(state["cursor"])
         if cursor % self.dp_world_size:
             raise UCPError(
                 f"the saved global cursor ({cursor} windows) is not a multiple of the new data-parallel "
                 f"degree {self.dp_world_size}: ranks cannot split the next global batch",
-                atom="dataloader.cursor", saved=cursor, wanted=self.dp_world_size,
-                hint="choose a data-parallel degree that divides the global batch size")
+                atom="dataloader.cursor",
+                saved=cursor,
+                wanted=self.dp_world_size,
+                hint="choose a data-parallel degree that divides the global batch size",
+            )
         rng = json.loads(state["rng"])
-        self._mix = Mix(int(state["draws"]), tuple(int(x) for x in state["taken"]),
-                        tuple(int(x) for x in state["reloops"]), tuple(bool(x) for x in state["exhausted"]),
-                        (rng[0], tuple(rng[1]), rng[2]), bool(state["done"]))
-        self._starts = [Pos(int(e), int(d), int(o), str(h), str(r)) for e, d, o, h, r in
-                        zip(state["epoch"], state["doc"], state["offset"], state["text_hash"], state["resume"])]
+        self._mix = Mix(
+            int(state["draws"]),
+            tuple(int(x) for x in state["taken"]),
+            tuple(int(x) for x in state["reloops"]),
+            tuple(bool(x) for x in state["exhausted"]),
+            (rng[0], tuple(rng[1]), rng[2]),
+            bool(state["done"]),
+        )
+        self._starts = [
+            Pos(int(e), int(d), int(o), str(h), str(r))
+            for e, d, o, h, r in zip(state["epoch"], state["doc"], state["offset"], state["text_hash"], state["resume"])
+        ]
         self.cursor = self._base = cursor
         self._live = None
 
 
 def _encode(static: dict[str, Any], cursor: int, mix: Mix, starts: list[Pos]) -> dict[str, Any]:
     """The state (keys in ``STATE_KEYS`` order) at global window ``cursor``."""
-    return {"version": static["version"], "cursor": cursor,
-            **{k: list(v) if isinstance(v, list) else v for k, v in static.items() if k != "version"},
-            "draws": mix.draws, "rng": json.dumps(mix.rng), "done": mix.done, "taken": list(mix.taken),
-            "reloops": list(mix.reloops), "exhausted": list(mix.exhausted),
-            "epoch": [p.epoch for p in starts], "doc": [p.doc for p in starts], "offset": [p.offset for p in starts],
-            "text_hash": [p.text_hash for p in starts], "resume": [p.resume for p in starts]}
+    return {
+        "version": static["version"],
+        "cursor": cursor,
+        **{k: list(v) if isinstance(v, list) else v for k, v in static.items() if k != "version"},
+        "draws": mix.draws,
+        "rng": json.dumps(mix.rng),
+        "done": mix.done,
+        "taken": list(mix.taken),
+        "reloops": list(mix.reloops),
+        "exhausted": list(mix.exhausted),
+        "epoch": [p.epoch for p in starts],
+        "doc": [p.doc for p in starts],
+        "offset": [p.offset for p in starts],
+        "text_hash": [p.text_hash for p in starts],
+        "resume": [p.resume for p in starts],
+    }
 
 
 def _collate_encoding(samples: list[tuple[Any, Any, tuple]]) -> tuple[Any, Any, dict[str, Any]]:
@@ -308,14 +395,40 @@ class InterleavedGlobalCursorDataLoader(GlobalCursorTextDataLoader):
         ``dataset``, ``dataset_path``, ``weight``, ``infinite``), ``seed``, ``stopping_strategy`` and the
         DataLoader options; only the class it builds differs."""
 
-    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any, seq_len: int,
-                 local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs: Any) -> None:
-        ds = InterleavedWindowDataset(config.sources, tokenizer, seq_len, dp_rank, dp_world_size, config.seed,
-                                      config.stopping_strategy, batch_size=local_batch_size)
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = 1,
+        **kwargs: Any,
+    ) -> None:
+        ds = InterleavedWindowDataset(
+            config.sources,
+            tokenizer,
+            seq_len,
+            dp_rank,
+            dp_world_size,
+            config.seed,
+            config.stopping_strategy,
+            batch_size=local_batch_size,
+        )
         ParallelAwareDataloader.__init__(
-            self, ds, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
-            collate_fn=_collate_encoding, num_workers=config.num_workers, persistent_workers=config.persistent_workers,
-            pin_memory=config.pin_memory, prefetch_factor=config.prefetch_factor,
-            snapshot_every_n_steps=snapshot_every_n_steps)
+            self,
+            ds,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            batch_size=local_batch_size,
+            collate_fn=_collate_encoding,
+            num_workers=config.num_workers,
+            persistent_workers=config.persistent_workers,
+            pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
         self._state: dict[str, Any] | None = None
         """The global state after the last batch handed out (None: none since the last load)."""

@@ -33,8 +33,11 @@ def dataloader(cfg: HuggingFaceTextDataLoader.Config) -> GlobalCursorTextDataLoa
     return derive(cfg, GlobalCursorTextDataLoader.Config)
 
 
-@override(target=InterleavedHuggingFaceTextDataLoader.Config, exact=True,
-          description="ucp_dcp: global-cursor interleaved dataloader")
+@override(
+    target=InterleavedHuggingFaceTextDataLoader.Config,
+    exact=True,
+    description="ucp_dcp: global-cursor interleaved dataloader",
+)
 def interleaved_dataloader(
     cfg: InterleavedHuggingFaceTextDataLoader.Config,
 ) -> InterleavedGlobalCursorDataLoader.Config:
