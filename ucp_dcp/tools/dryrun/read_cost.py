@@ -31,6 +31,8 @@ from ...storage.format import (
     parse_tensor_record,
     split_grid,
 )
+from ...storage.tiled_read import plan_tiled
+from ...storage.tiles import saved_tile_grid
 
 __all__ = ["ReadCost", "CostModel", "Piece", "pieces", "item_nbytes"]
 
@@ -148,7 +150,8 @@ class CostModel:
         grids = [box_grid(record.shape, record.itemsize, offsets, lengths) for _, offsets, lengths in items]
         crcs = self.crc.get(item_key(index), [None, []])[1]
         if self.local_files and any(g.nruns > 1 for g in grids):
-            self._count(out, index, self._mapped_bytes(grids, record.nbytes, crcs))
+            tiled = self._tiled_bytes(index, record, items) if crcs else None
+            self._count(out, index, tiled if tiled is not None else self._mapped_bytes(grids, record.nbytes, crcs))
             return
         runs = [(g.starts(), g.run) for g in grids]
         total = sum(g.nbytes for g in grids)
@@ -172,6 +175,28 @@ class CostModel:
         for _, n in intervals:
             self._count(out, index, n)
         out.largest_buffer = max(out.largest_buffer, sum(n for _, n in intervals))
+
+    def _tiled_bytes(self, index: MetadataIndex, record: TensorRecord, items: list[Piece]) -> int | None:
+        """Bytes of the tiles the boxes touch, each once, when the reader verifies them by tile
+        sums (:mod:`ucp_dcp.storage.tiled_read`), else None."""
+        entry = self.crc.get(item_key(index))
+        tiles = entry[3] if entry is not None and len(entry) > 3 else None
+        if not tiles:
+            return None
+        grid = saved_tile_grid(tiles, record.shape, record.itemsize, index)
+        boxes = plan_tiled(grid, record.shape, [(o, n) for _, o, n in items if o is not None and n is not None])
+        if boxes is None or len(boxes) != len(items):
+            return None
+        touched = {
+            (g, b)
+            for box in boxes
+            for g in range(box.region.g0, box.region.g1)
+            for b in range(box.region.b0, box.region.b1)
+        }
+        return sum(
+            (min(grid.rows, (g + 1) * grid.rows_per_tile) - g * grid.rows_per_tile) * grid.band_bytes
+            for g, _ in touched
+        )
 
     def _mapped_bytes(self, grids: list[Any], nbytes: int, crcs: list[int]) -> int:
         B = self.block
