@@ -1,8 +1,8 @@
 """torchtitan mixture-of-experts models under ucp_dcp: a small qwen3 MoE debug model and the
 checkpoint rules for MoE state.
 
-torchtitan's ``qwen3_moe_debug`` (8 layers, 64 experts of hidden 768: ~300M parameters) is too large
-for CPU tests; :func:`qwen3_moe_small` builds the same architecture (torchtitan's own
+torchtitan's ``qwen3_moe_debug`` (8 layers, 64 experts of hidden 768: over 300M parameters) is too large
+for CPU tests; :func:`qwen3_moe_small_model` builds the same architecture (torchtitan's own
 ``_build_qwen3_moe_layers``: fused QKV with QK-norm, token-choice top-k router with softmax scores,
 stacked ``GroupedExperts``, auxiliary-loss-free load balancing) at a CPU-friendly size.
 """
@@ -14,14 +14,14 @@ import dataclasses
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.qwen3 import Qwen3Model
 
-__all__ = ["qwen3_moe_small", "qwen3_moe_small_trainer", "moe_rules", "MOE_SMALL", "EXPERT_BIAS"]
+__all__ = ["qwen3_moe_small_model", "qwen3_moe_small_trainer", "moe_rules", "MOE_SMALL", "EXPERT_BIAS"]
 
 MOE_SMALL = {"n_layers": 4, "dim": 256, "n_heads": 8, "n_kv_heads": 4, "head_dim": 32, "moe_hidden_dim": 128,
              "num_experts": 8, "top_k": 2, "vocab_size": 2048}
-"""Geometry of :func:`qwen3_moe_small` (8 experts: divisible by every EP degree up to 8)."""
+"""Geometry of :func:`qwen3_moe_small_model` (8 experts: divisible by every EP degree up to 8)."""
 
 
-def qwen3_moe_small(attn_backend: str = "flex") -> Qwen3Model.Config:
+def qwen3_moe_small_model(attn_backend: str = "flex") -> Qwen3Model.Config:
     """torchtitan's qwen3 MoE debug architecture at :data:`MOE_SMALL` size."""
     from torchtitan.models import qwen3 as Q
 
@@ -44,13 +44,13 @@ def qwen3_moe_small(attn_backend: str = "flex") -> Qwen3Model.Config:
 
 
 def qwen3_moe_small_trainer():
-    """torchtitan's ``qwen3_moe_debug`` Trainer config with the :func:`qwen3_moe_small` model."""
+    """torchtitan's ``qwen3_moe_debug`` Trainer config with the :func:`qwen3_moe_small_model` model."""
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
     cfg = qwen3_moe_debug()
     spec = model_registry("debugmodel_moe")
-    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_moe_small", model=qwen3_moe_small())
+    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_moe_small", model=qwen3_moe_small_model())
     return cfg
 
 
