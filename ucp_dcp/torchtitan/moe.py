@@ -67,7 +67,8 @@ def moe_rules(model_parts: list) -> list:
       loaded into every rank at any layout;
     * ``tokens_per_expert_E`` is a non-persistent buffer zeroed by that same hook: torchtitan never
       saves it, and at every step boundary (where checkpoints are taken) it is zero, so a resumed
-      run holds what an uninterrupted one holds. Nothing to declare;
+      run holds what an uninterrupted one holds. Nothing to declare (without load balancing nothing
+      zeroes it, and every resume restarts it at zero, as stock torchtitan does);
     * expert weights (stacked ``[E, ...]``, EP shards dim 0, FSDP the EP region) and the router gate
       are parameters resharded by their DTensor placements like any other; no rule.
     """
