@@ -22,11 +22,14 @@ torchtitan is imported, what breaks on CPU or between these two releases:
 FlexAttention has no CPU backward: ``cpu_attention.sdpa_attention`` (an ``--override.imports``
 entry) swaps it for SDPA on local shards.
 
-It also records each step's loss (from the rank where it is computed) into the JSON file named by
+For the tests it also: records each step's loss (from the rank where it is computed) into the JSON file named by
 ``$UCP_TITAN_METRICS`` (``<file>.rank<N>``), and, for the resume oracle, writes the full training
 state (every parameter and optimizer entry as a full tensor, plus train/scheduler state) with plain
 ``torch.save`` to ``$UCP_TITAN_STATE`` right after the save at step ``$UCP_TITAN_STATE_STEP`` or
-right after a checkpoint load. No ucp_dcp code is involved in either.
+right after a checkpoint load (with ``$UCP_TITAN_STATE_BUFFERS`` set, every model buffer too);
+records the hashes of the sequences each step trained on into ``$UCP_TITAN_BATCHES``
+(``<file>.rank<N>``); and, with ``$UCP_TITAN_FLIP_EXPERTS=<parameter>``, swaps two expert rows right
+after a load (sabotage the resume comparison must catch). No ucp_dcp code is involved in any of it.
 
     torchrun --nproc-per-node 2 recipes/titan/cpu_launch.py --module ... --config ... [flags]
 
@@ -226,6 +229,10 @@ def _full_state(manager) -> dict:
                 out[f"group/{names[id(p)]}"] = repr(
                     sorted((k, v) for k, v in group.items() if k not in ("params", "param_names"))
                 )
+    if os.environ.get("UCP_TITAN_STATE_BUFFERS"):  # model buffers too (MoE expert_bias_E, tokens_per_expert_E)
+        for model in optims.model_parts:
+            for n, b in model.named_buffers():
+                out[f"buffer/{n}"] = full(b)
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, out)
     merged: dict = {}
@@ -261,11 +268,56 @@ def _dump_state() -> None:
 
     def loading(self, step=-1):
         done = load(self, step)
+        if done and os.environ.get("UCP_TITAN_FLIP_EXPERTS"):
+            _flip_experts(self, os.environ["UCP_TITAN_FLIP_EXPERTS"])
         if done:
             write(self)
         return done
 
     BaseCheckpointManager.save, BaseCheckpointManager.load = saving, loading
+
+
+def _flip_experts(manager, name: str) -> None:
+    """Test sabotage (``$UCP_TITAN_FLIP_EXPERTS=<parameter name>``): right after a checkpoint load,
+    swap the first two rows (experts) of that parameter's local shard on every rank holding one, as
+    a loader that mixed up expert order would. The resume comparison must catch it."""
+    from torch.distributed.tensor import DTensor
+
+    for model in manager.states["optimizer"].model_parts:
+        for n, p in model.named_parameters():
+            if n.replace("_checkpoint_wrapped_module.", "") == name:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if local.shape[0] >= 2:
+                    with torch.no_grad():
+                        local[[0, 1]] = local[[1, 0]].clone()
+                    logging.getLogger("cpu_launch").warning("cpu_launch: flipped rows 0 and 1 of %s (test)", n)
+
+
+def _record_batches() -> None:
+    """``$UCP_TITAN_BATCHES``: per step, the hashes of the sequences this rank trained on (input
+    tokens, one hash per row) into ``<file>.rank<N>``; merged over ranks they name the global batch
+    whatever the layout (data-parallel degree, microbatching)."""
+    path = os.environ.get("UCP_TITAN_BATCHES")
+    if not path:
+        return
+    import hashlib
+
+    from torchtitan.trainer import Trainer
+
+    generator = Trainer.batch_generator
+    out = f"{path}.rank{int(os.environ.get('RANK', '0'))}"
+    seen: dict[str, list[str]] = {}
+
+    def recording_generator(self, data_iterable):
+        for input_dict, labels in generator(self, data_iterable):
+            tokens = input_dict["input"] if isinstance(input_dict, dict) else input_dict
+            rows = seen.setdefault(str(self.step), [])
+            rows += [hashlib.sha256(r.contiguous().numpy().tobytes()).hexdigest()[:16] for r in tokens.cpu()]
+            with open(out, "w") as f:
+                json.dump(seen, f)
+            yield input_dict, labels
+
+    Trainer.batch_generator = recording_generator
 
 
 def main() -> None:
@@ -274,6 +326,7 @@ def main() -> None:
         _patch_device()
     _patch_torchtitan(cpu=cpu)
     _record_losses()
+    _record_batches()
     _dump_state()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from torchtitan.train import main as train_main

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -76,3 +77,17 @@ def skip_unless_torchtitan_runs() -> None:
             f"this is torch {torch.__version__}",
             allow_module_level=True,
         )
+
+
+def _flex_masks_run() -> bool:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return "separate_full_blocks" in inspect.signature(create_block_mask).parameters
+
+
+torchtitan_forward = pytest.mark.skipif(
+    not _flex_masks_run(),
+    reason=f"torchtitan 0.3.0's models build flex-attention masks with create_block_mask(separate_full_blocks=...), "
+    f"which torch {torch.__version__} does not take (2.13+ does)",
+)
+"""Mark a test that runs a torchtitan model's forward pass."""

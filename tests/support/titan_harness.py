@@ -113,7 +113,12 @@ def titan_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _topology_flags(topo: dict[str, int]) -> list[str]:
-    names = {"dp": "data_parallel_shard_degree", "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}
+    names = {
+        "dp": "data_parallel_shard_degree",
+        "tp": "tensor_parallel_degree",
+        "pp": "pipeline_parallel_degree",
+        "ep": "expert_parallel_degree",
+    }
     out = []
     for k, v in topo.items():
         out += [f"--parallelism.{names[k]}", str(v)]
@@ -122,8 +127,9 @@ def _topology_flags(topo: dict[str, int]) -> list[str]:
 
 def _world(topo: dict[str, int]) -> int:
     n = 1
-    for v in topo.values():
-        n *= v
+    for k, v in topo.items():
+        if k != "ep":  # expert parallelism borrows the dp_shard x tp ranks (torchtitan's ParallelDims)
+            n *= v
     return n
 
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
-from helpers import skip_unless_torchtitan_runs  # noqa: E402
+from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
 from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
 
 skip_unless_torchtitan_runs()
@@ -64,6 +64,7 @@ def _hf_model(mapping, folder, seed=0):
     return hf
 
 
+@torchtitan_forward
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_transformers_folder_loads_and_exports_with_equal_logits(tmp_path, family):
     spec = _spec(family)

@@ -96,3 +96,17 @@ def llama3_debug_parts(dim: int) -> tuple[Any, Any, Any, Any]:
     from torchtitan.models import llama3 as L
 
     return L._EMBEDDING_INIT, L._NORM_INIT, L._output_linear_init(dim), L._build_llama3_layers
+
+
+def qwen3_builders() -> dict[str, Any]:
+    """The private pieces of torchtitan's qwen3 registry a smaller qwen3 MoE is built from (its own
+    debug MoE model is too big for CPU tests): the norm factory, the embedding and linear inits, and
+    the MoE layer builder (:mod:`ucp_dcp.torchtitan.moe`)."""
+    from torchtitan.models import qwen3 as Q
+
+    return {
+        "norm": Q._qwen3_norm,
+        "embedding_init": Q._EMBEDDING_INIT,
+        "linear_init": Q._LINEAR_INIT,
+        "moe_layers": Q._build_qwen3_moe_layers,
+    }

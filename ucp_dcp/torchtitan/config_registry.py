@@ -5,6 +5,9 @@
 * ``llama3_debugmodel_gqa``: the same debug model with grouped-query attention (16 query heads,
   4 KV heads; the stock debug model has n_kv_heads = n_heads), stock checkpointer.
 * ``llama3_debugmodel_gqa_ucp``: the GQA debug model with ucp_dcp.
+* ``qwen3_moe_small``: torchtitan's ``qwen3_moe_debug`` Trainer config with a CPU-sized model of the
+  same architecture (:mod:`ucp_dcp.torchtitan.moe`), stock checkpointer; ``qwen3_moe_small_ucp``
+  with ucp_dcp.
 """
 
 from __future__ import annotations
@@ -20,8 +23,15 @@ from torchtitan.models.llama3.model import Llama3Model
 from ._compat import llama3_debug_parts
 from .dataloader import GlobalCursorTextDataLoader
 from .manager import UCPCheckpointManager
+from .moe import qwen3_moe_small_trainer
 
-__all__ = ["llama3_debugmodel_ucp", "llama3_debugmodel_gqa", "llama3_debugmodel_gqa_ucp"]
+__all__ = [
+    "llama3_debugmodel_ucp",
+    "llama3_debugmodel_gqa",
+    "llama3_debugmodel_gqa_ucp",
+    "qwen3_moe_small",
+    "qwen3_moe_small_ucp",
+]
 
 GQA_KV_HEADS = 4
 
@@ -67,3 +77,11 @@ def llama3_debugmodel_gqa():
 
 def llama3_debugmodel_gqa_ucp():
     return _with_ucp(llama3_debugmodel_gqa())
+
+
+def qwen3_moe_small():
+    return qwen3_moe_small_trainer()
+
+
+def qwen3_moe_small_ucp():
+    return _with_ucp(qwen3_moe_small_trainer())

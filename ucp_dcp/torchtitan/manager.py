@@ -24,6 +24,8 @@ What changes in the checkpoint:
 * fused ``wqkv`` weights are no longer all-gathered to be split by a state-dict hook: the fused
   local shards are written as ``wq``/``wk``/``wv`` atoms by a ``Fused`` rule (group-major layout,
   one block per KV head), and their optimizer moments become ``wq``/``wk``/``wv`` moments too;
+* MoE models: the load-balancing ``expert_bias_E`` buffers are declared ``Replicated`` (see
+  :mod:`ucp_dcp.torchtitan.moe`);
 * ``train_state.ntokens_seen`` (a per-rank count) is summed over data-parallel slots at save (the
   rule is declared only when the manager holds a ``train_state`` with that field);
 * a save or load that leaves training state out on purpose (the last-step model-only export,
@@ -68,6 +70,7 @@ from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 from ._compat import qkv_split_hook
 from .mappings import hf_mapping, tied_rules
+from .moe import moe_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
@@ -100,6 +103,9 @@ class UCPCheckpointManager(CheckpointManager):
         ntokens_seen: NtokensSeen = "sum"
         """train_state.ntokens_seen is a per-rank count: sum it over data-parallel slots at save
         (on load, slot 0 gets the total, the others 0, so the next save sums right)."""
+        moe_rules: bool = True
+        """MoE models: declare the load-balancing ``expert_bias_E`` buffers ``Replicated`` (copies
+        compared at save; see :func:`ucp_dcp.torchtitan.moe.moe_rules`), when the model holds them."""
         dataloader_policy: DataloaderPolicy = "error"
         """When the saved dataloader state cannot be remapped to this run's data-parallel degree
         (per-rank loaders): 'error' refuses the load before reading anything; 'restart' restarts
@@ -141,6 +147,8 @@ class UCPCheckpointManager(CheckpointManager):
         rules: list[Rule] = []
         if config.fused_qkv_atoms:
             rules += fused_qkv_rules(model_parts)
+        if config.moe_rules:
+            rules += moe_rules(model_parts)
         if config.ntokens_seen == "sum" and _holds_ntokens_seen(self.states.get(TRAIN_STATE)):
             rules.append(Reduce(r"train_state\.ntokens_seen", "sum"))
         for text in config.rules:

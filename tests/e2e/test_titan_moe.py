@@ -1,0 +1,201 @@
+"""torchtitan mixture-of-experts with the ucp_dcp option: the real Trainer (CPU launcher, gloo,
+``partial_dtensor``) trains torchtitan's qwen3 MoE architecture (``qwen3_moe_small_ucp``: stacked
+experts, top-k router, auxiliary-loss-free load balancing) with expert parallelism, saves at
+dp_shard=4 x ep=2 on 4 ranks, and resumes at layouts that change the EP degree both ways (ep=4,
+ep=1 at dp=2) and add pipeline parallelism. Each resume must hold, right after the load, bitwise what
+the uninterrupted run held right after the save -- every parameter (experts, router gate), optimizer
+moment, step, hyperparameter and model buffer (``expert_bias_E`` replicated, ``tokens_per_expert_E``
+zero) -- train on the same sequences (batch hashes) and continue the losses. A loader that swaps two
+experts must be caught (sabotage run)."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("torchtitan")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
+
+import titan_harness as tr  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+CONFIG = "qwen3_moe_small_ucp"
+SAVE = {"dp": 4, "ep": 2}
+STEPS, K = 3, 2  # the save job runs 3 steps and checkpoints at step 2; resumes run step 3
+EXPERTS = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
+TOL_FIRST, TOL_LAST = 1e-5, 1e-4  # relative loss difference (as tests/titan_harness.py)
+
+
+def _env(folder, **extra):
+    return {
+        "UCP_TITAN_METRICS": str(folder / "loss.json"),
+        "UCP_TITAN_BATCHES": str(folder / "batches.json"),
+        "UCP_TITAN_STATE_BUFFERS": "1",
+        **extra,
+    }
+
+
+def _per_rank(prefix):
+    """Merged ``{step: value}`` files written per rank by the launcher."""
+    out = {}
+    for f in prefix.parent.glob(prefix.name + ".rank*"):
+        for step, v in json.loads(f.read_text()).items():
+            out.setdefault(int(step), []).append(v)
+    return out
+
+
+def _losses(folder):
+    return {s: v[0] for s, v in _per_rank(folder / "loss.json").items()}
+
+
+def _batches(folder):
+    """Per step, the set of sequences trained on by all ranks (whatever the DP degree or microbatching)."""
+    return {s: sorted({h for rows in v for h in rows}) for s, v in _per_rank(folder / "batches.json").items()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    assets = tr.make_assets(root / "assets")
+    save = root / "save"
+    tr.run_job(
+        SAVE,
+        save,
+        assets,
+        STEPS,
+        ["--checkpoint.interval", str(K)],
+        _env(save, UCP_TITAN_STATE=str(save / "oracle.pt"), UCP_TITAN_STATE_STEP=str(K)),
+        config=CONFIG,
+    )
+    return root, assets, save
+
+
+def _resume(saved, name, topo, **env):
+    """Resume job ``name`` at ``topo`` from the step-K checkpoint; each rank also writes its reader's
+    ReadStats after the load (tests/test_plan_titan.py's hook), for the plan test."""
+    import torch
+    from test_plan_titan import _STATS_HOOK
+
+    root, assets, save = saved
+    load = root / name
+    hook = root / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_STATS_HOOK)
+    paths = {
+        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]),
+        "UCP_PLAN_STATS": str(load / "stats"),
+    }
+    tr.run_job(
+        topo,
+        load,
+        assets,
+        STEPS,
+        tr.resume_flags(save, K, STEPS),
+        _env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **env),
+        config=CONFIG,
+    )
+    oracle = torch.load(save / "oracle.pt", weights_only=False)
+    loaded = torch.load(load / "loaded.pt", weights_only=False)
+    return oracle, loaded, load
+
+
+def _check_moe_state(oracle):
+    """The oracle is a meaningful MoE state: biases moved off zero, counters reset, experts stacked."""
+    import torch
+
+    biases = [k for k in oracle if k.startswith("buffer/") and k.endswith("expert_bias_E")]
+    counts = [k for k in oracle if k.startswith("buffer/") and k.endswith("tokens_per_expert_E")]
+    assert len(biases) == len(counts) == 4, sorted(oracle)[:10]
+    # a layer's bias can be back at zero after two steps (layers 0 and 3 were, in the run that set this)
+    assert any(oracle[k].abs().sum() > 0 for k in biases), "load balancing moved some layer's bias"
+    assert all(torch.equal(oracle[k], torch.zeros(8)) for k in counts), "zeroed by the pre-step hook"
+    experts = [k for k in oracle if k.startswith("param/") and "inner_experts" in k]
+    assert len(experts) == 12 and all(oracle[k].shape[0] == 8 for k in experts)
+    assert len([k for k in oracle if k.startswith("state/") and "inner_experts" in k and "exp_avg" in k]) == 24
+
+
+def _assert_resumed(oracle, loaded, save, load):
+    bad = tr._diffs(oracle, loaded)
+    assert not bad, f"{len(bad)} of {len(oracle)} entries differ: {bad[:6]}"
+    ref, res = _losses(save), _losses(load)
+    rel = [abs(res[s] - ref[s]) / abs(ref[s]) for s in range(K + 1, STEPS + 1)]
+    assert rel[0] <= TOL_FIRST and rel[-1] <= TOL_LAST, (ref, res)
+    ref_b, res_b = _batches(save), _batches(load)
+    assert all(res_b[s] == ref_b[s] and len(ref_b[s]) == 8 for s in range(K + 1, STEPS + 1)), (ref_b, res_b)
+
+
+def test_checkpoint_holds_one_replicated_expert_bias_per_layer(saved):
+    """Written through ucp_dcp (integrity sidecar verified); each layer's expert_bias_E saved once
+    under the manager's built-in Replicated rule (recorded in the catalog), the stacked experts as
+    one [E, ...] tensor each."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ucp_dcp.storage.opening import open_path
+
+    _, _, save = saved
+    step = save / "checkpoint" / f"step-{K}"
+    md = FileSystemReader(step).read_metadata().state_dict_metadata
+    assert open_path(step)[1].status == "verified"
+    biases = sorted(k for k in md if k.endswith("expert_bias_E"))
+    assert biases == [f"layers.{i}.moe.expert_bias_E" for i in range(4)], biases
+    assert tuple(md[EXPERTS].size) == (8, 128, 256)
+    assert f"optimizer.state.{EXPERTS}.exp_avg" in md
+    from ucp_dcp.catalog import read_catalog
+    from ucp_dcp.torchtitan.moe import EXPERT_BIAS
+
+    rules = read_catalog(FileSystemReader(step).read_metadata().planner_data)["rules"]
+    assert {"kind": "replicated", "pattern": EXPERT_BIAS, "check": "error"} in rules, rules
+    oracle = torch.load(save / "oracle.pt", weights_only=False)
+    _check_moe_state(oracle)
+
+
+@pytest.mark.parametrize(
+    "name,topo",
+    [
+        pytest.param("ep4", {"dp": 4, "ep": 4}, id="ep4"),  # EP degree up: 2 experts per rank instead of 4
+        pytest.param("ep1-dp2", {"dp": 2}, id="ep1-dp2"),  # no EP, fewer ranks: experts FSDP-sharded over dp
+        pytest.param("pp2-dp2-ep2", {"pp": 2, "dp": 2, "ep": 2}, id="pp2-dp2-ep2"),  # stages, EP kept, DP halved
+    ],
+)
+def test_moe_resumes_at_a_new_layout(saved, name, topo):
+    oracle, loaded, load = _resume(saved, name, topo)
+    _check_moe_state(loaded)
+    _assert_resumed(oracle, loaded, saved[2], load)
+
+
+def test_swapped_experts_at_load_are_caught(saved):
+    """Sabotage: two expert rows of one layer swapped right after the load (ep=1, dp=2). The
+    comparison must name exactly that parameter."""
+    oracle, loaded, load = _resume(saved, "flip", {"dp": 2}, UCP_TITAN_FLIP_EXPERTS=EXPERTS)
+    assert "flipped rows 0 and 1" in (load / "log.txt").read_text()
+    bad = [k.replace("_checkpoint_wrapped_module.", "") for k in tr._diffs(oracle, loaded)]
+    assert bad == [f"param/{EXPERTS}"], bad
+
+
+def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
+    """``ucp_dcp plan --target titan`` of the ep=4 and ep=1 (dp=2) resumes from the same checkpoint,
+    in this process: per-rank bytes read, read calls, bytes received and fallbacks equal those of the
+    real Trainer resumes above (their readers' ReadStats)."""
+    from test_plan_titan import _flags
+
+    from ucp_dcp.tools.dryrun import plan_load
+    from ucp_dcp.torchtitan.plan_target import TitanTarget
+
+    root, assets, save = saved
+    for name, topo in (("ep4", {"dp": 4, "ep": 4}), ("ep1-dp2", {"dp": 2})):
+        stats = sorted((root / name).glob("stats.*"))
+        if not stats:
+            pytest.skip(f"the {name} resume did not run")
+        target = TitanTarget.from_args(_flags(assets, config=CONFIG, **topo))
+        report = plan_load(save / "checkpoint" / f"step-{K}", target, device="cpu", ranks_per_node=8)
+        assert report.loads, (name, report.problems)
+        real = [json.loads((root / name / f"stats.{r}").read_text()) for r in range(len(stats))]
+        planned = [
+            {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
+            for r in report.ranks
+        ]
+        assert planned == real, name

@@ -1,0 +1,106 @@
+"""torchtitan mixture-of-experts models under ucp_dcp: a small qwen3 MoE debug model and the
+checkpoint rules for MoE state.
+
+torchtitan's ``qwen3_moe_debug`` (8 layers, 64 experts of hidden 768: over 300M parameters) is too large
+for CPU tests; :func:`qwen3_moe_small_model` builds the same architecture (torchtitan's own
+``_build_qwen3_moe_layers``: fused QKV with QK-norm, token-choice top-k router with softmax scores,
+stacked ``GroupedExperts``, auxiliary-loss-free load balancing) at a CPU-friendly size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.qwen3 import Qwen3Model
+
+from ._compat import qwen3_builders
+
+__all__ = ["qwen3_moe_small_model", "qwen3_moe_small_trainer", "moe_rules", "MOE_SMALL", "EXPERT_BIAS"]
+
+MOE_SMALL = {
+    "n_layers": 4,
+    "dim": 256,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "head_dim": 32,
+    "moe_hidden_dim": 128,
+    "num_experts": 8,
+    "top_k": 2,
+    "vocab_size": 2048,
+}
+"""Geometry of :func:`qwen3_moe_small_model` (8 experts: divisible by every EP degree up to 8)."""
+
+
+def qwen3_moe_small_model(attn_backend: str = "flex") -> Qwen3Model.Config:
+    """torchtitan's qwen3 MoE debug architecture at :data:`MOE_SMALL` size."""
+    Q = qwen3_builders()
+    g = MOE_SMALL
+    dim, vocab = g["dim"], g["vocab_size"]
+    return Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=Q["norm"](dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=Q["embedding_init"]),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=Q["linear_init"]),
+        layers=Q["moe_layers"](
+            fuse_qkv=True,
+            n_layers=g["n_layers"],
+            dim=dim,
+            n_heads=g["n_heads"],
+            n_kv_heads=g["n_kv_heads"],
+            head_dim=g["head_dim"],
+            moe_hidden_dim=g["moe_hidden_dim"],
+            num_experts=g["num_experts"],
+            top_k=g["top_k"],
+            attn_backend=attn_backend,
+            rope=CosSinRoPE.Config(dim=g["head_dim"], max_seq_len=4096, theta=1000000.0),
+            moe_comm_backend="standard",
+        ),
+    )
+
+
+def qwen3_moe_small_trainer():
+    """torchtitan's ``qwen3_moe_debug`` Trainer config with the :func:`qwen3_moe_small_model` model."""
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    cfg = qwen3_moe_debug()
+    spec = model_registry("debugmodel_moe")
+    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_moe_small", model=qwen3_moe_small_model())
+    return cfg
+
+
+EXPERT_BIAS = r"(.+\.)?expert_bias_E"
+"""The load-balancing bias of torchtitan's ``MoE`` layers (persistent buffer ``[num_experts]``)."""
+
+
+def moe_rules(model_parts: list) -> list:
+    """The rules for torchtitan MoE state, declared only when some rank's model holds it:
+
+    * ``expert_bias_E`` (auxiliary-loss-free load balancing) is updated before each optimizer step
+      from the token counts summed over the whole batch mesh, so every rank holding a layer holds the
+      same values: ``Replicated(check="error")`` -- saved once, the copies compared bitwise at save,
+      loaded into every rank at any layout;
+    * ``tokens_per_expert_E`` is a non-persistent buffer zeroed by that same hook: torchtitan never
+      saves it, and at every step boundary (where checkpoints are taken) it is zero, so a resumed
+      run holds what an uninterrupted one holds. Nothing to declare (without load balancing nothing
+      zeroes it, and every resume restarts it at zero, as stock torchtitan does);
+    * expert weights (stacked ``[E, ...]``, EP shards dim 0, FSDP the EP region) and the router gate
+      are parameters resharded by their DTensor placements like any other; no rule.
+    """
+    import torch.distributed as dist
+    from torchtitan.models.common.moe import MoE
+
+    from ..layout.patterns import Replicated
+
+    holds = any(
+        isinstance(m, MoE) and getattr(m, "expert_bias_E", None) is not None
+        for model in model_parts
+        for m in model.modules()
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a pipeline stage may hold no MoE layer
+        flag = [None] * dist.get_world_size()
+        dist.all_gather_object(flag, holds)
+        holds = any(flag)
+    return [Replicated(EXPERT_BIAS, check="error")] if holds else []
