@@ -21,10 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ucp_dcp
-from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, device, staging
+from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.errors import ChecksumError, DtypeConversionError
+from ucp_dcp.planning import device
 from ucp_dcp.planning.collectives import carries_cpu
 from ucp_dcp.planning.device import split_box, split_reads
+from ucp_dcp.storage import staging
 from ucp_dcp.storage.staging import HostCopies, StagingPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
