@@ -75,9 +75,9 @@ def saved(tmp_path_factory):
 
 def _resume(saved, name, topo, **env):
     """Resume job ``name`` at ``topo`` from the step-K checkpoint; each rank also writes its reader's
-    ReadStats after the load (tests/test_plan_titan.py's hook), for the plan test."""
+    ReadStats after the load (tests/e2e/test_plan_target.py's hook), for the plan test."""
     import torch
-    from test_plan_titan import _STATS_HOOK
+    from test_plan_target import _STATS_HOOK
 
     root, assets, save = saved
     load = root / name
@@ -144,7 +144,7 @@ def test_checkpoint_holds_one_replicated_expert_bias_per_layer(saved):
     assert biases == [f"layers.{i}.moe.expert_bias_E" for i in range(4)], biases
     assert tuple(md[EXPERTS].size) == (8, 128, 256)
     assert f"optimizer.state.{EXPERTS}.exp_avg" in md
-    from ucp_dcp.catalog import read_catalog
+    from ucp_dcp.planning.catalog import read_catalog
     from ucp_dcp.torchtitan.moe import EXPERT_BIAS
 
     rules = read_catalog(FileSystemReader(step).read_metadata().planner_data)["rules"]
@@ -180,7 +180,7 @@ def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
     """``ucp_dcp plan --target titan`` of the ep=4 and ep=1 (dp=2) resumes from the same checkpoint,
     in this process: per-rank bytes read, read calls, bytes received and fallbacks equal those of the
     real Trainer resumes above (their readers' ReadStats)."""
-    from test_plan_titan import _flags
+    from test_plan_target import _flags
 
     from ucp_dcp.tools.dryrun import plan_load
     from ucp_dcp.torchtitan.plan_target import TitanTarget
