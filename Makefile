@@ -133,7 +133,7 @@ reconfig: $(STAMP)
 # crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
 .PHONY: mistakes
 mistakes: $(STAMP)
-	$(BIN)/python recipes/mistakes.py
+	$(PY) recipes/mistakes.py
 
 # UCP against DCP's default planners and storage, one run: table + JSON (docs/performance.md)
 bench: $(STAMP)

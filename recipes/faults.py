@@ -343,6 +343,7 @@ def code_exec_cases(work: str, base: str) -> tuple[int, int, list[str]]:
 
     import ucp_dcp
     from ucp_dcp import UCPFileSystemWriter, UCPSavePlanner
+    from ucp_dcp.tools.verify import verify
 
     ran, notes = 0, []
     cases = 0
@@ -373,7 +374,7 @@ def code_exec_cases(work: str, base: str) -> tuple[int, int, list[str]]:
         marker,
         lambda: subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", evil_md], capture_output=True, timeout=120),
     )
-    check("verify of a crafted .metadata", marker, lambda: __import__("ucp_dcp.tools.verify").verify.verify(evil_md))
+    check("verify of a crafted .metadata", marker, lambda: verify(evil_md))
     check("load of a crafted .metadata", marker, lambda: load_single(evil_md, 2, ROWS))
 
     # 4: a hostile writer stores a crafted object under a valid checksum
