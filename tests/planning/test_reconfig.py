@@ -37,6 +37,13 @@ def _world(text: str) -> int:
 
 TRANSITIONS = _recipe_transitions()
 SMALL = [t for t in TRANSITIONS if max(_world(t[0]), _world(t[1])) <= 4]
+MAKE_TEST = [("dp=4", "dpr=2,dp=2"), ("ep=4", "dp=4"), ("pp=3", "pp=2"), ("pp=2,vpp=2", "dp=1"), ("dp=2,pp=2", "pp=4")]
+"""The transitions ``make test`` runs (HSDP with its traffic check, EP to DP, PP re-staging, virtual stages,
+PP with DP); the rest of the set runs in the e2e tier, and the mistake tier loads every transition bitwise."""
+
+
+def _tier(t: tuple[str, str]):
+    return pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.e2e, id=_id(t))
 
 
 def _id(t) -> str:
@@ -44,7 +51,7 @@ def _id(t) -> str:
 
 
 def test_the_set_is_ten_transitions_of_at_most_4_ranks_and_the_8_rank_ones():
-    assert len(SMALL) == 10
+    assert len(SMALL) == 10 and set(MAKE_TEST) <= set(SMALL)
     assert all(t in TRANSITIONS for t in EIGHT_RANK)
     assert ("dp=4", "dpr=2,dp=2") in SMALL  # the HSDP load whose traffic is checked
     assert all(_world(s) <= 8 and _world(l) <= 8 for s, l in TRANSITIONS)
@@ -76,7 +83,7 @@ def _check(save, load, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save,load", SMALL, ids=[_id(t) for t in SMALL])
+@pytest.mark.parametrize("save,load", [_tier(t) for t in SMALL])
 def test_reconfig_transition_up_to_4_ranks(save, load):
     r = _check(save, load, 4)
     if (save, load) == ("dp=4", "dpr=2,dp=2"):
@@ -88,6 +95,7 @@ def test_reconfig_transition_up_to_4_ranks(save, load):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("save,load", EIGHT_RANK, ids=[_id(t) for t in EIGHT_RANK])
 def test_reconfig_8_rank_transition(save, load):
     _check(save, load, 8)

@@ -13,6 +13,7 @@ import sys
 import pytest
 from helpers import ROOT
 from plan_check import compare, plan, real_load
+from test_reconfig import MAKE_TEST
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -33,7 +34,11 @@ def _id(t) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save,load", TRANSITIONS, ids=[_id(t) for t in TRANSITIONS])
+@pytest.mark.parametrize(
+    "save,load",
+    # make test plans the loads test_reconfig.py runs there (MAKE_TEST); the rest are in the e2e tier
+    [pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.e2e, id=_id(t)) for t in TRANSITIONS],
+)
 def test_plan_is_exactly_the_loads_reads(save, load):
     # the resume test's runs (tests/planning/test_reconfig.py) when this session ran it, else a load of our own
     run = getattr(sys.modules.get("test_reconfig"), "RUNS", {}).get((save, load))

@@ -270,9 +270,10 @@ def _likely_cause(saved: tuple[int, ...], wanted: tuple[int, ...], value: Any) -
 def missing_error(missing: list[str], saved: SavedIndex, keys: dict[str, str] | None = None) -> MissingAtomsError:
     """The error for atoms the checkpoint lacks; ``keys`` maps an atom to the target state-dict key
     that wants it (DCP's message names that key)."""
-    lines = []
-    for name in missing[:20]:
-        close = difflib.get_close_matches(name, list(saved.by_atom), n=1, cutoff=0.8)
+    lines, names = [], list(saved.by_atom)
+    for i, name in enumerate(missing[:20]):
+        # a suggestion for the first few: difflib is quadratic, and past five the pattern is clear
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8) if i < 5 else []
         lines.append(f"  {name}" + (f"  (closest saved: {close[0]})" if close else ""))
     more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
     key = (keys or {}).get(missing[0], missing[0])
