@@ -183,6 +183,28 @@ class _GatedWriter(UCPFileSystemWriter):
         return super().write_data(plan, planner)
 
 
+class _GatedPlanner(UCPSavePlanner):
+    """``UCPSavePlanner`` that plans only once the file ``gate`` exists: the step a test trains after
+    ``async_save`` returns is then over on every rank before any rank plans (without it, ranks digest
+    their replicas on either side of the step and a non-copying stager's save is refused for the race
+    instead). Picklable (PROCESS mode)."""
+
+    def __init__(self, gate: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def __reduce__(self):
+        return (_GatedPlanner, (self.gate,))
+
+    def set_up_planner(self, *args, **kwargs):
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not os.path.exists(self.gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {self.gate} never opened")
+            time.sleep(0.002)
+        return super().set_up_planner(*args, **kwargs)
+
+
 class _NoCopyStager(AsyncStager):
     """A broken stager that hands the live state over instead of a copy (the negative control)."""
 
@@ -289,7 +311,7 @@ def _mutation_worker(rank, world, root, kind: str, stager: str):
         sd,
         checkpoint_id=path,
         storage_writer=_GatedWriter(path, gate),
-        planner=UCPSavePlanner(),
+        planner=_GatedPlanner(f"{gate}.plan"),
         async_checkpointer_type=AsyncCheckpointerType[kind],
         async_stager=_NoCopyStager() if stager == "none" else None,
         # training collectives go on on the default group meanwhile
@@ -297,6 +319,8 @@ def _mutation_worker(rank, world, root, kind: str, stager: str):
     )
     _train_step(model, opt, seed=100 + rank)  # in place: parameters, moments, step counters
     after = _logical(sd)  # also proves the state dict aliases the live tensors
+    dist.barrier()  # every rank has stepped: now plan (digests), then write
+    _open(f"{gate}.plan")
     _open(gate)
     fut.result(timeout=120)
     dist.barrier()
