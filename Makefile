@@ -34,7 +34,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo lint test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -108,6 +108,11 @@ faults: $(STAMP)
 # a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
 titan-demo: $(STAMP)
 	$(PY) recipes/titan_resume.py
+
+# torchtitan's qwen3 MoE (CPU size) saved at dp4 x ep2 resumes at ep4, dp2 (no EP) and pp2 x dp2 x ep2 bitwise,
+# a swapped expert caught; last line MOE OK / MOE MISMATCH (docs/torchtitan.md)
+moe-demo: $(STAMP)
+	$(PY) recipes/moe_demo.py
 
 # will a checkpoint load at a layout? `ucp_dcp plan` on the recipe's checkpoint, up to 4096 ranks, one CPU process
 # each, incl. a shape change it must name; last line PLAN OK / PLAN MISMATCH (docs/plan.md)

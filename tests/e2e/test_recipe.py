@@ -1,4 +1,4 @@
-"""End to end: the elastic-resume recipe in fresh processes, and its oracle catching a corruption."""
+"""End to end: the elastic-resume recipe in fresh processes, and its oracle catching a corruption; the MoE demo."""
 
 import subprocess
 import sys
@@ -41,3 +41,21 @@ def test_recipe_resumes_and_detects_corruption(tmp_path):
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
     last = bad.stdout.strip().splitlines()[-1]
     assert last.startswith("RESUME MISMATCH") and "differ from the oracle" in last, last
+
+
+def test_moe_demo_resumes_at_ep4_and_catches_swapped_experts(tmp_path):
+    """``make moe-demo``'s recipe, one resume (ep=4) plus its sabotage run; the other layouts are
+    tests/e2e/test_titan_moe.py's."""
+    pytest.importorskip("torchtitan")
+    from helpers import skip_unless_torchtitan_runs
+
+    skip_unless_torchtitan_runs()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "moe_demo.py"), "--only", "ep4", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0 and last.startswith("MOE OK: ep4: "), out.stdout[-3000:] + out.stderr[-3000:]
+    assert "swapped experts caught" in last, last
