@@ -116,9 +116,192 @@ def test_mapping_derives_sizes_and_rope_from_the_model_config():
     assert qwen.ignored("lm_head.weight") and not hf_mapping(_spec("llama3").model).ignored("lm_head.weight")
 
 
-def test_moe_models_are_refused_with_the_reason():
-    with pytest.raises(UCPError, match="mixture-of-experts"):
-        hf_mapping(_spec("qwen3", "debugmodel_moe").model)
+# -- qwen3 MoE <-> Qwen3MoeForCausalLM -------------------------------------------------------------------------
+
+
+def _fp32_experts(monkeypatch):
+    """torchtitan's ``GroupedExperts`` compute in bf16 by design (inputs and weights cast before
+    ``_grouped_mm``); to compare with fp32 transformers at the dense tests' 1e-5 the experts run the
+    same math in fp32: rows grouped by expert, ``counts[e]`` rows each (rows past them stay zero)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def forward(self, x, counts):
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        out, start = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype), 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start : start + n]
+            out[start : start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            start += n
+        return out
+
+    monkeypatch.setattr(GroupedExperts, "forward", forward)
+
+
+def _moe_config(dense_layers=(), **router):
+    """The CPU-sized qwen3 MoE (4 layers, 8 experts, top-2), optionally with dense ``dense_layers`` and
+    router settings changed on every MoE layer."""
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    from ucp_dcp.torchtitan.moe import MOE_SMALL, qwen3_moe_small_model
+
+    cfg = qwen3_moe_small_model()
+    for i, layer in enumerate(cfg.layers):
+        for k, v in router.items():
+            setattr(layer.moe.router, k, v)
+        if i in dense_layers:
+            init = layer.moe.router.gate.param_init
+            layer.moe = None
+            layer.feed_forward = make_ffn_config(
+                dim=MOE_SMALL["dim"], hidden_dim=96, w1_param_init=init, w2w3_param_init=init
+            )
+    return cfg
+
+
+def _safetensors(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@torchtitan_forward
+@pytest.mark.parametrize("dense_layers", [(), (1,)], ids=["all-moe", "layer1-dense"])
+def test_qwen3_moe_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, dense_layers):
+    """A random transformers Qwen3-MoE (from the mapping's config.json) -> torchtitan qwen3 MoE: equal
+    logits; a random load-balancing bias in the target is zeroed (HF routes without one: left as it
+    was, the routing -- and the logits -- would differ); exported back: the same tensors bitwise and
+    ``from_pretrained`` gives the same logits."""
+    from ucp_dcp.sources.hf import load_hf
+    from ucp_dcp.torchtitan.moe import moe_rules
+
+    _fp32_experts(monkeypatch)
+    cfg = _moe_config(dense_layers)
+    mapping = hf_mapping(cfg)
+    assert mapping.config["mlp_only_layers"] == list(dense_layers) and mapping.config["num_experts"] == 8
+    hf = _hf_model(mapping, tmp_path / "hf")
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and [type(layer.mlp).__name__ for layer in hf.model.layers] == [
+        "Qwen3MoeMLP" if i in dense_layers else "Qwen3MoeSparseMoeBlock" for i in range(4)
+    ]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+
+    model = _titan(cfg)
+    biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
+    assert len(biases) == 4 - len(dense_layers)
+    with torch.no_grad():
+        for b in biases:
+            b.copy_(torch.randn(b.shape))
+    wrapper = FusedQKVModelWrapper([model])
+    sd = wrapper.state_dict()
+    rules = fused_qkv_rules([model]) + tied_rules(cfg)
+    load_hf(sd, tmp_path / "hf", mapping, patterns=rules, quiet=True)
+    wrapper.load_state_dict(sd)
+    assert all(not b.any() for b in biases), "HF has no load-balancing bias: it loads as zero"
+    _close(want, _titan_logits(model, tokens))
+    hf_experts = hf.model.layers[0].mlp.experts  # fused [E, 2F, D] in transformers' module
+    w1 = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+    assert torch.equal(w1, hf_experts.gate_up_proj[:, : w1.shape[1]])
+
+    ucp_dcp.save(wrapper.state_dict(), tmp_path / "ckpt", patterns=rules + moe_rules([model]))
+    export_hf(tmp_path / "ckpt", tmp_path / "out", mapping, max_shard_bytes=4 << 20)
+    src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "out")
+    assert set(src) == set(out) and any(".mlp.experts.7.down_proj." in k for k in out)
+    assert all(torch.equal(src[k], out[k]) for k in src), [k for k in src if not torch.equal(src[k], out[k])]
+    _close(want, _from_pretrained(tmp_path / "out")(tokens).logits)
+
+
+@torchtitan_forward
+def test_qwen3_moe_swapped_experts_are_caught(tmp_path, monkeypatch):
+    """Negative control: experts 2 and 5 of layer 0 swapped in the HF folder load without complaint
+    (names are all there) but the logits differ from transformers' beyond the tolerance."""
+    from safetensors.torch import save_file
+
+    from ucp_dcp.sources.hf import load_hf
+
+    _fp32_experts(monkeypatch)
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    hf = _hf_model(mapping, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    tensors = _safetensors(tmp_path / "hf")
+    swap = {
+        f"model.layers.0.mlp.experts.{a}.{p}.weight": f"model.layers.0.mlp.experts.{b}.{p}.weight"
+        for a, b in ((2, 5), (5, 2))
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    (tmp_path / "bad").mkdir()
+    save_file({swap.get(k, k): v for k, v in tensors.items()}, tmp_path / "bad" / "model.safetensors")
+    model = _titan(cfg)
+    wrapper = FusedQKVModelWrapper([model])
+    sd = wrapper.state_dict()
+    load_hf(sd, tmp_path / "bad", mapping, patterns=fused_qkv_rules([model]), quiet=True)
+    wrapper.load_state_dict(sd)
+    with pytest.raises(AssertionError):
+        _close(want, _titan_logits(model, tokens))
+
+
+def test_qwen3_moe_export_refuses_a_nonzero_expert_bias(tmp_path):
+    """HF's Qwen3-MoE routes without torchtitan's load-balancing bias: a checkpoint with a non-zero
+    bias is refused before anything is written (dropping it would change the routing); at zero it exports."""
+    from ucp_dcp.torchtitan.moe import moe_rules
+
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    model = _titan(cfg)
+    rules = fused_qkv_rules([model]) + moe_rules([model])
+    ucp_dcp.save(FusedQKVModelWrapper([model]).state_dict(), tmp_path / "zero", patterns=rules)
+    export_hf(tmp_path / "zero", tmp_path / "ok", mapping)
+    assert not any("expert_bias" in k for k in _safetensors(tmp_path / "ok"))
+    with torch.no_grad():
+        model.layers["2"].moe.expert_bias_E[3] = 1e-3
+    ucp_dcp.save(FusedQKVModelWrapper([model]).state_dict(), tmp_path / "biased", patterns=rules)
+    with pytest.raises(UCPError, match="not zero") as e:
+        export_hf(tmp_path / "biased", tmp_path / "out", mapping)
+    assert e.value.atom == "layers.2.moe.expert_bias_E" and "load_balance_coeff" in str(e.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".ucp-hf-export-*"))
+
+
+def _shared_ffn():
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    init = _moe_config().layers[0].moe.router.gate.param_init
+    return make_ffn_config(dim=256, hidden_dim=64, w1_param_init=init, w2w3_param_init=init)
+
+
+@pytest.mark.parametrize(
+    "change, match, atom",
+    [
+        ({"score_func": "sigmoid"}, "router scoring: found 'sigmoid'.*'softmax'", "layers.0.moe.router"),
+        ({"route_scale": 2.5}, "route_scale: found 2.5", "layers.0.moe.router"),
+        ({"num_expert_groups": 2, "num_limited_groups": 1}, "node-limited routing", "layers.0.moe.router"),
+        ({"_debug_force_load_balance": True}, "round-robin", "layers.0.moe.router"),
+        ("shared", "shared experts", "layers.0.moe.shared_experts"),
+        ("top_k", "one MoE geometry", "layers.0.moe"),
+    ],
+    ids=["sigmoid", "route-scale", "node-limited", "debug-balance", "shared-experts", "mixed-top-k"],
+)
+def test_qwen3_moe_settings_hf_cannot_express_are_refused(change, match, atom):
+    cfg = _moe_config(**change) if isinstance(change, dict) else _moe_config()
+    if change == "shared":
+        cfg.layers[0].moe.shared_experts = _shared_ffn()
+    elif change == "top_k":
+        cfg.layers[3].moe.router.top_k = 3
+    with pytest.raises(UCPError, match=match) as e:
+        hf_mapping(cfg)
+    assert e.value.atom == atom and e.value.hint
+
+
+def test_llama3_with_moe_layers_is_refused():
+    cfg = _spec("llama3").model
+    cfg.layers[0].moe = _moe_config().layers[0].moe  # a fresh config per registry call
+    with pytest.raises(UCPError, match="only qwen3 MoE") as e:
+        hf_mapping(cfg)
+    assert e.value.atom == "layers.0.moe"
+    assert _spec("llama3").model.layers[0].moe is None
 
 
 # -- the real Trainer -------------------------------------------------------------------------------------------
