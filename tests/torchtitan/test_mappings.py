@@ -119,7 +119,7 @@ def test_mapping_derives_sizes_and_rope_from_the_model_config():
 # -- qwen3 MoE <-> Qwen3MoeForCausalLM -------------------------------------------------------------------------
 
 
-def _fp32_experts(monkeypatch):
+def _fp32_experts(patch):
     """torchtitan's ``GroupedExperts`` compute in bf16 by design (inputs and weights cast before
     ``_grouped_mm``); to compare with fp32 transformers at the dense tests' 1e-5 the experts run the
     same math in fp32: rows grouped by expert, ``counts[e]`` rows each (rows past them stay zero)."""
@@ -136,7 +136,7 @@ def _fp32_experts(monkeypatch):
             start += n
         return out
 
-    monkeypatch.setattr(GroupedExperts, "forward", forward)
+    patch(GroupedExperts, "forward", forward)  # monkeypatch.setattr in a test, dist.patch in a task
 
 
 def _moe_config(dense_layers=(), **router):
@@ -175,7 +175,7 @@ def test_qwen3_moe_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, de
     from ucp_dcp.sources.hf import load_hf
     from ucp_dcp.torchtitan.moe import moe_rules
 
-    _fp32_experts(monkeypatch)
+    _fp32_experts(monkeypatch.setattr)
     cfg = _moe_config(dense_layers)
     mapping = hf_mapping(cfg)
     assert mapping.config["mlp_only_layers"] == list(dense_layers) and mapping.config["num_experts"] == 8
@@ -220,7 +220,7 @@ def test_qwen3_moe_swapped_experts_are_caught(tmp_path, monkeypatch):
 
     from ucp_dcp.sources.hf import load_hf
 
-    _fp32_experts(monkeypatch)
+    _fp32_experts(monkeypatch.setattr)
     cfg = _moe_config()
     mapping = hf_mapping(cfg)
     hf = _hf_model(mapping, tmp_path / "hf")
@@ -263,6 +263,149 @@ def test_qwen3_moe_export_refuses_a_nonzero_expert_bias(tmp_path):
         export_hf(tmp_path / "biased", tmp_path / "out", mapping)
     assert e.value.atom == "layers.2.moe.expert_bias_E" and "load_balance_coeff" in str(e.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".ucp-hf-export-*"))
+
+
+def _ep2_worker(rank, world, hf_path):
+    """Rank ``rank`` of 2: the HF folder loaded into the torchtitan model's state at an EP=2 x FSDP=2
+    layout -- stacked experts ``Shard(0)`` (4 experts a rank, as EP places them), every other weight
+    ``Shard(0)`` (FSDP), the bias replicated -- against a single-process load of the same folder."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ucp_dcp.sources.hf import load_hf
+
+    warnings.simplefilter("ignore")
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    torch.manual_seed(7)
+    ref_model = _titan(cfg)
+    ref = FusedQKVModelWrapper([ref_model]).state_dict()
+    load_hf(ref, hf_path, mapping, patterns=fused_qkv_rules([ref_model]), quiet=True)
+    model = _titan(cfg)  # its own random weights and a non-zero bias: the load must replace them all
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "expert_bias_E", None) is not None:
+                m.expert_bias_E.fill_(0.5)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {
+        k: distribute_tensor(v, mesh, [Replicate() if k.endswith("expert_bias_E") else Shard(0)])
+        for k, v in FusedQKVModelWrapper([model]).state_dict().items()
+    }
+    stats = load_hf(sd, hf_path, mapping, patterns=fused_qkv_rules([model]), quiet=True)
+    w1 = sd["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+    bad = [k for k, v in sd.items() if not torch.equal(v.full_tensor(), ref[k])]
+    return {"bad": bad, "read": stats.bytes_read, "experts": w1.to_local().shape[0], "keys": len(sd)}
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_qwen3_moe_loads_at_an_ep2_layout_equal_to_one_process(tmp_path):
+    """The same HF folder at EP=2 x FSDP=2 (2 gloo ranks): every atom equals the single-process load
+    bitwise (expert_bias_E zero), each rank reading its own 4 experts, not the whole folder. (The layout
+    of torchtitan's EP, built with DTensors directly: parallelizing torchtitan's MoE in-process is not
+    needed to place the state; the logits at that layout are the e2e tier's.)"""
+    import dist as D
+
+    mapping = hf_mapping(_moe_config())
+    _hf_model(mapping, tmp_path / "hf")
+    res = D.run(_ep2_worker, 2, str(tmp_path / "hf"))
+    total = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
+    for r in res:
+        assert r["bad"] == [] and r["experts"] == 4 and r["keys"] > 40, r
+        assert 0 < r["read"] < 0.7 * total, (r["read"], total)
+
+
+class _NoState:
+    """The optimizer / scheduler / dataloader of a model-only manager run: nothing to save or load."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        assert not sd
+
+    def init_cache_state_dict(self):
+        pass
+
+
+def _manager_hf_worker(rank, world, base, hf_path, tokens):
+    """UCPCheckpointManager with the HF options on a qwen3 MoE model: ``initial_load_in_hf`` from the
+    folder (bias 0.5 before, zero after), ``last_save_in_hf`` writes it back, and with a non-zero
+    bias the HF save is refused."""
+    import dist as D
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from ucp_dcp.torchtitan import UCPCheckpointManager
+
+    _fp32_experts(D.patch)
+    cfg = _moe_config()
+    model = _titan(cfg)
+    biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
+    with torch.no_grad():
+        for b in biases:
+            b.fill_(0.5)
+
+    def manager():
+        config = UCPCheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=10,
+            async_mode="disabled",
+            initial_load_path=hf_path,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            last_save_in_hf=True,
+            last_save_model_only=True,
+        )
+        return UCPCheckpointManager(
+            config,
+            dataloader=_NoState(),
+            model_parts=[model],
+            optimizers=_NoState(),
+            lr_schedulers=_NoState(),
+            states={},
+            sd_adapter=Qwen3StateDictAdapter(cfg, None),  # torchtitan wants one; ucp_dcp reads its config only
+            base_folder=base,
+        )
+
+    m = manager()
+    assert m.load(step=-1)
+    zeroed = all(not b.any() for b in biases)
+    logits = _titan_logits(model, tokens)
+    assert m.save(curr_step=1, last_step=True)
+    with torch.no_grad():
+        biases[1][0] = 1e-3
+    try:
+        m.save(curr_step=2, last_step=True)
+        refused = None
+    except UCPError as e:
+        refused = (e.atom, str(e))
+    m.close()
+    return zeroed, logits, refused
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_manager_loads_and_saves_qwen3_moe_in_hf(tmp_path):
+    """The manager's HF path (``initial_load_in_hf`` / ``last_save_in_hf``) with a qwen3 MoE: transformers'
+    logits after the load (the bias zeroed, its Replicated rule left out of that load), the folder
+    written back equal to the source bitwise, and a non-zero bias refused at the next HF save."""
+    import dist as D
+
+    mapping = hf_mapping(_moe_config())
+    hf = _hf_model(mapping, tmp_path / "hf")
+    tokens = torch.randint(0, mapping.config["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    zeroed, got, refused = D.run(_manager_hf_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    assert zeroed
+    _close(want, got)
+    src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "run" / "checkpoint" / "step-1")
+    assert set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
+    assert refused and refused[0] == "layers.1.moe.expert_bias_E" and "not zero" in refused[1], refused
+    assert not (tmp_path / "run" / "checkpoint" / "step-2" / "model.safetensors.index.json").exists()
 
 
 def _shared_ffn():

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import UCPError
 from ..sources.hf.mapping import HFRule
+from ._compat import router_forces_round_robin
 
 __all__ = ["moe_part", "EXPERT_BIAS_ATOM"]
 
@@ -95,7 +96,7 @@ def _moe_key(i: int, moe: Any, dim: int) -> tuple[Any, ...]:
             False,
             "HF's Qwen3-MoE router has a weight only",
         )
-    if router._debug_force_load_balance:
+    if router_forces_round_robin(router):
         raise _refuse(
             f"layer {i} debug round-robin routing",
             f"{at}.router",
