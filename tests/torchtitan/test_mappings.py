@@ -4,7 +4,10 @@ Single process: a random ``transformers`` Llama / Qwen3 built from the config ou
 loaded into torchtitan's llama3 / qwen3 debug model through ``HFStorageReader`` + ``UCPLoadPlanner``
 (fused wqkv from separate q/k/v, rotary rows permuted for llama, tied head for qwen3): same logits
 as transformers; exported back (ucp_dcp checkpoint + ``export_hf``), ``from_pretrained`` gives the
-same logits again. End to end (slow): the real Trainer starts from that HF folder
+same logits again. qwen3 MoE (``Qwen3MoeForCausalLM``): the same in and out, with a dense layer too,
+a swapped-experts negative control, the load-balancing bias zeroed on load and a non-zero one
+refused on export, the settings HF cannot express refused, an EP=2 layout load equal to the
+single-process one, and the manager's HF options. End to end (slow): the real Trainer starts from that HF folder
 (``initial_load_in_hf``) at tp=2 with the option on and stock (same layout, same data), trains 2 steps and
 writes its last save in HF (``last_save_in_hf``); the first losses agree and transformers loads our
 export with every tensor equal to the trained parameters."""

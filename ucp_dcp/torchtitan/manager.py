@@ -10,7 +10,8 @@ Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through uc
 * load: :class:`~ucp_dcp.sources.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
   fills the live (sharded) state from them -- the fused ``wqkv`` local shards straight from the
   separate q/k/v tensors, rotary rows permuted on the way, each rank reading only the byte ranges
-  its shards need; no all-gather and no full tensor. Quantized HF checkpoints are refused;
+  its shards need; no all-gather and no full tensor. An MoE model's ``expert_bias_E`` (no HF tensor)
+  is set to zero (:mod:`ucp_dcp.torchtitan.hf_moe`). Quantized HF checkpoints are refused;
 * save: the model state is saved as a ucp_dcp checkpoint in a temporary sibling folder, exported
   collectively (:func:`~ucp_dcp.sources.hf.publish.export_hf`, box by box, every rank a share) into the
   checkpoint folder, and the temporary folder is removed. Files are sharded by size
