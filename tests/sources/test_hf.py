@@ -379,6 +379,29 @@ def test_export_refuses_a_checkpoint_without_mapped_atoms(tmp_path):
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_zero_atoms_load_as_zero_and_refuse_a_nonzero_export(tmp_path):
+    """``HFMapping.zero``: state HF has no tensor for, meaning zero there. ``load_hf`` zeroes it without
+    reading (whatever the target held); an export writes nothing for it at zero and refuses it non-zero,
+    before any file is written."""
+    from safetensors.torch import load_file, save_file
+
+    from ucp_dcp.sources.hf import load_hf
+
+    m = HFMapping((HFRule("w", "net.w"),), zero=(r"net\.bias_E",))
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, tmp_path / "model.safetensors")
+    sd = {"net.w": torch.zeros(2, 3), "net.bias_E": torch.ones(4)}
+    load_hf(sd, tmp_path, m, quiet=True)
+    assert torch.equal(sd["net.w"], torch.arange(6.0).reshape(2, 3)) and not sd["net.bias_E"].any()
+    ucp_dcp.save(sd, tmp_path / "zero")
+    export_hf(tmp_path / "zero", tmp_path / "ok", m)
+    assert set(load_file(tmp_path / "ok" / "model.safetensors")) == {"w"}
+    sd["net.bias_E"][2] = 1e-6
+    ucp_dcp.save(sd, tmp_path / "nonzero")
+    with pytest.raises(UCPError, match="not zero") as e:
+        export_hf(tmp_path / "nonzero", tmp_path / "out", m)
+    assert e.value.atom == "net.bias_E" and not (tmp_path / "out").exists()
+
+
 def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
     """``export --to hf --mapping ucp_dcp.toy.hf_presets:toy_llama_mapping`` of a one-process checkpoint of the
     toy's logical parameters: transformers loads it and its q/k rows are in HF's rotate-half order."""

@@ -4,7 +4,10 @@ Single process: a random ``transformers`` Llama / Qwen3 built from the config ou
 loaded into torchtitan's llama3 / qwen3 debug model through ``HFStorageReader`` + ``UCPLoadPlanner``
 (fused wqkv from separate q/k/v, rotary rows permuted for llama, tied head for qwen3): same logits
 as transformers; exported back (ucp_dcp checkpoint + ``export_hf``), ``from_pretrained`` gives the
-same logits again. End to end (slow): the real Trainer starts from that HF folder
+same logits again. qwen3 MoE (``Qwen3MoeForCausalLM``): the same in and out, with a dense layer too,
+a swapped-experts negative control, the load-balancing bias zeroed on load and a non-zero one
+refused on export, the settings HF cannot express refused, an EP=2 layout load equal to the
+single-process one, and the manager's HF options. End to end (slow): the real Trainer starts from that HF folder
 (``initial_load_in_hf``) at tp=2 with the option on and stock (same layout, same data), trains 2 steps and
 writes its last save in HF (``last_save_in_hf``); the first losses agree and transformers loads our
 export with every tensor equal to the trained parameters."""
@@ -116,9 +119,335 @@ def test_mapping_derives_sizes_and_rope_from_the_model_config():
     assert qwen.ignored("lm_head.weight") and not hf_mapping(_spec("llama3").model).ignored("lm_head.weight")
 
 
-def test_moe_models_are_refused_with_the_reason():
-    with pytest.raises(UCPError, match="mixture-of-experts"):
-        hf_mapping(_spec("qwen3", "debugmodel_moe").model)
+# -- qwen3 MoE <-> Qwen3MoeForCausalLM -------------------------------------------------------------------------
+
+
+def _fp32_experts(patch):
+    """torchtitan's ``GroupedExperts`` compute in bf16 by design (inputs and weights cast before
+    ``_grouped_mm``); to compare with fp32 transformers at the dense tests' 1e-5 the experts run the
+    same math in fp32: rows grouped by expert, ``counts[e]`` rows each (rows past them stay zero)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def forward(self, x, counts):
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        out, start = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype), 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start : start + n]
+            out[start : start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            start += n
+        return out
+
+    patch(GroupedExperts, "forward", forward)  # monkeypatch.setattr in a test, dist.patch in a task
+
+
+def _moe_config(dense_layers=(), **router):
+    """The CPU-sized qwen3 MoE (4 layers, 8 experts, top-2), optionally with dense ``dense_layers`` and
+    router settings changed on every MoE layer."""
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    from ucp_dcp.torchtitan.moe import MOE_SMALL, qwen3_moe_small_model
+
+    cfg = qwen3_moe_small_model()
+    for i, layer in enumerate(cfg.layers):
+        for k, v in router.items():
+            setattr(layer.moe.router, k, v)
+        if i in dense_layers:
+            init = layer.moe.router.gate.param_init
+            layer.moe = None
+            layer.feed_forward = make_ffn_config(
+                dim=MOE_SMALL["dim"], hidden_dim=96, w1_param_init=init, w2w3_param_init=init
+            )
+    return cfg
+
+
+def _safetensors(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@torchtitan_forward
+@pytest.mark.parametrize("dense_layers", [(), (1,)], ids=["all-moe", "layer1-dense"])
+def test_qwen3_moe_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, dense_layers):
+    """A random transformers Qwen3-MoE (from the mapping's config.json) -> torchtitan qwen3 MoE: equal
+    logits; a random load-balancing bias in the target is zeroed (HF routes without one: left as it
+    was, the routing -- and the logits -- would differ); exported back: the same tensors bitwise and
+    ``from_pretrained`` gives the same logits."""
+    from ucp_dcp.sources.hf import load_hf
+    from ucp_dcp.torchtitan.moe import moe_rules
+
+    _fp32_experts(monkeypatch.setattr)
+    cfg = _moe_config(dense_layers)
+    mapping = hf_mapping(cfg)
+    assert mapping.config["mlp_only_layers"] == list(dense_layers) and mapping.config["num_experts"] == 8
+    hf = _hf_model(mapping, tmp_path / "hf")
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and [type(layer.mlp).__name__ for layer in hf.model.layers] == [
+        "Qwen3MoeMLP" if i in dense_layers else "Qwen3MoeSparseMoeBlock" for i in range(4)
+    ]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+
+    model = _titan(cfg)
+    biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
+    assert len(biases) == 4 - len(dense_layers)
+    with torch.no_grad():
+        for b in biases:
+            b.copy_(torch.randn(b.shape))
+    wrapper = FusedQKVModelWrapper([model])
+    sd = wrapper.state_dict()
+    rules = fused_qkv_rules([model]) + tied_rules(cfg)
+    load_hf(sd, tmp_path / "hf", mapping, patterns=rules, quiet=True)
+    wrapper.load_state_dict(sd)
+    assert all(not b.any() for b in biases), "HF has no load-balancing bias: it loads as zero"
+    _close(want, _titan_logits(model, tokens))
+    hf_experts = hf.model.layers[0].mlp.experts  # fused [E, 2F, D] in transformers' module
+    w1 = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+    assert torch.equal(w1, hf_experts.gate_up_proj[:, : w1.shape[1]])
+
+    ucp_dcp.save(wrapper.state_dict(), tmp_path / "ckpt", patterns=rules + moe_rules([model]))
+    export_hf(tmp_path / "ckpt", tmp_path / "out", mapping, max_shard_bytes=4 << 20)
+    src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "out")
+    assert set(src) == set(out) and any(".mlp.experts.7.down_proj." in k for k in out)
+    assert all(torch.equal(src[k], out[k]) for k in src), [k for k in src if not torch.equal(src[k], out[k])]
+    _close(want, _from_pretrained(tmp_path / "out")(tokens).logits)
+
+
+@torchtitan_forward
+def test_qwen3_moe_swapped_experts_are_caught(tmp_path, monkeypatch):
+    """Negative control: experts 2 and 5 of layer 0 swapped in the HF folder load without complaint
+    (names are all there) but the logits differ from transformers' beyond the tolerance."""
+    from safetensors.torch import save_file
+
+    from ucp_dcp.sources.hf import load_hf
+
+    _fp32_experts(monkeypatch.setattr)
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    hf = _hf_model(mapping, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    tensors = _safetensors(tmp_path / "hf")
+    swap = {
+        f"model.layers.0.mlp.experts.{a}.{p}.weight": f"model.layers.0.mlp.experts.{b}.{p}.weight"
+        for a, b in ((2, 5), (5, 2))
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    (tmp_path / "bad").mkdir()
+    save_file({swap.get(k, k): v for k, v in tensors.items()}, tmp_path / "bad" / "model.safetensors")
+    model = _titan(cfg)
+    wrapper = FusedQKVModelWrapper([model])
+    sd = wrapper.state_dict()
+    load_hf(sd, tmp_path / "bad", mapping, patterns=fused_qkv_rules([model]), quiet=True)
+    wrapper.load_state_dict(sd)
+    with pytest.raises(AssertionError):
+        _close(want, _titan_logits(model, tokens))
+
+
+def test_qwen3_moe_export_refuses_a_nonzero_expert_bias(tmp_path):
+    """HF's Qwen3-MoE routes without torchtitan's load-balancing bias: a checkpoint with a non-zero
+    bias is refused before anything is written (dropping it would change the routing); at zero it exports."""
+    from ucp_dcp.torchtitan.moe import moe_rules
+
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    model = _titan(cfg)
+    rules = fused_qkv_rules([model]) + moe_rules([model])
+    ucp_dcp.save(FusedQKVModelWrapper([model]).state_dict(), tmp_path / "zero", patterns=rules)
+    export_hf(tmp_path / "zero", tmp_path / "ok", mapping)
+    assert not any("expert_bias" in k for k in _safetensors(tmp_path / "ok"))
+    with torch.no_grad():
+        model.layers["2"].moe.expert_bias_E[3] = 1e-3
+    ucp_dcp.save(FusedQKVModelWrapper([model]).state_dict(), tmp_path / "biased", patterns=rules)
+    with pytest.raises(UCPError, match="not zero") as e:
+        export_hf(tmp_path / "biased", tmp_path / "out", mapping)
+    assert e.value.atom == "layers.2.moe.expert_bias_E" and "load_balance_coeff" in str(e.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".ucp-hf-export-*"))
+
+
+def _ep2_worker(rank, world, hf_path):
+    """Rank ``rank`` of 2: the HF folder loaded into the torchtitan model's state at an EP=2 x FSDP=2
+    layout -- stacked experts ``Shard(0)`` (4 experts a rank, as EP places them), every other weight
+    ``Shard(0)`` (FSDP), the bias replicated -- against a single-process load of the same folder."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ucp_dcp.sources.hf import load_hf
+
+    warnings.simplefilter("ignore")
+    cfg = _moe_config()
+    mapping = hf_mapping(cfg)
+    torch.manual_seed(7)
+    ref_model = _titan(cfg)
+    ref = FusedQKVModelWrapper([ref_model]).state_dict()
+    load_hf(ref, hf_path, mapping, patterns=fused_qkv_rules([ref_model]), quiet=True)
+    model = _titan(cfg)  # its own random weights and a non-zero bias: the load must replace them all
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "expert_bias_E", None) is not None:
+                m.expert_bias_E.fill_(0.5)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {
+        k: distribute_tensor(v, mesh, [Replicate() if k.endswith("expert_bias_E") else Shard(0)])
+        for k, v in FusedQKVModelWrapper([model]).state_dict().items()
+    }
+    stats = load_hf(sd, hf_path, mapping, patterns=fused_qkv_rules([model]), quiet=True)
+    w1 = sd["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+    bad = [k for k, v in sd.items() if not torch.equal(v.full_tensor(), ref[k])]
+    return {"bad": bad, "read": stats.bytes_read, "experts": w1.to_local().shape[0], "keys": len(sd)}
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_qwen3_moe_loads_at_an_ep2_layout_equal_to_one_process(tmp_path):
+    """The same HF folder at EP=2 x FSDP=2 (2 gloo ranks): every atom equals the single-process load
+    bitwise (expert_bias_E zero), each rank reading its own 4 experts, not the whole folder. (The layout
+    of torchtitan's EP, built with DTensors directly: parallelizing torchtitan's MoE in-process is not
+    needed to place the state; the logits at that layout are the e2e tier's.)"""
+    import dist as D
+
+    mapping = hf_mapping(_moe_config())
+    _hf_model(mapping, tmp_path / "hf")
+    res = D.run(_ep2_worker, 2, str(tmp_path / "hf"))
+    total = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
+    for r in res:
+        assert r["bad"] == [] and r["experts"] == 4 and r["keys"] > 40, r
+        assert 0 < r["read"] < 0.7 * total, (r["read"], total)
+
+
+class _NoState:
+    """The optimizer / scheduler / dataloader of a model-only manager run: nothing to save or load."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        assert not sd
+
+    def init_cache_state_dict(self):
+        pass
+
+
+def _manager_hf_worker(rank, world, base, hf_path, tokens):
+    """UCPCheckpointManager with the HF options on a qwen3 MoE model: ``initial_load_in_hf`` from the
+    folder (bias 0.5 before, zero after), ``last_save_in_hf`` writes it back, and with a non-zero
+    bias the HF save is refused."""
+    import dist as D
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from ucp_dcp.torchtitan import UCPCheckpointManager
+
+    _fp32_experts(D.patch)
+    cfg = _moe_config()
+    model = _titan(cfg)
+    biases = [m.expert_bias_E for m in model.modules() if getattr(m, "expert_bias_E", None) is not None]
+    with torch.no_grad():
+        for b in biases:
+            b.fill_(0.5)
+
+    def manager():
+        config = UCPCheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=10,
+            async_mode="disabled",
+            initial_load_path=hf_path,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            last_save_in_hf=True,
+            last_save_model_only=True,
+        )
+        return UCPCheckpointManager(
+            config,
+            dataloader=_NoState(),
+            model_parts=[model],
+            optimizers=_NoState(),
+            lr_schedulers=_NoState(),
+            states={},
+            sd_adapter=Qwen3StateDictAdapter(cfg, None),  # torchtitan wants one; ucp_dcp reads its config only
+            base_folder=base,
+        )
+
+    m = manager()
+    assert m.load(step=-1)
+    zeroed = all(not b.any() for b in biases)
+    logits = _titan_logits(model, tokens)
+    assert m.save(curr_step=1, last_step=True)
+    with torch.no_grad():
+        biases[1][0] = 1e-3
+    try:
+        m.save(curr_step=2, last_step=True)
+        refused = None
+    except UCPError as e:
+        refused = (e.atom, str(e))
+    m.close()
+    return zeroed, logits, refused
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_manager_loads_and_saves_qwen3_moe_in_hf(tmp_path):
+    """The manager's HF path (``initial_load_in_hf`` / ``last_save_in_hf``) with a qwen3 MoE: transformers'
+    logits after the load (the bias zeroed, its Replicated rule left out of that load), the folder
+    written back equal to the source bitwise, and a non-zero bias refused at the next HF save."""
+    import dist as D
+
+    mapping = hf_mapping(_moe_config())
+    hf = _hf_model(mapping, tmp_path / "hf")
+    tokens = torch.randint(0, mapping.config["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    zeroed, got, refused = D.run(_manager_hf_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    assert zeroed
+    _close(want, got)
+    src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "run" / "checkpoint" / "step-1")
+    assert set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
+    assert refused and refused[0] == "layers.1.moe.expert_bias_E" and "not zero" in refused[1], refused
+    assert not (tmp_path / "run" / "checkpoint" / "step-2" / "model.safetensors.index.json").exists()
+
+
+def _shared_ffn():
+    from torchtitan.models.common.config_utils import make_ffn_config
+
+    init = _moe_config().layers[0].moe.router.gate.param_init
+    return make_ffn_config(dim=256, hidden_dim=64, w1_param_init=init, w2w3_param_init=init)
+
+
+@pytest.mark.parametrize(
+    "change, match, atom",
+    [
+        ({"score_func": "sigmoid"}, "router scoring: found 'sigmoid'.*'softmax'", "layers.0.moe.router"),
+        ({"route_scale": 2.5}, "route_scale: found 2.5", "layers.0.moe.router"),
+        ({"num_expert_groups": 2, "num_limited_groups": 1}, "node-limited routing", "layers.0.moe.router"),
+        ({"_debug_force_load_balance": True}, "round-robin", "layers.0.moe.router"),
+        ("shared", "shared experts", "layers.0.moe.shared_experts"),
+        ("top_k", "one MoE geometry", "layers.0.moe"),
+    ],
+    ids=["sigmoid", "route-scale", "node-limited", "debug-balance", "shared-experts", "mixed-top-k"],
+)
+def test_qwen3_moe_settings_hf_cannot_express_are_refused(change, match, atom):
+    cfg = _moe_config(**change) if isinstance(change, dict) else _moe_config()
+    if change == "shared":
+        cfg.layers[0].moe.shared_experts = _shared_ffn()
+    elif change == "top_k":
+        cfg.layers[3].moe.router.top_k = 3
+    with pytest.raises(UCPError, match=match) as e:
+        hf_mapping(cfg)
+    assert e.value.atom == atom and e.value.hint
+
+
+def test_llama3_with_moe_layers_is_refused():
+    cfg = _spec("llama3").model
+    cfg.layers[0].moe = _moe_config().layers[0].moe  # a fresh config per registry call
+    with pytest.raises(UCPError, match="only qwen3 MoE") as e:
+        hf_mapping(cfg)
+    assert e.value.atom == "layers.0.moe"
+    assert _spec("llama3").model.layers[0].moe is None
 
 
 # -- the real Trainer -------------------------------------------------------------------------------------------

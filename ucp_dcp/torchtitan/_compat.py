@@ -110,3 +110,9 @@ def qwen3_builders() -> dict[str, Any]:
         "linear_init": Q._LINEAR_INIT,
         "moe_layers": Q._build_qwen3_moe_layers,
     }
+
+
+def router_forces_round_robin(router_config: Any) -> bool:
+    """Whether a ``TokenChoiceTopKRouter.Config`` has its debug round-robin routing on (its private
+    ``_debug_force_load_balance``: experts assigned by position, not by score)."""
+    return bool(getattr(router_config, "_debug_force_load_balance", False))

@@ -5,12 +5,13 @@ modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoi
 model-only exports) and only hands DCP the UCP planners.
 
 Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
-(:mod:`ucp_dcp.torchtitan.mappings` maps llama3 and dense qwen3 models), not torchtitan's state-dict adapter:
+(:mod:`ucp_dcp.torchtitan.mappings` maps llama3, qwen3 and qwen3 MoE models), not torchtitan's state-dict adapter:
 
 * load: :class:`~ucp_dcp.sources.hf.HFStorageReader` presents the folder as atoms and ``UCPLoadPlanner``
   fills the live (sharded) state from them -- the fused ``wqkv`` local shards straight from the
   separate q/k/v tensors, rotary rows permuted on the way, each rank reading only the byte ranges
-  its shards need; no all-gather and no full tensor. Quantized HF checkpoints are refused;
+  its shards need; no all-gather and no full tensor. An MoE model's ``expert_bias_E`` (no HF tensor)
+  is set to zero (:mod:`ucp_dcp.torchtitan.hf_moe`). Quantized HF checkpoints are refused;
 * save: the model state is saved as a ucp_dcp checkpoint in a temporary sibling folder, exported
   collectively (:func:`~ucp_dcp.sources.hf.publish.export_hf`, box by box, every rank a share) into the
   checkpoint folder, and the temporary folder is removed. Files are sharded by size
@@ -70,7 +71,7 @@ from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 from ._compat import qkv_split_hook
 from .mappings import hf_mapping, tied_rules
-from .moe import moe_rules
+from .moe import EXPERT_BIAS, moe_rules
 
 __all__ = ["UCPCheckpointManager", "fused_qkv_rules", "rules_for_call"]
 
@@ -222,15 +223,19 @@ class UCPCheckpointManager(CheckpointManager):
                 hint="load quantized checkpoints with torchtitan's stock CheckpointManager (the ucp_dcp option off)",
             )
         from ..sources.hf import HFStorageReader
+        from ..sources.hf.mapping import zero_fill
 
         begin = time.monotonic()
         cfg = self._hf_model_config()
         mapping = hf_mapping(cfg)
         reader = HFStorageReader(checkpoint_id, mapping)
+        # HF has no load-balancing bias: HF's router is ours with it at zero (ucp_dcp.torchtitan.hf_moe)
+        to_load, zeroed = zero_fill(state_dict, mapping)
+        rules = self._hf_rules(to_load, cfg)
+        if zeroed:  # not loaded: its Replicated rule would match nothing
+            rules = [r for r in rules if getattr(r, "pattern", None) != EXPERT_BIAS]
         with ucp_errors():
-            tt_dcp.dcp.load(
-                state_dict, storage_reader=reader, planner=self._load_planner(self._hf_rules(state_dict, cfg))
-            )
+            tt_dcp.dcp.load(to_load, storage_reader=reader, planner=self._load_planner(rules))
         self.states[MODEL].load_state_dict(state_dict)
         self.hf_load_stats = reader.stats
         logger.info(

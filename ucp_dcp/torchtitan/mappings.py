@@ -1,9 +1,9 @@
-"""Hugging Face mappings for torchtitan's dense llama3 and qwen3 models.
+"""Hugging Face mappings for torchtitan's llama3, qwen3 and qwen3 MoE models.
 
 :func:`hf_mapping` derives, from a torchtitan model config (or a built model, or a model spec), the
 :class:`~ucp_dcp.sources.hf.HFMapping` between the model's canonical parameter names (torchtitan's model
 state sits at the top level: ``prefix=""``) and the names and row orders of the matching
-``transformers`` model (``LlamaForCausalLM`` / ``Qwen3ForCausalLM``), plus the ``config.json`` an
+``transformers`` model (``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``), plus the ``config.json`` an
 export writes so that ``from_pretrained`` builds that model. The names are those of torchtitan's
 own state-dict adapters (``models/{llama3,qwen3}/state_dict_adapter.py``):
 
@@ -15,8 +15,10 @@ own state-dict adapters (``models/{llama3,qwen3}/state_dict_adapter.py``):
   export writes ``embed_tokens`` only; an ``lm_head.weight`` in a tied HF folder is ignored), and
   the load fills ``lm_head.weight`` from the embedding through :func:`tied_rules`.
 
-Mixture-of-experts layers (qwen3 ``debugmodel_moe``: experts stacked in one ``[E, ...]`` parameter,
-one HF tensor per expert) have no mapping rule kind yet and are refused.
+Mixture-of-experts qwen3 models map to ``Qwen3MoeForCausalLM`` (:mod:`ucp_dcp.torchtitan.hf_moe`): the
+router gate one to one, the stacked ``[E, ...]`` expert weights one HF tensor per expert (``stack``
+rules), routing settings HF cannot express refused by name, and the load-balancing
+``expert_bias_E`` a ``zero`` atom (zeroed on load, an export refuses it non-zero).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from ..errors import UCPError
 from ..layout.patterns import Tied
 from ..sources.hf.mapping import HFMapping, HFRule
+from .hf_moe import moe_part
 
 __all__ = ["hf_mapping", "tied_rules", "model_config_of"]
 
@@ -59,7 +62,7 @@ def _family(cfg: Any) -> str:
         return "qwen3"
     raise UCPError(
         f"no Hugging Face mapping for torchtitan model config {type(cfg).__qualname__}",
-        hint="hf_mapping knows llama3 and qwen3 (dense); declare an HFMapping for other models",
+        hint="hf_mapping knows llama3, qwen3 and qwen3 MoE; declare an HFMapping for other models",
     )
 
 
@@ -77,19 +80,11 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
     layers = list(cfg.layers)
     if not layers:
         raise UCPError("the model config has no layers")
-    moe = [i for i, layer in enumerate(layers) if getattr(layer, "moe", None) is not None]
-    if moe:
-        raise UCPError(
-            f"{family} model with mixture-of-experts layers {moe[:4]}: Hugging Face keeps one tensor per expert "
-            "(mlp.experts.{e}.gate_proj.weight) while torchtitan stacks them in one [E, ...] parameter, which "
-            "the HF mapping has no rule kind for",
-            atom=f"layers.{moe[0]}.moe",
-            hint="Hugging Face import/export supports the dense llama3 and qwen3 models only; use torchtitan's "
-            "stock HF path (the manager's option off) for MoE models",
-        )
-    seen = set()
+    seen, ffns = set(), set()
     for layer in layers:
-        att, ff = layer.attention, layer.feed_forward
+        att = layer.attention
+        if getattr(layer, "moe", None) is None:  # MoE layers' sizes: hf_moe.moe_part
+            ffns.add(layer.feed_forward.w1.out_features)
         qkv = getattr(att, "qkv_linear", None)
         bias = bool(getattr(getattr(qkv, "wqkv", None), "bias", False)) or bool(
             getattr(getattr(att, "wo", None), "bias", False)
@@ -104,7 +99,6 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
                 n_heads,
                 n_kv,
                 head_dim,
-                ff.w1.out_features,
                 _rope_kind(rope),
                 rope.dim,
                 rope.theta,
@@ -122,14 +116,17 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
         )
     if len(seen) > 1:
         raise UCPError(
-            f"{family} layers differ in attention/feed-forward geometry ({len(seen)} kinds); a Hugging "
+            f"{family} layers differ in attention geometry ({len(seen)} kinds); a Hugging "
             "Face config has one geometry for all layers"
+        )
+    if len(ffns) > 1:
+        raise UCPError(
+            f"{family} layers differ in feed-forward size {sorted(ffns)}; Hugging Face's intermediate_size is one size"
         )
     (
         n_heads,
         n_kv,
         head_dim,
-        ffn,
         rope_cls,
         rope_dim,
         theta,
@@ -174,7 +171,7 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
         n_heads=n_heads,
         n_kv=n_kv,
         head_dim=head_dim,
-        ffn=ffn,
+        ffn=ffns.pop() if ffns else None,
         eps=eps,
         qk_norm=has_qk_norm,
         qk_eps=qk_eps,
@@ -184,7 +181,7 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
 
 
 def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFMapping:
-    """The :class:`~ucp_dcp.sources.hf.HFMapping` of a torchtitan llama3 or qwen3 (dense) model.
+    """The :class:`~ucp_dcp.sources.hf.HFMapping` of a torchtitan llama3, qwen3 or qwen3 MoE model.
 
     Args:
         model: the model config (``model_registry("debugmodel").model``), a built model, a model spec
@@ -207,10 +204,14 @@ def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFM
         HFRule(_L + "self_attn.k_proj.weight", _A + "qkv_linear.wk.weight", rotary_heads=g["n_kv"] if llama else None),
         HFRule(_L + "self_attn.v_proj.weight", _A + "qkv_linear.wv.weight"),
         HFRule(_L + "self_attn.o_proj.weight", _A + "wo.weight"),
-        HFRule(_L + "mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
-        HFRule(_L + "mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
-        HFRule(_L + "mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
     ]
+    if g["ffn"] is not None:  # some dense layer
+        rules += [
+            HFRule(_L + "mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
+            HFRule(_L + "mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
+            HFRule(_L + "mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
+        ]
+    moe = moe_part(cfg, family)
     if g["qk_norm"]:
         rules += [
             HFRule(_L + "self_attn.q_norm.weight", _A + "q_norm.weight"),
@@ -241,8 +242,13 @@ def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFM
         "max_position_embeddings": int(max_position_embeddings or g["max_pos"]),
         "torch_dtype": "float32",
     }
+    zero: tuple[str, ...] = ()
     if llama:
         config["mlp_bias"] = False
+    elif moe is not None:
+        rules += moe[0]
+        config.update(moe[1], use_sliding_window=False, sliding_window=None)
+        zero = moe[2]
     else:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": g["n_layers"]})
     if g["eps"] != cfg.norm.eps or (g["qk_norm"] and g["qk_eps"] != cfg.norm.eps):
@@ -250,7 +256,8 @@ def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFM
             f"{family}: layer norm eps {g['eps']} / qk-norm eps {g['qk_eps']} differ from the final "
             f"norm's {cfg.norm.eps}; Hugging Face has one rms_norm_eps"
         )
-    return HFMapping(tuple(rules), prefix="", ignore=tuple(ignore), config=config, name=f"torchtitan-{family}")
+    name = f"torchtitan-{family}" + ("-moe" if moe is not None else "")
+    return HFMapping(tuple(rules), prefix="", ignore=tuple(ignore), config=config, name=name, zero=zero)
 
 
 def tied_rules(model: Any) -> list[Tied]:

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from ...errors import UnverifiedCheckpointWarning, ucp_errors
 from ...planning.load_planner import UCPLoadPlanner
 from ...storage.reader import ReadStats
-from .mapping import HFMapping
+from .mapping import HFMapping, zero_fill
 from .source import HFStorageReader
 
 __all__ = ["load_hf"]
@@ -35,7 +35,11 @@ def load_hf(
     :class:`~ucp_dcp.UCPLoadPlanner` (the target's ``patterns``, ``stage_map``, ``expert_map``,
     ``allow_partial_load`` for target weights HF does not have...). ``quiet``: do not warn that
     safetensors carries no checksums. Returns this rank's I/O figures.
+
+    The mapping's :attr:`~HFMapping.zero` entries (state HF has no tensor for, e.g. torchtitan's
+    ``expert_bias_E``) are set to zero, not read: HF's model is the target's with them at zero.
     """
+    state_dict, _ = zero_fill(state_dict, mapping)
     reader = HFStorageReader(path, mapping, thread_count=thread_count)
     with ucp_errors(), warnings.catch_warnings():
         if quiet:

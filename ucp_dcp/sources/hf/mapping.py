@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ...errors import UCPError
 
-__all__ = ["HFRule", "HFMapping", "hf_rows", "atom_rows"]
+__all__ = ["HFRule", "HFMapping", "hf_rows", "atom_rows", "zero_fill"]
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 
@@ -109,6 +110,12 @@ class HFMapping:
     """The HF ``config.json`` an export writes (``architectures``, ``model_type``, sizes...)."""
     name: str = "custom"
     """Family name, for messages."""
+    zero: tuple[str, ...] = ()
+    """Regexes of target atoms HF's format has no tensor for and whose HF meaning is *zero*
+    (torchtitan's load-balancing ``expert_bias_E``: HF's router is torchtitan's with a zero bias).
+    :func:`~ucp_dcp.sources.hf.load_hf` sets them to zero (:func:`zero_fill`); an export writes
+    nothing for them and refuses a checkpoint where they are not all zero (the HF model would
+    compute something else)."""
 
     def atom_of(self, hf_name: str) -> tuple[str, HFRule, int | None] | None:
         """The atom an HF tensor holds (with prefix), the rule, and the slice index of a stacked
@@ -132,6 +139,20 @@ class HFMapping:
 
     def ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignore)
+
+    def zeroed(self, atom: str) -> bool:
+        """Whether ``atom`` (with prefix) is one of the :attr:`zero` atoms."""
+        return atom.startswith(self.prefix) and any(re.fullmatch(p, atom[len(self.prefix) :]) for p in self.zero)
+
+
+def zero_fill(state_dict: dict[str, Any], mapping: HFMapping) -> tuple[dict[str, Any], list[str]]:
+    """Zero the :attr:`HFMapping.zero` entries of ``state_dict`` in place (DTensors: their local
+    shards) and return the state dict without them -- what an HF load plans -- and their names."""
+    zeroed = [k for k, v in state_dict.items() if mapping.zeroed(k) and hasattr(v, "zero_")]
+    with torch.no_grad():
+        for k in zeroed:
+            state_dict[k].zero_()
+    return {k: v for k, v in state_dict.items() if k not in zeroed}, zeroed
 
 
 def _head_dim(rows: int, heads: int, name: str) -> int:

@@ -56,6 +56,8 @@ class _CopyPlanner(LoadPlanner):
     def __init__(self, fds: dict[str, int], tensors: dict[str, list[HFTensor]], stats: ExportStats) -> None:
         self.fds, self.tensors, self.stats = fds, tensors, stats
         self._scratch: dict[int, torch.Tensor] = {}
+        self.nonzero: list[str] = []
+        """Zero atoms (``HFMapping.zero``) read with a non-zero value."""
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -80,6 +82,11 @@ class _CopyPlanner(LoadPlanner):
         return buf
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        if read_item.storage_index.fqn not in self.tensors:  # a zero atom: checked, never written
+            if bool(tensor.ne(0).any()):
+                self.nonzero.append(read_item.storage_index.fqn)
+            self._scratch.pop(id(read_item), None)
+            return
         ts = self.tensors[read_item.storage_index.fqn]
         offsets = tuple(read_item.storage_index.offset or ())
         n = 0
@@ -172,6 +179,7 @@ def export_hf(
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, is_coordinator=rank == 0)
     atoms = _mapped(md, mapping, dtype)
+    _check_zero(reader, md, sorted(a for a in md.state_dict_metadata if mapping.zeroed(a) and a not in atoms), mapping)
     placed, files = plan_files([t for ts in atoms.values() for t in ts], max_shard_bytes)
     by_name = {t.name: t for t in placed}
     tensors = {a: [by_name[t.name] for t in ts] for a, ts in atoms.items()}
@@ -181,19 +189,7 @@ def export_hf(
         os.makedirs(tmp)
         create_files(tmp, files)
     _barrier(world)
-    mine = sorted(atoms)[rank::world]
-    items = [
-        ReadItem(
-            LoadItemType.TENSOR,
-            MetadataIndex(a, c.offsets),
-            torch.Size([0] * len(c.sizes)),
-            MetadataIndex(a, c.offsets),
-            torch.Size([0] * len(c.sizes)),
-            c.sizes,
-        )
-        for a in mine
-        for c in md.state_dict_metadata[a].chunks
-    ]
+    items = _items(md, sorted(atoms)[rank::world])
     fds = {f.name: os.open(os.path.join(tmp, f.name), os.O_WRONLY) for f in files}
     error: BaseException | None = None
     try:
@@ -222,6 +218,53 @@ def export_hf(
     _barrier(world)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _items(md: Metadata, atoms: list[str]) -> list[ReadItem]:
+    """Read items for every saved chunk of ``atoms``, each whole."""
+    return [
+        ReadItem(
+            LoadItemType.TENSOR,
+            MetadataIndex(a, c.offsets),
+            torch.Size([0] * len(c.sizes)),
+            MetadataIndex(a, c.offsets),
+            torch.Size([0] * len(c.sizes)),
+            c.sizes,
+        )
+        for a in atoms
+        for c in md.state_dict_metadata[a].chunks
+    ]
+
+
+def _check_zero(reader: UCPFileSystemReader, md: Metadata, zero: list[str], mapping: HFMapping) -> None:
+    """Refuse (collectively, before any file is written) a checkpoint whose ``mapping.zero`` atoms
+    are not all zero: HF has no tensor for them, so the exported model would compute something else."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = [a for a in zero[rank::world] if isinstance(md.state_dict_metadata[a], TensorStorageMetadata)]
+    planner = _CopyPlanner({}, {}, ExportStats())
+    planner.set_up_planner({}, md)
+    error: BaseException | None = None
+    try:
+        if mine:
+            reader.read_data(LoadPlan(_items(md, mine)), planner).wait()
+    except BaseException as e:  # the other ranks must not wait forever
+        error = e
+    failed = _all_ok(error is None and not planner.nonzero, world)
+    if error is not None:
+        raise error
+    if failed:
+        bad = sorted(set(planner.nonzero))
+        raise UCPError(
+            f"{len(bad) or 'some'} atom(s) the '{mapping.name}' Hugging Face format has no tensor for are not zero"
+            + (f": {bad[:4]}" if bad else f" (found on rank(s) {failed})"),
+            atom=bad[0] if bad else zero[0],
+            saved="non-zero values",
+            wanted="all zeros (the HF model is this model with them at zero)",
+            hint="Hugging Face's format has no tensor for them: the exported model would compute something else "
+            "(torchtitan's expert_bias_E: a different expert routing). Train without them (torchtitan: "
+            "load_balance_coeff=None) or zero them before the save if that difference is acceptable",
+        )
 
 
 def _config(config: dict[str, Any], dtype: torch.dtype | None, md: Metadata, atoms: dict[str, list[HFTensor]]) -> dict:
