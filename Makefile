@@ -34,7 +34,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo lint test test-e2e test-full test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -83,16 +83,21 @@ lint: $(STAMP)
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
 # multi-process cases, one per item, on the session's pool of gloo workers (tests/support/dist.py); the 20 slowest listed
 test: $(STAMP)
-	$(PY) -m pytest -m "not e2e" --durations=20
+	$(PY) -m pytest -m "not e2e and not full" --durations=20
 
 # the end-to-end tier (marker e2e): real torchtitan Trainers under torchrun, DeepSpeed and Megatron-Core runs writing
 # the foreign checkpoints, recipe scripts and fault injection in subprocesses. CI runs it after `make test`.
 test-e2e: $(STAMP)
 	$(PY) -m pytest -m e2e --durations=10
 
+# the rest of the large matrices make test samples (marker full): 35 more (dp,tp) pairs, 10 more reconfiguration
+# transitions and their plan checks (~10 min); not in CI, whose e2e tier loads every transition in the mistake set
+test-full: $(STAMP)
+	$(PY) -m pytest -m full --durations=10
+
 # the inner loop: the single-process tests plus one small multi-process case (marker quick), about a minute
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "(not slow and not e2e) or quick"
+	$(PY) -m pytest -m "(not slow and not e2e and not full) or quick"
 
 # the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
 # Without CUDA it prints one line and succeeds; `make test` never collects it.

@@ -114,12 +114,12 @@ def matrix_checkpoints():
 MATRIX = list(itertools.product(LAYOUTS, LAYOUTS))
 QUICK_PAIRS = {(a, LAYOUTS[(i + k) % len(LAYOUTS)]) for i, a in enumerate(LAYOUTS) for k in (1, 3)}
 """``make test``'s 14 of the 49 pairs: every layout saved twice and loaded twice, growing and shrinking, 1-D to
-2-D and back; the other 35 run in the e2e tier (CI runs both)."""
+2-D and back; the other 35 run in ``make test-full``."""
 
 
 @pytest.mark.parametrize(
     "src,dst",
-    [pytest.param(a, b, marks=() if (a, b) in QUICK_PAIRS else pytest.mark.e2e) for a, b in MATRIX],
+    [pytest.param(a, b, marks=() if (a, b) in QUICK_PAIRS else pytest.mark.full) for a, b in MATRIX],
     ids=[f"{_lay(a)}-to-{_lay(b)}" for a, b in MATRIX],
 )
 def test_fsdp_tp_matrix_bitwise(matrix_checkpoints, src, dst):

@@ -39,11 +39,11 @@ TRANSITIONS = _recipe_transitions()
 SMALL = [t for t in TRANSITIONS if max(_world(t[0]), _world(t[1])) <= 4]
 MAKE_TEST = [("dp=4", "dpr=2,dp=2"), ("ep=4", "dp=4"), ("pp=3", "pp=2"), ("pp=2,vpp=2", "dp=1"), ("dp=2,pp=2", "pp=4")]
 """The transitions ``make test`` runs (HSDP with its traffic check, EP to DP, PP re-staging, virtual stages,
-PP with DP); the rest of the set runs in the e2e tier, and the mistake tier loads every transition bitwise."""
+PP with DP); the rest of the set runs in ``make test-full``; the e2e tier's mistake set loads every transition bitwise."""
 
 
 def _tier(t: tuple[str, str]):
-    return pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.e2e, id=_id(t))
+    return pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.full, id=_id(t))
 
 
 def _id(t) -> str:
@@ -95,7 +95,7 @@ def test_reconfig_transition_up_to_4_ranks(save, load):
 
 
 @pytest.mark.slow
-@pytest.mark.e2e
+@pytest.mark.full
 @pytest.mark.parametrize("save,load", EIGHT_RANK, ids=[_id(t) for t in EIGHT_RANK])
 def test_reconfig_8_rank_transition(save, load):
     _check(save, load, 8)

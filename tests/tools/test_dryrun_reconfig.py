@@ -36,8 +36,8 @@ def _id(t) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "save,load",
-    # make test plans the loads test_reconfig.py runs there (MAKE_TEST); the rest are in the e2e tier
-    [pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.e2e, id=_id(t)) for t in TRANSITIONS],
+    # make test plans the loads test_reconfig.py runs there (MAKE_TEST); the rest are in make test-full
+    [pytest.param(*t, marks=() if t in MAKE_TEST else pytest.mark.full, id=_id(t)) for t in TRANSITIONS],
 )
 def test_plan_is_exactly_the_loads_reads(save, load):
     # the resume test's runs (tests/planning/test_reconfig.py) when this session ran it, else a load of our own
