@@ -61,7 +61,12 @@ DEMO = ["dp4-dp2", "pp2dp2-dp2", "tp2-dp2"]
 
 
 def _topology_flags(topo: dict[str, int]) -> list[str]:
-    names = {"dp": "data_parallel_shard_degree", "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}
+    names = {
+        "dp": "data_parallel_shard_degree",
+        "tp": "tensor_parallel_degree",
+        "pp": "pipeline_parallel_degree",
+        "ep": "expert_parallel_degree",
+    }
     out = []
     for k, v in topo.items():
         out += [f"--parallelism.{names[k]}", str(v)]
@@ -70,8 +75,9 @@ def _topology_flags(topo: dict[str, int]) -> list[str]:
 
 def _world(topo: dict[str, int]) -> int:
     n = 1
-    for v in topo.values():
-        n *= v
+    for k, v in topo.items():
+        if k != "ep":  # expert parallelism borrows the dp_shard x tp ranks (torchtitan's ParallelDims)
+            n *= v
     return n
 
 
