@@ -10,11 +10,12 @@ stacked ``GroupedExperts``, auxiliary-loss-free load balancing) at a CPU-friendl
 from __future__ import annotations
 
 import dataclasses
-
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.qwen3 import Qwen3Model
+from typing import TYPE_CHECKING
 
 from ._compat import qwen3_builders
+
+if TYPE_CHECKING:
+    from torchtitan.models.qwen3 import Qwen3Model
 
 __all__ = ["qwen3_moe_small_model", "qwen3_moe_small_trainer", "moe_rules", "MOE_SMALL", "EXPERT_BIAS"]
 
@@ -34,6 +35,11 @@ MOE_SMALL = {
 
 def qwen3_moe_small_model(attn_backend: str = "flex") -> Qwen3Model.Config:
     """torchtitan's qwen3 MoE debug architecture at :data:`MOE_SMALL` size."""
+    # imported here, not at the top: the manager imports this module for its rules, and torchtitan's
+    # models need torch >= 2.12 while its checkpointer and loaders import on 2.11
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model
+
     Q = qwen3_builders()
     g = MOE_SMALL
     dim, vocab = g["dim"], g["vocab_size"]
