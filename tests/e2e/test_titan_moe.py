@@ -2,7 +2,8 @@
 ``partial_dtensor``) trains torchtitan's qwen3 MoE architecture (``qwen3_moe_small_ucp``: stacked
 experts, top-k router, auxiliary-loss-free load balancing) with expert parallelism, saves at
 dp_shard=4 x ep=2 on 4 ranks, and resumes at layouts that change the EP degree both ways (ep=4,
-ep=1 at dp=2) and add pipeline parallelism. Each resume must hold, right after the load, bitwise what
+ep=1 at dp=2), add pipeline parallelism, or add tensor parallelism (tp=2 x ep=4: dense weights TP-sharded,
+experts EP-sharded over dp x tp). Each resume must hold, right after the load, bitwise what
 the uninterrupted run held right after the save -- every parameter (experts, router gate), optimizer
 moment, step, hyperparameter and model buffer (``expert_bias_E`` replicated, ``tokens_per_expert_E``
 zero) -- train on the same sequences (batch hashes) and continue the losses. A loader that swaps two
@@ -159,6 +160,8 @@ def test_checkpoint_holds_one_replicated_expert_bias_per_layer(saved):
         pytest.param("ep4", {"dp": 4, "ep": 4}, id="ep4"),  # EP degree up: 2 experts per rank instead of 4
         pytest.param("ep1-dp2", {"dp": 2}, id="ep1-dp2"),  # no EP, fewer ranks: experts FSDP-sharded over dp
         pytest.param("pp2-dp2-ep2", {"pp": 2, "dp": 2, "ep": 2}, id="pp2-dp2-ep2"),  # stages, EP kept, DP halved
+        # tensor parallelism added: dense weights TP-sharded, experts EP-sharded over dp x tp (ep=4, efsdp=1)
+        pytest.param("tp2-dp2-ep4", {"tp": 2, "dp": 2, "ep": 4}, id="tp2-dp2-ep4"),
     ],
 )
 def test_moe_resumes_at_a_new_layout(saved, name, topo):
@@ -177,7 +180,7 @@ def test_swapped_experts_at_load_are_caught(saved):
 
 
 def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
-    """``ucp_dcp plan --target titan`` of the ep=4 and ep=1 (dp=2) resumes from the same checkpoint,
+    """``ucp_dcp plan --target titan`` of the ep=4, ep=1 (dp=2) and tp=2 x ep=4 resumes from the same checkpoint,
     in this process: per-rank bytes read, read calls, bytes received and fallbacks equal those of the
     real Trainer resumes above (their readers' ReadStats)."""
     from test_plan_target import _flags
@@ -186,10 +189,12 @@ def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
     from ucp_dcp.torchtitan.plan_target import TitanTarget
 
     root, assets, save = saved
-    for name, topo in (("ep4", {"dp": 4, "ep": 4}), ("ep1-dp2", {"dp": 2})):
+    resumes = (("ep4", {"dp": 4, "ep": 4}), ("ep1-dp2", {"dp": 2}), ("tp2-dp2-ep4", {"tp": 2, "dp": 2, "ep": 4}))
+    ran = [(name, topo) for name, topo in resumes if (root / name).is_dir()]
+    if not ran:  # a -k selection without the resumes
+        pytest.skip("no EP resume ran in this session")
+    for name, topo in ran:
         stats = sorted((root / name).glob("stats.*"))
-        if not stats:
-            pytest.skip(f"the {name} resume did not run")
         target = TitanTarget.from_args(_flags(assets, config=CONFIG, **topo))
         report = plan_load(save / "checkpoint" / f"step-{K}", target, device="cpu", ranks_per_node=8)
         assert report.loads, (name, report.problems)

@@ -317,3 +317,23 @@ def _close(a, b):
     """fp32 logits of two implementations: max |a - b| <= 1e-5 of the logit scale."""
     diff, scale = (a - b).abs().max().item(), a.abs().max().item()
     assert scale > 1.0 and diff <= 1e-5 * scale, (diff, scale)
+
+
+def fp32_experts(patch):
+    """torchtitan's ``GroupedExperts`` compute in bf16 by design (inputs and weights cast before
+    ``_grouped_mm``); to compare with fp32 transformers at the dense tests' 1e-5 the experts run the
+    same math in fp32: rows grouped by expert, ``counts[e]`` rows each (rows past them stay zero)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def forward(self, x, counts):
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        out, start = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype), 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start : start + n]
+            out[start : start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            start += n
+        return out
+
+    patch(GroupedExperts, "forward", forward)  # monkeypatch.setattr in a test, dist.patch in a task

@@ -23,6 +23,7 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
 from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
 from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
+from titan_harness import fp32_experts as _fp32_experts  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
@@ -120,26 +121,6 @@ def test_mapping_derives_sizes_and_rope_from_the_model_config():
 
 
 # -- qwen3 MoE <-> Qwen3MoeForCausalLM -------------------------------------------------------------------------
-
-
-def _fp32_experts(patch):
-    """torchtitan's ``GroupedExperts`` compute in bf16 by design (inputs and weights cast before
-    ``_grouped_mm``); to compare with fp32 transformers at the dense tests' 1e-5 the experts run the
-    same math in fp32: rows grouped by expert, ``counts[e]`` rows each (rows past them stay zero)."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
-    from torchtitan.models.common.moe import GroupedExperts
-
-    def forward(self, x, counts):
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        out, start = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype), 0
-        for e, n in enumerate(counts.tolist()):
-            xe = x[start : start + n]
-            out[start : start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
-            start += n
-        return out
-
-    patch(GroupedExperts, "forward", forward)  # monkeypatch.setattr in a test, dist.patch in a task
 
 
 def _moe_config(dense_layers=(), **router):

@@ -7,7 +7,9 @@
 * ``llama3_debugmodel_gqa_ucp``: the GQA debug model with ucp_dcp.
 * ``qwen3_moe_small``: torchtitan's ``qwen3_moe_debug`` Trainer config with a CPU-sized model of the
   same architecture (:mod:`ucp_dcp.torchtitan.moe`), stock checkpointer; ``qwen3_moe_small_ucp``
-  with ucp_dcp.
+  with ucp_dcp; ``qwen3_moe_small_hf``: the same without the load-balancing bias
+  (``load_balance_coeff=None``), i.e. exactly what HF's ``Qwen3MoeForCausalLM`` computes, so a
+  fine-tune started from an HF folder can be exported back to HF (a learned bias is refused there).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "llama3_debugmodel_gqa_ucp",
     "qwen3_moe_small",
     "qwen3_moe_small_ucp",
+    "qwen3_moe_small_hf",
 ]
 
 GQA_KV_HEADS = 4
@@ -85,3 +88,11 @@ def qwen3_moe_small():
 
 def qwen3_moe_small_ucp():
     return _with_ucp(qwen3_moe_small_trainer())
+
+
+def qwen3_moe_small_hf():
+    cfg = qwen3_moe_small_trainer()
+    for layer in cfg.model_spec.model.layers:
+        if layer.moe is not None:
+            layer.moe.load_balance_coeff = None
+    return cfg

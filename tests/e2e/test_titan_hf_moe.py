@@ -1,0 +1,99 @@
+"""A transformers-made qwen3 MoE folder through the real torchtitan Trainer at an expert-parallel layout.
+
+The one-flag option (``--override.imports ucp_dcp.torchtitan.overrides.checkpointer`` on torchtitan's own
+config, ``qwen3_moe_small_hf``: the CPU-sized qwen3 MoE without the load-balancing bias, i.e. what HF's
+``Qwen3MoeForCausalLM`` computes) starts from the HF folder (``initial_load_in_hf``) at dp=2 x ep=2 --
+each rank reads its experts' ranges of the per-expert HF tensors -- trains 2 steps and writes its last
+save in HF (``last_save_in_hf``). Stock torchtitan (its own HF adapter, the same layout and data) gives
+the same first loss; transformers loads our export with no key missing, every tensor equal to the
+trained parameters, and logits equal to torchtitan's trained model."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("transformers")
+from helpers import skip_unless_torchtitan_runs  # noqa: E402
+
+skip_unless_torchtitan_runs()
+
+import titan_harness as tr  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+CONFIG = "qwen3_moe_small_hf"
+TOPO = {"dp": 2, "ep": 2}
+
+
+def _hf_folder(mapping, folder):
+    """A random transformers model from the mapping's config.json (as tests/torchtitan/test_mappings.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(mapping.config)
+    arch = cfg.pop("architectures")
+    config = AutoConfig.for_model(**cfg)
+    config.architectures = arch
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+    hf.save_pretrained(folder)
+
+
+def test_trainer_starts_from_hf_qwen3_moe_at_ep2_and_exports_back(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from ucp_dcp.torchtitan.config_registry import qwen3_moe_small_hf
+    from ucp_dcp.torchtitan.mappings import hf_mapping
+
+    model_config = qwen3_moe_small_hf().model_spec.model
+    mapping = hf_mapping(model_config)
+    _hf_folder(mapping, tmp_path / "hf")
+    assets = tr.make_assets(tmp_path / "assets")
+    flags = [
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "hf"),
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",  # qwen3_moe_debug exports float16; fp32 to compare bitwise
+        "float32",
+        "--checkpoint.interval",
+        "10",
+    ]
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    env = {"UCP_TITAN_METRICS": str(ours / "loss.json"), "UCP_TITAN_STATE": str(ours / "trained.pt")}
+    tr.run_job(
+        TOPO, ours, assets, 2, flags, {**env, "UCP_TITAN_STATE_STEP": "2"}, config=CONFIG, overrides=[tr.ONE_FLAG]
+    )
+    tr.run_job(TOPO, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=CONFIG)
+    log = (ours / "log.txt").read_text()
+    assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
+    a, b = tr._losses(ours / "loss.json"), tr._losses(stock / "loss.json")
+    assert abs(a[1] - b[1]) <= tr.TOL_FIRST * abs(b[1]), (a, b)
+
+    export = ours / "checkpoint" / "step-2"
+    saved = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+    trained = {
+        k.removeprefix("param/").replace("._checkpoint_wrapped_module", ""): v
+        for k, v in torch.load(ours / "trained.pt", weights_only=False).items()
+        if k.startswith("param/")
+    }
+    for i in range(len(model_config.layers)):  # every expert of every layer, at its global number
+        experts = f"layers.{i}.moe.routed_experts.inner_experts."
+        for e in range(trained[experts + "w1_EFD"].shape[0]):
+            hf = f"model.layers.{i}.mlp.experts.{e}."
+            assert torch.equal(saved[hf + "gate_proj.weight"], trained[experts + "w1_EFD"][e]), (i, e)
+            assert torch.equal(saved[hf + "up_proj.weight"], trained[experts + "w3_EFD"][e]), (i, e)
+            assert torch.equal(saved[hf + "down_proj.weight"], trained[experts + "w2_EDF"][e]), (i, e)
+        assert torch.equal(saved[f"model.layers.{i}.mlp.gate.weight"], trained[f"layers.{i}.moe.router.gate.weight"])
+
+    tr.fp32_experts(monkeypatch.setattr)
+    model = tr._titan(model_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(trained[name])
+    tokens = torch.randint(0, model_config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        tr._close(tr._titan_logits(model, tokens), tr._from_pretrained(export)(tokens).logits)
