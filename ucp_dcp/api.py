@@ -54,7 +54,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     trust: bool = False,
     verify_checksums: bool = True,
-    thread_count: int = 4,
+    thread_count: int | None = None,
     **planner_options: Any,
 ) -> ReadStats:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), at any layout.

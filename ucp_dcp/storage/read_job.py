@@ -51,6 +51,8 @@ class ReadStats:
     """Staging buffers allocated (each ``stage_bytes``; pinned for CUDA targets)."""
     staging_waits: int = 0
     """Times a read waited for a device copy to free a staging buffer."""
+    tasks: int = 0
+    """Reading tasks (a file, or a run of whole chunks of one) spread over the reading threads."""
 
 
 @dataclass

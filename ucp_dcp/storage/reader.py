@@ -41,6 +41,7 @@ from .commit import Integrity, open_checkpoint
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .read_job import ReadJob, ReadStats
 from .staging import BUFFERS_PER_THREAD
+from .threads import reading_threads, split_work
 from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
 
 __all__ = ["UCPFileSystemReader", "ReadStats"]
@@ -60,7 +61,10 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         path: checkpoint folder or fsspec URL.
         _extension_registry: as in DCP: the stream transforms items written with them are decoded
             by (those items are read whole, DCP's way).
-        thread_count: files read concurrently by this rank.
+        thread_count: reading threads of this rank; None (the default): from the machine, the cores
+            this process may use shared among its host's ranks, 2 to 16
+            (:func:`~ucp_dcp.storage.threads.reading_threads`). A rank's files, and runs of whole
+            chunks of a large file, are read concurrently.
         verify_checksums: verify the checksum of every 1 MiB block and object read (when the
             checkpoint has them).
         trust: unpickle a checkpoint's metadata without the allow-list (only for checkpoints from a
@@ -79,7 +83,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         path: str | os.PathLike,
         _extension_registry: Any = None,
         *,
-        thread_count: int = 4,
+        thread_count: int | None = None,
         verify_checksums: bool = True,
         trust: bool = False,
         staging: StagingMode | None = None,
@@ -89,7 +93,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         if "://" in str(path):
             self.fs = fsspec_filesystem()()
             self.path = self.fs.init_path(path)
-        self.thread_count = thread_count
+        self.thread_count = reading_threads() if thread_count is None else max(1, int(thread_count))
         self.verify_checksums = verify_checksums
         self.trust = trust
         if read_once is not None and read_once not in READ_ONCE_MODES:
@@ -219,9 +223,14 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     # -- local reads -------------------------------------------------------------------------------
 
     def _read_local(self, job: ReadJob, skip: set[int]) -> None:
-        """Read every item not received from another rank: files in parallel, chunks of a file
-        in offset order; objects are delivered on this thread (planner sinks are not locked)."""
-        work = sorted(self._by_file(self._local_items(job, skip)).items())
+        """Read every item not received from another rank: files, and runs of whole chunks of a
+        large file, in parallel; chunks of a run in offset order; objects are delivered on this
+        thread (planner sinks are not locked)."""
+        files = sorted(self._by_file(self._local_items(job, skip)).items())
+        for _, cs in files:
+            cs.sort(key=lambda c: self.storage_data[c.index].offset)
+        work = split_work(files, self.thread_count, lambda c: int(self.storage_data[c.index].length))
+        self.stats.tasks = len(work)
         if self.thread_count > 1 and len(work) > 1:
             with ThreadPoolExecutor(min(self.thread_count, len(work))) as pool:
                 for fut in [pool.submit(self._read_file, job, rel, cs) for rel, cs in work]:

@@ -101,7 +101,7 @@ class ForeignReader(UCPFileSystemReader):
         self,
         path: str | os.PathLike,
         *,
-        thread_count: int = 4,
+        thread_count: int | None = None,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
     ) -> None:

@@ -25,7 +25,7 @@ def load_hf(
     mapping: HFMapping,
     *,
     process_group: dist.ProcessGroup | None = None,
-    thread_count: int = 4,
+    thread_count: int | None = None,
     quiet: bool = False,
     **planner_options: Any,
 ) -> ReadStats:

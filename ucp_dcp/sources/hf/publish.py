@@ -151,7 +151,7 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 << 30,
-    thread_count: int = 4,
+    thread_count: int | None = None,
     config: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> ExportStats:

@@ -145,7 +145,7 @@ class HFStorageReader(UCPFileSystemReader):
         path: str | os.PathLike,
         mapping: HFMapping,
         *,
-        thread_count: int = 4,
+        thread_count: int | None = None,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
     ) -> None:

@@ -46,7 +46,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="hosts",
         help="the load's read_once setting (default hosts)",
     )
-    p.add_argument("--threads", type=int, default=4, help="the reader's thread_count (default 4)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="the reader's thread_count (default: its own choice from the cores)"
+    )
     p.add_argument("--bandwidth", help="storage read bandwidth per node, e.g. 2GB/s: gives a load-time estimate")
     p.add_argument(
         "--aggregate-bandwidth", help="storage bandwidth of all nodes together (default: nodes x --bandwidth)"

@@ -27,6 +27,7 @@ from ...planning.payloads import ReadOnceMode, ReadSummary
 from ...storage.format import check_tables
 from ...storage.opening import open_path
 from ...storage.staging import BUFFERS_PER_THREAD
+from ...storage.threads import reading_threads
 from ...storage.transport import plan_transport, read_summary
 from .read_cost import CostModel, Piece, pieces
 from .targets import Target
@@ -155,7 +156,7 @@ def plan_load(
     check_symmetry: bool = True,
     trust: bool = False,
     verify_checksums: bool = True,
-    thread_count: int = 4,
+    thread_count: int | None = None,
     allow_partial_load: bool = False,
     allow_lossy_dtype: bool = False,
     keep_items: bool = False,
@@ -166,8 +167,11 @@ def plan_load(
     ``read_once``, ``thread_count``, ``verify_checksums``, ``allow_*`` and ``trust`` are the load's
     own settings (``UCPLoadPlanner`` / ``UCPFileSystemReader``); ``device`` is where the job's
     state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place);
-    ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default)."""
+    ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default);
+    ``thread_count`` None: the reader's own choice for ``ranks_per_node`` ranks on this machine's cores."""
     t0 = time.perf_counter()
+    if thread_count is None:
+        thread_count = reading_threads(local_ranks=ranks_per_node)
     report = PlanReport(
         str(checkpoint),
         target.name,
@@ -348,7 +352,8 @@ def _rank_plan(
     sent = sum(sum(sizes[int(i)] for i in ps) * len(dsts) for ps, dsts in transport.send)
     n_staged = sum(1 for it in own if it[1] is not None) if staged else 0
     staging = min(n_staged, BUFFERS_PER_THREAD * max(1, threads)) * STAGE_BYTES
-    extra = staging + cost.largest_buffer * min(threads, max(1, len(cost.files))) + sent_kept + biggest_in
+    # reading tasks are files or runs of whole chunks of one: at most one buffer per chunk in flight
+    extra = staging + cost.largest_buffer * min(threads, max(1, len(cost.items))) + sent_kept + biggest_in
     return RankPlan(
         r,
         r // rpn,
