@@ -34,7 +34,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-full test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-trust setup clean
+.PHONY: demo lint test test-e2e test-full test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -152,6 +152,13 @@ bench: $(STAMP)
 # what atomic commit + checksums cost at save, and verify's rate vs a raw read (docs/reliability.md)
 bench-trust: $(STAMP)
 	$(PY) recipes/bench_trust.py --json runs/bench_trust.json
+
+# the GPU figures (docs/performance.md, GPU): one process on one GPU, then 4 ranks sharing it; JSON + plot in runs/bench_gpu
+bench-gpu: $(STAMP)
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) recipes/bench_single.py --device cuda --mib 4096 --json runs/bench_gpu/single.json --plot runs/bench_gpu/single.png && \
+		$(PY) recipes/bench_device.py --device cuda --json runs/bench_gpu/device.json; \
+	else echo "bench-gpu: SKIPPED, no CUDA GPU on this machine (torch.cuda.is_available() is False)"; fi
 
 bench-quick: $(STAMP)
 	$(PY) recipes/benchmark.py --quick --json runs/benchmark-quick.json

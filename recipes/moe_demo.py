@@ -4,8 +4,8 @@ The save job trains torchtitan's qwen3 MoE architecture at a CPU size (``qwen3_m
 8 stacked experts, top-k router, auxiliary-loss-free load balancing through the ``expert_bias_E`` buffer)
 with the ucp_dcp option at dp_shard=4 x ep=2 on 4 ranks (torchtitan's Trainer under torchrun, CPU/gloo),
 checkpointing at step K; it is also the uninterrupted reference. Each resume starts from that one
-checkpoint at a layout that changes the EP degree up (ep=4) or removes it (dp=2), or adds pipeline stages
-(pp=2 x dp=2 x ep=2), and trains to step N. Right after the load, the full state every rank holds
+checkpoint at a layout that changes the EP degree up (ep=4) or removes it (dp=2), adds pipeline stages
+(pp=2 x dp=2 x ep=2) or tensor parallelism (tp=2 x dp=2 x ep=4), and trains to step N. Right after the load, the full state every rank holds
 (parameters, optimizer moments, step, hyperparameters, model buffers; written with plain ``torch.save``
 by the launcher, no ucp_dcp code) must equal bitwise what the save job held right after the save; the
 losses continue the reference and every step trains on the same sequences (batch hashes). A last run
@@ -40,6 +40,7 @@ RESUMES = {
     "ep4": {"dp": 4, "ep": 4},  # EP degree up: 2 experts per rank instead of 4
     "ep1-dp2": {"dp": 2},  # no EP, fewer ranks: the experts FSDP-sharded over dp
     "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},  # pipeline stages added, EP kept, DP halved
+    "tp2-dp2-ep4": {"tp": 2, "dp": 2, "ep": 4},  # tensor parallelism added, EP up over dp x tp
 }
 STEPS, K = 3, 2
 FLIPPED = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
