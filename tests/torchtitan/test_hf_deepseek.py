@@ -362,3 +362,107 @@ def test_deepseek_loads_at_a_tp2_ep2_layout_equal_to_one_process(tmp_path, q_lor
     for r in res:
         assert r["bad"] == [] and r["experts"] == 4 and r["gathers"] == 0 < r["seen"], r
         assert r["read"] == r["local"] and r["read"] < 0.7 * total, (r, total)
+
+
+def _pp_worker(rank, world, hf_path):
+    """Rank ``rank`` of 2 as pipeline stage ``rank`` (stage 0: embedding and layers 0-1, stage 1:
+    layer 2, norm and head), plain tensors: its stage loaded from the HF folder against a
+    single-process load, reading only that stage's tensors."""
+    cfg = deepseek_v3_small_model()
+    mapping = hf_mapping(cfg)
+    ref = _titan(cfg).state_dict()
+    load_hf(ref, hf_path, mapping, quiet=True)
+
+    def stage(k):
+        return 0 if k.startswith(("tok_embeddings.", "layers.0.", "layers.1.")) else 1
+
+    sd = {k: torch.full_like(v, 7.0) for k, v in _titan(cfg).state_dict().items() if stage(k) == rank}
+    stats = load_hf(sd, hf_path, mapping, quiet=True)
+    bad = [k for k, v in sd.items() if not torch.equal(v, ref[k])]
+    return {"bad": bad, "keys": len(sd), "read": stats.bytes_read, "local": sum(v.nbytes for v in sd.values())}
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_deepseek_loads_into_pipeline_stages(tmp_path):
+    """PP=2: each stage's tensors equal the single-process load bitwise; a stage reads its own bytes only."""
+    import dist as D
+
+    _hf_model(hf_mapping(deepseek_v3_small_model()), tmp_path / "hf")
+    res = D.run(_pp_worker, 2, str(tmp_path / "hf"))
+    assert all(r["bad"] == [] and r["keys"] > 10 and r["read"] == r["local"] for r in res), res
+
+
+class _NoState:
+    """The optimizer / scheduler / dataloader of a model-only manager run: nothing to save or load."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        assert not sd
+
+    def init_cache_state_dict(self):
+        pass
+
+
+def _manager_worker(rank, world, base, hf_path, tokens):
+    """UCPCheckpointManager with the HF options on the deepseek_v3 model: ``initial_load_in_hf`` from
+    the folder (the target's bias 0.5 replaced by HF's correction bias), ``last_save_in_hf`` back."""
+    import dist as D
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    from ucp_dcp.torchtitan import UCPCheckpointManager
+
+    _fp32_experts(D.patch)
+    cfg = deepseek_v3_small_model()
+    model = _titan(cfg)
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "expert_bias_E", None) is not None:
+                m.expert_bias_E.fill_(0.5)
+    config = UCPCheckpointManager.Config(
+        enable=True,
+        folder="checkpoint",
+        interval=10,
+        async_mode="disabled",
+        initial_load_path=hf_path,
+        initial_load_in_hf=True,
+        initial_load_model_only=True,
+        last_save_in_hf=True,
+        last_save_model_only=True,
+    )
+    m = UCPCheckpointManager(
+        config,
+        dataloader=_NoState(),
+        model_parts=[model],
+        optimizers=_NoState(),
+        lr_schedulers=_NoState(),
+        states={},
+        sd_adapter=DeepSeekV3StateDictAdapter(cfg, None),  # ucp_dcp reads its config only
+        base_folder=base,
+    )
+    assert m.load(step=-1)
+    bias = model.layers["2"].moe.expert_bias_E.clone()
+    logits = _titan_logits(model, tokens)
+    assert m.save(curr_step=1, last_step=True)
+    m.close()
+    return bias, logits
+
+
+@pytest.mark.slow
+@torchtitan_forward
+def test_manager_loads_and_saves_deepseek_in_hf(tmp_path):
+    """The manager's HF path with deepseek_v3: transformers' logits after the load, the correction
+    bias loaded (with its ``Replicated`` rule in that load), the folder written back bitwise."""
+    import dist as D
+
+    hf = _hf_model(hf_mapping(deepseek_v3_small_model()), tmp_path / "hf")
+    tokens = _tokens()
+    with torch.no_grad():
+        want = hf(tokens).logits
+    bias, got = D.run(_manager_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "run" / "checkpoint" / "step-1")
+    assert torch.equal(bias, src[BIAS.format(i=2)]) and bias.abs().max() < 0.5
+    _close(want, got)
+    assert set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
