@@ -33,11 +33,12 @@ a gate bias, debug routing) computes something HF cannot: refused by name.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from ..errors import UCPError
 from ..sources.hf.mapping import HFMapping, HFRule
-from ._compat import router_forces_round_robin
+from ._compat import deepseek_v3_builders, router_forces_round_robin
 
 __all__ = ["DEEPSEEK_SMALL", "deepseek_v3_small_model", "deepseek_mapping", "is_deepseek_v3"]
 
@@ -79,14 +80,15 @@ def deepseek_v3_small_model(
             ``"cossin"`` (``CosSinRoPE``, rotated halves).
         rope_factor: the YaRN factor (1: no scaling).
     """
-    # torchtitan's deepseek_v3 package needs torch >= 2.12: imported here, not at module import
-    import torchtitan.models.deepseek_v3 as D
+    # torchtitan's models need torch >= 2.12: imported here, not at module import (mappings imports us)
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 
     g = DEEPSEEK_SMALL
     dim, vocab = g["dim"], g["vocab_size"]
     rope_cls = {"complex": ComplexRoPE, "cossin": CosSinRoPE}[rope]
-    layers = D.build_mla_moe_layers(
+    D = deepseek_v3_builders()
+    layers = D["layers"](
         n_layers=g["n_layers"],
         n_dense_layers=g["n_dense_layers"],
         dim=dim,
@@ -110,10 +112,6 @@ def deepseek_v3_small_model(
         attn_backend=attn_backend,
         moe_comm_backend="standard",
         non_blocking_capacity_factor=None,
-        linear_init=D._LINEAR_INIT,
-        norm_init=D._NORM_INIT,
-        depth_init=D._depth_init,
-        depth_experts_init=D._depth_experts_init,
         rope=rope_cls.Config(
             dim=g["qk_rope_head_dim"],
             max_seq_len=1024,
@@ -129,23 +127,21 @@ def deepseek_v3_small_model(
         att = layer.attention
         att.kv_norm = dataclasses.replace(att.kv_norm, eps=_HF_LATENT_EPS)
         att.q_norm = dataclasses.replace(att.q_norm, eps=_HF_LATENT_EPS)
-    return D.DeepSeekV3Model.Config(
+    return DeepSeekV3Model.Config(
         vocab_size=vocab,
         dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=D._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=D._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=D._output_linear_init(dim)),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=D["embedding_init"]),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=D["norm_init"]),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=D["output_init"](dim)),
         layers=layers,
     )
 
 
 def is_deepseek_v3(cfg: Any) -> bool:
-    """Whether ``cfg`` is a torchtitan deepseek_v3 model config (False without torchtitan's package)."""
-    try:
-        from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
-    except ImportError:  # pragma: no cover - torchtitan without deepseek_v3 (or torch < 2.12)
-        return False
-    return isinstance(cfg, DeepSeekV3Model.Config)
+    """Whether ``cfg`` is a torchtitan deepseek_v3 model config. Imports nothing: such a config exists
+    only once torchtitan's deepseek_v3 package is imported (which needs torch >= 2.12)."""
+    module = sys.modules.get("torchtitan.models.deepseek_v3.model")
+    return module is not None and isinstance(cfg, module.DeepSeekV3Model.Config)
 
 
 def _refuse(what: str, atom: str, saved: Any, wanted: Any, hint: str) -> UCPError:
