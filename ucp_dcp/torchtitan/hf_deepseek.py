@@ -63,6 +63,7 @@ DEEPSEEK_SMALL = {
 }
 """Geometry of :func:`deepseek_v3_small_model` (8 experts in 4 groups: EP degrees 2, 4, 8 divide them)."""
 
+_ROPE = "HF's DeepSeek-V3 rotates interleaved pairs or halves, unscaled or with YaRN"
 _HF_LATENT_EPS = 1e-6
 """HF builds ``q_a_layernorm``/``kv_a_layernorm`` with ``DeepseekV3RMSNorm``'s default eps."""
 
@@ -177,7 +178,7 @@ def _attention_key(i: int, att: Any) -> tuple[Any, ...]:
     kinds = {ComplexRoPE.Config: True, CosSinRoPE.Config: False}
     interleave = next((v for k, v in kinds.items() if isinstance(rope, k)), None)
     if interleave is None:
-        raise _refuse(f"layer {i} RoPE", f"{at}.rope", type(rope).__qualname__, "ComplexRoPE or CosSinRoPE", "")
+        raise _refuse(f"layer {i} RoPE", f"{at}.rope", type(rope).__qualname__, "ComplexRoPE/CosSinRoPE", _ROPE)
     if rope.dim != att.qk_rope_head_dim:
         raise _refuse(
             f"layer {i} rotary dim", f"{at}.rope", rope.dim, att.qk_rope_head_dim, "rotate qk_rope_head_dim dims"
@@ -212,7 +213,7 @@ def _attention_key(i: int, att: Any) -> tuple[Any, ...]:
     elif rope.scaling in ("none", "yarn"):  # yarn at factor <= 1 is no scaling in torchtitan
         rope_parameters = {"rope_type": "default", "rope_theta": float(rope.theta)}
     else:
-        raise _refuse(f"layer {i} RoPE scaling", f"{at}.rope", rope.scaling, "yarn or none", "")
+        raise _refuse(f"layer {i} RoPE scaling", f"{at}.rope", rope.scaling, "yarn or none", _ROPE)
     return (
         att.n_heads,
         att.q_lora_rank or None,
@@ -263,15 +264,14 @@ def _moe_key(i: int, moe: Any, dim: int) -> tuple[Any, ...]:
             "HF's DeepSeek-V3 MoE always has shared experts of n_shared_experts * moe_intermediate_size",
         )
     if not isinstance(inner, GroupedExperts.Config):
-        raise _refuse(
-            f"layer {i} experts", f"{at}.routed_experts.inner_experts", type(inner).__qualname__, "GroupedExperts", ""
-        )
+        kind = type(inner).__qualname__
+        raise _refuse(f"layer {i} experts", f"{at}.routed_experts", kind, "GroupedExperts", "stacked experts only")
     counts = (moe.num_experts, router.num_experts, router.gate.out_features, inner.num_experts)
     if len(set(counts)) != 1 or inner.dim != dim or router.gate.in_features != dim:
-        raise _refuse(f"layer {i} expert counts / input sizes", at, counts, "one count, model dim inputs", "")
+        raise _refuse(f"layer {i} expert counts / sizes", at, counts, "one count", "one num_experts, inputs of dim")
     groups = (router.num_expert_groups or 1, router.num_limited_groups or 1)
     if router.num_expert_groups is None and router.num_limited_groups is not None:
-        raise _refuse(f"layer {i} group limit without groups", f"{at}.router", groups, "num_expert_groups", "")
+        raise _refuse(f"layer {i} groups", f"{at}.router", groups, "num_expert_groups", "set both or neither")
     return (moe.num_experts, router.top_k, *groups, bool(router.route_norm), float(router.route_scale),
             inner.hidden_dim, shared.w1.out_features // inner.hidden_dim)  # fmt: skip
 
@@ -313,7 +313,13 @@ def deepseek_mapping(cfg: Any, *, max_position_embeddings: int | None = None) ->
     ffn = _one({i: layers[i].feed_forward.w1.out_features for i in range(k)}, "FFN size", "layers.{i}") if k else hidden
     eps = {float(n.eps) for layer in layers for n in (layer.attention_norm, layer.ffn_norm)} | {float(cfg.norm.eps)}
     if len(eps) > 1:
-        raise _refuse("layer norm eps differ", "norm", sorted(eps), "one rms_norm_eps", "")
+        raise _refuse(
+            "layer norm eps differ",
+            "norm",
+            sorted(eps),
+            "one rms_norm_eps",
+            "build every RMSNorm but the latent ones with one eps",
+        )
     tied = bool(cfg.enable_weight_tying)
     rules = [
         HFRule("model.embed_tokens.weight", "tok_embeddings.weight"),
