@@ -112,6 +112,20 @@ def qwen3_builders() -> dict[str, Any]:
     }
 
 
+def deepseek_v3_builders() -> dict[str, Any]:
+    """The private pieces of torchtitan's deepseek_v3 registry a CPU-sized deepseek_v3 is built from
+    (:mod:`ucp_dcp.torchtitan.hf_deepseek`): the MLA + MoE layer builder with DeepSeek's own inits,
+    the embedding and norm inits and the output-head init factory (``dim -> init``)."""
+    import torchtitan.models.deepseek_v3 as D
+
+    return {
+        "layers": D._build_dsv3_layers,
+        "embedding_init": D._EMBEDDING_INIT,
+        "norm_init": D._NORM_INIT,
+        "output_init": D._output_linear_init,
+    }
+
+
 def router_forces_round_robin(router_config: Any) -> bool:
     """Whether a ``TokenChoiceTopKRouter.Config`` has its debug round-robin routing on (its private
     ``_debug_force_load_balance``: experts assigned by position, not by score)."""

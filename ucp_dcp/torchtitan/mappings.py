@@ -1,4 +1,4 @@
-"""Hugging Face mappings for torchtitan's llama3, qwen3 and qwen3 MoE models.
+"""Hugging Face mappings for torchtitan's llama3, qwen3, qwen3 MoE and deepseek_v3 models.
 
 :func:`hf_mapping` derives, from a torchtitan model config (or a built model, or a model spec), the
 :class:`~ucp_dcp.sources.hf.HFMapping` between the model's canonical parameter names (torchtitan's model
@@ -18,7 +18,9 @@ own state-dict adapters (``models/{llama3,qwen3}/state_dict_adapter.py``):
 Mixture-of-experts qwen3 models map to ``Qwen3MoeForCausalLM`` (:mod:`ucp_dcp.torchtitan.hf_moe`): the
 router gate one to one, the stacked ``[E, ...]`` expert weights one HF tensor per expert (``stack``
 rules), routing settings HF cannot express refused by name, and the load-balancing
-``expert_bias_E`` a ``zero`` atom (zeroed on load, an export refuses it non-zero).
+``expert_bias_E`` a ``zero`` atom (zeroed on load, an export refuses it non-zero). deepseek_v3
+models map to ``DeepseekV3ForCausalLM`` (:mod:`ucp_dcp.torchtitan.hf_deepseek`: MLA, shared experts,
+``expert_bias_E`` = ``e_score_correction_bias``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from ..errors import UCPError
 from ..layout.patterns import Tied
 from ..sources.hf.mapping import HFMapping, HFRule
+from .hf_deepseek import deepseek_mapping, is_deepseek_v3
 from .hf_moe import moe_part
 
 __all__ = ["hf_mapping", "tied_rules", "model_config_of"]
@@ -181,7 +184,7 @@ def _geometry(cfg: Any, family: str) -> dict[str, Any]:
 
 
 def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFMapping:
-    """The :class:`~ucp_dcp.sources.hf.HFMapping` of a torchtitan llama3, qwen3 or qwen3 MoE model.
+    """The :class:`~ucp_dcp.sources.hf.HFMapping` of a torchtitan llama3, qwen3, qwen3 MoE or deepseek_v3 model.
 
     Args:
         model: the model config (``model_registry("debugmodel").model``), a built model, a model spec
@@ -189,6 +192,8 @@ def hf_mapping(model: Any, *, max_position_embeddings: int | None = None) -> HFM
         max_position_embeddings: written to config.json (default: the RoPE's ``max_seq_len``).
     """
     cfg = model_config_of(model)
+    if is_deepseek_v3(cfg):
+        return deepseek_mapping(cfg, max_position_embeddings=max_position_embeddings)
     family = _family(cfg)
     g = _geometry(cfg, family)
     tied = bool(cfg.enable_weight_tying)
