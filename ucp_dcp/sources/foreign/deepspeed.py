@@ -11,7 +11,11 @@ Three on-disk forms, detected from the folder:
   pieces of ``ceil(numel / dp)`` (the last one padded); rank ``r``'s flat group (``fp32_flat_groups``)
   is its pieces in ``param_shapes`` order;
 * **universal** (``ds_to_universal``'s ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``): one file per
-  param and state (ZeRO-3's are flat, shaped by ``param_shapes``).
+  param and state (ZeRO-3's are flat, shaped by ``param_shapes``);
+* **MoE, ZeRO-1/2** (``deepspeed.moe.layer.MoE`` layers, expert parallel): the expert weights from
+  DeepSpeed's ``layer_<L>_expert_<E>_...`` files, their moments from the ``moe`` param groups' flat
+  partitions (rank ``r``: EP rank ``r % ep``, partition ``r // ep``), under global expert numbers
+  (:mod:`~ucp_dcp.sources.foreign.deepspeed_moe`); ``names`` maps them to the target's names.
 
 Every slice of a param in a flat buffer becomes a few contiguous boxes of its atoms (partial rows,
 whole rows: :func:`~ucp_dcp.sources.foreign.pieces.flat_boxes`), cut again where the param fuses several atoms
@@ -40,6 +44,7 @@ from ...layout.patterns import Rule
 from ...planning.device import StagingMode
 from ...planning.payloads import ReadOnceMode
 from .base import ForeignReader, row_layout
+from .deepspeed_moe import MoELayout, NameRule, expert_file, moe_layout, rename, to_global
 from .inert import Opaque, TensorRef, TorchFile, dig, load_inert
 from .pieces import Piece, flat_boxes, split_rows
 
@@ -63,6 +68,8 @@ class DeepSpeedReader(ForeignReader):
         optim: where the optimizer state dict sits (``"optim."``); None: no optimizer atoms.
         tag: the tag folder to read instead of ``latest``'s.
         universal: read the universal folder that ``latest_universal`` names.
+        names: rules from DeepSpeed's parameter names (global expert numbers) to the target's
+            (``deepspeed_moe.TOY_NAMES`` for the toy LLM); unmatched names are kept.
     """
 
     source = "DeepSpeed"
@@ -77,6 +84,7 @@ class DeepSpeedReader(ForeignReader):
         optim: str | None = "optim.",
         tag: str | None = None,
         universal: bool = False,
+        names: Sequence[NameRule] = (),
         thread_count: int = 4,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
@@ -87,6 +95,9 @@ class DeepSpeedReader(ForeignReader):
         self.rules = list(patterns)
         self.degrees = dict(degrees or {})
         self.prefix, self.optim = prefix, optim
+        self.names = tuple(names)
+        self.moe: MoELayout | None = None
+        """The experts of a MoE checkpoint (set when the metadata is read)."""
         self.kind = ""
         """``"zero12"``, ``"zero3"`` or ``"universal"`` (set when the metadata is read)."""
 
@@ -111,10 +122,12 @@ class DeepSpeedReader(ForeignReader):
         model = load_inert(os.path.join(self.path, model_files[0]))
         self._check_model(model)
         shapes = [{str(k): tuple(int(x) for x in v) for k, v in _items(g)} for g in dig(model.obj, "param_shapes")]
+        self.moe = None
         self._shared = set(_items_dict(model.obj.get("shared_params") or {}))
         self._atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._pieces: list[Piece] = []
         values: dict[str, Any] = {}
+        self._moe_groups(model, shapes, names)
         if self.kind == "universal":
             groups = self._universal(shapes)
         else:
@@ -122,20 +135,74 @@ class DeepSpeedReader(ForeignReader):
         if self.optim is not None:
             for g, group in enumerate(groups):
                 hp = {k: v for k, v in _items(group) if k != "params"}
-                for name in shapes[g]:
-                    for atom in self._layout(name, shapes[g][name], "").atoms:
+                for name, shape in self._global(g, shapes[g]).items():
+                    for atom in self._layout(name, shape, "").atoms:
                         part = atom[len(self.prefix) :]
                         values.update({f"{self.optim}param_groups.{part}.{k}": v for k, v in hp.items()})
         for name in _buffers(model.obj):
             self._whole(model, name, dig(model.obj, "module", name), "")
+        if self.moe is not None:
+            self._expert_files()
         return self._pieces, self._atoms, values
+
+    # -- MoE --------------------------------------------------------------------------------------------
+
+    def _moe_groups(self, model: TorchFile, shapes: list[dict[str, tuple[int, ...]]], names: list[str]) -> None:
+        """Find the ``moe`` param groups (their params hold \"deepspeed_experts\") and the expert layout."""
+        self._is_moe = [any(".deepspeed_experts." in n for n in g) for g in shapes]
+        has_files = any(re.fullmatch(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
+        if not any(self._is_moe) and not has_files:
+            return
+        if self.kind != "zero12":
+            raise UCPError(
+                f"{self.path}: a DeepSpeed MoE checkpoint in the {self.kind} form is not read",
+                saved=self.kind,
+                wanted="zero12",
+                hint="MoE checkpoints of ZeRO stage 1 or 2 are read (docs/migrating.md says why not ZeRO-3/universal)",
+            )
+        expert = {n: s for g, m in zip(shapes, self._is_moe) if m for n, s in g.items()}
+        self.moe = moe_layout(expert, list(model.obj.get("num_experts") or []), model.path)
+
+    def _global(self, g: int, group: dict[str, tuple[int, ...]], ep_rank: int | None = None) -> dict:
+        """Group ``g``'s params under global names: of one EP rank, or (None) of every EP rank."""
+        if self.moe is None or not self._is_moe[g]:
+            return group
+        ranks = range(self.moe.ep) if ep_rank is None else [ep_rank]
+        return {to_global(n, e, self.moe.n_local): s for e in ranks for n, s in group.items()}
+
+    def _expert_files(self) -> None:
+        """Every expert's weights from its ``layer_<L>_expert_<E>`` file (each must be there, whole)."""
+        moe = self.moe
+        assert moe is not None
+        for layer in range(len(moe.layers)):
+            for e in range(moe.n_experts):
+                want = moe.names(layer, e)
+                path = os.path.join(self.path, expert_file(layer, e))
+                if not os.path.isfile(path):
+                    atom = self._layout(want[0][0], want[0][1], "").atoms[0]
+                    raise CheckpointNotFoundError(
+                        f"{self.path} has no {expert_file(layer, e)}: expert {e} of MoE layer "
+                        f"'{moe.layers[layer]}' (atom '{atom}') is missing",
+                        atom=atom,
+                        hint="the checkpoint is incomplete (each expert-parallel rank writes its experts' files)",
+                    )
+                tf = load_inert(path)
+                have = sorted(map(str, tf.obj)) if isinstance(tf.obj, dict) else None
+                if have != sorted(n for n, _ in want):
+                    raise CorruptCheckpointError(
+                        f"{path} holds {have}, expected the params of expert {e}: {[n for n, _ in want]}",
+                        atom=want[0][0],
+                        hint="the file is not this checkpoint's expert file",
+                    )
+                for name, shape in want:
+                    self._whole(tf, name, tf.obj[name], "", shape)
 
     def _check_model(self, model: TorchFile) -> None:
         o = model.obj
         if not isinstance(o, dict) or "param_shapes" not in o:
             raise CorruptCheckpointError(
                 f"{model.path} is not a DeepSpeed model-states file (no param_shapes)",
-                hint="DeepSpeed's own MoE expert files (layer_*_expert_*) are not read",
+                hint="pass the folder or tag save_checkpoint wrote (expert files are read from it)",
             )
         if (
             int(o.get("mp_world_size") or 1) != 1
@@ -156,6 +223,7 @@ class DeepSpeedReader(ForeignReader):
 
     def _layout(self, name: str, shape: tuple[int, ...], suffix: str) -> Any:
         prefix = self.prefix if not suffix else f"{self.optim}state."
+        name = rename(name, self.names)
         return row_layout(name, shape[0] if shape else 1, self.rules, self.degrees, prefix=prefix, suffix=suffix)
 
     def _add(
@@ -240,12 +308,24 @@ class DeepSpeedReader(ForeignReader):
             for g, group in enumerate(shapes):
                 st = state[g] if g in state else state[str(g)]
                 bufs = {"": fp32[g], **{"." + k: dig(st, k) for k in STATES}}
+                part, parts = r, dp
+                if self.moe is not None and self._is_moe[g]:  # EP rank r % ep, expert-DP rank r // ep
+                    ep = self.moe.ep
+                    part, parts = r // ep, dp // ep
+                    group = self._global(g, group, r % ep)
+                    del bufs[""]  # the weights come from the expert files
+                    if dp % ep or int(dig(osd, "partition_count")[g]) != parts:
+                        raise CorruptCheckpointError(
+                            f"{fname}: the expert group {g} is split {dig(osd, 'partition_count')[g]} ways; "
+                            f"{dp} ranks at ep={ep} split it {parts} ways",
+                            hint="the checkpoint is incomplete or not expert-parallel as DeepSpeed's MoE lays it out",
+                        )
                 if self.kind == "zero3":
                     self._zero3_group(tf, r, dp, group, bufs)
                 else:
                     pads = dig(osd, "param_alignment_paddings")[g]
-                    self._zero12_group(tf, r, dp, group, pads, bufs)
-                if r == 0:
+                    self._zero12_group(tf, part, parts, group, pads, bufs)
+                if part == 0:
                     for name, shape in group.items():
                         self._step(tf, name, shape, dig(st, "step"))
             if r == 0:
