@@ -44,7 +44,7 @@ from ...layout.patterns import Rule
 from ...planning.device import StagingMode
 from ...planning.payloads import ReadOnceMode
 from .base import ForeignReader, row_layout
-from .deepspeed_moe import MoELayout, NameRule, expert_file, moe_layout, rename, to_global
+from .deepspeed_moe import MoEReading, NameRule, rename
 from .inert import Opaque, TensorRef, TorchFile, dig, load_inert
 from .pieces import Piece, flat_boxes, split_rows
 
@@ -54,7 +54,7 @@ STATES = ("exp_avg", "exp_avg_sq")
 """The Adam moments read (the flat buffers of ``torch.optim.Adam``/``AdamW``)."""
 
 
-class DeepSpeedReader(ForeignReader):
+class DeepSpeedReader(MoEReading, ForeignReader):
     """Reads a DeepSpeed checkpoint (see module doc) into any target layout inside ``dcp.load``.
 
     Args:
@@ -96,8 +96,6 @@ class DeepSpeedReader(ForeignReader):
         self.degrees = dict(degrees or {})
         self.prefix, self.optim = prefix, optim
         self.names = tuple(names)
-        self.moe: MoELayout | None = None
-        """The experts of a MoE checkpoint (set when the metadata is read)."""
         self.kind = ""
         """``"zero12"``, ``"zero3"`` or ``"universal"`` (set when the metadata is read)."""
 
@@ -144,58 +142,6 @@ class DeepSpeedReader(ForeignReader):
         if self.moe is not None:
             self._expert_files()
         return self._pieces, self._atoms, values
-
-    # -- MoE --------------------------------------------------------------------------------------------
-
-    def _moe_groups(self, model: TorchFile, shapes: list[dict[str, tuple[int, ...]]], names: list[str]) -> None:
-        """Find the ``moe`` param groups (their params hold \"deepspeed_experts\") and the expert layout."""
-        self._is_moe = [any(".deepspeed_experts." in n for n in g) for g in shapes]
-        has_files = any(re.fullmatch(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
-        if not any(self._is_moe) and not has_files:
-            return
-        if self.kind != "zero12":
-            raise UCPError(
-                f"{self.path}: a DeepSpeed MoE checkpoint in the {self.kind} form is not read",
-                saved=self.kind,
-                wanted="zero12",
-                hint="MoE checkpoints of ZeRO stage 1 or 2 are read (docs/migrating.md says why not ZeRO-3/universal)",
-            )
-        expert = {n: s for g, m in zip(shapes, self._is_moe) if m for n, s in g.items()}
-        self.moe = moe_layout(expert, list(model.obj.get("num_experts") or []), model.path)
-
-    def _global(self, g: int, group: dict[str, tuple[int, ...]], ep_rank: int | None = None) -> dict:
-        """Group ``g``'s params under global names: of one EP rank, or (None) of every EP rank."""
-        if self.moe is None or not self._is_moe[g]:
-            return group
-        ranks = range(self.moe.ep) if ep_rank is None else [ep_rank]
-        return {to_global(n, e, self.moe.n_local): s for e in ranks for n, s in group.items()}
-
-    def _expert_files(self) -> None:
-        """Every expert's weights from its ``layer_<L>_expert_<E>`` file (each must be there, whole)."""
-        moe = self.moe
-        assert moe is not None
-        for layer in range(len(moe.layers)):
-            for e in range(moe.n_experts):
-                want = moe.names(layer, e)
-                path = os.path.join(self.path, expert_file(layer, e))
-                if not os.path.isfile(path):
-                    atom = self._layout(want[0][0], want[0][1], "").atoms[0]
-                    raise CheckpointNotFoundError(
-                        f"{self.path} has no {expert_file(layer, e)}: expert {e} of MoE layer "
-                        f"'{moe.layers[layer]}' (atom '{atom}') is missing",
-                        atom=atom,
-                        hint="the checkpoint is incomplete (each expert-parallel rank writes its experts' files)",
-                    )
-                tf = load_inert(path)
-                have = sorted(map(str, tf.obj)) if isinstance(tf.obj, dict) else None
-                if have != sorted(n for n, _ in want):
-                    raise CorruptCheckpointError(
-                        f"{path} holds {have}, expected the params of expert {e}: {[n for n, _ in want]}",
-                        atom=want[0][0],
-                        hint="the file is not this checkpoint's expert file",
-                    )
-                for name, shape in want:
-                    self._whole(tf, name, tf.obj[name], "", shape)
 
     def _check_model(self, model: TorchFile) -> None:
         o = model.obj
@@ -309,17 +255,9 @@ class DeepSpeedReader(ForeignReader):
                 st = state[g] if g in state else state[str(g)]
                 bufs = {"": fp32[g], **{"." + k: dig(st, k) for k in STATES}}
                 part, parts = r, dp
-                if self.moe is not None and self._is_moe[g]:  # EP rank r % ep, expert-DP rank r // ep
-                    ep = self.moe.ep
-                    part, parts = r // ep, dp // ep
-                    group = self._global(g, group, r % ep)
+                if self.moe is not None and self._is_moe[g]:
+                    part, parts, group = self._expert_partition(fname, g, group, r, dp, dig(osd, "partition_count"))
                     del bufs[""]  # the weights come from the expert files
-                    if dp % ep or int(dig(osd, "partition_count")[g]) != parts:
-                        raise CorruptCheckpointError(
-                            f"{fname}: the expert group {g} is split {dig(osd, 'partition_count')[g]} ways; "
-                            f"{dp} ranks at ep={ep} split it {parts} ways",
-                            hint="the checkpoint is incomplete or not expert-parallel as DeepSpeed's MoE lays it out",
-                        )
                 if self.kind == "zero3":
                     self._zero3_group(tf, r, dp, group, bufs)
                 else:

@@ -16,18 +16,32 @@ of a model with DeepSpeed MoE layers (``engine.save_checkpoint``, deepspeed 0.19
 * the gate (``deepspeed_moe.gate.wg``) is a dense (replicated) param.
 
 :data:`TOY_NAMES` maps DeepSpeed's names to the toy LLM's list-of-experts MoE (``moe.router``,
-``moe.experts.<E>.w1``); another target passes its own :class:`NameRule` s. Pure functions: no I/O.
+``moe.experts.<E>.w1``); another target passes its own :class:`NameRule` s. :class:`MoEReading` is
+the reader's MoE part (its expert files and expert partitions); the rest are pure functions.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ...errors import CorruptCheckpointError, UCPError
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
+from .inert import TorchFile, load_inert
 
-__all__ = ["EXPERTS", "MoELayout", "NameRule", "TOY_NAMES", "expert_file", "moe_layout", "rename", "to_global"]
+__all__ = [
+    "EXPERTS",
+    "MoELayout",
+    "MoEReading",
+    "NameRule",
+    "TOY_NAMES",
+    "expert_file",
+    "moe_layout",
+    "rename",
+    "to_global",
+]
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 """What DeepSpeed's ``MoE`` puts between a layer's path and its expert number."""
@@ -131,3 +145,84 @@ def moe_layout(expert_shapes: dict[str, tuple[int, ...]], num_experts: Sequence[
 def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
     """DeepSpeed's file of one expert (``_get_expert_ckpt_name``)."""
     return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+class MoEReading:
+    """The MoE part of :class:`~ucp_dcp.sources.foreign.deepspeed.DeepSpeedReader` (a mixin: it uses
+    the reader's ``path``, ``kind``, ``_layout`` and ``_whole``)."""
+
+    path: str | os.PathLike
+    kind: str
+    moe: MoELayout | None = None
+    """The experts of a MoE checkpoint (set when the metadata is read); None: no MoE layers."""
+    _is_moe: list[bool]
+
+    def _layout(self, name: str, shape: tuple[int, ...], suffix: str) -> Any:
+        raise NotImplementedError
+
+    def _whole(self, tf: TorchFile, name: str, ref: Any, suffix: str, shape: tuple | None = None) -> None:
+        raise NotImplementedError
+
+    def _moe_groups(self, model: TorchFile, shapes: list[dict[str, tuple[int, ...]]], names: list[str]) -> None:
+        """Find the ``moe`` param groups (their params hold \"deepspeed_experts\") and the expert layout."""
+        self._is_moe = [any(".deepspeed_experts." in n for n in g) for g in shapes]
+        has_files = any(re.fullmatch(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
+        if not any(self._is_moe) and not has_files:
+            return
+        if self.kind != "zero12":
+            raise UCPError(
+                f"{self.path}: a DeepSpeed MoE checkpoint in the {self.kind} form is not read",
+                saved=self.kind,
+                wanted="zero12",
+                hint="MoE checkpoints of ZeRO stage 1 or 2 are read (docs/migrating.md says why not ZeRO-3/universal)",
+            )
+        expert = {n: s for g, m in zip(shapes, self._is_moe) if m for n, s in g.items()}
+        self.moe = moe_layout(expert, list(model.obj.get("num_experts") or []), model.path)
+
+    def _global(self, g: int, group: dict[str, tuple[int, ...]], ep_rank: int | None = None) -> dict:
+        """Group ``g``'s params under global names: of one EP rank, or (None) of every EP rank."""
+        if self.moe is None or not self._is_moe[g]:
+            return group
+        ranks = range(self.moe.ep) if ep_rank is None else [ep_rank]
+        return {to_global(n, e, self.moe.n_local): s for e in ranks for n, s in group.items()}
+
+    def _expert_files(self) -> None:
+        """Every expert's weights from its ``layer_<L>_expert_<E>`` file (each must be there, whole)."""
+        moe = self.moe
+        assert moe is not None
+        for layer in range(len(moe.layers)):
+            for e in range(moe.n_experts):
+                want = moe.names(layer, e)
+                path = os.path.join(self.path, expert_file(layer, e))
+                if not os.path.isfile(path):
+                    atom = self._layout(want[0][0], want[0][1], "").atoms[0]
+                    raise CheckpointNotFoundError(
+                        f"{self.path} has no {expert_file(layer, e)}: expert {e} of MoE layer "
+                        f"'{moe.layers[layer]}' (atom '{atom}') is missing",
+                        atom=atom,
+                        hint="the checkpoint is incomplete (each expert-parallel rank writes its experts' files)",
+                    )
+                tf = load_inert(path)
+                have = sorted(map(str, tf.obj)) if isinstance(tf.obj, dict) else None
+                if have != sorted(n for n, _ in want):
+                    raise CorruptCheckpointError(
+                        f"{path} holds {have}, expected the params of expert {e}: {[n for n, _ in want]}",
+                        atom=want[0][0],
+                        hint="the file is not this checkpoint's expert file",
+                    )
+                for name, shape in want:
+                    self._whole(tf, name, tf.obj[name], "", shape)
+
+    def _expert_partition(
+        self, fname: str, g: int, group: dict[str, tuple[int, ...]], r: int, dp: int, counts: Sequence[Any]
+    ) -> tuple[int, int, dict[str, tuple[int, ...]]]:
+        """Rank ``r``'s partition of the expert group ``g``: ``(index, count, params by global name)``."""
+        assert self.moe is not None
+        ep = self.moe.ep
+        if dp % ep or int(counts[g]) != dp // ep:
+            raise CorruptCheckpointError(
+                f"{fname}: the expert group {g} is split {counts[g]} ways; {dp} ranks at ep={ep} split it "
+                f"{dp // ep} ways",
+                hint="the checkpoint is incomplete or not expert-parallel as DeepSpeed's MoE lays it out",
+            )
+        return r // ep, dp // ep, self._global(g, group, r % ep)
