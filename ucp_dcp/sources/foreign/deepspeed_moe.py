@@ -194,8 +194,8 @@ class MoEReading:
             for e in range(moe.n_experts):
                 want = moe.names(layer, e)
                 path = os.path.join(self.path, expert_file(layer, e))
+                atom = self._layout(want[0][0], want[0][1], "").atoms[0]
                 if not os.path.isfile(path):
-                    atom = self._layout(want[0][0], want[0][1], "").atoms[0]
                     raise CheckpointNotFoundError(
                         f"{self.path} has no {expert_file(layer, e)}: expert {e} of MoE layer "
                         f"'{moe.layers[layer]}' (atom '{atom}') is missing",
@@ -207,7 +207,7 @@ class MoEReading:
                 if have != sorted(n for n, _ in want):
                     raise CorruptCheckpointError(
                         f"{path} holds {have}, expected the params of expert {e}: {[n for n, _ in want]}",
-                        atom=want[0][0],
+                        atom=atom,
                         hint="the file is not this checkpoint's expert file",
                     )
                 for name, shape in want:
