@@ -169,3 +169,19 @@ def test_a_missing_expert_file_is_refused_naming_the_atom(moe_runs, tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="layer_1_expert_2") as e:
         _refused(bad)
     assert e.value.atom == "model.layers.3.moe.experts.2.w1.weight"
+
+
+def test_moe_files_are_parsed_without_importing_deepspeed(moe_runs):
+    """A fresh interpreter reads the ZeRO-1 MoE checkpoint's metadata with deepspeed made unimportable."""
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader\n"
+        "from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES\n"
+        f"md = DeepSpeedReader({str(moe_runs / 'zero1')!r}, names=TOY_NAMES).read_metadata()\n"
+        "from ucp_dcp.planning.opened import CheckedMetadata\n"
+        "assert isinstance(md, CheckedMetadata), md\n"
+        "print(sum('.experts.' in k for k in md.state_dict_metadata))"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and int(res.stdout.strip()) >= 24 * 4, res.stderr[-2000:]

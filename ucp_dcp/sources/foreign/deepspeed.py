@@ -12,10 +12,8 @@ Three on-disk forms, detected from the folder:
   is its pieces in ``param_shapes`` order;
 * **universal** (``ds_to_universal``'s ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``): one file per
   param and state (ZeRO-3's are flat, shaped by ``param_shapes``);
-* **MoE, ZeRO-1/2** (``deepspeed.moe.layer.MoE`` layers, expert parallel): the expert weights from
-  DeepSpeed's ``layer_<L>_expert_<E>_...`` files, their moments from the ``moe`` param groups' flat
-  partitions (rank ``r``: EP rank ``r % ep``, partition ``r // ep``), under global expert numbers
-  (:mod:`~ucp_dcp.sources.foreign.deepspeed_moe`); ``names`` maps them to the target's names.
+* **MoE, ZeRO-1/2** (``deepspeed.moe.layer.MoE``, expert parallel): expert files and ``moe`` groups under
+  global expert numbers (:mod:`~ucp_dcp.sources.foreign.deepspeed_moe`), renamed by ``names``.
 
 Every slice of a param in a flat buffer becomes a few contiguous boxes of its atoms (partial rows,
 whole rows: :func:`~ucp_dcp.sources.foreign.pieces.flat_boxes`), cut again where the param fuses several atoms
@@ -120,7 +118,6 @@ class DeepSpeedReader(MoEReading, ForeignReader):
         model = load_inert(os.path.join(self.path, model_files[0]))
         self._check_model(model)
         shapes = [{str(k): tuple(int(x) for x in v) for k, v in _items(g)} for g in dig(model.obj, "param_shapes")]
-        self.moe = None
         self._shared = set(_items_dict(model.obj.get("shared_params") or {}))
         self._atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._pieces: list[Piece] = []
@@ -137,7 +134,7 @@ class DeepSpeedReader(MoEReading, ForeignReader):
                     for atom in self._layout(name, shape, "").atoms:
                         part = atom[len(self.prefix) :]
                         values.update({f"{self.optim}param_groups.{part}.{k}": v for k, v in hp.items()})
-        for name in _buffers(model.obj):
+        for name in map(str, model.obj.get("buffer_names") or []):
             self._whole(model, name, dig(model.obj, "module", name), "")
         if self.moe is not None:
             self._expert_files()
@@ -367,10 +364,6 @@ def _items_dict(d: Any) -> dict:
     return dict(_items(d)) if d else {}
 
 
-def _buffers(obj: dict) -> list[str]:
-    return [str(n) for n in (obj.get("buffer_names") or [])]
-
-
 def _resolve(path: str, tag: str | None, universal: bool) -> str:
     """The folder holding the files: a tag folder, the universal folder, or ``path`` itself."""
 
@@ -385,7 +378,9 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
         return os.path.join(path, sub)
 
     if tag is not None:
-        return _resolve_plain(os.path.join(path, tag))
+        if not os.path.isdir(os.path.join(path, tag)):
+            raise CheckpointNotFoundError(f"no DeepSpeed checkpoint tag folder {os.path.join(path, tag)}")
+        return os.path.join(path, tag)
     if universal:
         found = _pointer("latest_universal")
         if found is None:
@@ -400,9 +395,3 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
             hint="pass the folder save_checkpoint wrote, or a tag folder",
         )
     return found
-
-
-def _resolve_plain(path: str) -> str:
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint tag folder {path}")
-    return path

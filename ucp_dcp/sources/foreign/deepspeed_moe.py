@@ -165,6 +165,7 @@ class MoEReading:
 
     def _moe_groups(self, model: TorchFile, shapes: list[dict[str, tuple[int, ...]]], names: list[str]) -> None:
         """Find the ``moe`` param groups (their params hold \"deepspeed_experts\") and the expert layout."""
+        self.moe = None
         self._is_moe = [any(".deepspeed_experts." in n for n in g) for g in shapes]
         has_files = any(re.fullmatch(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt", n) for n in names)
         if not any(self._is_moe) and not has_files:
