@@ -20,8 +20,8 @@ folder holds DeepSpeed's MoE layout:
   expert group's names in *local* numbering (``deepspeed_experts.<j>``) as rank 0 sees them;
 * ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: every rank's flat fp32 partitions and moments; the
   expert group of rank ``r`` is partition ``r // ep`` of the local experts of EP rank ``r % ep``.
-  (DeepSpeed writes ``expp_rank_<e>_..._optim_states.pt`` only without ZeRO; ZeRO-3 MoE saving goes
-  through the same files but is not made here: see docs/migrating.md.)
+  (DeepSpeed writes ``expp_rank_<e>_..._optim_states.pt`` only without ZeRO. ZeRO-3 is not offered:
+  deepspeed 0.19.8 refuses native MoE with it in ``engine._validate_zero3_moe_compatibility``.)
 
 Also written: ``ds_view_moe.pt`` -- the live engine's view after the save, gathered from every rank:
 ``{ds_name: {"fp32", "exp_avg", "exp_avg_sq", "step"}, "__groups__": [...]}`` with expert params

@@ -1,10 +1,11 @@
 """The foreign libraries' own views of their checkpoints, as the toy LLM's logical state.
 
 ``make_deepspeed.py`` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
-``ds_view_optim.pt``: the live engine's moments, step and groups) and ``make_megatron.py`` Megatron's
+``ds_view_optim.pt``: the live engine's moments, step and groups), ``make_deepspeed_moe.py`` the same for
+its MoE run (``ds_view_moe.pt``, global expert names) and ``make_megatron.py`` Megatron's
 (``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/e2e/test_foreign.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations

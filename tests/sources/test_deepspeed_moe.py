@@ -218,3 +218,14 @@ def test_moe_in_the_universal_form_is_refused(tmp_path):
     os.mkdir(tmp_path / "zero")
     with pytest.raises(UCPError, match="universal form is not read"):
         _refused(tmp_path)
+
+
+def test_expert_files_without_moe_params_are_refused(tmp_path):
+    """AutoEP (stacked experts) also writes layer_*_expert_* files; its layout is not this one."""
+    _write(tmp_path, _truth())
+    f = tmp_path / "mp_rank_00_model_states.pt"
+    d = torch.load(f, weights_only=True)
+    d["param_shapes"] = d["param_shapes"][:1]
+    torch.save(d, f)
+    with pytest.raises(UCPError, match="AutoEP"):
+        _refused(tmp_path)

@@ -177,6 +177,12 @@ class MoEReading:
                 wanted="zero12",
                 hint="MoE checkpoints of ZeRO stage 1 or 2 are read (docs/migrating.md says why not ZeRO-3/universal)",
             )
+        if model.obj.get("ds_autoep_layers") or not any(self._is_moe):
+            raise UCPError(
+                f"{self.path} has expert files but no deepspeed.moe.layer.MoE expert params: DeepSpeed AutoEP "
+                "layers (stacked experts.w1/w2/w3) are not read",
+                hint="only checkpoints of deepspeed.moe.layer.MoE layers are read (docs/migrating.md)",
+            )
         expert = {n: s for g, m in zip(shapes, self._is_moe) if m for n, s in g.items()}
         self.moe = moe_layout(expert, list(model.obj.get("num_experts") or []), model.path)
 
