@@ -1,10 +1,11 @@
 """The foreign libraries' own views of their checkpoints, as the toy LLM's logical state.
 
 ``make_deepspeed.py`` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
-``ds_view_optim.pt``: the live engine's moments, step and groups) and ``make_megatron.py`` Megatron's
+``ds_view_optim.pt``: the live engine's moments, step and groups), ``make_deepspeed_moe.py`` the same for
+its MoE run (``ds_view_moe.pt``, global expert names) and ``make_megatron.py`` Megatron's
 (``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/e2e/test_foreign.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def deepspeed_config() -> Any:
     from ucp_dcp.toy.model import ModelConfig
 
     return ModelConfig(**CFG_KW)
+
+
+def deepspeed_moe_config() -> Any:
+    from make_deepspeed_moe import MOE_CFG_KW
+
+    from ucp_dcp.toy.model import ModelConfig
+
+    return ModelConfig(**MOE_CFG_KW)
 
 
 def megatron_config() -> Any:
@@ -50,7 +59,13 @@ def parts(cfg: Any, name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _source(logical: str) -> str:
-    for a, b in ((".wq.", ".wqkv."), (".wk.", ".wqkv."), (".wv.", ".wqkv."), (".w1.", ".w13."), (".w3.", ".w13.")):
+    for a, b in (
+        (".wq.", ".wqkv."),
+        (".wk.", ".wqkv."),
+        (".wv.", ".wqkv."),
+        (".ffn.w1.", ".ffn.w13."),
+        (".ffn.w3.", ".ffn.w13."),
+    ):
         logical = logical.replace(a, b)
     return logical
 
@@ -79,6 +94,22 @@ def deepspeed_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
     params = torch.load(os.path.join(path, "ds_view_fp32.pt"), weights_only=False)
     params.pop("output.weight", None)  # the tied alias (zero_to_fp32 copies it)
     return deepspeed_config(), params, optim, lambda logical: by_name[_source(logical)]
+
+
+def toy_moe_name(name: str) -> str:
+    """A DeepSpeed MoE param name (global expert numbers) as the toy's list-MoE name."""
+    return name.replace(".deepspeed_moe.gate.wg.", ".router.").replace(
+        ".deepspeed_moe.experts.deepspeed_experts.", ".experts."
+    )
+
+
+def deepspeed_moe_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
+    """The same for ``make_deepspeed_moe.py``'s checkpoint: the live engine's view (``ds_view_moe.pt``)."""
+    view = torch.load(os.path.join(path, "ds_view_moe.pt"), weights_only=False)
+    by_name = {toy_moe_name(n): g for g in view.pop("__groups__") for n in g["names"]}
+    params = {toy_moe_name(k): v["fp32"] for k, v in view.items()}
+    optim = {toy_moe_name(k): v for k, v in view.items()}
+    return deepspeed_moe_config(), params, optim, lambda logical: by_name[_source(logical)]
 
 
 def megatron_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
@@ -133,15 +164,20 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
     from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.errors import ucp_errors
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES
     from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
 
-    cfg = deepspeed_config() if kind == "deepspeed" else megatron_config()
+    configs = {"deepspeed": deepspeed_config, "deepspeed_moe": deepspeed_moe_config, "megatron": megatron_config}
+    cfg = configs[kind]()
     job = build_job(Topology.parse(topo_text))
     tr = build_trainer(cfg, job, seed=99)
     opts = ucp_options(cfg, job.topo, job.coord, model_only=True)
-    reader_cls = DeepSpeedReader if kind == "deepspeed" else MegatronReader
-    reader = reader_cls(path, patterns=opts["patterns"], **(options or {}))
+    options = dict(options or {})
+    if kind == "deepspeed_moe":
+        options.setdefault("names", TOY_NAMES)
+    reader_cls = MegatronReader if kind == "megatron" else DeepSpeedReader
+    reader = reader_cls(path, patterns=opts["patterns"], **options)
     sd = tr.state_dict()
     sd.pop("train_state")
     with ucp_errors():

@@ -11,7 +11,9 @@ Three on-disk forms, detected from the folder:
   pieces of ``ceil(numel / dp)`` (the last one padded); rank ``r``'s flat group (``fp32_flat_groups``)
   is its pieces in ``param_shapes`` order;
 * **universal** (``ds_to_universal``'s ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``): one file per
-  param and state (ZeRO-3's are flat, shaped by ``param_shapes``).
+  param and state (ZeRO-3's are flat, shaped by ``param_shapes``);
+* **MoE, ZeRO-1/2** (``deepspeed.moe.layer.MoE``, expert parallel): expert files and ``moe`` groups under
+  global expert numbers (:mod:`~ucp_dcp.sources.foreign.deepspeed_moe`), renamed by ``names``.
 
 Every slice of a param in a flat buffer becomes a few contiguous boxes of its atoms (partial rows,
 whole rows: :func:`~ucp_dcp.sources.foreign.pieces.flat_boxes`), cut again where the param fuses several atoms
@@ -40,6 +42,7 @@ from ...layout.patterns import Rule
 from ...planning.device import StagingMode
 from ...planning.payloads import ReadOnceMode
 from .base import ForeignReader, row_layout
+from .deepspeed_moe import MoEReading, NameRule, rename
 from .inert import Opaque, TensorRef, TorchFile, dig, load_inert
 from .pieces import Piece, flat_boxes, split_rows
 
@@ -49,7 +52,7 @@ STATES = ("exp_avg", "exp_avg_sq")
 """The Adam moments read (the flat buffers of ``torch.optim.Adam``/``AdamW``)."""
 
 
-class DeepSpeedReader(ForeignReader):
+class DeepSpeedReader(MoEReading, ForeignReader):
     """Reads a DeepSpeed checkpoint (see module doc) into any target layout inside ``dcp.load``.
 
     Args:
@@ -63,6 +66,8 @@ class DeepSpeedReader(ForeignReader):
         optim: where the optimizer state dict sits (``"optim."``); None: no optimizer atoms.
         tag: the tag folder to read instead of ``latest``'s.
         universal: read the universal folder that ``latest_universal`` names.
+        names: rules from DeepSpeed's parameter names (global expert numbers) to the target's
+            (``deepspeed_moe.TOY_NAMES`` for the toy LLM); unmatched names are kept.
     """
 
     source = "DeepSpeed"
@@ -77,6 +82,7 @@ class DeepSpeedReader(ForeignReader):
         optim: str | None = "optim.",
         tag: str | None = None,
         universal: bool = False,
+        names: Sequence[NameRule] = (),
         thread_count: int = 4,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
@@ -87,6 +93,7 @@ class DeepSpeedReader(ForeignReader):
         self.rules = list(patterns)
         self.degrees = dict(degrees or {})
         self.prefix, self.optim = prefix, optim
+        self.names = tuple(names)
         self.kind = ""
         """``"zero12"``, ``"zero3"`` or ``"universal"`` (set when the metadata is read)."""
 
@@ -115,6 +122,7 @@ class DeepSpeedReader(ForeignReader):
         self._atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._pieces: list[Piece] = []
         values: dict[str, Any] = {}
+        self._moe_groups(model, shapes, names)
         if self.kind == "universal":
             groups = self._universal(shapes)
         else:
@@ -122,12 +130,14 @@ class DeepSpeedReader(ForeignReader):
         if self.optim is not None:
             for g, group in enumerate(groups):
                 hp = {k: v for k, v in _items(group) if k != "params"}
-                for name in shapes[g]:
-                    for atom in self._layout(name, shapes[g][name], "").atoms:
+                for name, shape in self._global(g, shapes[g]).items():
+                    for atom in self._layout(name, shape, "").atoms:
                         part = atom[len(self.prefix) :]
                         values.update({f"{self.optim}param_groups.{part}.{k}": v for k, v in hp.items()})
-        for name in _buffers(model.obj):
+        for name in map(str, model.obj.get("buffer_names") or []):
             self._whole(model, name, dig(model.obj, "module", name), "")
+        if self.moe is not None:
+            self._expert_files()
         return self._pieces, self._atoms, values
 
     def _check_model(self, model: TorchFile) -> None:
@@ -135,7 +145,7 @@ class DeepSpeedReader(ForeignReader):
         if not isinstance(o, dict) or "param_shapes" not in o:
             raise CorruptCheckpointError(
                 f"{model.path} is not a DeepSpeed model-states file (no param_shapes)",
-                hint="DeepSpeed's own MoE expert files (layer_*_expert_*) are not read",
+                hint="pass the folder or tag save_checkpoint wrote (expert files are read from it)",
             )
         if (
             int(o.get("mp_world_size") or 1) != 1
@@ -156,6 +166,7 @@ class DeepSpeedReader(ForeignReader):
 
     def _layout(self, name: str, shape: tuple[int, ...], suffix: str) -> Any:
         prefix = self.prefix if not suffix else f"{self.optim}state."
+        name = rename(name, self.names)
         return row_layout(name, shape[0] if shape else 1, self.rules, self.degrees, prefix=prefix, suffix=suffix)
 
     def _add(
@@ -240,12 +251,16 @@ class DeepSpeedReader(ForeignReader):
             for g, group in enumerate(shapes):
                 st = state[g] if g in state else state[str(g)]
                 bufs = {"": fp32[g], **{"." + k: dig(st, k) for k in STATES}}
+                part, parts = r, dp
+                if self.moe is not None and self._is_moe[g]:
+                    part, parts, group = self._expert_partition(fname, g, group, r, dp, dig(osd, "partition_count"))
+                    del bufs[""]  # the weights come from the expert files
                 if self.kind == "zero3":
                     self._zero3_group(tf, r, dp, group, bufs)
                 else:
                     pads = dig(osd, "param_alignment_paddings")[g]
-                    self._zero12_group(tf, r, dp, group, pads, bufs)
-                if r == 0:
+                    self._zero12_group(tf, part, parts, group, pads, bufs)
+                if part == 0:
                     for name, shape in group.items():
                         self._step(tf, name, shape, dig(st, "step"))
             if r == 0:
@@ -349,10 +364,6 @@ def _items_dict(d: Any) -> dict:
     return dict(_items(d)) if d else {}
 
 
-def _buffers(obj: dict) -> list[str]:
-    return [str(n) for n in (obj.get("buffer_names") or [])]
-
-
 def _resolve(path: str, tag: str | None, universal: bool) -> str:
     """The folder holding the files: a tag folder, the universal folder, or ``path`` itself."""
 
@@ -367,7 +378,9 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
         return os.path.join(path, sub)
 
     if tag is not None:
-        return _resolve_plain(os.path.join(path, tag))
+        if not os.path.isdir(os.path.join(path, tag)):
+            raise CheckpointNotFoundError(f"no DeepSpeed checkpoint tag folder {os.path.join(path, tag)}")
+        return os.path.join(path, tag)
     if universal:
         found = _pointer("latest_universal")
         if found is None:
@@ -382,9 +395,3 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
             hint="pass the folder save_checkpoint wrote, or a tag folder",
         )
     return found
-
-
-def _resolve_plain(path: str) -> str:
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint tag folder {path}")
-    return path
