@@ -83,7 +83,7 @@ class DeepSpeedReader(MoEReading, ForeignReader):
         tag: str | None = None,
         universal: bool = False,
         names: Sequence[NameRule] = (),
-        thread_count: int = 4,
+        thread_count: int | None = None,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
     ) -> None:
