@@ -194,8 +194,10 @@ def moe_rules(model_parts: list) -> list:
       saves it, and at every step boundary (where checkpoints are taken) it is zero, so a resumed
       run holds what an uninterrupted one holds. Nothing to declare (without load balancing nothing
       zeroes it, and every resume restarts it at zero, as stock torchtitan does);
-    * expert weights (stacked ``[E, ...]``, EP shards dim 0, FSDP the EP region) and the router gate
-      are parameters resharded by their DTensor placements like any other; no rule.
+    * expert weights (stacked ``[E, ...]``, EP shards dim 0, FSDP the EP region), the router gate,
+      deepseek_v3's shared experts and dense first layers are parameters resharded by their DTensor
+      placements like any other; no rule. An MTP layer's ``expert_bias_E`` matches the same pattern
+      (torchtitan's hook never updates it: it stays zero on every rank).
     """
     import torch.distributed as dist
     from torchtitan.models.common.moe import MoE
