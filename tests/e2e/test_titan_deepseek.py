@@ -8,6 +8,9 @@ uninterrupted run held right after the save -- every parameter (routed and share
 gate, MLA projections), optimizer moment, step, hyperparameter and model buffer (``expert_bias_E``
 replicated, ``tokens_per_expert_E`` zero) -- train on the same sequences and continue the losses;
 ``ucp_dcp plan`` of both resumes must match their real reads; two swapped experts must be caught.
+With one multi-token-prediction (MTP) layer (``deepseek_v3_small_mtp_ucp``, saved at dp_shard=2 x
+ep=2, resumed at tp=2 x ep=2: torchtitan refuses MTP with PP) the same holds except for the MTP
+layer's ``tokens_per_expert_E``, which torchtitan never zeroes nor reads (reset, as stock does).
 
 The checkpoint is taken at step 3, not 2: with sigmoid scores near 0.5 at this size, the
 load-balancing bias (sign updates of 1e-3) flips the routing every step, so every layer's bias is
@@ -33,6 +36,8 @@ RESUMES = {
 }
 MOE_LAYERS = (1, 2, 3)  # layer 0 is dense
 EXPERTS = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+MTP_RUN = tm.MoERun(config="deepseek_v3_small_mtp_ucp", steps=4, k=3)
+MTP_MOE = "buffer/mtp_layers.0.moe."
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +112,19 @@ def test_plan_matches_the_resumes_rank_by_rank(saved):
     read, read calls, bytes received and fallbacks equal those of the real Trainer resumes."""
     if not tm.plan_matches(RUN, saved, RESUMES):
         pytest.skip("the resumes did not run")
+
+
+def test_mtp_layer_resumes_with_only_its_unread_counter_reset(tmp_path_factory):
+    """The MTP layer's MoE is outside torchtitan's load-balancing hook (it walks ``layers`` only):
+    its bias stays zero and its token counter grows; nothing reads the counter, a non-persistent
+    buffer, so a resume restarts it at zero. Everything else, MTP parameters and moments included,
+    loads bitwise at tp=2 x ep=2; batches and losses continue."""
+    import torch
+
+    saved = tm.save(MTP_RUN, tmp_path_factory.mktemp("dsv3mtp"), {"dp": 2, "ep": 2})
+    oracle, loaded, load = tm.resume(MTP_RUN, saved, "tp2-ep2", {"tp": 2, "ep": 2})
+    counter = MTP_MOE + "tokens_per_expert_E"
+    assert oracle[counter].sum() > 0 and torch.equal(loaded[counter], torch.zeros(8))
+    assert torch.equal(oracle[MTP_MOE + "expert_bias_E"], torch.zeros(8))
+    assert len([k for k in oracle if k.startswith("param/mtp_layers.0.")]) == 20
+    tm.assert_resumed(MTP_RUN, oracle, loaded, saved[2], load, reset=(counter,))

@@ -121,7 +121,8 @@ def router_forces_round_robin(router_config: Any) -> bool:
 def deepseek_v3_builders() -> dict[str, Any]:
     """The private pieces of torchtitan's deepseek_v3 registry a smaller deepseek_v3 is built from (its
     own debug model is too slow for CPU jobs): the embedding and norm inits, the output-head init
-    factory and the MLA + MoE layer builder with DeepSeek V3's inits (:mod:`ucp_dcp.torchtitan.moe`)."""
+    factory, the MLA + MoE layer builder with DeepSeek V3's inits and the MTP layer builder
+    (:mod:`ucp_dcp.torchtitan.moe`)."""
     from torchtitan.models import deepseek_v3 as D
 
     return {
@@ -129,4 +130,5 @@ def deepseek_v3_builders() -> dict[str, Any]:
         "norm_init": D._NORM_INIT,
         "output_init": D._output_linear_init,
         "layers": D._build_dsv3_layers,
+        "mtp_layers": D._build_mtp_layers,
     }

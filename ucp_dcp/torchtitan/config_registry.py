@@ -12,7 +12,8 @@
   fine-tune started from an HF folder can be exported back to HF (a learned bias is refused there).
 * ``deepseek_v3_small``: torchtitan's ``deepseek_v3_debugmodel`` Trainer config with a CPU-sized
   deepseek_v3 (MLA, dense first layer, routed + shared experts, sigmoid group-limited router; the same
-  module), stock checkpointer; ``deepseek_v3_small_ucp`` with ucp_dcp.
+  module), stock checkpointer; ``deepseek_v3_small_ucp`` with ucp_dcp; ``deepseek_v3_small_mtp_ucp``
+  adds one multi-token-prediction layer (torchtitan refuses it with pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "qwen3_moe_small_hf",
     "deepseek_v3_small",
     "deepseek_v3_small_ucp",
+    "deepseek_v3_small_mtp_ucp",
 ]
 
 GQA_KV_HEADS = 4
@@ -109,3 +111,7 @@ def deepseek_v3_small():
 
 def deepseek_v3_small_ucp():
     return _with_ucp(deepseek_v3_small_trainer())
+
+
+def deepseek_v3_small_mtp_ucp():
+    return _with_ucp(deepseek_v3_small_trainer(num_mtp_layers=1))

@@ -168,14 +168,24 @@ def deepseek_v3_small_model(attn_backend: str = "flex") -> DeepSeekV3Model.Confi
     )
 
 
-def deepseek_v3_small_trainer():
-    """torchtitan's ``deepseek_v3_debugmodel`` Trainer config with the :func:`deepseek_v3_small_model` model."""
-    from torchtitan.models.deepseek_v3 import model_registry
+def deepseek_v3_small_trainer(num_mtp_layers: int = 0):
+    """torchtitan's ``deepseek_v3_debugmodel`` Trainer config with the :func:`deepseek_v3_small_model` model;
+    with ``num_mtp_layers``, multi-token-prediction layers (copies of the last layer's config) and
+    their loss, as torchtitan's ``deepseek_v3_debugmodel_mtp`` adds them."""
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.deepseek_v3 import MTPLoss, model_registry
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
     cfg = deepseek_v3_debugmodel()
     spec = model_registry("debugmodel")
-    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_small", model=deepseek_v3_small_model())
+    model = deepseek_v3_small_model()
+    if num_mtp_layers:
+        model.mtp_layers = deepseek_v3_builders()["mtp_layers"](
+            model.layers[-1], dim=model.dim, num_mtp_layers=num_mtp_layers
+        )
+    cfg.model_spec = dataclasses.replace(spec, flavor="debugmodel_small", model=model)
+    if num_mtp_layers:
+        cfg.loss = MTPLoss.Config(global_vocab_size=decoder_vocab_size(cfg.model_spec))
     return cfg
 
 
