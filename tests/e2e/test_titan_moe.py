@@ -9,9 +9,6 @@ moment, step, hyperparameter and model buffer (``expert_bias_E`` replicated, ``t
 zero) -- train on the same sequences (batch hashes) and continue the losses. A loader that swaps two
 experts must be caught (sabotage run)."""
 
-import json
-import os
-
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -19,88 +16,20 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402
+import titan_moe as tm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-CONFIG = "qwen3_moe_small_ucp"
+RUN = tm.MoERun(config="qwen3_moe_small_ucp", steps=3, k=2)  # checkpoint at step 2; resumes run step 3
 SAVE = {"dp": 4, "ep": 2}
-STEPS, K = 3, 2  # the save job runs 3 steps and checkpoints at step 2; resumes run step 3
+K = RUN.k
 EXPERTS = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
-TOL_FIRST, TOL_LAST = 1e-5, 1e-4  # relative loss difference (as tests/titan_harness.py)
-
-
-def _env(folder, **extra):
-    return {
-        "UCP_TITAN_METRICS": str(folder / "loss.json"),
-        "UCP_TITAN_BATCHES": str(folder / "batches.json"),
-        "UCP_TITAN_STATE_BUFFERS": "1",
-        **extra,
-    }
-
-
-def _per_rank(prefix):
-    """Merged ``{step: value}`` files written per rank by the launcher."""
-    out = {}
-    for f in prefix.parent.glob(prefix.name + ".rank*"):
-        for step, v in json.loads(f.read_text()).items():
-            out.setdefault(int(step), []).append(v)
-    return out
-
-
-def _losses(folder):
-    return {s: v[0] for s, v in _per_rank(folder / "loss.json").items()}
-
-
-def _batches(folder):
-    """Per step, the set of sequences trained on by all ranks (whatever the DP degree or microbatching)."""
-    return {s: sorted({h for rows in v for h in rows}) for s, v in _per_rank(folder / "batches.json").items()}
+EP_RESUMES = {"ep4": {"dp": 4, "ep": 4}, "ep1-dp2": {"dp": 2}, "tp2-dp2-ep4": {"tp": 2, "dp": 2, "ep": 4}}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    assets = tr.make_assets(root / "assets")
-    save = root / "save"
-    tr.run_job(
-        SAVE,
-        save,
-        assets,
-        STEPS,
-        ["--checkpoint.interval", str(K)],
-        _env(save, UCP_TITAN_STATE=str(save / "oracle.pt"), UCP_TITAN_STATE_STEP=str(K)),
-        config=CONFIG,
-    )
-    return root, assets, save
-
-
-def _resume(saved, name, topo, **env):
-    """Resume job ``name`` at ``topo`` from the step-K checkpoint; each rank also writes its reader's
-    ReadStats after the load (tests/e2e/test_plan_target.py's hook), for the plan test."""
-    import torch
-    from test_plan_target import _STATS_HOOK
-
-    root, assets, save = saved
-    load = root / name
-    hook = root / "hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(_STATS_HOOK)
-    paths = {
-        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]),
-        "UCP_PLAN_STATS": str(load / "stats"),
-    }
-    tr.run_job(
-        topo,
-        load,
-        assets,
-        STEPS,
-        tr.resume_flags(save, K, STEPS),
-        _env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **env),
-        config=CONFIG,
-    )
-    oracle = torch.load(save / "oracle.pt", weights_only=False)
-    loaded = torch.load(load / "loaded.pt", weights_only=False)
-    return oracle, loaded, load
+    return tm.save(RUN, tmp_path_factory.mktemp("moe"), SAVE)
 
 
 def _check_moe_state(oracle):
@@ -116,16 +45,6 @@ def _check_moe_state(oracle):
     experts = [k for k in oracle if k.startswith("param/") and "inner_experts" in k]
     assert len(experts) == 12 and all(oracle[k].shape[0] == 8 for k in experts)
     assert len([k for k in oracle if k.startswith("state/") and "inner_experts" in k and "exp_avg" in k]) == 24
-
-
-def _assert_resumed(oracle, loaded, save, load):
-    bad = tr._diffs(oracle, loaded)
-    assert not bad, f"{len(bad)} of {len(oracle)} entries differ: {bad[:6]}"
-    ref, res = _losses(save), _losses(load)
-    rel = [abs(res[s] - ref[s]) / abs(ref[s]) for s in range(K + 1, STEPS + 1)]
-    assert rel[0] <= TOL_FIRST and rel[-1] <= TOL_LAST, (ref, res)
-    ref_b, res_b = _batches(save), _batches(load)
-    assert all(res_b[s] == ref_b[s] and len(ref_b[s]) == 8 for s in range(K + 1, STEPS + 1)), (ref_b, res_b)
 
 
 def test_checkpoint_holds_one_replicated_expert_bias_per_layer(saved):
@@ -165,17 +84,16 @@ def test_checkpoint_holds_one_replicated_expert_bias_per_layer(saved):
     ],
 )
 def test_moe_resumes_at_a_new_layout(saved, name, topo):
-    oracle, loaded, load = _resume(saved, name, topo)
+    oracle, loaded, load = tm.resume(RUN, saved, name, topo)
     _check_moe_state(loaded)
-    _assert_resumed(oracle, loaded, saved[2], load)
+    tm.assert_resumed(RUN, oracle, loaded, saved[2], load)
 
 
 def test_swapped_experts_at_load_are_caught(saved):
     """Sabotage: two expert rows of one layer swapped right after the load (ep=1, dp=2). The
     comparison must name exactly that parameter."""
-    oracle, loaded, load = _resume(saved, "flip", {"dp": 2}, UCP_TITAN_FLIP_EXPERTS=EXPERTS)
-    assert "flipped rows 0 and 1" in (load / "log.txt").read_text()
-    bad = [k.replace("_checkpoint_wrapped_module.", "") for k in tr._diffs(oracle, loaded)]
+    oracle, loaded, load = tm.resume(RUN, saved, "flip", {"dp": 2}, UCP_TITAN_FLIP_EXPERTS=EXPERTS)
+    bad = tm.flipped_only(oracle, loaded, load)
     assert bad == [f"param/{EXPERTS}"], bad
 
 
@@ -183,24 +101,5 @@ def test_plan_matches_the_ep_resumes_rank_by_rank(saved):
     """``ucp_dcp plan --target titan`` of the ep=4, ep=1 (dp=2) and tp=2 x ep=4 resumes from the same checkpoint,
     in this process: per-rank bytes read, read calls, bytes received and fallbacks equal those of the
     real Trainer resumes above (their readers' ReadStats)."""
-    from test_plan_target import _flags
-
-    from ucp_dcp.tools.dryrun import plan_load
-    from ucp_dcp.torchtitan.plan_target import TitanTarget
-
-    root, assets, save = saved
-    resumes = (("ep4", {"dp": 4, "ep": 4}), ("ep1-dp2", {"dp": 2}), ("tp2-dp2-ep4", {"tp": 2, "dp": 2, "ep": 4}))
-    ran = [(name, topo) for name, topo in resumes if (root / name).is_dir()]
-    if not ran:  # a -k selection without the resumes
-        pytest.skip("no EP resume ran in this session")
-    for name, topo in ran:
-        stats = sorted((root / name).glob("stats.*"))
-        target = TitanTarget.from_args(_flags(assets, config=CONFIG, **topo))
-        report = plan_load(save / "checkpoint" / f"step-{K}", target, device="cpu", ranks_per_node=8)
-        assert report.loads, (name, report.problems)
-        real = [json.loads((root / name / f"stats.{r}").read_text()) for r in range(len(stats))]
-        planned = [
-            {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
-            for r in report.ranks
-        ]
-        assert planned == real, name
+    if not tm.plan_matches(RUN, saved, EP_RESUMES):
+        pytest.skip("no EP resume ran in this session")  # a -k selection without the resumes

@@ -10,6 +10,10 @@
   with ucp_dcp; ``qwen3_moe_small_hf``: the same without the load-balancing bias
   (``load_balance_coeff=None``), i.e. exactly what HF's ``Qwen3MoeForCausalLM`` computes, so a
   fine-tune started from an HF folder can be exported back to HF (a learned bias is refused there).
+* ``deepseek_v3_small``: torchtitan's ``deepseek_v3_debugmodel`` Trainer config with a CPU-sized
+  deepseek_v3 (MLA, dense first layer, routed + shared experts, sigmoid group-limited router; the same
+  module), stock checkpointer; ``deepseek_v3_small_ucp`` with ucp_dcp; ``deepseek_v3_small_mtp_ucp``
+  adds one multi-token-prediction layer (torchtitan refuses it with pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torchtitan.models.llama3.model import Llama3Model
 from ._compat import llama3_debug_parts
 from .dataloader import GlobalCursorTextDataLoader
 from .manager import UCPCheckpointManager
-from .moe import qwen3_moe_small_trainer
+from .moe import deepseek_v3_small_trainer, qwen3_moe_small_trainer
 
 __all__ = [
     "llama3_debugmodel_ucp",
@@ -34,6 +38,9 @@ __all__ = [
     "qwen3_moe_small",
     "qwen3_moe_small_ucp",
     "qwen3_moe_small_hf",
+    "deepseek_v3_small",
+    "deepseek_v3_small_ucp",
+    "deepseek_v3_small_mtp_ucp",
 ]
 
 GQA_KV_HEADS = 4
@@ -96,3 +103,15 @@ def qwen3_moe_small_hf():
         if layer.moe is not None:
             layer.moe.load_balance_coeff = None
     return cfg
+
+
+def deepseek_v3_small():
+    return deepseek_v3_small_trainer()
+
+
+def deepseek_v3_small_ucp():
+    return _with_ucp(deepseek_v3_small_trainer())
+
+
+def deepseek_v3_small_mtp_ucp():
+    return _with_ucp(deepseek_v3_small_trainer(num_mtp_layers=1))

@@ -1,0 +1,155 @@
+"""Shared steps of the MoE resume e2e tests (tests/e2e/test_titan_moe.py: qwen3 MoE,
+tests/e2e/test_titan_deepseek.py: deepseek_v3): a save job that is also the uninterrupted reference,
+resume jobs at other layouts from its step-``k`` checkpoint, and the checks that the state right
+after the load, the batches and the losses match the reference; and ``ucp_dcp plan`` of the same
+resumes against the real readers' ReadStats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import titan_harness as tr
+
+
+@dataclass(frozen=True)
+class MoERun:
+    """One save -> resume experiment."""
+
+    config: str
+    """Registry entry of ``ucp_dcp.torchtitan`` (e.g. ``qwen3_moe_small_ucp``)."""
+    steps: int
+    """Steps of every job: the save job runs them all, the resumes continue to the same last step."""
+    k: int
+    """The step whose checkpoint the resumes start from (and at which the save job writes its oracle)."""
+    batch_rows: int = 8
+    """Sequences in a global batch (the harness runs global batch 8)."""
+
+
+def env(folder: Path, **extra: str) -> dict[str, str]:
+    """The launcher's recording switches: losses, batch hashes, model buffers in the state dump."""
+    return {
+        "UCP_TITAN_METRICS": str(folder / "loss.json"),
+        "UCP_TITAN_BATCHES": str(folder / "batches.json"),
+        "UCP_TITAN_STATE_BUFFERS": "1",
+        **extra,
+    }
+
+
+def _per_rank(prefix: Path) -> dict[int, list]:
+    """Merged ``{step: value}`` files written per rank by the launcher."""
+    out: dict[int, list] = {}
+    for f in prefix.parent.glob(prefix.name + ".rank*"):
+        for step, v in json.loads(f.read_text()).items():
+            out.setdefault(int(step), []).append(v)
+    return out
+
+
+def losses(folder: Path) -> dict[int, float]:
+    return {s: v[0] for s, v in _per_rank(folder / "loss.json").items()}
+
+
+def batches(folder: Path) -> dict[int, list[str]]:
+    """Per step, the set of sequences trained on by all ranks (whatever the DP degree or microbatching)."""
+    return {s: sorted({h for rows in v for h in rows}) for s, v in _per_rank(folder / "batches.json").items()}
+
+
+def save(run: MoERun, root: Path, topo: dict[str, int]) -> tuple[Path, Path, Path]:
+    """The save job at ``topo`` (checkpoint at step ``k``, oracle state dumped right after it):
+    ``(root, assets, save folder)``."""
+    assets = tr.make_assets(root / "assets")
+    out = root / "save"
+    tr.run_job(
+        topo,
+        out,
+        assets,
+        run.steps,
+        ["--checkpoint.interval", str(run.k)],
+        env(out, UCP_TITAN_STATE=str(out / "oracle.pt"), UCP_TITAN_STATE_STEP=str(run.k)),
+        config=run.config,
+    )
+    return root, assets, out
+
+
+def resume(run: MoERun, saved: tuple[Path, Path, Path], name: str, topo: dict[str, int], **extra: str):
+    """Resume job ``name`` at ``topo`` from the step-``k`` checkpoint: ``(oracle, loaded, folder)``.
+    Each rank also writes its reader's ReadStats after the load (tests/e2e/test_plan_target.py's
+    hook), for :func:`plan_matches`."""
+    import torch
+    from test_plan_target import _STATS_HOOK
+
+    root, assets, saved_at = saved
+    load = root / name
+    hook = root / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_STATS_HOOK)
+    paths = {
+        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]),
+        "UCP_PLAN_STATS": str(load / "stats"),
+    }
+    tr.run_job(
+        topo,
+        load,
+        assets,
+        run.steps,
+        tr.resume_flags(saved_at, run.k, run.steps),
+        env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **extra),
+        config=run.config,
+    )
+    oracle = torch.load(saved_at / "oracle.pt", weights_only=False)
+    loaded = torch.load(load / "loaded.pt", weights_only=False)
+    return oracle, loaded, load
+
+
+def assert_resumed(
+    run: MoERun, oracle: dict, loaded: dict, saved_at: Path, load: Path, reset: tuple[str, ...] = ()
+) -> None:
+    """Bitwise state right after the load (but the entries named in ``reset``), the same sequences
+    per step, losses continuing within reduction-order noise (``tr.TOL_FIRST`` at the first resumed
+    step, ``tr.TOL_LAST`` at the last)."""
+    bad = [k for k in tr._diffs(oracle, loaded) if k not in reset]
+    assert not bad, f"{len(bad)} of {len(oracle)} entries differ: {bad[:6]}"
+    ref, res = losses(saved_at), losses(load)
+    rel = [abs(res[s] - ref[s]) / abs(ref[s]) for s in range(run.k + 1, run.steps + 1)]
+    assert rel[0] <= tr.TOL_FIRST and rel[-1] <= tr.TOL_LAST, (ref, res)
+    ref_b, res_b = batches(saved_at), batches(load)
+    steps = range(run.k + 1, run.steps + 1)
+    assert all(res_b[s] == ref_b[s] and len(ref_b[s]) == run.batch_rows for s in steps), (ref_b, res_b)
+
+
+def flipped_only(oracle: dict, loaded: dict, load: Path) -> list[str]:
+    """The sabotage run's differing entries (activation-checkpoint segment stripped); the launcher
+    must have logged the flip."""
+    assert "flipped rows 0 and 1" in (load / "log.txt").read_text()
+    return [k.replace("_checkpoint_wrapped_module.", "") for k in tr._diffs(oracle, loaded)]
+
+
+def plan_matches(run: MoERun, saved: tuple[Path, Path, Path], resumes: dict[str, dict[str, int]]) -> list[str]:
+    """``ucp_dcp plan --target titan`` of each resume, in this process, against the real resume's
+    per-rank ReadStats (bytes read, read calls, bytes received, fallbacks); the names compared (a
+    resume that did not run is left out)."""
+    from test_plan_target import _flags
+
+    from ucp_dcp.tools.dryrun import plan_load
+    from ucp_dcp.torchtitan.plan_target import TitanTarget
+
+    root, assets, saved_at = saved
+    done = []
+    for name, topo in resumes.items():
+        stats = sorted((root / name).glob("stats.*"))
+        if not stats:
+            continue
+        target = TitanTarget.from_args(_flags(assets, config=run.config, **topo))
+        report = plan_load(saved_at / "checkpoint" / f"step-{run.k}", target, device="cpu", ranks_per_node=8)
+        assert report.loads, (name, report.problems)
+        real = [json.loads((root / name / f"stats.{r}").read_text()) for r in range(len(stats))]
+        planned = [
+            {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
+            for r in report.ranks
+        ]
+        assert planned == real, name
+        done.append(name)
+    return done
