@@ -1,12 +1,17 @@
-"""A transformers-made qwen3 MoE folder through the real torchtitan Trainer at an expert-parallel layout.
+"""Transformers-made MoE folders through the real torchtitan Trainer at expert-parallel layouts.
 
 The one-flag option (``--override.imports ucp_dcp.torchtitan.overrides.checkpointer`` on torchtitan's own
-config, ``qwen3_moe_small_hf``: the CPU-sized qwen3 MoE without the load-balancing bias, i.e. what HF's
-``Qwen3MoeForCausalLM`` computes) starts from the HF folder (``initial_load_in_hf``) at dp=2 x ep=2 --
-each rank reads its experts' ranges of the per-expert HF tensors -- trains 2 steps and writes its last
-save in HF (``last_save_in_hf``). Stock torchtitan (its own HF adapter, the same layout and data) gives
-the same first loss; transformers loads our export with no key missing, every tensor equal to the
-trained parameters, and logits equal to torchtitan's trained model."""
+config) starts from the HF folder (``initial_load_in_hf``) -- each rank reads its experts' ranges of the
+per-expert HF tensors -- trains 2 steps and writes its last save in HF (``last_save_in_hf``):
+
+* ``qwen3_moe_small_hf`` (the CPU-sized qwen3 MoE without the load-balancing bias, what HF's
+  ``Qwen3MoeForCausalLM`` computes) at dp=2 x ep=2;
+* ``deepseek_v3_small_hf`` (MLA, a dense first layer, routed + shared experts, sigmoid group-limited
+  routing, the load-balancing bias = HF's ``e_score_correction_bias``) at tp=2 x ep=2.
+
+Stock torchtitan (its own HF adapter, the same layout and data) gives the same first loss; transformers
+loads our export with no key missing, every expert, router gate (and correction bias) equal to the
+trained state, and logits equal to torchtitan's trained model."""
 
 import pytest
 import torch
@@ -20,9 +25,6 @@ skip_unless_torchtitan_runs()
 import titan_harness as tr  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-CONFIG = "qwen3_moe_small_hf"
-TOPO = {"dp": 2, "ep": 2}
 
 
 def _hf_folder(mapping, folder):
@@ -41,13 +43,18 @@ def _hf_folder(mapping, folder):
     hf.save_pretrained(folder)
 
 
-def test_trainer_starts_from_hf_qwen3_moe_at_ep2_and_exports_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "config,topo",
+    [("qwen3_moe_small_hf", {"dp": 2, "ep": 2}), ("deepseek_v3_small_hf", {"tp": 2, "ep": 2})],
+    ids=["qwen3-dp2-ep2", "deepseek-tp2-ep2"],
+)
+def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeypatch, config, topo):
     from safetensors.torch import load_file
 
-    from ucp_dcp.torchtitan.config_registry import qwen3_moe_small_hf
+    from ucp_dcp.torchtitan import config_registry
     from ucp_dcp.torchtitan.mappings import hf_mapping
 
-    model_config = qwen3_moe_small_hf().model_spec.model
+    model_config = getattr(config_registry, config)().model_spec.model
     mapping = hf_mapping(model_config)
     _hf_folder(mapping, tmp_path / "hf")
     assets = tr.make_assets(tmp_path / "assets")
@@ -63,11 +70,15 @@ def test_trainer_starts_from_hf_qwen3_moe_at_ep2_and_exports_back(tmp_path, monk
         "10",
     ]
     ours, stock = tmp_path / "ours", tmp_path / "stock"
-    env = {"UCP_TITAN_METRICS": str(ours / "loss.json"), "UCP_TITAN_STATE": str(ours / "trained.pt")}
+    env = {
+        "UCP_TITAN_METRICS": str(ours / "loss.json"),
+        "UCP_TITAN_STATE": str(ours / "trained.pt"),
+        "UCP_TITAN_STATE_BUFFERS": "1",
+    }
     tr.run_job(
-        TOPO, ours, assets, 2, flags, {**env, "UCP_TITAN_STATE_STEP": "2"}, config=CONFIG, overrides=[tr.ONE_FLAG]
+        topo, ours, assets, 2, flags, {**env, "UCP_TITAN_STATE_STEP": "2"}, config=config, overrides=[tr.ONE_FLAG]
     )
-    tr.run_job(TOPO, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=CONFIG)
+    tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=config)
     log = (ours / "log.txt").read_text()
     assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
     a, b = tr._losses(ours / "loss.json"), tr._losses(stock / "loss.json")
@@ -75,12 +86,14 @@ def test_trainer_starts_from_hf_qwen3_moe_at_ep2_and_exports_back(tmp_path, monk
 
     export = ours / "checkpoint" / "step-2"
     saved = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
-    trained = {
-        k.removeprefix("param/").replace("._checkpoint_wrapped_module", ""): v
+    state = {
+        k.replace("._checkpoint_wrapped_module", ""): v
         for k, v in torch.load(ours / "trained.pt", weights_only=False).items()
-        if k.startswith("param/")
     }
-    for i in range(len(model_config.layers)):  # every expert of every layer, at its global number
+    trained = {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+    moe = [i for i, layer in enumerate(model_config.layers) if layer.moe is not None]
+    assert moe, config
+    for i in moe:  # every expert of every MoE layer, at its global number
         experts = f"layers.{i}.moe.routed_experts.inner_experts."
         for e in range(trained[experts + "w1_EFD"].shape[0]):
             hf = f"model.layers.{i}.mlp.experts.{e}."
@@ -88,12 +101,20 @@ def test_trainer_starts_from_hf_qwen3_moe_at_ep2_and_exports_back(tmp_path, monk
             assert torch.equal(saved[hf + "up_proj.weight"], trained[experts + "w3_EFD"][e]), (i, e)
             assert torch.equal(saved[hf + "down_proj.weight"], trained[experts + "w2_EDF"][e]), (i, e)
         assert torch.equal(saved[f"model.layers.{i}.mlp.gate.weight"], trained[f"layers.{i}.moe.router.gate.weight"])
+        bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        if config.startswith("deepseek"):  # the learned load-balancing bias is HF's correction bias
+            assert torch.equal(saved[bias], state[f"buffer/layers.{i}.moe.expert_bias_E"]), i
+        else:
+            assert bias not in saved
 
     tr.fp32_experts(monkeypatch.setattr)
     model = tr._titan(model_config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(trained[name])
+        for name, b in model.named_buffers():  # deepseek's load-balancing bias routes tokens too
+            if name.endswith("expert_bias_E"):
+                b.copy_(state[f"buffer/{name}"])
     tokens = torch.randint(0, model_config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         tr._close(tr._titan_logits(model, tokens), tr._from_pretrained(export)(tokens).logits)

@@ -13,7 +13,9 @@
 * ``deepseek_v3_small``: torchtitan's ``deepseek_v3_debugmodel`` Trainer config with a CPU-sized
   deepseek_v3 (MLA, dense first layer, routed + shared experts, sigmoid group-limited router; the same
   module), stock checkpointer; ``deepseek_v3_small_ucp`` with ucp_dcp; ``deepseek_v3_small_mtp_ucp``
-  adds one multi-token-prediction layer (torchtitan refuses it with pipeline parallelism).
+  adds one multi-token-prediction layer (torchtitan refuses it with pipeline parallelism);
+  ``deepseek_v3_small_hf``: stock checkpointer, the latent norms at HF's eps 1e-6, so that HF's
+  ``DeepseekV3ForCausalLM`` computes the same model (:mod:`ucp_dcp.torchtitan.hf_deepseek`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torchtitan.models.llama3.model import Llama3Model
 
 from ._compat import llama3_debug_parts
 from .dataloader import GlobalCursorTextDataLoader
+from .hf_deepseek import HF_LATENT_EPS
 from .manager import UCPCheckpointManager
 from .moe import deepseek_v3_small_trainer, qwen3_moe_small_trainer
 
@@ -41,6 +44,7 @@ __all__ = [
     "deepseek_v3_small",
     "deepseek_v3_small_ucp",
     "deepseek_v3_small_mtp_ucp",
+    "deepseek_v3_small_hf",
 ]
 
 GQA_KV_HEADS = 4
@@ -115,3 +119,13 @@ def deepseek_v3_small_ucp():
 
 def deepseek_v3_small_mtp_ucp():
     return _with_ucp(deepseek_v3_small_trainer(num_mtp_layers=1))
+
+
+def deepseek_v3_small_hf():
+    cfg = deepseek_v3_small_trainer()
+    for layer in cfg.model_spec.model.layers:  # HF's latent norms are at eps 1e-6 (hf_deepseek)
+        att = layer.attention
+        att.kv_norm = dataclasses.replace(att.kv_norm, eps=HF_LATENT_EPS)
+        if getattr(att, "q_norm", None) is not None:
+            att.q_norm = dataclasses.replace(att.q_norm, eps=HF_LATENT_EPS)
+    return cfg

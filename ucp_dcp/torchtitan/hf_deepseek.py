@@ -40,7 +40,7 @@ from ..errors import UCPError
 from ..sources.hf.mapping import HFMapping, HFRule
 from ._compat import deepseek_v3_builders, router_forces_round_robin
 
-__all__ = ["DEEPSEEK_SMALL", "deepseek_v3_small_model", "deepseek_mapping", "is_deepseek_v3"]
+__all__ = ["DEEPSEEK_SMALL", "HF_LATENT_EPS", "deepseek_v3_small_model", "deepseek_mapping", "is_deepseek_v3"]
 
 DEEPSEEK_SMALL = {
     "n_layers": 3,
@@ -64,7 +64,7 @@ DEEPSEEK_SMALL = {
 """Geometry of :func:`deepseek_v3_small_model` (8 experts in 4 groups: EP degrees 2, 4, 8 divide them)."""
 
 _ROPE = "HF's DeepSeek-V3 rotates interleaved pairs or halves, unscaled or with YaRN"
-_HF_LATENT_EPS = 1e-6
+HF_LATENT_EPS = 1e-6
 """HF builds ``q_a_layernorm``/``kv_a_layernorm`` with ``DeepseekV3RMSNorm``'s default eps."""
 
 
@@ -126,8 +126,8 @@ def deepseek_v3_small_model(
     )
     for layer in layers:  # DeepSeek's (and HF's) latent norms: eps 1e-6, not torchtitan's default 1e-5
         att = layer.attention
-        att.kv_norm = dataclasses.replace(att.kv_norm, eps=_HF_LATENT_EPS)
-        att.q_norm = dataclasses.replace(att.q_norm, eps=_HF_LATENT_EPS)
+        att.kv_norm = dataclasses.replace(att.kv_norm, eps=HF_LATENT_EPS)
+        att.q_norm = dataclasses.replace(att.q_norm, eps=HF_LATENT_EPS)
     return DeepSeekV3Model.Config(
         vocab_size=vocab,
         dim=dim,
@@ -185,12 +185,12 @@ def _attention_key(i: int, att: Any) -> tuple[Any, ...]:
         )
     norms = [("kv_norm", att.kv_norm.eps)] + ([("q_norm", att.q_norm.eps)] if att.q_lora_rank else [])
     for name, eps in norms:
-        if eps != _HF_LATENT_EPS:
+        if eps != HF_LATENT_EPS:
             raise _refuse(
                 f"layer {i} {name} eps",
                 f"{at}.{name}",
                 eps,
-                _HF_LATENT_EPS,
+                HF_LATENT_EPS,
                 "HF's q_a_layernorm/kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is; set the latent "
                 "norms' eps to 1e-6 (as deepseek_v3_small_model does)",
             )
