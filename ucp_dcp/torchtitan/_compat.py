@@ -112,20 +112,6 @@ def qwen3_builders() -> dict[str, Any]:
     }
 
 
-def deepseek_v3_builders() -> dict[str, Any]:
-    """The private pieces of torchtitan's deepseek_v3 registry a CPU-sized deepseek_v3 is built from
-    (:mod:`ucp_dcp.torchtitan.hf_deepseek`): the MLA + MoE layer builder with DeepSeek's own inits,
-    the embedding and norm inits and the output-head init factory (``dim -> init``)."""
-    import torchtitan.models.deepseek_v3 as D
-
-    return {
-        "layers": D._build_dsv3_layers,
-        "embedding_init": D._EMBEDDING_INIT,
-        "norm_init": D._NORM_INIT,
-        "output_init": D._output_linear_init,
-    }
-
-
 def router_forces_round_robin(router_config: Any) -> bool:
     """Whether a ``TokenChoiceTopKRouter.Config`` has its debug round-robin routing on (its private
     ``_debug_force_load_balance``: experts assigned by position, not by score)."""
@@ -136,7 +122,7 @@ def deepseek_v3_builders() -> dict[str, Any]:
     """The private pieces of torchtitan's deepseek_v3 registry a smaller deepseek_v3 is built from (its
     own debug model is too slow for CPU jobs): the embedding and norm inits, the output-head init
     factory, the MLA + MoE layer builder with DeepSeek V3's inits and the MTP layer builder
-    (:mod:`ucp_dcp.torchtitan.moe`)."""
+    (:mod:`ucp_dcp.torchtitan.moe`, :mod:`ucp_dcp.torchtitan.hf_deepseek`)."""
     from torchtitan.models import deepseek_v3 as D
 
     return {
