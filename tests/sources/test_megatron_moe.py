@@ -31,27 +31,40 @@ STACKED, LISTED = (0, 2), (1, 3)
 
 
 def _source(singleton: bool) -> dict[str, torch.Tensor]:
+    """Megatron's keys of a MoE GPT; ``singleton``: as ``singleton_local_shards=True`` saves them
+    (one key per layer, per expert and per ``linear_fc1`` half ``weight_w``/``weight_v``)."""
     g = torch.Generator().manual_seed(0)
-    model = {
+    stacked = {
         "decoder.layers.mlp.router.weight": torch.randn(L, E, D, generator=g),
         "decoder.layers.mlp.router.expert_bias": torch.randn(L, E, generator=g),
         "decoder.layers.self_attention.linear_qkv.bias": torch.randn(L, 7, generator=g),
         "decoder.layers.self_attention.q_layernorm.weight": torch.randn(L, 2, generator=g),
+        EXP + "linear_fc1.weight": torch.randn(L, E, 2 * F, D, generator=g),
+        EXP + "linear_fc2.weight": torch.randn(L, E, D, F, generator=g),
     }
-    fc1, fc2 = torch.randn(L, E, 2 * F, D, generator=g), torch.randn(L, E, D, F, generator=g)
+    model = stacked
     if singleton:
-        for e in range(E):
-            model[f"{EXP}{e}.linear_fc1.weight"], model[f"{EXP}{e}.linear_fc2.weight"] = fc1[:, e], fc2[:, e]
-    else:
-        model[EXP + "linear_fc1.weight"], model[EXP + "linear_fc2.weight"] = fc1, fc2
+        model = {}
+        for name, t in stacked.items():
+            for i in range(L):
+                if not name.startswith(EXP):
+                    model[name.replace("layers.", f"layers.{i}.")] = t[i]
+                    continue
+                for e in range(E):
+                    key = name.replace("layers.", f"layers.{i}.").replace("experts.experts.", f"experts.experts.{e}.")
+                    if "fc1" in name:
+                        model[key + "_w"], model[key + "_v"] = t[i, e, :F], t[i, e, F:]
+                    else:
+                        model[key] = t[i, e]
     out = dict(model)
     for kind, k in (("exp_avg", 1.5), ("exp_avg_sq", 2.5)):
         out.update({f"optimizer.state.{kind}.{n}": t * k for n, t in model.items() if "expert_bias" not in n})
-    return out
+    return out, stacked
 
 
 def _write(path, singleton: bool = False) -> dict[str, torch.Tensor]:
-    sd = _source(singleton)
+    """Writes the checkpoint; returns its stacked form (the tensors of Megatron-LM's default keys)."""
+    sd, stacked = _source(singleton)
     dcp.save(sd, checkpoint_id=str(path), no_dist=True)
 
     def groups(expert: bool, lr: float) -> dict:
@@ -62,39 +75,28 @@ def _write(path, singleton: bool = False) -> dict[str, torch.Tensor]:
 
     torch.save({"optimizer": {0: groups(False, 1e-3), 1: groups(True, 2e-3)}}, path / "common.pt")
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    return sd
+    return stacked
 
 
 RULES = moe_rules(STACKED, LISTED) + EXTRA_RULES
 
 
-def _expected(sd: dict[str, torch.Tensor], singleton: bool) -> dict[str, torch.Tensor]:
-    """The logical atoms, sliced by hand from the source tensors."""
+def _expected(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The logical atoms, sliced by hand from the stacked source tensors (moments: x1.5)."""
     out = {}
-    for kind, pre, suf in ((None, "model.", ""), ("exp_avg", "optim.state.", ".exp_avg")):
-
-        def src(n):
-            return sd[f"optimizer.state.{kind}.{n}" if kind else n]
-
-        def fc(e, w):
-            return src(f"{EXP}{e}.linear_fc{w}.weight") if singleton else src(f"{EXP}linear_fc{w}.weight")[:, e]
-
+    for pre, suf, k in (("model.", "", 1.0), ("optim.state.", ".exp_avg", 1.5)):
+        fc1, fc2 = model[EXP + "linear_fc1.weight"] * k, model[EXP + "linear_fc2.weight"] * k
         for i in range(L):
-            out[f"{pre}layers.{i}.moe.router.weight{suf}"] = src("decoder.layers.mlp.router.weight")[i]
-            out[f"{pre}layers.{i}.attn.wqkv.bias{suf}"] = src("decoder.layers.self_attention.linear_qkv.bias")[i]
-            w1 = torch.stack([fc(e, 1)[i, :F] for e in range(E)])
-            w3 = torch.stack([fc(e, 1)[i, F:] for e in range(E)])
-            w2 = torch.stack([fc(e, 2)[i] for e in range(E)])
-            for e in range(E) if i in LISTED else []:
-                for n, t in (("w1", w1), ("w3", w3), ("w2", w2)):
-                    out[f"{pre}layers.{i}.moe.experts.{e}.{n}.weight{suf}"] = t[e]
-            if i in STACKED:
-                out.update(
-                    {f"{pre}layers.{i}.moe.experts.{n}{suf}": t for n, t in (("w1", w1), ("w3", w3), ("w2", w2))}
-                )
-        if kind is None:
-            for i in range(L):
-                out[f"model.layers.{i}.moe.router.expert_bias"] = sd["decoder.layers.mlp.router.expert_bias"][i]
+            out[f"{pre}layers.{i}.moe.router.weight{suf}"] = model["decoder.layers.mlp.router.weight"][i] * k
+            out[f"{pre}layers.{i}.attn.wqkv.bias{suf}"] = model["decoder.layers.self_attention.linear_qkv.bias"][i] * k
+            w1, w3, w2 = fc1[i, :, :F], fc1[i, :, F:], fc2[i]
+            for n, t in (("w1", w1), ("w3", w3), ("w2", w2)):
+                if i in STACKED:
+                    out[f"{pre}layers.{i}.moe.experts.{n}{suf}"] = t
+                else:
+                    out.update({f"{pre}layers.{i}.moe.experts.{e}.{n}.weight{suf}": t[e] for e in range(E)})
+    for i in range(L):
+        out[f"model.layers.{i}.moe.router.expert_bias"] = model["decoder.layers.mlp.router.expert_bias"][i]
     return out
 
 
@@ -107,8 +109,7 @@ def _load(path, want: dict[str, torch.Tensor], **kw) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("singleton", [False, True], ids=["expert-axis", "singleton"])
 def test_every_expert_slice_lands_in_its_atom_bitwise(tmp_path, singleton):
-    sd = _write(tmp_path, singleton)
-    want = _expected(sd, singleton)
+    want = _expected(_write(tmp_path, singleton))
     got = _load(tmp_path, want)
     assert len(want) > 60
     bad = [k for k in want if not torch.equal(got[k], want[k])]
@@ -130,13 +131,13 @@ def test_expert_parameters_take_the_expert_optimizers_groups(tmp_path):
 def test_a_flipped_expert_row_is_caught(tmp_path):
     """Sabotage: one row of expert 2's W3 half in layer 1, negated in the saved file, shows up in
     exactly that atom (and nowhere else)."""
-    sd = _write(tmp_path / "good")
-    bad_sd = {k: v.clone() for k, v in sd.items()}
-    bad_sd[EXP + "linear_fc1.weight"][1, 2, F + 1] *= -1
-    dcp.save(bad_sd, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    stacked = _write(tmp_path / "good")
+    sd, _ = _source(False)
+    sd[EXP + "linear_fc1.weight"][1, 2, F + 1] *= -1
+    dcp.save(sd, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
     for f in ("common.pt", "metadata.json"):
         (tmp_path / "bad" / f).write_bytes((tmp_path / "good" / f).read_bytes())
-    want = _expected(sd, False)
+    want = _expected(stacked)
     got = _load(tmp_path / "bad", want)
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert bad == ["model.layers.1.moe.experts.2.w3.weight"]

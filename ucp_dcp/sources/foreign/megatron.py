@@ -14,10 +14,15 @@ our atoms is the naming and the layout:
 * the vocabulary is padded (to a multiple of 128 x TP): the target's ``Padded`` rule drops the rows;
 * norms are stored under the fused linear layers (``linear_qkv.layer_norm_weight``).
 
-Names map by declared :data:`GPT_RULES` (``{key}`` -> toy/Llama-style parameter names); optimizer
-state (``optimizer.state.{exp_avg,exp_avg_sq}.<key>``, plain or ``fully_reshardable``) lands in the
-target's torch AdamW atoms, the step from ``common.pt``, param groups by Megatron's default split
-(no weight decay for 1-D parameters). ``dp_reshardable`` distributed-optimizer state (flat buffers
+* MoE expert keys add a global expert axis after the layer axis (``[L, E, 2F, D]``), or are one key
+  per expert (``singleton_local_shards``); each (layer, expert) slice is one parameter or a slice of
+  a stacked ``[E, ...]`` target atom.
+
+Names map by declared rules (:mod:`.megatron_rules`: :data:`GPT_RULES`, ``moe_rules``, biases,
+QK-norm, ``expert_bias``); optimizer state (``optimizer.state.{exp_avg,exp_avg_sq}.<key>``, plain or
+``fully_reshardable``, one optimizer or a ChainedOptimizer's dense + expert-parallel pair) lands in
+the target's torch AdamW atoms, the step from ``common.pt``, param groups by Megatron's default split
+(no weight decay for 1-D parameters and biases; expert parameters from the expert-parallel groups). ``dp_reshardable`` distributed-optimizer state (flat buffers
 with no parameter names) is refused with the fix. Every file is parsed inertly (megatron need not be
 installed; nothing in the files runs).
 """
@@ -35,19 +40,15 @@ import torch
 from ..._compat import _create_file_view
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ...layout.patterns import Rule
-from ...layout.transforms import Segment
 from ...planning.device import StagingMode
 from ...planning.payloads import ReadOnceMode
 from ...storage.format import parse_tensor_record
-from .base import ForeignReader, row_layout
+from .base import ForeignReader
 from .inert import Opaque, TensorRef, dig, load_inert, parse_pickle
-from .megatron_rules import GPT_RULES, MegatronRule
+from .megatron_rules import GPT_RULES, MegatronRule, rule_layout, unstack_key
 from .pieces import Piece, RowLayout, split_rows
 
 __all__ = ["MegatronReader", "MegatronRule", "GPT_RULES"]
-
-_SINGLETON = re.compile(r"(?P<pre>.*\.experts\.experts)\.(?P<e>\d+)\.(?P<post>.*)")
-"""An expert key saved with ``singleton_local_shards=True`` (one key per global expert)."""
 
 
 _OPT = "optimizer.state."
@@ -115,19 +116,18 @@ class MegatronReader(ForeignReader):
         atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         unmapped: list[str] = []
         have_master = any(str(k).startswith(_OPT + "param.") for k in state)
-        n_singleton: dict[str, int] = {}  # singleton expert keys: experts per base key
+        n_experts: dict[str, int] = {}  # per-expert keys: experts per stacked key
         for key in state:
-            m = _SINGLETON.fullmatch(_split_key(str(key))[1])
-            if m:
-                base = f"{m['pre']}.{m['post']}"
-                n_singleton[base] = max(n_singleton.get(base, 0), int(m["e"]) + 1)
+            base, _, e, _ = unstack_key(_split_key(str(key))[1])
+            if e is not None:
+                n_experts[base] = max(n_experts.get(base, 0), e + 1)
         for key, smd in sorted(state.items(), key=lambda kv: str(kv[0])):
             key = str(key)
             kind, base = _split_key(key)
-            expert = None
-            m = _SINGLETON.fullmatch(base)
-            if m and base not in self.rules:
-                base, expert = f"{m['pre']}.{m['post']}", int(m["e"])
+            at: tuple[int | None, int | None, int | None] = (None, None, None)
+            if base not in self.rules:
+                base, *rest = unstack_key(base)
+                at = (rest[0], rest[1], rest[2])
             rules = self.rules.get(base)
             if rules is None:
                 if not any(re.fullmatch(p, key) for p in self.ignore) and not (kind and self.optim is None):
@@ -143,7 +143,7 @@ class MegatronReader(ForeignReader):
                 continue
             if not hasattr(smd, "field") or "chunks" not in (smd.state or {}):
                 raise CorruptCheckpointError(f"{self.path}/.metadata: '{key}' is not a tensor entry", atom=key)
-            self._key_pieces(key, rules, kind, smd, storage, pieces, atoms, expert, n_singleton.get(base))
+            self._key_pieces(key, rules, kind, smd, storage, pieces, atoms, at, n_experts.get(base))
         if unmapped:
             raise UCPError(
                 f"{len(unmapped)} key(s) of the Megatron checkpoint match no rule: {unmapped[:6]}",
@@ -212,17 +212,20 @@ class MegatronReader(ForeignReader):
         storage: Any,
         pieces: list[Piece],
         atoms: dict,
-        expert: int | None,
+        at: tuple[int | None, int | None, int | None],
         n_experts: int | None,
     ) -> None:
-        """Pieces of one key. Its leading axes (layer if stacked, expert if the key has an expert
-        axis: not a singleton key, whose one ``expert`` is in its name) pick the parameter; the
-        rest is the parameter's own box."""
+        """Pieces of one key. Its leading axes (layer if stacked, expert if an expert key) pick the
+        parameter, the rest is the parameter's own box; ``at``: the layer, expert and SwiGLU half a
+        per-layer/per-expert/per-half key (``singleton_local_shards``) names instead."""
         size = tuple(int(x) for x in dig(smd, "size"))
         dtype = _dtype(dig(smd, "properties"), key)
-        stacked, expert_axis = rules[0].stacked, rules[0].experts and expert is None
+        layer0, expert, half = at
+        stacked, expert_axis = rules[0].stacked and layer0 is None, rules[0].experts and expert is None
         lead = int(stacked) + int(expert_axis)
         shape = size[lead:]
+        full = (2 * shape[0], *shape[1:]) if half is not None else shape  # both halves: the parameter
+        shift = half * shape[0] if half else 0
         n_e = size[int(stacked)] if expert_axis else (n_experts or 1)
         suffix = f".{kind}" if kind else ""
         base = f"{self.optim}state." if kind else self.prefix
@@ -230,15 +233,18 @@ class MegatronReader(ForeignReader):
 
         def layout(layer: int, e: int) -> tuple[RowLayout, bool]:
             if (layer, e) not in layouts:
-                layouts[(layer, e)] = self._layout(key, rules, layer, e, shape, base, suffix)
+                lay, keep, expert_params = rule_layout(key, rules, layer, e, full, self.patterns, base, suffix)
+                self._expert_params.update(expert_params)
+                layouts[(layer, e)] = lay, keep
             return layouts[(layer, e)]
 
-        for layer in range(size[0] if stacked else 1):
+        layers = range(size[0]) if stacked else [layer0 or 0]
+        for layer in layers:
             for e in range(n_e) if expert_axis else [expert or 0]:
                 lay, keep = layout(layer, e)
                 for k, atom in enumerate(lay.atoms):
                     rows = sum(s.length for s in lay.segments if s.part == k) if len(lay.atoms) > 1 else lay.size
-                    one = (rows, *shape[1:]) if shape else ()
+                    one = (rows, *full[1:]) if full else ()
                     atoms.setdefault(atom, (dtype, (n_e, *one) if keep else one))
         for chunk in dig(smd, "chunks"):
             offs = tuple(int(x) for x in dig(chunk, "offsets"))
@@ -253,43 +259,16 @@ class MegatronReader(ForeignReader):
             rel = str(dig(info, "relative_path"))
             at = self._item_data(rel, int(dig(info, "offset")), int(dig(info, "length")), key, dtype, sizes)
             o, s = offs[lead:], sizes[lead:]
+            o = (o[0] + shift, *o[1:]) if o else o
             stride = int(torch.Size(s).numel())
-            layers = range(offs[0], offs[0] + sizes[0]) if stacked else range(1)
+            chunk_layers = range(offs[0], offs[0] + sizes[0]) if stacked else layers
             experts = range(offs[lead - 1], offs[lead - 1] + sizes[lead - 1]) if expert_axis else [expert or 0]
-            for j, (layer, e) in enumerate((a, b) for a in layers for b in experts):
+            for j, (layer, e) in enumerate((a, b) for a in chunk_layers for b in experts):
                 lay, keep = layout(layer, e)
-                for atom, ao, asz, elem in split_rows(lay, o, s, shape):
+                for atom, ao, asz, elem in split_rows(lay, o, s, full):
                     if keep:  # the target keeps the experts stacked: the expert is the atom's dim 0
                         ao, asz = (e, *ao), (1, *asz)
                     pieces.append(Piece(atom, ao, asz, rel, at + (j * stride + elem) * dtype.itemsize, dtype))
-
-    def _layout(
-        self, key: str, rules: list[MegatronRule], layer: int, e: int, shape: tuple[int, ...], base: str, suffix: str
-    ) -> tuple[RowLayout, bool]:
-        """The atoms of one (layer, expert) slice of ``key``, and whether they keep an expert axis."""
-        rule = next((r for r in rules if r.applies(layer)), None)
-        if rule is None:
-            raise UCPError(
-                f"'{key}': no rule for layer {layer} (rules for layers {[r.layers for r in rules]})",
-                atom=key,
-                hint="give every layer of the key a MegatronRule",
-            )
-        param = rule.param.format(i=layer, e=e)
-        if rule.experts:
-            self._expert_params.add(param)
-        rows = shape[0] if shape else 1
-        if rule.glu is None:
-            lay = row_layout(param, rows, self.patterns, {"tp": 1}, base, suffix)
-        else:
-            if rows % 2:
-                raise CorruptCheckpointError(f"'{key}' has {rows} rows: not a SwiGLU [W1; W3]", atom=key)
-            glu, half = rule.glu.format(i=layer, e=e), rows // 2
-            if rule.experts:
-                self._expert_params.add(glu)
-            lay = RowLayout(
-                (base + param + suffix, base + glu + suffix), (Segment(0, half, 0, 0), Segment(half, half, 1, 0)), rows
-            )
-        return lay, rule.experts and "{e}" not in rule.param
 
     def _item_data(
         self, rel: str, offset: int, length: int, key: str, dtype: torch.dtype, sizes: tuple[int, ...]
