@@ -19,11 +19,18 @@ Phase 2 (one process, tp=ep=1): a fresh model and optimizer load it back through
 own view of its checkpoint for the tests. Every run checks that view's loss on a fixed batch equals
 the saved model's. About 20-40 s on 2 CPU cores.
 
-Runs Megatron unchanged under :class:`make_megatron.CpuAsCuda` (see that module for what needs it).
-With MoE, ``get_megatron_optimizer`` returns a ChainedOptimizer (dense and expert-parallel
-parameters); both are DistributedOptimizers here. Sharded keys use Megatron-LM's default
-``singleton_local_shards=False`` (``decoder.layers.mlp.experts.linear_fc1.weight`` ``[L, E, 2F, D]``),
-``--singleton`` the per-expert form (``decoder.layers.mlp.experts.<e>.linear_fc1.weight``).
+Runs Megatron unchanged under :class:`make_megatron.CpuAsCuda` (see that module for what needs it),
+plus two MoE-path workarounds on the CPU build (the saved files are untouched): ``te_general_gemm``
+(unbound without Transformer Engine: ``NameError`` in the router) is bound to None, and
+``torch.cuda.current_device()`` returns ``"cpu"`` (the allgather dispatcher allocates with it in
+backward, where the thread-local function mode is not active). With MoE, ``get_megatron_optimizer``
+returns a ChainedOptimizer (dense and expert-parallel parameters, ``common.pt`` holds ``{0: ..., 1:
+...}``); both are DistributedOptimizers here. At tp=ep=1 Megatron builds one optimizer, and its
+``load_state_dict`` cannot take the two saved group lists (``KeyError: 'optimizer'``): the view merges
+them and keeps the param state ``dist_checkpointing.load`` resharded. Keys: ``singleton_local_shards``
+off (the metadata default: ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
+``[L, E, 2F, D]``) or, with ``--singleton``, on (one key per layer, expert and SwiGLU half:
+``decoder.layers.<i>.mlp.experts.experts.<e>.linear_fc1.weight_w``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ distributed optimizer (a ChainedOptimizer: dense and expert-parallel groups) and
 ``fully_reshardable``. Megatron's own view is a fresh tp=ep=1 model loading it with
 ``dist_checkpointing.load``.
 
-* plain (Megatron-LM's default expert-axis keys) -> the toy Mixtral (stacked ``[E, F, D]`` experts in
+* plain (``singleton_local_shards`` off: layer- and expert-stacked keys) -> the toy Mixtral (stacked ``[E, F, D]`` experts in
   layers 0 and 2, one module per expert in 1 and 3) at ep=4, at tp=2·pp=2 (ep=1) and at dp=2·ep=2 —
   parameters, both Adam moments, step and groups bitwise;
 * extras (``singleton_local_shards`` keys, linear biases, QK layer norms, the sigmoid router's
@@ -80,7 +80,9 @@ def test_megatron_moe_loads_bitwise_at_another_ep_layout(runs, case):
     view = megatron_moe_view(str(runs / "plain"))
     n, bad = compare(view, state)
     experts = [k for k in state if ".moe.experts." in k and k.startswith("state/") and k.endswith("exp_avg")]
-    assert n > 300 and len(experts) == 2 * 3 + 2 * 4 * 3 and not bad, (n, bad[:10])
+    # 60 logical parameters (30 of them experts: 2 stacked layers x 3, 2 list layers x 4 experts x 3),
+    # each compared as parameter, exp_avg and exp_avg_sq (plus step and groups)
+    assert n == 180 and len(experts) == 30 and not bad, (n, bad[:10])
 
 
 def test_a_flipped_expert_row_in_the_file_is_caught(runs, tmp_path):

@@ -56,8 +56,10 @@ def _source(singleton: bool) -> dict[str, torch.Tensor]:
                         model[key + "_w"], model[key + "_v"] = t[i, e, :F], t[i, e, F:]
                     else:
                         model[key] = t[i, e]
-    out = dict(model)
-    for kind, k in (("exp_avg", 1.5), ("exp_avg_sq", 2.5)):
+    # fully_reshardable: the fp32 master copy (optimizer.state.param) is the parameter, the model key a
+    # stale copy (+100 here); the expert_bias buffer has no master and no moments: its model key counts
+    out = {n: t if "expert_bias" in n else t + 100 for n, t in model.items()}
+    for kind, k in (("param", 1.0), ("exp_avg", 1.5), ("exp_avg_sq", 2.5)):
         out.update({f"optimizer.state.{kind}.{n}": t * k for n, t in model.items() if "expert_bias" not in n})
     return out, stacked
 
@@ -133,7 +135,7 @@ def test_a_flipped_expert_row_is_caught(tmp_path):
     exactly that atom (and nowhere else)."""
     stacked = _write(tmp_path / "good")
     sd, _ = _source(False)
-    sd[EXP + "linear_fc1.weight"][1, 2, F + 1] *= -1
+    sd["optimizer.state.param." + EXP + "linear_fc1.weight"][1, 2, F + 1] *= -1  # the fp32 master: the parameter
     dcp.save(sd, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
     for f in ("common.pt", "metadata.json"):
         (tmp_path / "bad" / f).write_bytes((tmp_path / "good" / f).read_bytes())

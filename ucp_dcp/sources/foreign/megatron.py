@@ -115,7 +115,7 @@ class MegatronReader(ForeignReader):
         pieces: list[Piece] = []
         atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         unmapped: list[str] = []
-        have_master = any(str(k).startswith(_OPT + "param.") for k in state)
+        masters = {str(k)[len(_OPT + "param.") :] for k in state if str(k).startswith(_OPT + "param.")}
         n_experts: dict[str, int] = {}  # per-expert keys: experts per stacked key
         for key in state:
             base, _, e, _ = unstack_key(_split_key(str(key))[1])
@@ -133,7 +133,7 @@ class MegatronReader(ForeignReader):
                 if not any(re.fullmatch(p, key) for p in self.ignore) and not (kind and self.optim is None):
                     unmapped.append(key)
                 continue
-            if kind is None and have_master and self.master_weights:
+            if kind is None and key in masters and self.master_weights:
                 continue  # the fp32 master copy (optimizer.state.param.<key>) is the parameter
             if kind == "param":
                 if not self.master_weights:
