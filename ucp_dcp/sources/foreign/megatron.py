@@ -12,19 +12,18 @@ our atoms is the naming and the layout:
   ``linear_fc1`` is SwiGLU ``[W1; W3]`` (TP-invariant in the saved global layout): the target's own
   ``Fused`` rules split them (at ``tp=1``: the global layout);
 * the vocabulary is padded (to a multiple of 128 x TP): the target's ``Padded`` rule drops the rows;
-* norms are stored under the fused linear layers (``linear_qkv.layer_norm_weight``).
-
-* MoE expert keys add a global expert axis after the layer axis (``[L, E, 2F, D]``), or are one key
-  per expert (``singleton_local_shards``); each (layer, expert) slice is one parameter or a slice of
-  a stacked ``[E, ...]`` target atom.
+* norms are stored under the fused linear layers (``linear_qkv.layer_norm_weight``);
+* MoE expert keys add a global expert axis after the layer axis (``[L, E, 2F, D]``); with
+  ``singleton_local_shards`` every layer, expert and SwiGLU half is its own key. Each (layer, expert)
+  slice is one parameter or a slice of a stacked ``[E, ...]`` target atom.
 
 Names map by declared rules (:mod:`.megatron_rules`: :data:`GPT_RULES`, ``moe_rules``, biases,
 QK-norm, ``expert_bias``); optimizer state (``optimizer.state.{exp_avg,exp_avg_sq}.<key>``, plain or
 ``fully_reshardable``, one optimizer or a ChainedOptimizer's dense + expert-parallel pair) lands in
 the target's torch AdamW atoms, the step from ``common.pt``, param groups by Megatron's default split
-(no weight decay for 1-D parameters and biases; expert parameters from the expert-parallel groups). ``dp_reshardable`` distributed-optimizer state (flat buffers
-with no parameter names) is refused with the fix. Every file is parsed inertly (megatron need not be
-installed; nothing in the files runs).
+(no weight decay for 1-D parameters and biases; expert parameters from the expert-parallel groups).
+``dp_reshardable`` distributed-optimizer state (flat buffers with no parameter names) is refused with
+the fix. Every file is parsed inertly (megatron need not be installed; nothing in the files runs).
 """
 
 from __future__ import annotations
