@@ -123,10 +123,10 @@ class MegatronReader(ForeignReader):
         for key, smd in sorted(state.items(), key=lambda kv: str(kv[0])):
             key = str(key)
             kind, base = _split_key(key)
-            at: tuple[int | None, int | None, int | None] = (None, None, None)
+            where: tuple[int | None, int | None, int | None] = (None, None, None)
             if base not in self.rules:
                 base, *rest = unstack_key(base)
-                at = (rest[0], rest[1], rest[2])
+                where = (rest[0], rest[1], rest[2])
             rules = self.rules.get(base)
             if rules is None:
                 if not any(re.fullmatch(p, key) for p in self.ignore) and not (kind and self.optim is None):
@@ -142,7 +142,7 @@ class MegatronReader(ForeignReader):
                 continue
             if not hasattr(smd, "field") or "chunks" not in (smd.state or {}):
                 raise CorruptCheckpointError(f"{self.path}/.metadata: '{key}' is not a tensor entry", atom=key)
-            self._key_pieces(key, rules, kind, smd, storage, pieces, atoms, at, n_experts.get(base))
+            self._key_pieces(key, rules, kind, smd, storage, pieces, atoms, where, n_experts.get(base))
         if unmapped:
             raise UCPError(
                 f"{len(unmapped)} key(s) of the Megatron checkpoint match no rule: {unmapped[:6]}",
@@ -211,15 +211,15 @@ class MegatronReader(ForeignReader):
         storage: Any,
         pieces: list[Piece],
         atoms: dict,
-        at: tuple[int | None, int | None, int | None],
+        where: tuple[int | None, int | None, int | None],
         n_experts: int | None,
     ) -> None:
         """Pieces of one key. Its leading axes (layer if stacked, expert if an expert key) pick the
-        parameter, the rest is the parameter's own box; ``at``: the layer, expert and SwiGLU half a
+        parameter, the rest is the parameter's own box; ``where``: the layer, expert and SwiGLU half a
         per-layer/per-expert/per-half key (``singleton_local_shards``) names instead."""
         size = tuple(int(x) for x in dig(smd, "size"))
         dtype = _dtype(dig(smd, "properties"), key)
-        layer0, expert, half = at
+        layer0, expert, half = where
         stacked, expert_axis = rules[0].stacked and layer0 is None, rules[0].experts and expert is None
         lead = int(stacked) + int(expert_axis)
         shape = size[lead:]
@@ -237,8 +237,7 @@ class MegatronReader(ForeignReader):
                 layouts[(layer, e)] = lay, keep
             return layouts[(layer, e)]
 
-        layers = range(size[0]) if stacked else [layer0 or 0]
-        for layer in layers:
+        for layer in (layers := range(size[0]) if stacked else [layer0 or 0]):
             for e in range(n_e) if expert_axis else [expert or 0]:
                 lay, keep = layout(layer, e)
                 for k, atom in enumerate(lay.atoms):
