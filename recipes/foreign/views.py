@@ -3,9 +3,10 @@
 ``make_deepspeed.py`` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
 ``ds_view_optim.pt``: the live engine's moments, step and groups), ``make_deepspeed_moe.py`` the same for
 its MoE run (``ds_view_moe.pt``, global expert names) and ``make_megatron.py`` Megatron's
-(``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``). :func:`compare` checks a loaded
+(``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``; ``make_megatron_moe.py`` the same
+at tp=ep=1 for a MoE GPT, read as the toy Mixtral). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe_deepspeed.py``, ``tests/e2e/test_foreign_moe_megatron.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations
@@ -126,6 +127,58 @@ def megatron_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
     return megatron_config(), params, optim, lambda logical: no_decay if "norm" in logical else decay
 
 
+def _moe_logical(cfg: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron MoE names (``decoder.layers.<i>.mlp.experts.local_experts.<e>.linear_fc1.weight``,
+    global experts at ep=1) as the toy's logical ones: stacked ``[E, F, D]`` or per-expert by layer."""
+    import re
+
+    out, stacks = {}, {}
+    for name, t in named.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight", name)
+        if m is None:
+            out[megatron_name(name).replace("mlp.router", "moe.router")] = t
+            continue
+        i, e, fc = int(m[1]), int(m[2]), m[3]
+        ws = {"w1": t[: cfg.expert_dim], "w3": t[cfg.expert_dim :]} if fc == "1" else {"w2": t}
+        for w, part in ws.items():
+            if cfg.ffn_kind(i) == "stacked":
+                stacks.setdefault(f"layers.{i}.moe.experts.{w}", {})[e] = part
+            else:
+                out[f"layers.{i}.moe.experts.{e}.{w}.weight"] = part
+    out.update({k: torch.stack([v[e] for e in sorted(v)]) for k, v in stacks.items()})
+    return out
+
+
+def megatron_moe_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]]:
+    """:func:`megatron_view` of a ``make_megatron_moe.py`` run as the toy Mixtral's logical state
+    (expert parameters' groups from Megatron's expert-parallel optimizer)."""
+    from ucp_dcp.sources.foreign.inert import load_inert
+    from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
+
+    view = torch.load(os.path.join(path, "mcore_view.pt"), weights_only=False)
+    params = _moe_logical(TOY_MIXTRAL, view["params"])
+    optim: dict[str, dict] = {}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for k, v in _moe_logical(TOY_MIXTRAL, {n: st[kind] for n, st in view["optim"].items()}).items():
+            optim.setdefault(k, {})[kind] = v
+    steps = {float(st["step"]) for st in view["optim"].values()}
+    assert len(steps) == 1, steps
+    step = steps.pop()
+    for st in optim.values():
+        st["step"] = step
+    common = load_inert(os.path.join(path, "common.pt")).obj["optimizer"]
+    groups = {
+        (g.get("is_expert_parallel", False), g["wd_mult"]): g
+        for sub in common.values()
+        for g in sub["optimizer"]["param_groups"]
+    }
+
+    def group(logical: str) -> dict:
+        return groups[(".experts." in logical, 0.0 if "norm" in logical else 1.0)]
+
+    return TOY_MIXTRAL, params, optim, group
+
+
 def compare(view: tuple[Any, dict, dict, Callable[[str], dict]], state: dict) -> tuple[int, list[str]]:
     """Bitwise: every logical parameter, both Adam moments and the step, and the groups' lr, betas,
     eps and weight decay. Returns (tensors compared, mismatches)."""
@@ -166,17 +219,21 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
     from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES
     from ucp_dcp.sources.foreign.megatron import MegatronReader
+    from ucp_dcp.sources.foreign.megatron_rules import moe_rules
     from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
+    from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
 
     configs = {"deepspeed": deepspeed_config, "deepspeed_moe": deepspeed_moe_config, "megatron": megatron_config}
-    cfg = configs[kind]()
+    cfg = configs.get(kind, lambda: TOY_MIXTRAL)()
+    if kind == "megatron-moe":
+        options = {"rules": moe_rules(cfg.stacked_moe_layers, cfg.list_moe_layers), **(options or {})}
     job = build_job(Topology.parse(topo_text))
     tr = build_trainer(cfg, job, seed=99)
     opts = ucp_options(cfg, job.topo, job.coord, model_only=True)
     options = dict(options or {})
     if kind == "deepspeed_moe":
         options.setdefault("names", TOY_NAMES)
-    reader_cls = MegatronReader if kind == "megatron" else DeepSpeedReader
+    reader_cls = MegatronReader if kind.startswith("megatron") else DeepSpeedReader
     reader = reader_cls(path, patterns=opts["patterns"], **options)
     sd = tr.state_dict()
     sd.pop("train_state")

@@ -2,7 +2,7 @@
 DeepSpeedReader over a hand-made ZeRO-1 MoE folder laid out as deepspeed 0.19.8 writes one (expert
 files per global expert, each rank's ``moe`` group partition = part ``r // ep`` of EP rank
 ``r % ep``'s local experts), loaded bitwise into a plain target. Single process; the real
-library's files are checked in tests/e2e/test_foreign_moe.py."""
+library's files are checked in tests/e2e/test_foreign_moe_deepspeed.py."""
 
 import os
 

@@ -12,22 +12,26 @@ our atoms is the naming and the layout:
   ``linear_fc1`` is SwiGLU ``[W1; W3]`` (TP-invariant in the saved global layout): the target's own
   ``Fused`` rules split them (at ``tp=1``: the global layout);
 * the vocabulary is padded (to a multiple of 128 x TP): the target's ``Padded`` rule drops the rows;
-* norms are stored under the fused linear layers (``linear_qkv.layer_norm_weight``).
+* norms are stored under the fused linear layers (``linear_qkv.layer_norm_weight``);
+* MoE expert keys add a global expert axis after the layer axis (``[L, E, 2F, D]``); with
+  ``singleton_local_shards`` every layer, expert and SwiGLU half is its own key. Each (layer, expert)
+  slice is one parameter or a slice of a stacked ``[E, ...]`` target atom.
 
-Names map by declared :data:`GPT_RULES` (``{key}`` -> toy/Llama-style parameter names); optimizer
-state (``optimizer.state.{exp_avg,exp_avg_sq}.<key>``, plain or ``fully_reshardable``) lands in the
-target's torch AdamW atoms, the step from ``common.pt``, param groups by Megatron's default split
-(no weight decay for 1-D parameters). ``dp_reshardable`` distributed-optimizer state (flat buffers
-with no parameter names) is refused with the fix. Every file is parsed inertly (megatron need not be
-installed; nothing in the files runs).
+Names map by declared rules (:mod:`.megatron_rules`: :data:`GPT_RULES`, ``moe_rules``, biases,
+QK-norm, ``expert_bias``); optimizer state (``optimizer.state.{exp_avg,exp_avg_sq}.<key>``, plain or
+``fully_reshardable``, one optimizer or a ChainedOptimizer's dense + expert-parallel pair) lands in
+the target's torch AdamW atoms, the step from ``common.pt``, param groups by Megatron's default split
+(no weight decay for 1-D parameters and biases; expert parameters from the expert-parallel groups).
+``dp_reshardable`` distributed-optimizer state (flat buffers with no parameter names) is refused with
+the fix. Every file is parsed inertly (megatron need not be installed; nothing in the files runs).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,40 +42,13 @@ from ...layout.patterns import Rule
 from ...planning.device import StagingMode
 from ...planning.payloads import ReadOnceMode
 from ...storage.format import parse_tensor_record
-from .base import ForeignReader, row_layout
+from .base import ForeignReader
 from .inert import Opaque, TensorRef, dig, load_inert, parse_pickle
-from .pieces import Piece, split_rows
+from .megatron_rules import GPT_RULES, MegatronRule, rule_layout, unstack_key
+from .pieces import Piece, RowLayout, split_rows
 
 __all__ = ["MegatronReader", "MegatronRule", "GPT_RULES"]
 
-
-@dataclass(frozen=True)
-class MegatronRule:
-    """A Megatron key and the parameter it holds."""
-
-    key: str
-    """The ``torch_dist`` key (without the ``optimizer.state.<kind>.`` prefix of optimizer state)."""
-    param: str
-    """The parameter name, with ``{i}`` for the layer of a stacked key."""
-    stacked: bool = False
-    """The key has a leading layer axis (one slice per transformer layer)."""
-
-
-GPT_RULES: tuple[MegatronRule, ...] = (
-    MegatronRule("embedding.word_embeddings.weight", "tok_embeddings.weight"),
-    MegatronRule("output_layer.weight", "output.weight"),
-    MegatronRule("decoder.final_layernorm.weight", "norm.weight"),
-    MegatronRule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", "layers.{i}.attn_norm.weight", True),
-    MegatronRule("decoder.layers.input_layernorm.weight", "layers.{i}.attn_norm.weight", True),
-    MegatronRule("decoder.layers.self_attention.linear_qkv.weight", "layers.{i}.attn.wqkv.weight", True),
-    MegatronRule("decoder.layers.self_attention.linear_proj.weight", "layers.{i}.attn.wo.weight", True),
-    MegatronRule("decoder.layers.mlp.linear_fc1.layer_norm_weight", "layers.{i}.ffn_norm.weight", True),
-    MegatronRule("decoder.layers.pre_mlp_layernorm.weight", "layers.{i}.ffn_norm.weight", True),
-    MegatronRule("decoder.layers.mlp.linear_fc1.weight", "layers.{i}.ffn.w13.weight", True),
-    MegatronRule("decoder.layers.mlp.linear_fc2.weight", "layers.{i}.ffn.w2.weight", True),
-)
-"""Megatron-Core GPT (local or Transformer Engine spec, no biases) -> the toy LLM's parameter names
-(Llama-style: ``attn.wqkv`` group-major, ``ffn.w13`` = ``[w1; w3]``)."""
 
 _OPT = "optimizer.state."
 
@@ -106,17 +83,19 @@ class MegatronReader(ForeignReader):
         optim: str | None = "optim.",
         master_weights: bool = True,
         target_rotary: str | None = "interleaved",
-        thread_count: int = 4,
+        thread_count: int | None = None,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
     ) -> None:
         super().__init__(path, thread_count=thread_count, staging=staging, read_once=read_once)
-        self.patterns, self.rules, self.ignore = list(patterns), {r.key: r for r in rules}, tuple(ignore)
+        self.patterns, self.ignore = list(patterns), tuple(ignore)
+        self.rules: dict[str, list[MegatronRule]] = {}
+        for r in rules:
+            self.rules.setdefault(r.key, []).append(r)
+        self._expert_params: set[str] = set()
         self.prefix, self.optim, self.master_weights, self.target_rotary = prefix, optim, master_weights, target_rotary
 
     def describe(self) -> tuple[list[Piece], dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Any]]:
-        import re
-
         self._check_backend()
         common = load_inert(os.path.join(self.path, "common.pt"))
         self._check_args(common.obj.get("args"))
@@ -124,8 +103,7 @@ class MegatronReader(ForeignReader):
         state = dig(md, "state_dict_metadata")
         storage = _storage_index(dig(md, "storage_data"))
         optimizer = common.obj.get("optimizer") or {}
-        sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
-        if sharding == "dp_reshardable" or any(str(k).startswith("optimizer.distributed.") for k in state):
+        if _sharding(optimizer) == "dp_reshardable" or any(str(k).startswith("optimizer.distributed.") for k in state):
             raise UCPError(
                 f"{self.path}: distributed-optimizer state saved as 'dp_reshardable' flat buffers (no "
                 "parameter names) is not read",
@@ -136,16 +114,25 @@ class MegatronReader(ForeignReader):
         pieces: list[Piece] = []
         atoms: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         unmapped: list[str] = []
-        have_master = any(str(k).startswith(_OPT + "param.") for k in state)
+        masters = {str(k)[len(_OPT + "param.") :] for k in state if str(k).startswith(_OPT + "param.")}
+        n_experts: dict[str, int] = {}  # per-expert keys: experts per stacked key
+        for key in state:
+            base, _, e, _ = unstack_key(_split_key(str(key))[1])
+            if e is not None:
+                n_experts[base] = max(n_experts.get(base, 0), e + 1)
         for key, smd in sorted(state.items(), key=lambda kv: str(kv[0])):
             key = str(key)
             kind, base = _split_key(key)
-            rule = self.rules.get(base)
-            if rule is None:
+            where: tuple[int | None, int | None, int | None] = (None, None, None)
+            if base not in self.rules:
+                base, *rest = unstack_key(base)
+                where = (rest[0], rest[1], rest[2])
+            rules = self.rules.get(base)
+            if rules is None:
                 if not any(re.fullmatch(p, key) for p in self.ignore) and not (kind and self.optim is None):
                     unmapped.append(key)
                 continue
-            if kind is None and have_master and self.master_weights:
+            if kind is None and key in masters and self.master_weights:
                 continue  # the fp32 master copy (optimizer.state.param.<key>) is the parameter
             if kind == "param":
                 if not self.master_weights:
@@ -155,7 +142,7 @@ class MegatronReader(ForeignReader):
                 continue
             if not hasattr(smd, "field") or "chunks" not in (smd.state or {}):
                 raise CorruptCheckpointError(f"{self.path}/.metadata: '{key}' is not a tensor entry", atom=key)
-            self._key_pieces(key, rule, kind, smd, storage, pieces, atoms)
+            self._key_pieces(key, rules, kind, smd, storage, pieces, atoms, where, n_experts.get(base))
         if unmapped:
             raise UCPError(
                 f"{len(unmapped)} key(s) of the Megatron checkpoint match no rule: {unmapped[:6]}",
@@ -216,20 +203,47 @@ class MegatronReader(ForeignReader):
     # -- pieces --------------------------------------------------------------------------------------
 
     def _key_pieces(
-        self, key: str, rule: MegatronRule, kind: str | None, smd: Any, storage: Any, pieces: list[Piece], atoms: dict
+        self,
+        key: str,
+        rules: list[MegatronRule],
+        kind: str | None,
+        smd: Any,
+        storage: Any,
+        pieces: list[Piece],
+        atoms: dict,
+        where: tuple[int | None, int | None, int | None],
+        n_experts: int | None,
     ) -> None:
+        """Pieces of one key. Its leading axes (layer if stacked, expert if an expert key) pick the
+        parameter, the rest is the parameter's own box; ``where``: the layer, expert and SwiGLU half a
+        per-layer/per-expert/per-half key (``singleton_local_shards``) names instead."""
         size = tuple(int(x) for x in dig(smd, "size"))
         dtype = _dtype(dig(smd, "properties"), key)
-        shape = size[1:] if rule.stacked else size
-        layers = size[0] if rule.stacked else 1
+        layer0, expert, half = where
+        stacked, expert_axis = rules[0].stacked and layer0 is None, rules[0].experts and expert is None
+        lead = int(stacked) + int(expert_axis)
+        shape = size[lead:]
+        full = (2 * shape[0], *shape[1:]) if half is not None else shape  # both halves: the parameter
+        shift = half * shape[0] if half else 0
+        n_e = size[int(stacked)] if expert_axis else (n_experts or 1)
         suffix = f".{kind}" if kind else ""
         base = f"{self.optim}state." if kind else self.prefix
-        for layer in range(layers):
-            param = rule.param.format(i=layer)
-            layout = row_layout(param, shape[0] if shape else 1, self.patterns, {"tp": 1}, base, suffix)
-            for k, atom in enumerate(layout.atoms):
-                rows = sum(s.length for s in layout.segments if s.part == k) if len(layout.atoms) > 1 else layout.size
-                atoms.setdefault(atom, (dtype, (rows, *shape[1:]) if shape else ()))
+        layouts: dict[tuple[int, int], tuple[RowLayout, bool]] = {}
+
+        def layout(layer: int, e: int) -> tuple[RowLayout, bool]:
+            if (layer, e) not in layouts:
+                lay, keep, expert_params = rule_layout(key, rules, layer, e, full, self.patterns, base, suffix)
+                self._expert_params.update(expert_params)
+                layouts[(layer, e)] = lay, keep
+            return layouts[(layer, e)]
+
+        for layer in (layers := range(size[0]) if stacked else [layer0 or 0]):
+            for e in range(n_e) if expert_axis else [expert or 0]:
+                lay, keep = layout(layer, e)
+                for k, atom in enumerate(lay.atoms):
+                    rows = sum(s.length for s in lay.segments if s.part == k) if len(lay.atoms) > 1 else lay.size
+                    one = (rows, *full[1:]) if full else ()
+                    atoms.setdefault(atom, (dtype, (n_e, *one) if keep else one))
         for chunk in dig(smd, "chunks"):
             offs = tuple(int(x) for x in dig(chunk, "offsets"))
             sizes = tuple(int(x) for x in dig(chunk, "sizes"))
@@ -242,13 +256,16 @@ class MegatronReader(ForeignReader):
                 )
             rel = str(dig(info, "relative_path"))
             at = self._item_data(rel, int(dig(info, "offset")), int(dig(info, "length")), key, dtype, sizes)
-            stride = int(torch.Size(sizes[1:]).numel()) if rule.stacked else 0
-            for j in range(sizes[0] if rule.stacked else 1):
-                layer = offs[0] + j if rule.stacked else 0
-                o, s = (offs[1:], sizes[1:]) if rule.stacked else (offs, sizes)
-                param = rule.param.format(i=layer)
-                layout = row_layout(param, shape[0] if shape else 1, self.patterns, {"tp": 1}, base, suffix)
-                for atom, ao, asz, elem in split_rows(layout, o, s, shape):
+            o, s = offs[lead:], sizes[lead:]
+            o = (o[0] + shift, *o[1:]) if o else o
+            stride = int(torch.Size(s).numel())
+            chunk_layers = range(offs[0], offs[0] + sizes[0]) if stacked else layers
+            experts = range(offs[lead - 1], offs[lead - 1] + sizes[lead - 1]) if expert_axis else [expert or 0]
+            for j, (layer, e) in enumerate((a, b) for a in chunk_layers for b in experts):
+                lay, keep = layout(layer, e)
+                for atom, ao, asz, elem in split_rows(lay, o, s, full):
+                    if keep:  # the target keeps the experts stacked: the expert is the atom's dim 0
+                        ao, asz = (e, *ao), (1, *asz)
                     pieces.append(Piece(atom, ao, asz, rel, at + (j * stride + elem) * dtype.itemsize, dtype))
 
     def _item_data(
@@ -274,45 +291,69 @@ class MegatronReader(ForeignReader):
 
     def _optimizer_values(self, common: Any, optimizer: Any, atoms: dict) -> dict[str, Any]:
         """Steps and param-group hyperparameters; groups by Megatron's default split (``wd_mult`` 0
-        for 1-D parameters and biases, 1 for the rest)."""
+        for 1-D parameters and biases, 1 for the rest), expert parameters from the expert-parallel
+        groups (with MoE a ChainedOptimizer saves ``{0: dense, 1: expert}``)."""
         if not isinstance(optimizer, dict) or not optimizer:
             return {}
-        inner = optimizer.get("optimizer", optimizer)
-        groups = list(inner.get("param_groups") or [])
-        by_mult = {float(g.get("wd_mult", 1.0)): g for g in groups}
-        if len(by_mult) != len(groups) or not set(by_mult) <= {0.0, 1.0}:
-            raise UCPError(
-                f"{self.path}: {len(groups)} param groups (wd_mult {sorted(by_mult)}): only Megatron's "
-                "default split (weight decay for matrices, none for 1-D parameters) can be assigned",
-                hint="load the model alone (optim=None) and set the groups yourself",
-            )
-        step = (inner.get("state") or {}).get("common_step")
+        subs = [optimizer[k] for k in sorted(optimizer) if isinstance(k, int)] or [optimizer]
+        groups: dict[tuple[bool, float], dict] = {}
+        steps: dict[bool, Any] = {}
+        for sub in subs:
+            inner = sub.get("optimizer", sub) if isinstance(sub, dict) else {}
+            for g in list(inner.get("param_groups") or []):
+                k = (bool(g.get("is_expert_parallel", False)), float(g.get("wd_mult", 1.0)))
+                if k in groups or k[1] not in (0.0, 1.0):
+                    raise UCPError(
+                        f"{self.path}: param groups beyond Megatron's default split (wd_mult "
+                        f"{k[1]}, expert-parallel {k[0]}, twice or not 0/1): cannot be assigned",
+                        hint="load the model alone (optim=None) and set the groups yourself",
+                    )
+                groups[k] = g
+            step = (inner.get("state") or {}).get("common_step")
+            if isinstance(step, TensorRef):
+                steps.setdefault(False, step)
         values: dict[str, Any] = {}
-        skip = {
-            "params",
-            "step",
-            "wd_mult",
-            "lr_mult",
-            "is_expert_parallel",
-            "default_config",
-            "is_decoupled_lr",
-            "max_lr",
-            "min_lr",
-        }
         state = f"{self.optim}state."
         for atom, (_, shape) in list(atoms.items()):
             if not atom.startswith(state) or not atom.endswith(".exp_avg"):
                 continue
             param = atom[len(state) : -len(".exp_avg")]
-            group = by_mult.get(0.0 if len(shape) <= 1 or param.endswith(".bias") else 1.0)
+            mult = 0.0 if len(shape) <= 1 or param.endswith(".bias") else 1.0
+            expert = param in self._expert_params and any(k[0] for k in groups)
+            group = groups.get((expert, mult))
             if group is None:
-                raise UCPError(f"no param group for '{param}' (wd_mult groups {sorted(by_mult)})", atom=param)
-            values.update({f"{self.optim}param_groups.{param}.{k}": v for k, v in group.items() if k not in skip})
-            s = step if isinstance(step, TensorRef) else group.get("step")
+                raise UCPError(
+                    f"no param group for '{param}' (groups {sorted(groups)}: expert-parallel, wd_mult)", atom=param
+                )
+            values.update({f"{self.optim}param_groups.{param}.{k}": v for k, v in group.items() if k not in _SKIP})
+            s = steps.get(False, group.get("step"))
             if s is None:
                 raise CorruptCheckpointError(f"{self.path}/common.pt has no optimizer step", atom=param)
             values[f"{state}{param}.step"] = _step_tensor(common, s)
         return values
+
+
+_SKIP = {
+    "params",
+    "step",
+    "wd_mult",
+    "lr_mult",
+    "is_expert_parallel",
+    "default_config",
+    "is_decoupled_lr",
+    "max_lr",
+    "min_lr",
+}
+"""Megatron's own group fields: not torch AdamW hyperparameters."""
+
+
+def _sharding(optimizer: Any) -> str | None:
+    """``param_state_sharding_type`` of a (chained: ``{0: ..., 1: ...}``) optimizer's common state."""
+    if not isinstance(optimizer, dict):
+        return None
+    subs = [optimizer[k] for k in optimizer if isinstance(k, int)] or [optimizer]
+    kinds = {s.get("param_state_sharding_type") for s in subs if isinstance(s, dict)}
+    return "dp_reshardable" if "dp_reshardable" in kinds else next(iter(kinds), None)
 
 
 def _step_tensor(common: Any, s: Any) -> torch.Tensor:
