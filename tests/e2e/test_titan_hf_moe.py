@@ -27,22 +27,6 @@ import titan_harness as tr  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
-def _hf_folder(mapping, folder):
-    """A random transformers model from the mapping's config.json (as tests/torchtitan/test_mappings.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(mapping.config)
-    arch = cfg.pop("architectures")
-    config = AutoConfig.for_model(**cfg)
-    config.architectures = arch
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
-    hf.save_pretrained(folder)
-
-
 @pytest.mark.parametrize(
     "config,topo",
     [("qwen3_moe_small_hf", {"dp": 2, "ep": 2}), ("deepseek_v3_small_hf", {"tp": 2, "ep": 2})],
@@ -56,7 +40,7 @@ def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeyp
 
     model_config = getattr(config_registry, config)().model_spec.model
     mapping = hf_mapping(model_config)
-    _hf_folder(mapping, tmp_path / "hf")
+    tr.hf_model(mapping, tmp_path / "hf")
     assets = tr.make_assets(tmp_path / "assets")
     flags = [
         "--checkpoint.initial_load_path",

@@ -337,3 +337,20 @@ def fp32_experts(patch):
         return out
 
     patch(GroupedExperts, "forward", forward)  # monkeypatch.setattr in a test, dist.patch in a task
+
+
+def hf_model(mapping, folder, seed=0):
+    """A random transformers model built from the mapping's config.json, saved to ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(mapping.config)
+    arch = cfg.pop("architectures")
+    config = AutoConfig.for_model(**cfg)
+    config.architectures = arch
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms away from 1 and weights large enough that a wrong row order shows
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+    hf.save_pretrained(folder)
+    return hf

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
 from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
 from titan_harness import fp32_experts as _fp32_experts  # noqa: E402
+from titan_harness import hf_model as _hf_model  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
@@ -49,23 +50,6 @@ def _spec(family: str, flavor: str = "debugmodel"):
     else:
         from torchtitan.models.qwen3 import model_registry
     return model_registry(flavor)
-
-
-def _hf_model(mapping, folder, seed=0):
-    """A random transformers model built from the mapping's config.json, saved to ``folder``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(mapping.config)
-    arch = cfg.pop("architectures")
-    config = AutoConfig.for_model(**cfg)
-    config.architectures = arch
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():  # norms away from 1 and weights large enough that a wrong row order shows
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
-    hf.save_pretrained(folder)
-    return hf
 
 
 @torchtitan_forward
