@@ -14,7 +14,10 @@ also inside functions):
     tools     ucp_dcp/tools/ (the command line), ucp_dcp.__main__
 
 ``ucp_dcp.toy`` (the recipes' and tests' model) stands apart: it may use layout and sources (its rules
-and HF presets), only the tools import it, and its model and trainer import no other ucp_dcp module.
+and HF presets), only the tools and ``ucp_dcp.testing`` import it, and its model and trainer import no other
+ucp_dcp module. ``ucp_dcp.testing`` (the fixtures tests and recipes share) sits on top of everything: it may
+import any module, no other module imports it, and it may patch torch / torchtitan internals (the CPU launcher)
+without going through ``_compat``.
 The package ``ucp_dcp`` (its ``__init__``) only re-exports and is imported by no module.
 """
 
@@ -89,8 +92,8 @@ def _layer(m: str) -> str | None:
     if m in TOP_LEVEL:
         return TOP_LEVEL[m]
     folder = m.split(".")[1]
-    if folder == "toy":
-        return "toy"
+    if folder in ("toy", "testing"):
+        return folder
     return folder if folder in LAYERS else None
 
 
@@ -127,7 +130,17 @@ def test_toy_imports_only_what_it_may(module):
 
 
 def test_only_the_tools_import_the_toy_model():
-    bad = {m: sorted(d for d in GRAPH[m] if _layer(d) == "toy") for m in SOURCES if _layer(m) not in ("toy", "tools")}
+    bad = {
+        m: sorted(d for d in GRAPH[m] if _layer(d) == "toy")
+        for m in SOURCES
+        if _layer(m) not in ("toy", "tools", "testing")
+    }
+    assert not any(bad.values()), {m: d for m, d in bad.items() if d}
+
+
+def test_no_module_imports_the_test_fixtures():
+    """``ucp_dcp.testing`` is the tests' and recipes' fixture home: the library never depends on it."""
+    bad = {m: sorted(d for d in GRAPH[m] if _layer(d) == "testing") for m in SOURCES if _layer(m) != "testing"}
     assert not any(bad.values()), {m: d for m, d in bad.items() if d}
 
 
@@ -227,7 +240,7 @@ def _private_uses(name: str, defined: set[str]) -> list[str]:
 
 def test_private_torch_and_torchtitan_names_only_through_compat():
     defined = _defined_here()
-    bad = {m: _private_uses(m, defined) for m in SOURCES if m not in COMPAT}
+    bad = {m: _private_uses(m, defined) for m in SOURCES if m not in COMPAT and _layer(m) != "testing"}
     bad = {m: uses for m, uses in bad.items() if uses}
     assert not bad, f"private names outside {COMPAT} (add a named function there): {bad}"
 
