@@ -196,19 +196,38 @@ def _slice_position(mesh: Any, ranks: tuple[int, ...]) -> tuple[tuple[tuple[str,
     root = root_mesh(mesh)
     if root is mesh or not root.mesh_dim_names:
         return (), False
-    grid = root.mesh
-    coords = [tuple(int(c) for c in (grid == r).nonzero()[0].tolist()) for r in ranks if (grid == r).any()]
+    index = _rank_coordinates(root)
+    coords = [index[r] for r in ranks if r in index]
     if len(coords) != len(ranks):
         return (), False
+    shape = tuple(int(s) for s in root.mesh.shape)
     position, siblings = [], False
     for d, name in enumerate(root.mesh_dim_names):
-        if grid.shape[d] == 1 or len({c[d] for c in coords}) > 1:
+        if shape[d] == 1 or len({c[d] for c in coords}) > 1:
             continue  # trivial, or spanned by the slice
         if is_stage_or_expert_dim(name):
             position.append((name, coords[0][d]))
         else:
             siblings = True
     return tuple(position), siblings
+
+
+def _rank_coordinates(root: Any) -> dict[int, tuple[int, ...]]:
+    """Every rank's coordinate in the root mesh ``root``, built once per root mesh and cached on it: a
+    ``grid == r`` scan per rank made each slice O(slice x root), which ``plan`` pays for every simulated rank
+    (4,096 ranks: 253 s became 1,170 s)."""
+    index = getattr(root, "_ucp_dcp_rank_coordinates", None)
+    if index is None:
+        grid = root.mesh
+        flat = [int(r) for r in grid.flatten().tolist()]
+        shape = tuple(int(s) for s in grid.shape)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        index = {r: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, r in enumerate(flat)}
+        with contextlib.suppress(AttributeError):
+            root._ucp_dcp_rank_coordinates = index
+    return index
 
 
 def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:
