@@ -6,6 +6,10 @@ DEFAULT_TORCH := 2.13.0
 TORCH  ?= $(DEFAULT_TORCH)
 VENV   ?= .venv
 EXTRAS ?= dev,torchtitan,foreign
+# SEED=N: the shuffled order of the test tiers (pytest-randomly); unset, a fresh seed each run, printed in the
+# header. CI passes the commit's depth, so its order reproduces.
+SEED   ?=
+RANDOM_ORDER = $(if $(SEED),--randomly-seed=$(SEED))
 # `make test-torch TORCH=2.15 [TIER=test-quick]`: one venv per release outside the checkout, reused
 TORCH_VENVS ?= $(HOME)/.cache/ucp-dcp/venvs
 TIER   ?= test
@@ -34,7 +38,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-full test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
+.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -83,12 +87,24 @@ lint: $(STAMP)
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
 # multi-process cases, one per item, on the session's pool of gloo workers (tests/support/dist.py); the 20 slowest listed
 test: $(STAMP)
-	$(PY) -m pytest -m "not e2e and not full" --durations=20
+	$(PY) -m pytest -m "not e2e and not full" --durations=20 $(RANDOM_ORDER)
 
 # the end-to-end tier (marker e2e): real torchtitan Trainers under torchrun, DeepSpeed and Megatron-Core runs writing
 # the foreign checkpoints, recipe scripts and fault injection in subprocesses. CI runs it after `make test`.
 test-e2e: $(STAMP)
-	$(PY) -m pytest -m e2e --durations=10
+	$(PY) -m pytest -m e2e --durations=10 $(RANDOM_ORDER)
+
+# CI's share of it (README, "Testing"): the core items (marker e2e_core: one per capability) and the commit's
+# rotating shard of the rest (tests/support/e2e_shard.py; E2E_SHARD=K picks shard K). Each item's time goes to
+# runs/e2e.xml: `python tools/e2e_durations.py runs/e2e.xml` records it for the shard balance.
+E2E_SHARD ?= auto
+test-e2e-ci: $(STAMP)
+	$(PY) -m pytest -m e2e --e2e-shard $(E2E_SHARD) --durations=10 --junitxml=runs/e2e.xml $(RANDOM_ORDER)
+
+# planning at scale (CI's plan tier): `ucp_dcp plan` of the recipe's checkpoint at 1,024 ranks in one process,
+# its time printed against its budget (docs/performance.md, "Planning"); last line PLAN SCALE ok / OVER BUDGET
+plan-scale: $(STAMP)
+	$(PY) recipes/plan_demo.py --scale --out runs/plan_scale
 
 # the rest of the large matrices make test samples (marker full): 35 more (dp,tp) pairs, 10 more reconfiguration
 # transitions and their plan checks (~10 min); not in CI, whose e2e tier loads every transition in the mistake set
@@ -97,7 +113,7 @@ test-full: $(STAMP)
 
 # the inner loop: the single-process tests plus one small multi-process case (marker quick), about a minute
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "(not slow and not e2e and not full) or quick"
+	$(PY) -m pytest -m "(not slow and not e2e and not full) or quick" $(RANDOM_ORDER)
 
 # the GPU tier (tests/gpu, marker gpu): CUDA DTensors on one shared GPU (gloo) and one-rank NCCL jobs.
 # Without CUDA it prints one line and succeeds; `make test` never collects it.
@@ -166,7 +182,7 @@ bench-quick: $(STAMP)
 # the whole suite (TIER=test, or test-quick / test-e2e) on another torch release: `make test-torch TORCH=2.15`
 # builds $(TORCH_VENVS)/torch-2.15 once (torch from PyPI, the rest as for .venv) and runs this checkout on it
 test-torch:
-	$(MAKE) $(TIER) VENV=$(TORCH_VENVS)/torch-$(TORCH) TORCH=$(TORCH)
+	$(MAKE) $(TIER) VENV=$(TORCH_VENVS)/torch-$(TORCH) TORCH=$(TORCH) SEED=$(SEED)
 
 # the wheels NOVENV=1 needs on a machine without network (the GPU machine: Python 3.12, torch 2.11+cu130):
 # every requirement of ucp-dcp[$(EXTRAS)] this venv resolved, but the torch/CUDA/triton stack and what

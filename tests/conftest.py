@@ -27,6 +27,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="collect the GPU tier (tests/gpu; make test-gpu)")
+    parser.addoption(
+        "--e2e-shard",
+        default="all",
+        help="e2e items to run besides the core ones: all (default), auto (the commit's shard: CI), or a shard "
+        "number (tests/support/e2e_shard.py)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``--e2e-shard``: keep the core e2e items and one shard of the others (before -m/-k, so the shards are
+    the same whatever else is selected)."""
+    choice = config.getoption("--e2e-shard")
+    if choice == "all":
+        return
+    import e2e_shard as S
+
+    e2e = [i for i in items if i.get_closest_marker("e2e")]
+    durations = S.load_durations()
+    core, shards = S.split(map(S.entry, e2e), durations)
+    if choice == "auto":
+        k, why = S.commit_shard(Path(config.rootpath))
+    else:
+        k, why = int(choice) % S.SHARDS, f"--e2e-shard {choice}"
+    keep = set(core) | {n for u in shards[k] for n in u.items}
+    dropped = [i for i in e2e if i.nodeid not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if not (i.get_closest_marker("e2e") and i.nodeid not in keep)]
+    core_s = sum(durations.get(n, S.DEFAULT_SECONDS) for n in core)
+    line = (
+        f"e2e shard {k} of 0..{S.SHARDS - 1} ({why}): {len(core)} core items (~{core_s / 60:.1f} min recorded) + "
+        f"{sum(len(u.items) for u in shards[k])} of the shard (~{sum(u.seconds for u in shards[k]) / 60:.1f} min); "
+        f"rerun with --e2e-shard {k} or UCP_E2E_SHARD={k}"
+    )
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
 
 
 def pytest_ignore_collect(collection_path, config):
