@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ucp_dcp  # noqa: E402
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner  # noqa: E402
+from ucp_dcp.testing.pagecache import evict  # noqa: E402
 
 BUF = 64 << 20
 
@@ -44,17 +45,6 @@ BUF = 64 << 20
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def _drop(folder: Path) -> None:
-    for f in folder.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _timed(fn, device: str) -> float:
@@ -175,18 +165,18 @@ def main() -> int:
             tag = "cold" if cold else "warm"
             for k in counts:
                 if cold:
-                    _drop(root)
+                    evict(root)
                 rec(f"load {tag} raw T{k}", _timed(lambda k=k: raw_load(raw, flat, k, dev), dev))
             for name, threads in ((f"ucp T{auto}", None), ("ucp T1", 1)):
                 if cold:
-                    _drop(root)
+                    evict(root)
                 reader = UCPFileSystemReader(ucp, thread_count=threads)
                 rec(
                     f"load {tag} {name}",
                     _timed(lambda r=reader: dcp.load(state, storage_reader=r, planner=UCPLoadPlanner()), dev),
                 )
             if cold:
-                _drop(root)
+                evict(root)
             rec(f"load {tag} dcp", _timed(lambda: dcp.load(state, checkpoint_id=ref), dev))
     if dev == "cuda":
         pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)

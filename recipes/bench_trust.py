@@ -117,14 +117,6 @@ def bench_save(cfg: dict) -> dict:
     return res
 
 
-def _drop(files: list[str]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
 def _raw_read(files: list[str], threads: int) -> float:
     def one(f: str) -> int:
         buf = bytearray(8 << 20)
@@ -144,6 +136,7 @@ def _raw_read(files: list[str], threads: int) -> float:
 
 
 def bench_verify(path: str, reps: int) -> dict:
+    from ucp_dcp.testing.pagecache import evict
     from ucp_dcp.tools.verify import verify
 
     files = [str(p) for p in Path(path).iterdir() if p.is_file()]
@@ -155,7 +148,7 @@ def bench_verify(path: str, reps: int) -> dict:
         for rep in range(reps):
             for kind in ("raw", "verify") if rep % 2 == 0 else ("verify", "raw"):
                 if temp == "cold":
-                    _drop(files)
+                    evict(files)
                 else:
                     _raw_read(files, threads)  # make sure every page is cached
                 if kind == "raw":

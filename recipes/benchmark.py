@@ -79,18 +79,6 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _drop_cache(path: str) -> None:
-    """Evict a file's (or a folder's files') pages from the page cache."""
-    os.sync()
-    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    for fn in files:
-        fd = os.open(fn, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
@@ -124,6 +112,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import ucp_dcp
+    from ucp_dcp.testing.pagecache import evict
 
     root, n_tensors, rows, cols, reps = cfg["out"], cfg["tensors"], cfg["rows"], cfg["cols"], cfg["reps"]
     groups = {n: (dist.group.WORLD if n == 4 else dist.new_group(list(range(n)))) for n in (1, 2, 3, 4)}
@@ -225,7 +214,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
             res["bytes"].setdefault(name, {})[system] = sum_all(read) / needed
             # cold cache: drop the checkpoint's pages, then one load
             if rank == 0:
-                _drop_cache(f"{root}/{'dcp' if system == 'dcp' else 'ucp'}_{ns}{ps}")
+                evict(f"{root}/{'dcp' if system == 'dcp' else 'ucp'}_{ns}{ps}")
             runs[system + "_cold"] = [timed(lambda: load(system), nl)]
         # peak RSS added by one load beyond the target state (per rank, max over ranks)
         for system in ("ucp", "dcp"):
@@ -285,7 +274,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
             res["raw"].setdefault(f"write{streams}", []).append(timed(lambda: raw_write(path, lo, hi), streams))
             for mode in ("read", "read_cold") if rep == 0 else ("read",):
                 if mode == "read_cold" and rank < streams:
-                    _drop_cache(path)
+                    evict(path)
                 res["raw"].setdefault(f"{mode}{streams}", []).append(timed(lambda: raw_read(path, lo, hi), streams))
     res["total_bytes"] = total
     return res

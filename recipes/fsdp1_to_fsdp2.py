@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import socket
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,12 +37,11 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import ucp_dcp
+from ucp_dcp.testing.checks import loss_note, loss_problems, rel_diffs, state_diffs, state_problem
+from ucp_dcp.testing.processes import RanksFailed, run_ranks
 
 GLOBAL_BATCH = 24
 """Rows per step, split evenly over the ranks (so the world size must divide it)."""
-TOL_FIRST = 1e-5
-TOL_LAST = 1e-4
-"""Relative loss differences allowed at the first resumed step and at step 2K (reduction order)."""
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 
 
@@ -157,25 +152,6 @@ def logical_state(sd: dict) -> dict:
     return out
 
 
-def compare_state(oracle: dict, loaded: dict) -> list[str]:
-    """Names of entries that are not bitwise equal (or missing on one side)."""
-    diffs = sorted(set(oracle) ^ set(loaded))
-    for k in sorted(set(oracle) & set(loaded)):
-        a, b = oracle[k], loaded[k]
-        if isinstance(a, torch.Tensor):
-            same = (
-                isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype
-                and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-            )
-        else:
-            same = a == b
-        if not same:
-            diffs.append(k)
-    return diffs
-
-
 # -- the two jobs -------------------------------------------------------------------------------------------
 
 
@@ -213,7 +189,7 @@ def load_phase(a: argparse.Namespace) -> None:
             model.inp.weight.to_local().view(-1)[0] += 1.0
     msd, osd = get_state_dict(model, opt)
     loaded = logical_state({"model": msd, "optim": osd})
-    diffs = compare_state(torch.load(out / "oracle.pt", weights_only=False), loaded) if lead else []
+    diffs = state_diffs(torch.load(out / "oracle.pt", weights_only=False), loaded) if lead else []
     losses = [train_step(model, opt, s) for s in range(a.steps + 1, 2 * a.steps + 1)]
     if lead:
         (out / "load.json").write_text(
@@ -233,30 +209,19 @@ def report(a: argparse.Namespace) -> int:
         f" from {'/'.join(saved['kinds'])} values ({out})"
     )
     print(f"{'step':>5} {'reference':>14} {'resumed':>14} {'rel diff':>10}")
-    rels = []
+    rels = rel_diffs(ref[k:], res)
     for i, r in enumerate(ref, start=1):
         if i <= k:
             print(f"{i:>5} {r:>14.8f}")
-            continue
-        x = res[i - k - 1]
-        rels.append(abs(x - r) / max(abs(r), 1e-12))
-        print(f"{i:>5} {r:>14.8f} {x:>14.8f} {rels[-1]:>10.2e}")
-    problems = []
-    if loaded["state_diffs"]:
-        problems.append(
-            f"{len(loaded['state_diffs'])} of {loaded['entries']} loaded entries differ from the oracle "
-            f"({', '.join(loaded['state_diffs'][:5])})"
-        )
-    if rels[0] > TOL_FIRST:
-        problems.append(f"first resumed step rel diff {rels[0]:.2e} > {TOL_FIRST:g}")
-    if rels[-1] > TOL_LAST:
-        problems.append(f"step {2 * k} rel diff {rels[-1]:.2e} > {TOL_LAST:g}")
+        else:
+            print(f"{i:>5} {r:>14.8f} {res[i - k - 1]:>14.8f} {rels[i - k - 1]:>10.2e}")
+    problems = state_problem(loaded["state_diffs"], loaded["entries"]) + loss_problems(rels, k + 1, 2 * k)
     if problems:
         print(f"RESUME MISMATCH: {what}: " + "; ".join(problems))
         return 1
     print(
-        f"RESUME OK: {what}: {loaded['entries']} model and optimizer entries bitwise equal, loss rel diff "
-        f"{rels[0]:.1e} at step {k + 1}, {rels[-1]:.1e} at step {2 * k}"
+        f"RESUME OK: {what}: {loaded['entries']} model and optimizer entries bitwise equal, "
+        f"{loss_note(rels, k + 1, 2 * k)}"
     )
     return 0
 
@@ -264,42 +229,19 @@ def report(a: argparse.Namespace) -> int:
 # -- processes ----------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, port: int, argv: list[str], phase: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
-    )
+def _phase_on_ranks(rank: int, world: int, a: argparse.Namespace, phase: str) -> None:
     warnings.filterwarnings("ignore")  # FSDP1 and ShardedTensor deprecation notices, per call
-    torch.set_num_threads(1)
-    a = _args(argv)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     (save_phase if phase == "save" else load_phase)(a)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown of the gloo workers (see recipes/elastic_resume.py)
-
-
-def _spawn(argv: list[str], phase: str, world: int) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, argv, phase)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"{phase} phase failed (exit codes {[p.exitcode for p in procs]})")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    a = _args(argv)
+    a = _args(sys.argv[1:] if argv is None else argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    _spawn(argv, "save", a.save_ranks)
-    _spawn(argv, "load", a.load_ranks)
+    for phase, world in (("save", a.save_ranks), ("load", a.load_ranks)):
+        try:
+            run_ranks(_phase_on_ranks, world, a, phase)
+        except RanksFailed as e:
+            raise SystemExit(f"{phase} phase failed: {e}") from None
     return report(a)
 
 

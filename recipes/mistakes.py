@@ -2,7 +2,8 @@
 both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's) on every
 transition of the reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
 and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
-``MISTAKES FAILED: ...``. The harness is tests/support/mistakes.py (run in-process on the tests' worker pool).
+``MISTAKES FAILED: ...``. The set is ``ucp_dcp.testing.mistakes``; each transition runs in fresh processes
+(``ucp_dcp.testing.processes``), where the tests run the same worker on their pool.
 
     python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
 """
@@ -12,35 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(
-    0, str(ROOT / "tests" / "support")
-)  # the harness (tests/support/mistakes.py) and the pool; reconfig is found beside this file
-
-import warnings  # noqa: E402
+from ucp_dcp.testing.elastic import RECONFIG_SET
+from ucp_dcp.testing.mistake_runs import transition_worker
+from ucp_dcp.testing.mistakes import SAME_LAYOUT, plan, summary
+from ucp_dcp.testing.processes import RanksFailed, run_ranks
+from ucp_dcp.toy import Topology
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
-from reconfig import TRANSITIONS  # noqa: E402
-
 
 def run_transition(save: str, load: str, names: list[str], timeout: float = 1500) -> list[dict]:
-    """One transition's runs on the pool (4 or 8 workers); a task that fails or hangs keeps the runs that
-    finished before it and reports the others as crashed."""
-    import dist as D
-    from mistakes import transition_worker
-
-    from ucp_dcp.toy import Topology
-
-    world = 4 if max(Topology.parse(save).world, Topology.parse(load).world) <= 4 else 8
-    root = D.tmpdir()
+    """One transition's runs on as many fresh processes as its larger side has ranks; a run that fails or
+    hangs keeps the runs that finished before it and reports the others as crashed."""
+    world = max(Topology.parse(save).world, Topology.parse(load).world)
+    root = tempfile.mkdtemp(prefix="ucp-mistakes-")
     try:
-        return D.run(transition_worker, world, root, save, load, names, timeout=timeout)[0]
-    except AssertionError as e:
+        return run_ranks(transition_worker, world, root, save, load, names, timeout=timeout)[0]
+    except RanksFailed as e:
         path = os.path.join(root, "results.jsonl")
         done = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
         seen = {r["mistake"] for r in done}
@@ -51,11 +47,11 @@ def run_transition(save: str, load: str, names: list[str], timeout: float = 1500
             for n in names
             if n not in seen
         ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> int:
-    from mistakes import SAME_LAYOUT, plan, summary
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="transitions whose 'save -> load' text contains this")
     ap.add_argument("--json", default="", help="write every run's result here")
@@ -63,11 +59,11 @@ def main() -> int:
     ap.add_argument("--summarize", default="", help="print the summary of an earlier --json FILE (runs nothing)")
     a = ap.parse_args()
     if a.summarize:
-        lines, ok = summary(json.loads(Path(a.summarize).read_text()), skipped=plan(TRANSITIONS)[1])  # the whole set's
+        lines, ok = summary(json.loads(Path(a.summarize).read_text()), skipped=plan(RECONFIG_SET)[1])  # the whole set's
         print("\n".join(lines))
         return 0 if ok else 1
     pick = lambda ts: [t for t in ts if a.only in f"{t[0]} -> {t[1]}"]
-    jobs, skipped = plan(pick(TRANSITIONS), same_layout=pick(SAME_LAYOUT))
+    jobs, skipped = plan(pick(RECONFIG_SET), same_layout=pick(SAME_LAYOUT))
     t0, results = time.perf_counter(), []
     for save, load, names in jobs:
         t1 = time.perf_counter()

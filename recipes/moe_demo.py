@@ -13,14 +13,14 @@ swaps two experts' rows right after a load: the comparison must name exactly tha
 
     python recipes/moe_demo.py [--only ep4] [--out DIR]
 
-Last line: ``MOE OK: ...`` or ``MOE MISMATCH: ...``. The same runs, with the plan check, are
-``tests/e2e/test_titan_moe.py``; docs/torchtitan.md lists how each MoE state entry is treated.
+Last line: ``MOE OK: ...`` or ``MOE MISMATCH: ...``. The jobs are ``ucp_dcp.testing.titan``'s; the same
+runs, with the plan check, are ``tests/e2e/test_titan_moe.py``; docs/torchtitan.md lists how each MoE state
+entry is treated.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -28,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "titan"))
-import titan_resume as tr  # noqa: E402
-from assets import make_assets  # noqa: E402
+from ucp_dcp.testing.checks import loss_problems, rel_diffs, state_diffs
+from ucp_dcp.testing.titan.assets import make_assets
+from ucp_dcp.testing.titan.jobs import batches, losses, recording_env, resume_flags, run_job
 
 CONFIG = "qwen3_moe_small_ucp"
 SAVE = {"dp": 4, "ep": 2}
@@ -44,24 +42,6 @@ RESUMES = {
 }
 STEPS, K = 3, 2
 FLIPPED = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
-
-
-def _env(folder: Path, **extra: str) -> dict[str, str]:
-    return {
-        "UCP_TITAN_METRICS": str(folder / "loss.json"),
-        "UCP_TITAN_BATCHES": str(folder / "batches.json"),
-        "UCP_TITAN_STATE_BUFFERS": "1",
-        **extra,
-    }
-
-
-def _batches(folder: Path) -> dict[int, list[str]]:
-    """Per step, the sequences all ranks trained on (whatever the DP degree or microbatching)."""
-    out: dict[int, set[str]] = {}
-    for f in folder.glob("batches.json.rank*"):
-        for step, rows in json.loads(f.read_text()).items():
-            out.setdefault(int(step), set()).update(rows)
-    return {s: sorted(v) for s, v in out.items()}
 
 
 def _moe_entries(state: dict) -> str:
@@ -80,13 +60,13 @@ def _moe_entries(state: dict) -> str:
 def _resume(name: str, topo: dict[str, int], root: Path, assets: Path, save: Path, **env: str) -> Path:
     load = root / name
     shutil.rmtree(load, ignore_errors=True)
-    tr._run(
+    run_job(
         topo,
         load,
         assets,
         STEPS,
-        tr.resume_flags(save, K, STEPS),
-        _env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **env),
+        resume_flags(save, K, STEPS),
+        recording_env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **env),
         config=CONFIG,
     )
     return load
@@ -95,14 +75,14 @@ def _resume(name: str, topo: dict[str, int], root: Path, assets: Path, save: Pat
 def _judge(name: str, topo: dict[str, int], oracle: dict, save: Path, load: Path) -> tuple[bool, str]:
     loaded = torch.load(load / "loaded.pt", weights_only=False)
     problems = []
-    bad = tr._diffs(oracle, loaded)
+    bad = state_diffs(oracle, loaded)
     if bad:
         problems.append(f"{len(bad)} of {len(oracle)} entries differ ({', '.join(bad[:4])})")
-    ref, res = tr._losses(save / "loss.json"), tr._losses(load / "loss.json")
-    rels = [abs(res.get(s, float("nan")) - ref[s]) / abs(ref[s]) for s in range(K + 1, STEPS + 1)]
-    if not (rels and rels[0] <= tr.TOL_FIRST and rels[-1] <= tr.TOL_LAST):
-        problems.append(f"losses do not continue the reference (rel diff {rels})")
-    ref_b, res_b = _batches(save), _batches(load)
+    ref, res = losses(save / "loss.json"), losses(load / "loss.json")
+    resumed = range(K + 1, STEPS + 1)
+    rels = rel_diffs([ref[s] for s in resumed], [res.get(s, float("nan")) for s in resumed])
+    problems += loss_problems(rels, K + 1, STEPS)
+    ref_b, res_b = batches(save / "batches.json"), batches(load / "batches.json")
     if any(res_b.get(s) != ref_b.get(s) for s in range(K + 1, STEPS + 1)):
         problems.append("other sequences than the reference's after the resume")
     print(f"  {name} {topo}: step {K + 1} loss {res.get(K + 1, float('nan')):.6f} (reference {ref[K + 1]:.6f})")
@@ -121,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     save = root / "save"
     shutil.rmtree(save, ignore_errors=True)
     t0 = time.perf_counter()
-    tr._run(
+    run_job(
         SAVE,
         save,
         assets,
         STEPS,
         ["--checkpoint.interval", str(K)],
-        _env(save, UCP_TITAN_STATE=str(save / "oracle.pt"), UCP_TITAN_STATE_STEP=str(K)),
+        recording_env(save, UCP_TITAN_STATE=str(save / "oracle.pt"), UCP_TITAN_STATE_STEP=str(K)),
         config=CONFIG,
     )
     oracle = torch.load(save / "oracle.pt", weights_only=False)
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     flip = _resume("flip", {"dp": 2}, root, assets, save, UCP_TITAN_FLIP_EXPERTS=FLIPPED)
     bad = [
         k.replace("_checkpoint_wrapped_module.", "")
-        for k in tr._diffs(oracle, torch.load(flip / "loaded.pt", weights_only=False))
+        for k in state_diffs(oracle, torch.load(flip / "loaded.pt", weights_only=False))
     ]
     caught = bad == [f"param/{FLIPPED}"]
     results.append((caught, f"swapped experts {'caught' if caught else 'NOT caught'} ({bad[:3]})"))

@@ -1,5 +1,5 @@
-"""The reconfiguration set: every (save -> load) transition of the patterns issue, each run by the
-elastic-resume recipe in fresh processes, with its time and verdict.
+"""The reconfiguration set (``ucp_dcp.testing.elastic.RECONFIG_SET``): every (save -> load) transition of the
+patterns issue, each run by the elastic-resume recipe in fresh processes, with its time and verdict.
 
     python recipes/reconfig.py [--steps K] [--only SUBSTRING] [--out DIR]
 """
@@ -12,23 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-TRANSITIONS = [
-    ("dp=2,tp=2,pp=2", "dp=2,tp=2"),
-    ("dp=2,tp=2,pp=2", "tp=2,pp=2"),
-    ("dp=2,tp=2,pp=2", "dp=4,pp=2"),
-    ("tp=2,pp=2", "dp=2,tp=2,pp=2"),
-    ("dp=4", "dp=2,tp=2"),
-    ("dp=2,tp=2", "tp=4"),
-    ("tp=4", "dp=4"),
-    ("dp=2,pp=2", "pp=4"),
-    ("pp=3", "pp=2"),
-    ("pp=2,vpp=2", "dp=1"),
-    ("dp=2,ep=2", "ep=4"),
-    ("ep=4", "dp=4"),
-    ("dp=2,tp=2,ep=2", "dp=4,ep=2"),
-    ("dpr=2,dp=2", "dp=2,tp=2"),
-    ("dp=4", "dpr=2,dp=2"),
-]
+from ucp_dcp.testing.elastic import RECONFIG_SET
 
 
 def main() -> int:
@@ -39,7 +23,7 @@ def main() -> int:
     a = ap.parse_args()
     recipe = Path(__file__).resolve().parent / "elastic_resume.py"
     rows, failed = [], 0
-    for save, load in TRANSITIONS:
+    for save, load in RECONFIG_SET:
         label = f"{save} -> {load}"
         if a.only not in label:
             continue

@@ -47,9 +47,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TITAN = ROOT / "recipes" / "titan"
-
 SIZES = {  # name -> (dim, layers, heads, kv heads, ffn hidden, vocab)
     "debug": (256, 6, 16, 4, 768, 2048),
     "150m": (768, 12, 12, 4, 2048, 32000),
@@ -141,11 +138,10 @@ def _count_stock_reads(hf_folder: str) -> list[int]:
 
 
 def worker(args) -> None:
-    sys.path.insert(0, str(TITAN))
-    import cpu_launch  # the CPU patches of the Trainer launcher (device type, memory stubs, gloo)
+    from ucp_dcp.testing.titan import cpu_launch  # the launcher's CPU patches (device type, memory stubs, gloo)
 
-    cpu_launch._patch_device()
-    cpu_launch._patch_torchtitan(cpu=True)
+    cpu_launch.patch_device()
+    cpu_launch.patch_torchtitan(cpu=True)
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -169,7 +165,9 @@ def worker(args) -> None:
     pd = ParallelDims.from_config(P, world)
     dist_utils.set_spmd_backend(P.spmd_backend)
     mc.update_from_config(config=cfg)
-    cfg.override.imports = ["cpu_attention.sdpa_attention"]
+    from ucp_dcp.testing.titan.jobs import CPU_ATTENTION
+
+    cfg.override.imports = [CPU_ATTENTION]
     from torchtitan.config.override import apply_overrides
 
     apply_overrides(cfg.override, cfg)
@@ -294,7 +292,9 @@ def run(args) -> dict:
     shutil.rmtree(hf, ignore_errors=True)
     info = make_hf_folder(args.size, hf)
     print(f"HF folder: {info['params'] / 1e6:.1f}M params, {info['bytes'] / 2**20:.1f} MiB bf16 ({hf})", flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TITAN), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    from ucp_dcp.testing.titan.jobs import titan_env
+
+    env = titan_env()  # this ucp_dcp first on the workers' path
     results: dict = {"size": args.size, "hf": info, "runs": {}}
     for layout in args.layouts:
         for path in ("stock", "ucp"):

@@ -20,10 +20,10 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402
-
 from ucp_dcp import UCPError  # noqa: E402
 from ucp_dcp.storage.opening import open_path  # noqa: E402
+from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 from ucp_dcp.tools.dryrun import plan_load  # noqa: E402
 from ucp_dcp.torchtitan.plan_target import TitanTarget  # noqa: E402
 
@@ -33,7 +33,7 @@ RESTART = 'ucp_dcp.torchtitan.overrides.checkpointer={"dataloader_policy": "rest
 
 
 def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
-    """The Trainer flags of the save job (tests/support/titan_harness.py ``run_job``) at another topology."""
+    """The Trainer flags of the save job (``ucp_dcp.testing.titan.jobs.run_job``) at another topology."""
     return [
         "--module",
         "ucp_dcp.torchtitan",
@@ -53,7 +53,7 @@ def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
         "partial_dtensor",
         "--training.disable_cuda_graphs",
         "--checkpoint.enable",
-        *tr._topology_flags(topo),
+        *tr.topology_flags(topo),
         *extra,
     ]
 
@@ -83,7 +83,7 @@ if os.environ.get("RANK") is not None and os.environ.get("UCP_PLAN_STATS"):
 def saved(tmp_path_factory):
     """(assets, step folder, tmp root) of one save: dp_shard=4, one step, checkpoint at step 1."""
     root = tmp_path_factory.mktemp("plan_titan")
-    assets = tr.make_assets(root / "assets")
+    assets = make_assets(root / "assets")
     tr.run_job({"dp": 4}, root / "save", assets, 1, ["--checkpoint.interval", "1"], {})
     return assets, root / "save" / "checkpoint" / "step-1", root
 
@@ -127,7 +127,7 @@ def test_plan_matches_a_real_resume_rank_by_rank(saved, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_STATS_HOOK)
     stats = tmp_path / "stats"
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]), "UCP_PLAN_STATS": str(stats)}
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(tr.PACKAGE_ROOT)]), "UCP_PLAN_STATS": str(stats)}
     out = tmp_path / "resume"
     tr.run_job({"dp": 2}, out, assets, 1, tr.resume_flags(step.parent.parent, 1, 1), env)
     real = [json.loads((tmp_path / f"stats.{r}").read_text()) for r in range(2)]

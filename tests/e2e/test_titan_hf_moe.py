@@ -22,7 +22,11 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402
+import titan_models as tm  # noqa: E402
+
+from ucp_dcp.testing.checks import TOL_FIRST  # noqa: E402
+from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -40,8 +44,8 @@ def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeyp
 
     model_config = getattr(config_registry, config)().model_spec.model
     mapping = hf_mapping(model_config)
-    tr.hf_model(mapping, tmp_path / "hf")
-    assets = tr.make_assets(tmp_path / "assets")
+    tm.hf_model(mapping, tmp_path / "hf")
+    assets = make_assets(tmp_path / "assets")
     flags = [
         "--checkpoint.initial_load_path",
         str(tmp_path / "hf"),
@@ -65,8 +69,8 @@ def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeyp
     tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=config)
     log = (ours / "log.txt").read_text()
     assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
-    a, b = tr._losses(ours / "loss.json"), tr._losses(stock / "loss.json")
-    assert abs(a[1] - b[1]) <= tr.TOL_FIRST * abs(b[1]), (a, b)
+    a, b = tr.losses(ours / "loss.json"), tr.losses(stock / "loss.json")
+    assert abs(a[1] - b[1]) <= TOL_FIRST * abs(b[1]), (a, b)
 
     export = ours / "checkpoint" / "step-2"
     saved = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -91,8 +95,8 @@ def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeyp
         else:
             assert bias not in saved
 
-    tr.fp32_experts(monkeypatch.setattr)
-    model = tr._titan(model_config)
+    tm.fp32_experts(monkeypatch.setattr)
+    model = tm._titan(model_config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(trained[name])
@@ -101,4 +105,4 @@ def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeyp
                 b.copy_(state[f"buffer/{name}"])
     tokens = torch.randint(0, model_config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        tr._close(tr._titan_logits(model, tokens), tr._from_pretrained(export)(tokens).logits)
+        tm._close(tm._titan_logits(model, tokens), tm._from_pretrained(export)(tokens).logits)

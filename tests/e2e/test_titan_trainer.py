@@ -14,8 +14,10 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402
-from titan_harness import ROOT, titan_env  # noqa: E402
+from helpers import ROOT  # noqa: E402
+
+from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -37,7 +39,7 @@ def _driver(tmp_path, dp, tp, fused, backend="partial_dtensor"):
         capture_output=True,
         text=True,
         timeout=600,
-        env=titan_env(),
+        env=tr.titan_env(),
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -79,7 +81,7 @@ def _log(root, name, side):
 
 def test_real_trainer_resumes_at_a_new_dp_degree(tmp_path):
     """Async (thread) save at dp=2 -> resume at dp=1: state bitwise equal to the oracle."""
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     ok, line = tr.transition("dp2async-dp1", tmp_path, assets, steps=3, k=2)
     assert ok, line
     _written_by_ucp(tmp_path / "dp2async-dp1" / "save" / "checkpoint" / "step-2")
@@ -89,7 +91,7 @@ def test_async_with_pinned_mem_saves_in_the_checkpoint_process(tmp_path):
     """``async_mode="async_with_pinned_mem"``: DCP's process-based async save (planner and storage
     writer pickled into a checkpoint process) at dp=2, resumed at dp=1 bitwise. On CPU the launcher
     drops the non-blocking copy (patch (p)) and torch skips pinning; the GPU tier runs it as is."""
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     ok, line = tr.transition("dp2pinned-dp1", tmp_path, assets, steps=3, k=2)
     assert ok, line
     assert "Checkpoint background process is running" in _log(tmp_path, "dp2pinned-dp1", "save")
@@ -100,7 +102,7 @@ def test_default_spmd_types_backend_resumes_at_a_new_layout(tmp_path):
     """torchtitan's default backend ``spmd_types``: FSDP at dp=2 (launcher patch (s): torch 2.13's
     FSDP cannot shard spmd_types' plain parameters on an SPMD mesh) -> resume under pipeline
     parallelism pp=2 (torchtitan's own size-1-mesh path, unpatched), bitwise."""
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     ok, line = tr.transition("spmd-dp2-pp2", tmp_path, assets, steps=3, k=2)
     assert ok, line
     assert "spmd_types FSDP on data-parallel mesh ('dp_shard',) without DataParallelMeshDims" in _log(
@@ -118,7 +120,7 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     flags = ["--checkpoint.interval", "10", "--checkpoint.last_save_model_only"]
     overrides = [tr.ONE_FLAG, "ucp_dcp.torchtitan.overrides.dataloader"]
     save, load = tmp_path / "save", tmp_path / "load"
@@ -150,7 +152,7 @@ def test_model_only_export_saves_and_loads_back_with_the_option_on(tmp_path):
 
 
 def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy(tmp_path):
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     ok, line = tr.transition("stock-dp2-dp2", tmp_path, assets, steps=3, k=2)
     assert ok, line
     # the stock per-rank dataloader state (dp=2) cannot be remapped to dp=1 with the global-cursor loader

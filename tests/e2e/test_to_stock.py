@@ -3,11 +3,12 @@
 One save with ucp_dcp's torchtitan option (the debug model, FSDP dp_shard=2, global-cursor loader,
 checkpoints at steps 2 and 3) is exported at --dp 1 and --dp 2 and resumed by the **stock** Trainer
 (torchtitan's own config, CheckpointManager, DCP default planner and FileSystemReader, its own text
-loader; ``import ucp_dcp`` fails in the resuming job): the state right after the load equals the
+loader; no ucp_dcp module but the CPU launcher can be imported in the resuming job): the state right after the load equals the
 saved state bitwise, the step-3 loss equals the uninterrupted run's, and the stock loaders' next
 global batch is the windows the uninterrupted run took. Refusals are checked without a Trainer."""
 
 import io
+import os
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -19,8 +20,11 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402
 import torch  # noqa: E402
+
+from ucp_dcp.testing.checks import TOL_FIRST, state_diffs  # noqa: E402
+from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -52,7 +56,7 @@ def _job_flags(assets):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return tr.make_assets(tmp_path_factory.mktemp("export_assets"))
+    return make_assets(tmp_path_factory.mktemp("export_assets"))
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +117,41 @@ def exports(tmp_path_factory, saved, assets):
     return done
 
 
+# A ``ucp_dcp`` package ahead of the real one: it runs none of the real package's code and refuses every
+# submodule but the CPU launcher's (which import no other ucp_dcp module), found in the real folder.
+_BLOCKER = """
+import sys
+
+__path__ = [{real!r}]
+_LAUNCHER = {{"ucp_dcp.testing", "ucp_dcp.testing.titan", "ucp_dcp.testing.titan.cpu_launch",
+             "ucp_dcp.testing.titan.cpu_attention"}}
+
+
+class _Blocker:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.startswith("ucp_dcp.") and name not in _LAUNCHER:
+            raise ImportError(f"ucp_dcp is blocked: the stock resume must not use it ({{name}})")
+        return None
+
+
+sys.meta_path.insert(0, _Blocker())
+"""
+
+
 def _blocked_env(tmp_path):
-    """The resuming job's environment: recipes/titan (launcher, CPU attention) on the path, and a
-    ``ucp_dcp`` package ahead of the real one that refuses to import."""
+    """The resuming job's environment: the launcher and its CPU attention importable, the rest of
+    ``ucp_dcp`` (the library, its torchtitan integration) not."""
     block = tmp_path / "no_ucp_dcp" / "ucp_dcp"
     block.mkdir(parents=True)
-    (block / "__init__.py").write_text("raise ImportError('ucp_dcp is blocked: the stock resume must not use it')\n")
+    (block / "__init__.py").write_text(_BLOCKER.format(real=str(tr.PACKAGE_ROOT / "ucp_dcp")))
     env = tr.titan_env()
-    env["PYTHONPATH"] = str(block.parent) + ":" + env["PYTHONPATH"]
-    probe = subprocess.run(
-        [sys.executable, "-c", "import ucp_dcp"], env=env, cwd=tmp_path, capture_output=True, text=True
-    )
-    assert probe.returncode != 0 and "ucp_dcp is blocked" in probe.stderr, "the blocker must shadow ucp_dcp"
+    env["PYTHONPATH"] = str(block.parent) + os.pathsep + env["PYTHONPATH"]
+    for module, blocked in (("ucp_dcp.api", True), ("ucp_dcp.torchtitan", True), (tr.LAUNCHER, False)):
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], env=env, cwd=tmp_path, capture_output=True, text=True
+        )
+        assert (probe.returncode != 0 and "ucp_dcp is blocked" in probe.stderr) == blocked, (module, probe.stderr)
     return env
 
 
@@ -134,17 +161,12 @@ def _stock_resume(tmp_path, assets, ckpt, dp):
     out = tmp_path / f"stock_dp{dp}"
     out.mkdir()
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={dp}",
-        "--local-ranks-filter=0",
-        str(tr.TITAN / "cpu_launch.py"),
+        *tr.launcher_cmd(dp),
         *_job_flags(assets),
         "--parallelism.spmd_backend",
         "partial_dtensor",
         "--override.imports",
-        "cpu_attention.sdpa_attention",
+        tr.CPU_ATTENTION,
         "--training.disable_cuda_graphs",
         "--checkpoint.enable",
         "--checkpoint.load_only",
@@ -171,10 +193,10 @@ def _stock_resume(tmp_path, assets, ckpt, dp):
 def _check_resume(saved, resumed):
     oracle = torch.load(saved / "oracle.pt", weights_only=False)
     loaded = torch.load(resumed / "loaded.pt", weights_only=False)
-    assert len(oracle) > 200 and tr._diffs(oracle, loaded) == [], tr._diffs(oracle, loaded)[:6]
+    assert len(oracle) > 200 and state_diffs(oracle, loaded) == [], state_diffs(oracle, loaded)[:6]
     assert loaded["train_state/step"] == SAVED and loaded["lr_scheduler"] == oracle["lr_scheduler"]
-    ref, res = tr._losses(saved / "loss.json"), tr._losses(resumed / "loss.json")
-    assert abs(res[STEPS] - ref[STEPS]) <= tr.TOL_FIRST * abs(ref[STEPS]), (ref, res)
+    ref, res = tr.losses(saved / "loss.json"), tr.losses(resumed / "loss.json")
+    assert abs(res[STEPS] - ref[STEPS]) <= TOL_FIRST * abs(ref[STEPS]), (ref, res)
 
 
 @pytest.mark.slow
@@ -344,7 +366,7 @@ def test_export_to_hf_of_a_full_titan_checkpoint_loads_in_transformers(saved, tm
     train state; dp_shard=2, fused wqkv saved as wq/wk/wv atoms): transformers loads the folder (no
     missing or unexpected keys) and its logits are the saved parameters' (the oracle's)."""
     pytest.importorskip("transformers")
-    from titan_harness import _close, _from_pretrained, _titan, _titan_logits
+    from titan_models import _close, _from_pretrained, _titan, _titan_logits
     from torchtitan.models.llama3 import model_registry
 
     from ucp_dcp.__main__ import main

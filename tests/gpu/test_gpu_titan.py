@@ -10,7 +10,7 @@ Each test saves at step 2 of 3, resumes from that checkpoint in a fresh job, and
 training state after the load to be bitwise the state right after the save (written with plain
 ``torch.save`` by the launcher; no ucp_dcp code in the oracle). The launcher runs with
 ``UCP_TITAN_DEVICE=cuda``: only its torch 2.13 / torchtitan 0.3.0 patches apply ((f), (g), (s));
-attention is SDPA (``cpu_attention.sdpa_attention``) so no FlexAttention compile is needed.
+attention is SDPA (``ucp_dcp.testing.titan.cpu_attention``) so no FlexAttention compile is needed.
 
 Part of the GPU tier (``make test-gpu``; ``make test`` never collects tests/gpu); skipped without
 CUDA. Two torchrun jobs per test, one process each.
@@ -33,7 +33,9 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-import titan_harness as tr  # noqa: E402  (the tests' own harness: no sys.path into recipes/)
+from ucp_dcp.testing.checks import state_diffs  # noqa: E402
+from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 
 STEPS, K = 3, 2  # train 3 steps, checkpoint at step 2, resume from it
 DEVICE_ENV = {"UCP_TITAN_DEVICE": "cuda"}  # the launcher leaves torchtitan on its own device
@@ -42,7 +44,7 @@ DEVICE_ENV = {"UCP_TITAN_DEVICE": "cuda"}  # the launcher leaves torchtitan on i
 def _save_and_resume(tmp_path, extra_save_flags):
     """Save job (1 GPU, default backend) then resume job; returns (oracle, loaded, ref losses,
     resumed losses, save log, resume log)."""
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     save, load = tmp_path / "save", tmp_path / "resume"
     env = dict(DEVICE_ENV)
     tr.run_job(
@@ -73,8 +75,8 @@ def _save_and_resume(tmp_path, extra_save_flags):
     return (
         oracle,
         loaded,
-        tr._losses(save / "loss.json"),
-        tr._losses(load / "loss.json"),
+        tr.losses(save / "loss.json"),
+        tr.losses(load / "loss.json"),
         (save / "log.txt").read_text(),
         (load / "log.txt").read_text(),
     )
@@ -84,7 +86,7 @@ def _check(tmp_path, oracle, loaded, ref, res, save_log, resume_log):
     assert "CUDA capacity" in save_log, "torchtitan must have run on the GPU"
     for log in (save_log, resume_log):  # the default backend, FSDP unpatched
         assert "spmd_types FSDP mesh ('dp_shard',), dims None (unpatched)" in log, log[-3000:]
-    bad = tr._diffs(oracle, loaded)
+    bad = state_diffs(oracle, loaded)
     assert not bad and len(oracle) > 100, f"{len(bad)} of {len(oracle)} state entries differ: {bad[:4]}"
     assert loaded["train_state/step"] == K
     # GPU kernels need not be bitwise deterministic run to run: the loss check is loose

@@ -1,4 +1,4 @@
-"""The mistake-injection tier (tests/support/mistakes.py): every ordinary mistake on every transition of the
+"""The mistake-injection tier (``ucp_dcp.testing.mistakes``, run by ``ucp_dcp.testing.mistake_runs``): every ordinary mistake on every transition of the
 reconfiguration set loads bitwise right or is refused with a UCPError naming the atom and the fix.
 
 The harness's own logic is checked here without processes; a sample of runs (4 ranks) is in ``make test``;
@@ -9,7 +9,10 @@ import dataclasses
 
 import dist as D
 import pytest
-from mistakes import (
+from test_reconfig import TRANSITIONS, _id
+
+from ucp_dcp.testing.mistake_runs import options, rule_key, transition_worker
+from ucp_dcp.testing.mistakes import (
     RULES,
     SAME_LAYOUT,
     USER_OWNED,
@@ -17,14 +20,9 @@ from mistakes import (
     Mistake,
     all_mistakes,
     is_noop,
-    options,
     plan,
-    rule_key,
     summary,
-    transition_worker,
 )
-from test_reconfig import TRANSITIONS, _id
-
 from ucp_dcp.toy import ModelConfig, Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -44,7 +42,7 @@ def _options(topo: Topology, variant: tuple[str, ...]) -> dict:
 
 @dataclasses.dataclass
 class _FakeJob:
-    """What :func:`mistakes.options` reads of a job: its topology and this rank's coordinate."""
+    """What :func:`mistake_runs.options` reads of a job: its topology and this rank's coordinate."""
 
     topo: Topology
     coord: dict = dataclasses.field(default_factory=lambda: dict(pp=0, dpr=0, dp=0, ep=0, tp=0))

@@ -2,19 +2,17 @@
 transition: those of at most 4 ranks on the 4-process pool (sub-groups), the two 8-rank ones on the
 8-process pool. `make reconfig` runs the whole set in fresh processes per job, with timings.
 
-The set is the recipe's (``TRANSITIONS`` in recipes/reconfig.py, read as data: nothing from recipes/
-is imported); the model and trainer are ``ucp_dcp.toy``'s, the resume check the tests' own (tests/support/training.py).
+The set (``RECONFIG_SET``) and the resume check are ``ucp_dcp.testing.elastic``'s, the ones the recipes run;
+the model and trainer are ``ucp_dcp.toy``'s.
 """
 
-import ast
 import logging
 import time
 
 import dist as D
 import pytest
-from helpers import ROOT
-from training import elastic_resume, resume_problems
 
+from ucp_dcp.testing.elastic import RECONFIG_SET, elastic_resume, resume_problems
 from ucp_dcp.toy import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -23,19 +21,11 @@ EIGHT_RANK = [("dp=2,tp=2,pp=2", "dp=2,tp=2"), ("dp=2,tp=2,ep=2", "dp=4,ep=2")]
 STEPS = 2
 
 
-def _recipe_transitions() -> list[tuple[str, str]]:
-    tree = ast.parse((ROOT / "recipes" / "reconfig.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TRANSITIONS" for t in node.targets):
-            return [tuple(t) for t in ast.literal_eval(node.value)]
-    raise AssertionError("recipes/reconfig.py has no TRANSITIONS list")
-
-
 def _world(text: str) -> int:
     return Topology.parse(text).world
 
 
-TRANSITIONS = _recipe_transitions()
+TRANSITIONS = RECONFIG_SET
 SMALL = [t for t in TRANSITIONS if max(_world(t[0]), _world(t[1])) <= 4]
 MAKE_TEST = [("dp=4", "dpr=2,dp=2"), ("ep=4", "dp=4"), ("pp=3", "pp=2"), ("pp=2,vpp=2", "dp=1"), ("dp=2,pp=2", "pp=4")]
 """The transitions ``make test`` runs (HSDP with its traffic check, EP to DP, PP re-staging, virtual stages,

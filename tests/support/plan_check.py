@@ -8,29 +8,12 @@ from typing import Any
 import dist as D  # tests/support/dist.py, the pool (`dist` here is torch.distributed)
 import torch.distributed as dist
 
+from ucp_dcp.testing.elastic import gather, rank_stats
 from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
 from ucp_dcp.toy import ModelConfig, Topology
 
 RANKS_PER_HOST = 2
 """The pool's transition workers simulate hosts of two ranks (``UCP_DCP_HOST=node{rank // 2}``)."""
-
-
-def rank_stats(reader: Any) -> dict[str, Any]:
-    """What a real load's reader counted on this rank (``ReadStats``), in the plan's terms."""
-    s = reader.stats
-    return {
-        "bytes_read": s.bytes_read,
-        "reads": s.ranges,
-        "items": sorted(set(s.items)),
-        "bytes_received": s.bytes_received,
-        "fallbacks": s.fallbacks,
-    }
-
-
-def gather(value: Any, group: Any = None) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
 
 
 def load_failures(exc: BaseException) -> dict[int, str]:

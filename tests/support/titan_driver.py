@@ -4,7 +4,7 @@ Builds the GQA debug model with torchtitan's own parallelize function (FSDP2, op
 AdamW step, then saves and loads with the checkpoint manager while counting ``DTensor.redistribute``
 calls on fused ``wqkv`` tensors. Prints one JSON line on rank 0.
 
-    PYTHONPATH=recipes/titan torchrun --nproc-per-node 2 tests/support/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
+    torchrun --nproc-per-node 2 tests/support/titan_driver.py OUT_DIR DP TP FUSED_ATOMS(0|1) [SPMD_BACKEND]
 
 SPMD_BACKEND is torchtitan's ``parallelism.spmd_backend`` (default ``partial_dtensor``); under
 ``spmd_types`` the forward runs inside torchtitan's SPMD context, as the Trainer runs it, and FSDP
@@ -14,10 +14,10 @@ needs the launcher's patch (s) (data-parallel layouts only).
 import json
 import sys
 
-import cpu_launch  # recipes/titan, on PYTHONPATH (tests/e2e/test_titan_trainer.py runs this under torchrun)
+from ucp_dcp.testing.titan import cpu_launch  # the CPU patches, before torchtitan is imported
 
-cpu_launch._patch_device()
-cpu_launch._patch_torchtitan()
+cpu_launch.patch_device()
+cpu_launch.patch_torchtitan()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -29,6 +29,7 @@ from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 
+from ucp_dcp.testing.titan.jobs import CPU_ATTENTION  # noqa: E402
 from ucp_dcp.torchtitan.config_registry import llama3_debugmodel_gqa_ucp  # noqa: E402
 
 out, dp, tp, fused_atoms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -46,7 +47,7 @@ pd = ParallelDims.from_config(P, dist.get_world_size())
 dist_utils.set_spmd_backend(P.spmd_backend)
 spec, mc = cfg.model_spec, cfg.model_spec.model
 mc.update_from_config(config=cfg)
-cfg.override.imports = ["cpu_attention.sdpa_attention"]
+cfg.override.imports = [CPU_ATTENTION]
 apply_overrides(cfg.override, cfg)
 
 

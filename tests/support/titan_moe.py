@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import titan_harness as tr
+from ucp_dcp.testing import checks
+from ucp_dcp.testing.titan import jobs as tr
+from ucp_dcp.testing.titan.assets import make_assets
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def batches(folder: Path) -> dict[int, list[str]]:
 def save(run: MoERun, root: Path, topo: dict[str, int]) -> tuple[Path, Path, Path]:
     """The save job at ``topo`` (checkpoint at step ``k``, oracle state dumped right after it):
     ``(root, assets, save folder)``."""
-    assets = tr.make_assets(root / "assets")
+    assets = make_assets(root / "assets")
     out = root / "save"
     tr.run_job(
         topo,
@@ -87,7 +89,7 @@ def resume(run: MoERun, saved: tuple[Path, Path, Path], name: str, topo: dict[st
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(_STATS_HOOK)
     paths = {
-        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.TITAN), str(tr.ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.PACKAGE_ROOT)]),
         "UCP_PLAN_STATS": str(load / "stats"),
     }
     tr.run_job(
@@ -108,13 +110,13 @@ def assert_resumed(
     run: MoERun, oracle: dict, loaded: dict, saved_at: Path, load: Path, reset: tuple[str, ...] = ()
 ) -> None:
     """Bitwise state right after the load (but the entries named in ``reset``), the same sequences
-    per step, losses continuing within reduction-order noise (``tr.TOL_FIRST`` at the first resumed
-    step, ``tr.TOL_LAST`` at the last)."""
-    bad = [k for k in tr._diffs(oracle, loaded) if k not in reset]
+    per step, losses continuing within reduction-order noise (``checks.TOL_FIRST`` at the first resumed
+    step, ``checks.TOL_LAST`` at the last)."""
+    bad = [k for k in checks.state_diffs(oracle, loaded) if k not in reset]
     assert not bad, f"{len(bad)} of {len(oracle)} entries differ: {bad[:6]}"
     ref, res = losses(saved_at), losses(load)
     rel = [abs(res[s] - ref[s]) / abs(ref[s]) for s in range(run.k + 1, run.steps + 1)]
-    assert rel[0] <= tr.TOL_FIRST and rel[-1] <= tr.TOL_LAST, (ref, res)
+    assert rel[0] <= checks.TOL_FIRST and rel[-1] <= checks.TOL_LAST, (ref, res)
     ref_b, res_b = batches(saved_at), batches(load)
     steps = range(run.k + 1, run.steps + 1)
     assert all(res_b[s] == ref_b[s] and len(ref_b[s]) == run.batch_rows for s in steps), (ref_b, res_b)
@@ -124,7 +126,7 @@ def flipped_only(oracle: dict, loaded: dict, load: Path) -> list[str]:
     """The sabotage run's differing entries (activation-checkpoint segment stripped); the launcher
     must have logged the flip."""
     assert "flipped rows 0 and 1" in (load / "log.txt").read_text()
-    return [k.replace("_checkpoint_wrapped_module.", "") for k in tr._diffs(oracle, loaded)]
+    return [k.replace("_checkpoint_wrapped_module.", "") for k in checks.state_diffs(oracle, loaded)]
 
 
 def plan_matches(run: MoERun, saved: tuple[Path, Path, Path], resumes: dict[str, dict[str, int]]) -> list[str]:

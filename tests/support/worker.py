@@ -275,11 +275,11 @@ def _prepare_worker() -> None:
     import ucp_dcp
 
     todo = [("ucp_dcp", ucp_dcp.__path__)]
-    while todo:  # the subpackages' modules too; not the torchtitan integration (it imports torchtitan)
+    while todo:  # the subpackages' modules too; not those that import torchtitan (the integration, its CPU jobs)
         pkg, path = todo.pop()
         for m in pkgutil.iter_modules(path):
             name = f"{pkg}.{m.name}"
-            if name in ("ucp_dcp.__main__", "ucp_dcp.torchtitan"):
+            if name in ("ucp_dcp.__main__", "ucp_dcp.torchtitan", "ucp_dcp.testing.titan"):
                 continue
             try:
                 mod = importlib.import_module(name)

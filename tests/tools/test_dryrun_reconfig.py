@@ -1,4 +1,4 @@
-"""The plan of every load of the reconfiguration set (recipes/reconfig.py, up to 8 ranks) gives every rank
+"""The plan of every load of the reconfiguration set (``ucp_dcp.testing.elastic.RECONFIG_SET``, up to 8 ranks) gives every rank
 exactly the bytes, read calls, storage items, bytes received and fallbacks the real load's ``ReadStats``
 counted. The plan runs in this process (fake process group, meta tensors); the real loads are those
 test_reconfig.py ran (their checkpoints and figures are reused when it ran in this session), or, for
@@ -7,26 +7,18 @@ the transitions it does not run, a save and load on the pool here.
 
 from __future__ import annotations
 
-import ast
 import sys
 
 import pytest
-from helpers import ROOT
 from plan_check import compare, plan, real_load
 from test_reconfig import MAKE_TEST
+
+from ucp_dcp.testing.elastic import RECONFIG_SET
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _transitions() -> list[tuple[str, str]]:
-    tree = ast.parse((ROOT / "recipes" / "reconfig.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TRANSITIONS" for t in node.targets):
-            return [tuple(t) for t in ast.literal_eval(node.value)]
-    raise AssertionError("recipes/reconfig.py has no TRANSITIONS list")
-
-
-TRANSITIONS = _transitions()
+TRANSITIONS = RECONFIG_SET
 
 
 def _id(t) -> str:

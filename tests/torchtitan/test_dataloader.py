@@ -12,12 +12,12 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from datasets import load_dataset  # noqa: E402
-from titan_harness import _texts, make_assets  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from torchtitan.hf_datasets import DatasetConfig  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
 
 from ucp_dcp.errors import UCPError  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets, texts  # noqa: E402
 from ucp_dcp.torchtitan.dataloader import STATE_KEYS, GlobalCursorTextDataLoader, GlobalWindowDataset  # noqa: E402
 
 B, SEQ = 12, 32  # global batch (sequences), window length
@@ -31,10 +31,10 @@ def assets(tmp_path_factory):
 def _stream_files(folder: Path, shards: int, docs: int) -> str:
     """``shards`` JSON-lines files of ``docs`` documents each (a multi-shard streaming dataset)."""
     folder.mkdir(parents=True, exist_ok=True)
-    texts = _texts(shards * docs, seed=1)
+    all_docs = texts(shards * docs, seed=1)
     for s in range(shards):
         with open(folder / f"part-{s:02d}.json", "w") as f:
-            for t in texts[s * docs : (s + 1) * docs]:
+            for t in all_docs[s * docs : (s + 1) * docs]:
                 f.write(json.dumps({"text": t}) + "\n")
     return str(folder)
 

@@ -22,8 +22,8 @@ import torch
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
 from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
-from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
-from titan_harness import fp32_experts as _fp32_experts  # noqa: E402
+from titan_models import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
+from titan_models import fp32_experts as _fp32_experts  # noqa: E402
 
 skip_unless_torchtitan_runs()
 

@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from datasets import load_dataset  # noqa: E402
-from titan_harness import _texts, make_assets  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from torchtitan.hf_datasets import DatasetConfig  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import (  # noqa: E402
@@ -24,6 +23,7 @@ from torchtitan.hf_datasets.text_datasets import (  # noqa: E402
 )
 
 from ucp_dcp.errors import UCPError  # noqa: E402
+from ucp_dcp.testing.titan.assets import make_assets, texts  # noqa: E402
 from ucp_dcp.torchtitan.dataloader import GlobalWindowDataset  # noqa: E402
 from ucp_dcp.torchtitan.interleave import (  # noqa: E402
     STATE_KEYS,
@@ -38,10 +38,10 @@ MIX = (("map", 1.0), ("four", 2.0), ("one", 0.5))
 
 def _stream_files(folder: Path, shards: int, docs: int, seed: int) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    texts = _texts(shards * docs, seed=seed)
+    all_docs = texts(shards * docs, seed=seed)
     for s in range(shards):
         with open(folder / f"part-{s:02d}.json", "w") as f:
-            for t in texts[s * docs : (s + 1) * docs]:
+            for t in all_docs[s * docs : (s + 1) * docs]:
                 f.write(json.dumps({"text": t}) + "\n")
     return str(folder)
 

@@ -396,8 +396,7 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
 
 
 def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
-    from titan_harness import make_assets
-
+    from ucp_dcp.testing.titan.assets import make_assets
     from ucp_dcp.torchtitan.dataloader import STATE_KEYS
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
@@ -408,8 +407,7 @@ def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
 
 def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_factory):
     """The interleaved state (lists per source, the RNG state as JSON) is saved as one global value each."""
-    from titan_harness import make_assets
-
+    from ucp_dcp.testing.titan.assets import make_assets
     from ucp_dcp.torchtitan.interleave import STATE_KEYS
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)

@@ -22,9 +22,9 @@ import torch
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
 from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
-from titan_harness import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
-from titan_harness import fp32_experts as _fp32_experts  # noqa: E402
-from titan_harness import hf_model as _hf_model  # noqa: E402
+from titan_models import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
+from titan_models import fp32_experts as _fp32_experts  # noqa: E402
+from titan_models import hf_model as _hf_model  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
@@ -426,15 +426,17 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     (HFStorageReader + Fused rule into TP shards of wqkv) and stock (the same layout, so the same
     batches): equal first losses.
     Our last save in HF loads in transformers and holds exactly the trained parameters."""
-    import titan_harness as tr
     from safetensors.torch import load_file
 
+    from ucp_dcp.testing.checks import TOL_FIRST
+    from ucp_dcp.testing.titan import jobs as tr
+    from ucp_dcp.testing.titan.assets import make_assets
     from ucp_dcp.torchtitan.config_registry import llama3_debugmodel_gqa
 
     model_config = llama3_debugmodel_gqa().model_spec.model
     mapping = hf_mapping(model_config)
     _hf_model(mapping, tmp_path / "hf")
-    assets = tr.make_assets(tmp_path / "assets")
+    assets = make_assets(tmp_path / "assets")
     flags = [
         "--checkpoint.initial_load_path",
         str(tmp_path / "hf"),
@@ -462,8 +464,8 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     tr.run_job(topo, stock, assets, 2, flags, {"UCP_TITAN_METRICS": str(stock / "loss.json")}, config=tr.STOCK_CONFIG)
     log = (ours / "log.txt").read_text()
     assert "UCP: loaded Hugging Face" in log and "UCP: saved Hugging Face" in log, log[-2000:]
-    a, b = tr._losses(ours / "loss.json"), tr._losses(stock / "loss.json")
-    assert abs(a[1] - b[1]) <= tr.TOL_FIRST * abs(b[1]), (a, b)
+    a, b = tr.losses(ours / "loss.json"), tr.losses(stock / "loss.json")
+    assert abs(a[1] - b[1]) <= TOL_FIRST * abs(b[1]), (a, b)
 
     export = ours / "checkpoint" / "step-2"
     assert (export / "model.safetensors.index.json").exists(), "torchtitan recognises the step folder"

@@ -1,9 +1,5 @@
-"""Tiny, generated tokenizer and dataset for torchtitan runs (nothing is downloaded).
-
-``make_assets(folder)`` writes ``folder/tokenizer/{tokenizer.json,tokenizer_config.json}`` (a byte
-level BPE trained on the synthetic text) and ``folder/dataset/data.json`` (JSON lines of
-``{"text": ...}``, readable by torchtitan's ``c4_test`` loader). Deterministic for a given seed.
-"""
+"""Tiny, generated tokenizer and dataset for torchtitan runs (nothing is downloaded): :func:`make_assets`,
+and the synthetic documents it trains on (:func:`texts`, which the dataloader tests read directly)."""
 
 from __future__ import annotations
 
@@ -18,7 +14,8 @@ WORDS = (
 ).split()
 
 
-def _texts(n: int, seed: int) -> list[str]:
+def texts(n: int, seed: int) -> list[str]:
+    """``n`` short synthetic documents (``doc <i>: ...``), the same for the same seed."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -28,13 +25,16 @@ def _texts(n: int, seed: int) -> list[str]:
 
 
 def make_assets(folder: str | Path, n_docs: int = 2000, seed: int = 0) -> Path:
+    """``folder/tokenizer/{tokenizer.json,tokenizer_config.json}`` (a byte-level BPE trained on the
+    synthetic text) and ``folder/dataset/data.json`` (JSON lines of ``{"text": ...}``, readable by
+    torchtitan's ``c4_test`` loader); kept when both exist. Deterministic for a given seed."""
     folder = Path(folder)
     tok_dir, data_dir = folder / "tokenizer", folder / "dataset"
     if (tok_dir / "tokenizer.json").exists() and (data_dir / "data.json").exists():
         return folder
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    texts = _texts(n_docs, seed)
+    docs = texts(n_docs, seed)
     tok_dir.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -46,12 +46,12 @@ def make_assets(folder: str | Path, n_docs: int = 2000, seed: int = 0) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(docs, trainer)
     tok.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
     )
     with open(data_dir / "data.json", "w") as f:
-        for t in texts:
+        for t in docs:
             f.write(json.dumps({"text": t}) + "\n")
     return folder

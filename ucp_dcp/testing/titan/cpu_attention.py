@@ -1,6 +1,7 @@
-"""``--override.imports cpu_attention.sdpa_attention``: causal SDPA on local shards instead of
-FlexAttention (which has no CPU backward). Causal over the packed sequence rather than per
-document, which is fine for checkpoint tests. A test/recipe aid, not library code."""
+"""``--override.imports ucp_dcp.testing.titan.cpu_attention.sdpa_attention``: causal SDPA on local shards
+instead of FlexAttention (which has no CPU backward). Causal over the packed sequence rather than per
+document, which is fine for checkpoint tests. A test/recipe aid, not library code; it imports no other
+ucp_dcp module (a stock torchtitan job with the library blocked uses it too)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ torchtitan is imported, what breaks on CPU or between these two releases:
     way (no ``DataParallelMeshDims``). Layouts with TP or CP are left to fail as they do unpatched;
 (p) ``async_mode="async_with_pinned_mem"`` asks for non-blocking copies, which torch refuses without
     an accelerator -> plain copies (the checkpoint process and shared-memory staging stay).
-FlexAttention has no CPU backward: ``cpu_attention.sdpa_attention`` (an ``--override.imports``
-entry) swaps it for SDPA on local shards.
+FlexAttention has no CPU backward: ``ucp_dcp.testing.titan.cpu_attention.sdpa_attention`` (an
+``--override.imports`` entry, :data:`.jobs.CPU_ATTENTION`) swaps it for SDPA on local shards.
 
 For the tests it also: records each step's loss (from the rank where it is computed) into the JSON file named by
 ``$UCP_TITAN_METRICS`` (``<file>.rank<N>``), and, for the resume oracle, writes the full training
@@ -29,9 +29,13 @@ state (every parameter and optimizer entry as a full tensor, plus train/schedule
 right after a checkpoint load (with ``$UCP_TITAN_STATE_BUFFERS`` set, every model buffer too);
 records the hashes of the sequences each step trained on into ``$UCP_TITAN_BATCHES``
 (``<file>.rank<N>``); and, with ``$UCP_TITAN_FLIP_EXPERTS=<parameter>``, swaps two expert rows right
-after a load (sabotage the resume comparison must catch). No ucp_dcp code is involved in any of it.
+after a load (sabotage the resume comparison must catch). No ucp_dcp code is involved in any of it: this
+module and :mod:`.cpu_attention` import no other ucp_dcp module (tests/e2e/test_to_stock.py runs them with
+the library blocked), so a stock torchtitan job can use them too.
 
-    torchrun --nproc-per-node 2 recipes/titan/cpu_launch.py --module ... --config ... [flags]
+    torchrun --nproc-per-node 2 -m ucp_dcp.testing.titan.cpu_launch --module ... --config ... [flags]
+
+(:func:`.jobs.run_job` builds that command with the flags the tests and recipes share.)
 
 With ``UCP_TITAN_DEVICE=cuda`` (the GPU tier, tests/gpu/) only the torch-version patches (f), (g)
 and (s) are applied: torchtitan then runs on its own device and backend (CUDA, NCCL).
@@ -42,14 +46,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import types
 
 import torch
 import torch._utils
 
 
-def _patch_device() -> None:
+def patch_device() -> None:
+    """(a) and (b): torch reports the CPU as the device, and the memory monitor gets its stand-ins."""
     torch._utils._get_available_device_type = lambda: "cpu"  # (a)
     stand_ins = {  # (b)
         "get_device_name": lambda *a, **k: "cpu",
@@ -63,7 +67,7 @@ def _patch_device() -> None:
             setattr(torch.cpu, name, fn)
 
 
-def _patch_torchtitan(cpu: bool = True) -> None:
+def patch_torchtitan(cpu: bool = True) -> None:
     """All patches; ``cpu=False`` keeps only those for the torch 2.13 / torchtitan 0.3.0 gap."""
     import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.distributed.utils as tt_dist
@@ -323,12 +327,11 @@ def _record_batches() -> None:
 def main() -> None:
     cpu = os.environ.get("UCP_TITAN_DEVICE", "cpu") == "cpu"
     if cpu:
-        _patch_device()
-    _patch_torchtitan(cpu=cpu)
+        patch_device()
+    patch_torchtitan(cpu=cpu)
     _record_losses()
     _record_batches()
     _dump_state()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from torchtitan.train import main as train_main
 
     train_main()
