@@ -2,7 +2,7 @@
 
 Usage (the venv with torch + megatron-core)::
 
-    python recipes/foreign/make_megatron_moe.py --out DIR [--ep 2] [--tp 1] [--steps 3] [--extras]
+    python -m ucp_dcp.testing.foreign.make_megatron_moe --out DIR [--ep 2] [--tp 1] [--steps 3] [--extras]
 
 Phase 1 (``tp x ep`` gloo processes; Megatron carves EP out of DP, so dense weights are replicated
 over the ``ep`` ranks): a tiny Megatron-Core ``GPTModel`` with every layer MoE, built from the local
@@ -46,8 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_megatron import (  # noqa: E402
+from .make_megatron import (
     POS,
     VOCAB,
     CpuAsCuda,

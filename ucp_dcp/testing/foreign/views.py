@@ -12,28 +12,24 @@ bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe_dee
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def deepspeed_config() -> Any:
-    from make_deepspeed import CFG_KW
-
     from ucp_dcp.toy.model import ModelConfig
+
+    from .make_deepspeed import CFG_KW
 
     return ModelConfig(**CFG_KW)
 
 
 def deepspeed_moe_config() -> Any:
-    from make_deepspeed_moe import MOE_CFG_KW
-
     from ucp_dcp.toy.model import ModelConfig
+
+    from .make_deepspeed_moe import MOE_CFG_KW
 
     return ModelConfig(**MOE_CFG_KW)
 
@@ -214,8 +210,8 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.errors import ucp_errors
+    from ucp_dcp.planning.load_planner import UCPLoadPlanner
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
     from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES
     from ucp_dcp.sources.foreign.megatron import MegatronReader

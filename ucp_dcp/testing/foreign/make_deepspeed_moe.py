@@ -1,6 +1,6 @@
 """Make real DeepSpeed MoE (expert-parallel) ZeRO-1/2 checkpoints of the toy LLM, on CPU.
 
-    flock /tmp/ucp-mp.lock python recipes/foreign/make_deepspeed_moe.py --out DIR --stage {1,2} \\
+    flock /tmp/ucp-mp.lock python -m ucp_dcp.testing.foreign.make_deepspeed_moe --out DIR --stage {1,2} \\
         [--world 4] [--ep 2] [--steps 3] [--seed 0]
 
 The toy Llama of ``make_deepspeed.py`` (fp32, ``torch_adam`` AdamW, two param groups, tied head) with
@@ -41,13 +41,12 @@ import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from make_deepspeed import BATCH_PER_RANK, CFG_KW, ds_config  # noqa: E402
+
+from .make_deepspeed import BATCH_PER_RANK, CFG_KW, ds_config  # noqa: E402
 
 MOE_LAYERS = (1, 3)
 N_EXPERTS = 4

@@ -2,7 +2,7 @@
 
 Usage (a venv with torch + megatron-core, e.g. /tmp/fvenv)::
 
-    python recipes/foreign/make_megatron.py --out DIR [--tp 2] [--steps 3] [--dist-opt none|dp|full]
+    python -m ucp_dcp.testing.foreign.make_megatron --out DIR [--tp 2] [--steps 3] [--dist-opt none|dp|full]
 
 Phase 1 (``tp`` gloo processes): a tiny Megatron-Core ``GPTModel`` built from the local
 (non-Transformer-Engine) layer spec; trained ``steps`` steps with Megatron's own optimizer; saved
