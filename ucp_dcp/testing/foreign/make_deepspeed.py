@@ -56,179 +56,60 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-# Sizes a TP=2 target can take (even KV heads, even FFN) whose flat groups do not divide evenly: at
-# dp=3, ZeRO-1/2 pad the end of group 0 (aligned to 2 * dp elements) and ZeRO-3 pads every
-# 56-element norm (ceil(56 / 3) = 19 per rank).
-CFG_KW = dict(
-    vocab=61,
-    vocab_multiple=7,
-    dim=56,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=54,
-    stacked_moe_layers=(),
-    list_moe_layers=(),
-    rope_theta=10000.0,
-    res_gain=False,
-)
-BATCH_PER_RANK = 4
-
-
-def ds_config(stage: int, world: int, param_alignment: bool = False, round_robin: bool = False) -> dict:
-    return {
-        "train_batch_size": BATCH_PER_RANK * world,
-        "train_micro_batch_size_per_gpu": BATCH_PER_RANK,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
-        },
-        "zero_optimization": dict(
-            {"stage": stage},
-            **({"parameter_alignment": True} if param_alignment else {}),
-            **({"round_robin_gradients": True} if round_robin else {}),
-        ),
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def build_model(seed: int, tied: bool):
-    from ucp_dcp.toy.model import Groups, ModelConfig, StageModel, logical_params
-
-    cfg = ModelConfig(**CFG_KW)
-    m = StageModel(cfg, list(range(cfg.n_layers)), first=True, last=True, tp=1, ep_size=1)
-    m.load_logical(logical_params(cfg, seed), 1, 0, 1)
-    if tied:
-        m.output.weight = m.tok_embeddings.weight
-    m.groups = Groups(
-        tp=None, ep=None, ep_rank=0, ep_size=1, loss_scale=1.0, global_tokens=BATCH_PER_RANK * cfg.seq_len
-    )
-    return cfg, m
+from . import deepspeed_job as job
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.world),
-        LOCAL_WORLD_SIZE=str(args.world),
-    )
-    torch.set_num_threads(1)
+    job.join(rank, args.world, port)
     import deepspeed
-    import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    cfg, m = build_model(args.seed, not args.untied)
-    decay = [p for p in m.parameters() if p.ndim >= 2]
-    no_decay = [p for p in m.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    conf = ds_config(args.stage, args.world, args.param_alignment, args.round_robin)
-    engine, opt, _, _ = deepspeed.initialize(model=m, model_parameters=groups, config=conf)
-
-    t0 = time.time()
-    g = torch.Generator().manual_seed(1234 + args.seed)
-    for _ in range(args.steps):
-        tokens = torch.randint(0, cfg.vocab, (BATCH_PER_RANK * args.world, cfg.seq_len + 1), generator=g)
-        local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
-        logits = engine(local[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        if rank == 0:
-            print(f"step {engine.global_steps} loss {loss.item():.4f}", flush=True)
-    t_train = time.time() - t0
-
-    t0 = time.time()
-    tag = f"global_step{engine.global_steps}"
-    engine.save_checkpoint(
-        args.out, tag=tag, client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
-    )
-    dist.barrier()
-    t_save = time.time() - t0
-
-    # DeepSpeed's view of the live optimizer state, by parameter name (collective under ZeRO-3).
-    names = {p: n for n, p in engine.module.named_parameters()}
-    if args.stage < 3:
-        # DeepSpeed 0.19.8 links the optimizer-state views of ZeRO-1/2 parameters once, right after the
-        # step of group 0 (``_optimizer_step`` steps one group at a time), so the parameters of group 1
-        # get an empty view and ``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer
-        # state fragment" for them. Linking again with DeepSpeed's own routine fixes the view.
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
-    zo = engine.optimizer
-    base = zo.optimizer  # the torch AdamW DeepSpeed steps, on flat fp32 partitions
-    if args.stage == 3:  # ZeRO-3 steps sub-groups (one per param group at the default sub_group_size)
-        subs = [
-            (zo.sub_group_to_group_id[i], zo.fp16_groups[i], zo.fp32_partitioned_groups_flat[i])
-            for i in range(len(zo.fp16_groups))
-        ]
-    else:
-        subs = [(i, zo.bit16_groups[i], zo.single_partition_of_fp32_groups[i]) for i in range(len(zo.bit16_groups))]
-    view: dict = {
-        "__groups__": [dict({k: v for k, v in pg.items() if k != "params"}, names=[]) for pg in base.param_groups]
-    }
-    for gi, members, flat in subs:
-        step = base.state[flat]["step"].clone() if "step" in base.state.get(flat, {}) else None
-        for p in members:
-            view["__groups__"][gi]["names"].append(names[p])
-            view[names[p]] = {
-                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
-                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
-                "fp32": safe_get_full_fp32_param(p).clone(),
-                "step": step,
-            }
+    cfg, m = job.toy_model(job.CFG_KW, args.seed, tied=not args.untied)
+    conf = job.ds_config(args.stage, args.world, args.param_alignment, args.round_robin)
+    engine, _, _, _ = deepspeed.initialize(model=m, model_parameters=job.decay_groups(m), config=conf)
+    t_train = job.train(engine, cfg, rank, args.world, args.steps, args.seed)
+    # the converter refuses a checkpoint without universal_checkpoint_info
+    tag, t_save = job.save(engine, args.out, {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+    view = job.live_view(engine, args.stage)
     if rank == 0:
         torch.save(view, os.path.join(args.out, "ds_view_optim.pt"))
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         torch.save(get_fp32_state_dict_from_zero_checkpoint(args.out), os.path.join(args.out, "ds_view_fp32.pt"))
-        with open(os.path.join(args.out, "meta.json"), "w") as f:
-            json.dump(
-                {
-                    "stage": args.stage,
-                    "world": args.world,
-                    "steps": args.steps,
-                    "seed": args.seed,
-                    "tag": tag,
-                    "tied": not args.untied,
-                    "param_alignment": args.param_alignment,
-                    "round_robin": args.round_robin,
-                    "model_config": CFG_KW,
-                    "ds_config": conf,
-                    "deepspeed": deepspeed.__version__,
-                    "torch": torch.__version__,
-                    "seconds": {
-                        "train": round(t_train, 2),
-                        "save": round(t_save, 2),
-                    },
-                },
-                f,
-                indent=1,
-            )
-    dist.barrier()
-    dist.destroy_process_group()
-    # Done (every rank passed the barrier). Skip interpreter teardown: about 1 in 10 world-3 ZeRO-3 runs
-    # aborted there (SIGABRT in a native thread's destructor) after all work had succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        run = {k: getattr(args, k) for k in ("stage", "world", "steps", "seed")}
+        run.update(tag=tag, tied=not args.untied, param_alignment=args.param_alignment, round_robin=args.round_robin)
+        job.write_meta(args.out, run, job.CFG_KW, conf, {"train": t_train, "save": t_save})
+    job.finish()
+
+
+def _universal(out: str) -> None:
+    """DeepSpeed's own converter into ``out/universal``; its time added to ``meta.json``."""
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    t1 = time.time()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            os.path.join(out, meta["tag"]),
+            "--output_folder",
+            os.path.join(out, "universal"),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+    )
+    meta["seconds"]["universal"] = round(time.time() - t1, 2)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,36 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         help="ZeRO-1/2: zero_optimization.round_robin_gradients (params reordered in the flat group)",
     )
     args = ap.parse_args(argv)
-    args.out = os.path.abspath(args.out)
-    os.makedirs(args.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t0 = time.time()
-    mp.spawn(_worker, args=(args, port), nprocs=args.world, join=True)
+    job.spawn(_worker, args)
     if args.universal:
-        with open(os.path.join(args.out, "meta.json")) as f:
-            meta = json.load(f)
-        t1 = time.time()
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                os.path.join(args.out, meta["tag"]),
-                "--output_folder",
-                os.path.join(args.out, "universal"),
-                "--num_extract_workers",
-                "1",
-                "--num_merge_workers",
-                "1",
-            ],
-            check=True,
-        )
-        meta["seconds"]["universal"] = round(time.time() - t1, 2)
-        with open(os.path.join(args.out, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        _universal(args.out)
     print(f"wrote {args.out} in {time.time() - t0:.1f}s", file=sys.stderr)
 
 

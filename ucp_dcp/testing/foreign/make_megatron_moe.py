@@ -19,7 +19,7 @@ Phase 2 (one process, tp=ep=1): a fresh model and optimizer load it back through
 own view of its checkpoint for the tests. Every run checks that view's loss on a fixed batch equals
 the saved model's. About 20-40 s on 2 CPU cores.
 
-Runs Megatron unchanged under :class:`make_megatron.CpuAsCuda` (see that module for what needs it),
+Runs Megatron unchanged under :class:`.megatron_cpu.CpuAsCuda` (see that module for what needs it),
 plus two MoE-path workarounds on the CPU build (the saved files are untouched): ``te_general_gemm``
 (unbound without Transformer Engine: ``NameError`` in the router) is bound to None, and
 ``torch.cuda.current_device()`` returns ``"cpu"`` (the allgather dispatcher allocates with it in
@@ -39,69 +39,29 @@ import argparse
 import os
 import sys
 import time
-import warnings
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 
-from .make_megatron import (
-    POS,
-    VOCAB,
-    CpuAsCuda,
-    _install_cuda_stubs,
-    _keep_step_on_load,
-    _optimizer,
-    batches,
-    model_name,
-)
-
-warnings.filterwarnings("ignore")
+from . import megatron_job as job
 
 EXPERTS = 4
 TOPK = 2
 EXPERT_DIM = 24
+EXTRAS = dict(
+    add_bias_linear=True,
+    qk_layernorm=True,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-2,
+    moe_router_load_balancing_type="none",
+)
+"""``--extras``: what the toy does not have (biases, QK norms, the aux-loss-free sigmoid router)."""
 
 
-def build(args, tp: int, ep: int, seed: int):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import TransformerConfig
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(seed)
-    extras = dict(
-        add_bias_linear=True,
-        qk_layernorm=True,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=1e-2,
-        moe_router_load_balancing_type="none",
-    )
-    kw = dict(
-        num_layers=4,
-        hidden_size=48,
-        num_attention_heads=6,
-        num_query_groups=2,
-        ffn_hidden_size=52,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        rotary_interleaved=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=tp,
+def build(args: argparse.Namespace, tp: int, ep: int, seed: int) -> tuple[Any, Any]:
+    """The MoE GPT (every layer 4 ``SequentialMLP`` experts, allgather dispatcher) at ``tp`` x ``ep``."""
+    moe = dict(
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
         num_moe_experts=EXPERTS,
@@ -111,23 +71,9 @@ def build(args, tp: int, ep: int, seed: int):
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
         moe_grouped_gemm=False,
-        params_dtype=torch.float32,
-        init_method_std=0.02,
     )
-    cfg = TransformerConfig(**{**kw, **(extras if args.extras else {})})
-    spec = get_gpt_layer_local_spec(
-        num_experts=EXPERTS, moe_grouped_gemm=False, qk_layernorm=args.extras, normalization="RMSNorm"
-    )
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=args.padded,
-        max_sequence_length=POS.shape[1],
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="rope",
-    )
+    spec = dict(num_experts=EXPERTS, moe_grouped_gemm=False, qk_layernorm=args.extras)
+    cfg, model = job.gpt_model(tp, seed, args.padded, ep, spec, **{**moe, **(EXTRAS if args.extras else {})})
     if args.extras:  # non-zero biases and expert bias, so a mix-up cannot pass by zeros
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -140,7 +86,7 @@ def build(args, tp: int, ep: int, seed: int):
     return cfg, model
 
 
-def _metadata(args) -> dict:
+def _metadata(args: argparse.Namespace) -> dict:
     return {
         "singleton_local_shards": args.singleton,
         "chained_optim_avoid_prefix": True,
@@ -148,171 +94,81 @@ def _metadata(args) -> dict:
     }
 
 
-def eval_loss(model) -> float:
-    inp, lab = next(batches(1, 0, 1))
-    with torch.no_grad():
-        return model(inp, POS, None, labels=lab).mean().item()
-
-
-def _save(args, out: dict) -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
+def _save(args: argparse.Namespace, out: dict) -> None:
+    import torch.distributed as dist
 
     cfg, model = build(args, args.tp, args.ep, seed=0)
-    ddp, opt, sched = _optimizer(cfg, model, "full")
-    dp = ps.get_data_parallel_world_size()
-    for inp, lab in batches(args.steps, ps.get_data_parallel_rank(), dp):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        loss = ddp(inp, POS, None, labels=lab).mean()
-        loss.backward()
-        ddp.finish_grad_sync()
-        ok, gnorm, _ = opt.step()
-        sched.step(increment=inp.shape[0] * dp)
-        if dist.get_rank() == 0:
-            print(f"  step loss={loss.item():.5f} grad_norm={gnorm:.4f} ok={ok}", flush=True)
+    ddp, opt, sched = job.optimizer(cfg, model, "full")
+    job.train(ddp, opt, sched, args.steps)
     md = _metadata(args)
-    sd = model.sharded_state_dict(metadata=md)
+    saved_args = argparse.Namespace(
+        tensor_model_parallel_size=args.tp,
+        expert_model_parallel_size=args.ep,
+        **job.GEOMETRY,
+        num_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=EXPERT_DIM,
+        swiglu=True,
+        normalization="RMSNorm",
+        vocab_size=job.VOCAB,
+        padded_vocab_size=args.padded,
+        rotary_interleaved=True,
+        position_embedding_type="rope",
+        add_bias_linear=args.extras,
+        qk_layernorm=args.extras,
+        iteration=args.steps,
+    )
+    state = job.envelope(model, opt, sched, md, args.steps, args=saved_args)
     if args.dump and dist.get_rank() == 0:
-        for k, v in sorted(sd.items()):
+        for k, v in sorted(state["model"].items()):
             print("KEY", k, getattr(v, "key", None), tuple(getattr(v, "global_shape", ())), flush=True)
-    envelope = {
-        "model": sd,
-        "optimizer": opt.sharded_state_dict(sd, metadata=md),
-        "opt_param_scheduler": sched.state_dict(),
-        "iteration": args.steps,
-        "checkpoint_version": 3.0,
-        "args": argparse.Namespace(
-            tensor_model_parallel_size=args.tp,
-            expert_model_parallel_size=args.ep,
-            num_layers=4,
-            hidden_size=48,
-            num_attention_heads=6,
-            num_query_groups=2,
-            num_experts=EXPERTS,
-            moe_router_topk=TOPK,
-            moe_ffn_hidden_size=EXPERT_DIM,
-            swiglu=True,
-            normalization="RMSNorm",
-            vocab_size=VOCAB,
-            padded_vocab_size=args.padded,
-            rotary_interleaved=True,
-            position_embedding_type="rope",
-            add_bias_linear=args.extras,
-            qk_layernorm=args.extras,
-            iteration=args.steps,
-        ),
+    job.save(state, args.out, md, model, out)
+
+
+def _merged_groups(opt: Any, state: dict) -> dict:
+    """Saved at ep>1, common.pt holds two optimizers' groups (dense, expert-parallel); at ep=1 Megatron
+    builds one optimizer, and its load_state_dict finds no "optimizer" key. The sharded param state
+    (what dist_checkpointing resharded) is kept; the groups are merged."""
+    if not (len(opt.chained_optimizers) == 1 and 0 in state):
+        return state
+    groups = [g for i in sorted(k for k in state if isinstance(k, int)) for g in state[i]["optimizer"]["param_groups"]]
+    return {
+        "optimizer": {"param_groups": groups},
+        "param_state": state["param_state"],
+        "param_state_sharding_type": state[0]["param_state_sharding_type"],
     }
-    dist_checkpointing.save(envelope, args.out, content_metadata=md)
-    loss = eval_loss(model)
-    if dist.get_rank() == 0:
-        out["eval_loss_saved"] = loss
 
 
-def _view(args, out: dict) -> None:
-    from megatron.core import dist_checkpointing
-
+def _view(args: argparse.Namespace, out: dict) -> None:
     cfg, model = build(args, 1, 1, seed=7)
-    ddp, opt, _ = _optimizer(cfg, model, "full")
-    for o in opt.chained_optimizers:
-        o._init_optimizer_states_with_dummy_values()
-        _keep_step_on_load(o)
-    md = _metadata(args)
-    sd = model.sharded_state_dict(metadata=md)
-    tmpl = opt.sharded_state_dict(sd, is_loading=True, metadata=md)
-    loaded = dist_checkpointing.load({"model": sd, "optimizer": tmpl}, args.out)
-    model.load_state_dict(loaded["model"], strict=True)
-    state = loaded["optimizer"]
-    if len(opt.chained_optimizers) == 1 and 0 in state:
-        # Saved at ep>1: common.pt holds two optimizers' groups (dense, expert-parallel); at ep=1
-        # Megatron builds one optimizer, and its load_state_dict finds no "optimizer" key. The
-        # sharded param state (what dist_checkpointing resharded) is kept; the groups are merged.
-        groups = [
-            g for i in sorted(k for k in state if isinstance(k, int)) for g in state[i]["optimizer"]["param_groups"]
-        ]
-        state = {
-            "optimizer": {"param_groups": groups},
-            "param_state": state["param_state"],
-            "param_state_sharding_type": state[0]["param_state_sharding_type"],
-        }
-    with torch.no_grad():
-        opt.load_state_dict(state)
+    _, opt, _ = job.optimizer(cfg, model, "full")
+    job.load(model, opt, _metadata(args), args.out, distributed=True, adapt=_merged_groups)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
-    optim = {}
-    for o in opt.chained_optimizers:  # distributed optimizer at dp=1: one shard holds a whole param
-        for mg, sg in zip(
-            o.model_float16_groups + o.model_fp32_groups, o.shard_fp32_from_float16_groups + o.shard_fp32_groups
-        ):
-            for p, sp in zip(mg, sg):
-                st = o.optimizer.state[sp]
-                optim[model_name(model, p)] = {
-                    k: (v.detach().clone().view(p.shape) if torch.is_tensor(v) and v.numel() == p.numel() else v)
-                    for k, v in st.items()
-                }
-    out["eval_loss_view"] = eval_loss(model)
+    optim = job.distributed_state(model, opt.chained_optimizers)
+    out["eval_loss_view"] = job.eval_loss(model)
     meta = {k: getattr(args, k) for k in ("tp", "ep", "steps", "extras", "singleton", "padded")}
-    meta.update(eval_loss_saved=args.eval_loss_saved, eval_loss_view=out["eval_loss_view"], vocab=VOCAB)
+    saved = out.get("eval_loss_saved", float("nan"))
+    meta.update(eval_loss_saved=saved, eval_loss_view=out["eval_loss_view"], vocab=job.VOCAB)
     torch.save(
         {"params": params, "buffers": buffers, "optim": optim, "meta": meta}, os.path.join(args.out, "mcore_view.pt")
     )
 
 
-def worker(rank: int, world: int, args, port: int, phase: str, out: dict) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    _install_cuda_stubs()
-    # The allgather dispatcher's backward allocates with device=torch.cuda.current_device(); autograd
-    # runs backward nodes outside CpuAsCuda (a thread-local mode), so the device itself must be CPU.
-    torch.cuda.current_device = lambda: "cpu"
-    from megatron.core.transformer.moe import moe_utils
-
-    # MCore 0.16.1 without Transformer Engine: router_gating_linear tests ``te_general_gemm is not
-    # None``, a name bound only when TE imports (NameError otherwise). Bind it to None: torch's path.
-    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        with CpuAsCuda():
-            {"save": _save, "view": _view}[phase](args, out)
-        dist.barrier()
-    finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
+def main(argv: list[str] | None = None) -> None:
+    ap = job.arguments(__doc__, tp=1, port=29537)
     ap.add_argument("--ep", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--extras", action="store_true", help="biases, QK layer norms, expert bias (sigmoid router)")
     ap.add_argument("--singleton", action="store_true", help="singleton_local_shards: one key per expert")
     ap.add_argument("--dump", action="store_true", help="print the model's sharded keys")
     ap.add_argument("--skip-save", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--vocab-divisor", type=int, default=128)
-    ap.add_argument("--port", type=int, default=29537)
     args = ap.parse_args(argv)
-    m = args.vocab_divisor * args.tp
-    args.padded = -(-VOCAB // m) * m
+    args.padded = job.padded_vocab(args.vocab_divisor, args.tp)
     t0 = time.time()
-    if os.path.exists(args.out) and os.listdir(args.out) and not args.skip_save:
-        sys.exit(f"{args.out} is not empty")
-    os.makedirs(args.out, exist_ok=True)
-    with mp.Manager() as mgr:
-        out = mgr.dict()
-        world = args.tp * args.ep
-        print(f"save: tp={args.tp} ep={args.ep} (dp={args.ep}) extras={args.extras} padded_vocab={args.padded}")
-        if not args.skip_save:
-            mp.spawn(worker, args=(world, args, args.port, "save", out), nprocs=world)
-        args.eval_loss_saved = out.get("eval_loss_saved", float("nan"))
-        mp.spawn(worker, args=(1, args, args.port + 2, "view", out), nprocs=1)
-        view = out["eval_loss_view"]
-    print(f"eval loss: saved model {args.eval_loss_saved:.6f}, Megatron's tp=ep=1 view {view:.6f}")
-    assert abs(view - args.eval_loss_saved) < 1e-4, "the tp=ep=1 load disagrees with the saved model"
+    job.fresh_out(args.out, reuse=args.skip_save)
+    print(f"save: tp={args.tp} ep={args.ep} (dp={args.ep}) extras={args.extras} padded_vocab={args.padded}")
+    phases = [] if args.skip_save else [(_save, args.tp * args.ep)]
+    job.run(args, [*phases, (_view, 1)], "tp=ep=1", moe=True)
     print(f"done in {time.time() - t0:.1f}s: {args.out}", flush=True)
 
 
