@@ -85,17 +85,10 @@ def _save(args: argparse.Namespace, out: dict) -> None:
     ddp, opt, sched = job.optimizer(cfg, model, args.dist_opt)
     job.train(ddp, opt, sched, args.steps)
     md = _metadata(args.dist_opt)
-    saved_args = argparse.Namespace(
-        tensor_model_parallel_size=args.tp,
-        **job.GEOMETRY,
-        swiglu=True,
-        normalization="RMSNorm",
-        vocab_size=job.VOCAB,
-        padded_vocab_size=model.vocab_size,
-        rotary_interleaved=True,
-        untie_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        iteration=args.steps,
+    saved_args = job.saved_args(
+        dict(tensor_model_parallel_size=args.tp, **job.GEOMETRY, ffn_hidden_size=job.FFN),
+        model.vocab_size,
+        dict(untie_embeddings_and_output_weights=False, position_embedding_type="rope", iteration=args.steps),
     )
     rest = dict(num_floating_point_operations_so_far=0, args=saved_args, rng_state=_rng_state())
     job.save(job.envelope(model, opt, sched, md, args.steps, **rest), args.out, md, model, out)

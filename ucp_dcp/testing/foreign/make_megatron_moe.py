@@ -101,22 +101,14 @@ def _save(args: argparse.Namespace, out: dict) -> None:
     ddp, opt, sched = job.optimizer(cfg, model, "full")
     job.train(ddp, opt, sched, args.steps)
     md = _metadata(args)
-    saved_args = argparse.Namespace(
-        tensor_model_parallel_size=args.tp,
-        expert_model_parallel_size=args.ep,
-        **job.GEOMETRY,
-        num_experts=EXPERTS,
-        moe_router_topk=TOPK,
-        moe_ffn_hidden_size=EXPERT_DIM,
-        swiglu=True,
-        normalization="RMSNorm",
-        vocab_size=job.VOCAB,
-        padded_vocab_size=args.padded,
-        rotary_interleaved=True,
-        position_embedding_type="rope",
-        add_bias_linear=args.extras,
-        qk_layernorm=args.extras,
-        iteration=args.steps,
+    parallel = dict(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
+    sizes = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_DIM)
+    saved_args = job.saved_args(
+        {**parallel, **job.GEOMETRY, **sizes},
+        args.padded,
+        dict(
+            position_embedding_type="rope", add_bias_linear=args.extras, qk_layernorm=args.extras, iteration=args.steps
+        ),
     )
     state = job.envelope(model, opt, sched, md, args.steps, args=saved_args)
     if args.dump and dist.get_rank() == 0:

@@ -33,10 +33,13 @@ SEQ = 12
 BATCH = 2
 LR = 1e-3
 POS = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-GEOMETRY = dict(num_layers=4, hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=52)
+GEOMETRY = dict(num_layers=4, hidden_size=48, num_attention_heads=6, num_query_groups=2)
 """The toy's sizes (``ucp_dcp.toy.hf_presets.TOY_LLAMA``), also recorded in the saved ``args``."""
+FFN = 52
+"""The dense MLP's hidden size (the MoE GPT's experts have their own)."""
 CONFIG = dict(
     GEOMETRY,
+    ffn_hidden_size=FFN,
     gated_linear_unit=True,
     activation_func=F.silu,
     normalization="RMSNorm",
@@ -180,6 +183,20 @@ def envelope(model: Any, opt: Any, sched: Any, md: dict, iteration: int, **rest:
         "checkpoint_version": 3.0,
         **rest,
     }
+
+
+def saved_args(head: dict, padded: int, tail: dict) -> argparse.Namespace:
+    """Megatron-LM's ``args`` as its checkpoints carry them (readers check sizes, vocabulary, rotary):
+    ``head`` (parallel and model sizes), the fields both GPTs share, then ``tail``, in that order."""
+    return argparse.Namespace(
+        **head,
+        swiglu=True,
+        normalization="RMSNorm",
+        vocab_size=VOCAB,
+        padded_vocab_size=padded,
+        rotary_interleaved=True,
+        **tail,
+    )
 
 
 def save(state: dict, path: str, md: dict, model: Any, out: dict) -> None:
