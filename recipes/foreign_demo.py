@@ -2,7 +2,7 @@
 
     python recipes/foreign_demo.py [--out DIR] [--layout dp=2,tp=2]
 
-1. The real libraries write the checkpoints, on CPU (``recipes/foreign``): DeepSpeed ZeRO-1 and
+1. The real libraries write the checkpoints, on CPU (``ucp_dcp.testing.foreign``): DeepSpeed ZeRO-1 and
    ZeRO-3 runs of the toy LLM on 3 ranks (plus DeepSpeed's own ``ds_to_universal`` of the ZeRO-3
    one), and a Megatron-Core GPT trained at tp=2 and saved in ``torch_dist``. Each writes its
    library's own view of the checkpoint (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` and
@@ -35,14 +35,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes" / "foreign"))
 
 
-def _make(script: str, *args: str) -> float:
+def _make(module: str, *args: str) -> float:
     t0 = time.perf_counter()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     res = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "foreign" / script), *args],
+        [sys.executable, "-m", f"ucp_dcp.testing.foreign.{module}", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -50,7 +49,7 @@ def _make(script: str, *args: str) -> float:
     )
     if res.returncode:
         print(res.stdout[-2000:], res.stderr[-4000:])
-        raise SystemExit(f"FOREIGN MISMATCH: {script} {' '.join(args)} failed (exit {res.returncode})")
+        raise SystemExit(f"FOREIGN MISMATCH: {module} {' '.join(args)} failed (exit {res.returncode})")
     return time.perf_counter() - t0
 
 
@@ -62,8 +61,7 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # the oracle's gathers
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    from views import load_into_toy
-
+    from ucp_dcp.testing.foreign.views import load_into_toy
     from ucp_dcp.toy import Topology, build_job, build_trainer, train_step, ucp_options  # noqa: F401
 
     results = {}
@@ -73,10 +71,10 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
         results[name] = (state, time.perf_counter() - t0)
     # train one step from a loaded state (DeepSpeed ZeRO-3): the resumed optimizer steps
     import torch.distributed.checkpoint as dcp
-    from views import deepspeed_config
 
     from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
+    from ucp_dcp.testing.foreign.views import deepspeed_config
 
     cfg = deepspeed_config()
     job = build_job(Topology.parse(topo))
@@ -105,16 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     made = {
-        "DeepSpeed ZeRO-1": _make("make_deepspeed.py", "--out", str(out / "zero1"), "--stage", "1", "--world", "3"),
+        "DeepSpeed ZeRO-1": _make("make_deepspeed", "--out", str(out / "zero1"), "--stage", "1", "--world", "3"),
         "DeepSpeed ZeRO-3 (+ds_to_universal)": _make(
-            "make_deepspeed.py", "--out", str(out / "zero3"), "--stage", "3", "--world", "3", "--universal"
+            "make_deepspeed", "--out", str(out / "zero3"), "--stage", "3", "--world", "3", "--universal"
         ),
     }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     made["Megatron-Core torch_dist (tp=2)"] = _make(
-        "make_megatron.py", "--out", str(out / "megatron"), "--tp", "2", "--port", port
+        "make_megatron", "--out", str(out / "megatron"), "--tp", "2", "--port", port
     )
     for what, sec in made.items():
         print(f"  made by the real library: {what:38s} {sec:5.1f} s")
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(p.exitcode for p in procs):
         print(f"FOREIGN MISMATCH: the load job at {a.layout} failed (exit codes {[p.exitcode for p in procs]})")
         return 1
-    from views import compare, deepspeed_view, megatron_view
+    from ucp_dcp.testing.foreign.views import compare, deepspeed_view, megatron_view
 
     got = torch.load(out / "loaded.pt", weights_only=False)
     problems, total = [], 0

@@ -1,6 +1,6 @@
 """DeepSpeed and Megatron-Core checkpoints resumed inside ``dcp.load``, no conversion (issue 15).
 
-The foreign checkpoints are produced here by the real libraries on CPU (``recipes/foreign``):
+The foreign checkpoints are produced here by the real libraries on CPU (``ucp_dcp.testing.foreign``):
 DeepSpeed ZeRO-1, -2 and -3 runs of the toy LLM (3 ranks, so the flat groups and ZeRO-3's per-param
 pieces are padded) plus DeepSpeed's own ``ds_to_universal`` output, and a Megatron-Core GPT trained
 at tp=2 and saved in ``torch_dist`` (plain and ``fully_reshardable`` optimizer state). Each is loaded
@@ -32,13 +32,12 @@ pytestmark = [
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "recipes", "foreign"))
 
 
-def _run(script, *args):
+def _run(module, *args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "recipes", "foreign", script), *args],
+        [sys.executable, "-m", f"ucp_dcp.testing.foreign.{module}", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -52,7 +51,7 @@ def deepspeed_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     for stage in (1, 2, 3):
         _run(
-            "make_deepspeed.py",
+            "make_deepspeed",
             "--out",
             str(root / f"zero{stage}"),
             "--stage",
@@ -68,22 +67,22 @@ def deepspeed_runs(tmp_path_factory):
 def megatron_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
     port = str(D._free_port())
-    _run("make_megatron.py", "--out", str(root / "plain"), "--tp", "2", "--dist-opt", "none", "--port", port)
-    _run("make_megatron.py", "--out", str(root / "full"), "--tp", "2", "--dist-opt", "full", "--port", port)
+    _run("make_megatron", "--out", str(root / "plain"), "--tp", "2", "--dist-opt", "none", "--port", port)
+    _run("make_megatron", "--out", str(root / "full"), "--tp", "2", "--dist-opt", "full", "--port", port)
     return root
 
 
 def _load_worker(rank, world, topo_text, kind, path, options):
     import warnings
 
-    from views import load_into_toy
+    from ucp_dcp.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, kind, path, options)
 
 
 def _check(view, state):
-    from views import compare
+    from ucp_dcp.testing.foreign.views import compare
 
     n, bad = compare(view, state)
     assert n > 100 and not bad, bad[:10]
@@ -107,7 +106,7 @@ def test_deepspeed_checkpoint_loads_bitwise_into_a_new_layout(deepspeed_runs, ca
     state = D.run(
         _load_worker, Topology.parse(topo).world, topo, "deepspeed", str(path), {"universal": form == "universal"}
     )[0]
-    from views import deepspeed_view
+    from ucp_dcp.testing.foreign.views import deepspeed_view
 
     _check(deepspeed_view(str(path)), state)
 
@@ -126,7 +125,7 @@ def test_megatron_torch_dist_loads_bitwise_into_a_new_layout(megatron_runs, case
     variant, topo = MG_CASES[case]
     path = megatron_runs / variant
     state = D.run(_load_worker, Topology.parse(topo).world, topo, "megatron", str(path), {})[0]
-    from views import megatron_view
+    from ucp_dcp.testing.foreign.views import megatron_view
 
     view = megatron_view(str(path))
     assert view[2], "the Megatron run saved optimizer state"

@@ -1,6 +1,6 @@
 """DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, expert parallel) resumed inside ``dcp.load``.
 
-``recipes/foreign/make_deepspeed_moe.py`` trains the toy LLM with two DeepSpeed MoE layers (4 experts,
+``ucp_dcp.testing.foreign.make_deepspeed_moe`` trains the toy LLM with two DeepSpeed MoE layers (4 experts,
 ep=2) with the real engine on CPU and saves with ``engine.save_checkpoint``: ZeRO-1 on 4 ranks (each
 expert group split over 2 expert-data-parallel ranks) and ZeRO-2 on 2 ranks. Each is loaded into the
 toy trainer's list-of-experts MoE at other EP layouts (ep=4, ep=1 with dp=2, ep=2 x tp=2, pp=2 x ep=2)
@@ -32,14 +32,13 @@ pytestmark = [
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "recipes", "foreign"))
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
 
 def _run(*args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    script = os.path.join(ROOT, "recipes", "foreign", "make_deepspeed_moe.py")
-    res = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "ucp_dcp.testing.foreign.make_deepspeed_moe", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -59,7 +58,7 @@ def _tag(path):
 def _load_worker(rank, world, topo_text, path):
     import warnings
 
-    from views import load_into_toy
+    from ucp_dcp.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, "deepspeed_moe", path)
@@ -72,7 +71,7 @@ def _load(path, topo):
 
 
 def _mismatches(path, state):
-    from views import compare, deepspeed_moe_view
+    from ucp_dcp.testing.foreign.views import compare, deepspeed_moe_view
 
     view = deepspeed_moe_view(str(path))
     experts = [n for n in view[1] if ".experts." in n]

@@ -1,6 +1,6 @@
 """Megatron-Core MoE ``torch_dist`` checkpoints inside ``dcp.load`` at other EP layouts (issue 26).
 
-The checkpoints are written by the real megatron-core on CPU (``recipes/foreign/make_megatron_moe.py``):
+The checkpoints are written by the real megatron-core on CPU (``ucp_dcp.testing.foreign.make_megatron_moe``):
 a MoE GPT (every layer MoE, 4 ``SequentialMLP`` experts, top-2) trained at ep=2 (dp=2) with Megatron's
 distributed optimizer (a ChainedOptimizer: dense and expert-parallel groups) and saved
 ``fully_reshardable``. Megatron's own view is a fresh tp=ep=1 model loading it with
@@ -38,13 +38,12 @@ pytestmark = [
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "recipes", "foreign"))
 
 
 def _run(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    script = os.path.join(ROOT, "recipes", "foreign", "make_megatron_moe.py")
-    res = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "ucp_dcp.testing.foreign.make_megatron_moe", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -60,7 +59,7 @@ def runs(tmp_path_factory):
 def _load_worker(rank, world, topo_text, path):
     import warnings
 
-    from views import load_into_toy
+    from ucp_dcp.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, "megatron-moe", path)
@@ -71,8 +70,7 @@ TOPOLOGIES = {"ep4": "ep=4", "tp2pp2": "tp=2,pp=2", "dp2ep2": "dp=2,ep=2"}
 
 @pytest.mark.parametrize("case", TOPOLOGIES)
 def test_megatron_moe_loads_bitwise_at_another_ep_layout(runs, case):
-    from views import compare, megatron_moe_view
-
+    from ucp_dcp.testing.foreign.views import compare, megatron_moe_view
     from ucp_dcp.toy import Topology
 
     topo = TOPOLOGIES[case]
@@ -88,10 +86,9 @@ def test_megatron_moe_loads_bitwise_at_another_ep_layout(runs, case):
 def test_a_flipped_expert_row_in_the_file_is_caught(runs, tmp_path):
     """Sabotage: the first row of global expert 3's W1 in layer 1 (an expert-list layer; EP rank 1 of
     the save) negated in its ``.distcp`` file: exactly that parameter differs from Megatron's view."""
-    from views import compare, megatron_moe_view
-
     from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.sources.foreign.megatron_rules import moe_rules
+    from ucp_dcp.testing.foreign.views import compare, megatron_moe_view
     from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
 
     bad = tmp_path / "bad"

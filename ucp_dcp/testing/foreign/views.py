@@ -1,39 +1,36 @@
 """The foreign libraries' own views of their checkpoints, as the toy LLM's logical state.
 
-``make_deepspeed.py`` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
-``ds_view_optim.pt``: the live engine's moments, step and groups), ``make_deepspeed_moe.py`` the same for
-its MoE run (``ds_view_moe.pt``, global expert names) and ``make_megatron.py`` Megatron's
-(``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``; ``make_megatron_moe.py`` the same
+:mod:`.make_deepspeed` writes DeepSpeed's view (``ds_view_fp32.pt``: ``get_fp32_state_dict_from_zero_checkpoint``;
+``ds_view_optim.pt``: the live engine's moments, step and groups), :mod:`.make_deepspeed_moe` the same for
+its MoE run (``ds_view_moe.pt``, global expert names) and :mod:`.make_megatron` Megatron's
+(``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``; :mod:`.make_megatron_moe` the same
 at tp=ep=1 for a MoE GPT, read as the toy Mixtral). :func:`compare` checks a loaded
 toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
-bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe_deepspeed.py``, ``tests/e2e/test_foreign_moe_megatron.py`` and ``recipes/foreign_demo.py``.
+bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe_deepspeed.py``,
+``tests/e2e/test_foreign_moe_megatron.py`` and ``recipes/foreign_demo.py``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def deepspeed_config() -> Any:
-    from make_deepspeed import CFG_KW
-
     from ucp_dcp.toy.model import ModelConfig
+
+    from .deepspeed_job import CFG_KW
 
     return ModelConfig(**CFG_KW)
 
 
 def deepspeed_moe_config() -> Any:
-    from make_deepspeed_moe import MOE_CFG_KW
-
     from ucp_dcp.toy.model import ModelConfig
+
+    from .deepspeed_job import MOE_CFG_KW
 
     return ModelConfig(**MOE_CFG_KW)
 
@@ -214,8 +211,8 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.errors import ucp_errors
+    from ucp_dcp.planning.load_planner import UCPLoadPlanner
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
     from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES
     from ucp_dcp.sources.foreign.megatron import MegatronReader
