@@ -153,7 +153,7 @@ def run_job(
         "--local-ranks-filter=0",
         str(TITAN / "cpu_launch.py"),
         "--module",
-        "ucp_dcp.torchtitan",
+        "ucp_dcp.testing",
         "--config",
         config,
         "--hf_assets_path",
