@@ -2,7 +2,7 @@
 
 For each transition, the save job runs torchtitan's Trainer (llama3 debug model with grouped-query
 attention, generated tokenizer and data, fp32, CPU/gloo under torchrun) for N steps with ucp_dcp
-(``--module ucp_dcp.torchtitan --config llama3_debugmodel_gqa_ucp``), checkpointing at step K; it is
+(``--module ucp_dcp.testing --config llama3_debugmodel_gqa_ucp``), checkpointing at step K; it is
 also the uninterrupted reference. The resume job starts from the step-K checkpoint at another
 layout and trains to step N. The full training state right after the save and right after the load
 is written by the CPU launcher with plain ``torch.save`` (the oracle uses no ucp_dcp code) and must

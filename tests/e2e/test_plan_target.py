@@ -36,7 +36,7 @@ def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
     """The Trainer flags of the save job (``ucp_dcp.testing.titan.jobs.run_job``) at another topology."""
     return [
         "--module",
-        "ucp_dcp.torchtitan",
+        "ucp_dcp.testing",
         "--config",
         config,
         "--hf_assets_path",

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ign
 def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeypatch, config, topo):
     from safetensors.torch import load_file
 
-    from ucp_dcp.torchtitan import config_registry
+    from ucp_dcp.testing import config_registry
     from ucp_dcp.torchtitan.mappings import hf_mapping
 
     model_config = getattr(config_registry, config)().model_spec.model

@@ -22,7 +22,7 @@ class MoERun:
     """One save -> resume experiment."""
 
     config: str
-    """Registry entry of ``ucp_dcp.torchtitan`` (e.g. ``qwen3_moe_small_ucp``)."""
+    """Registry entry of ``ucp_dcp.testing`` (e.g. ``qwen3_moe_small_ucp``)."""
     steps: int
     """Steps of every job: the save job runs them all, the resumes continue to the same last step."""
     k: int

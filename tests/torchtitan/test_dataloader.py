@@ -213,9 +213,9 @@ def test_changed_data_is_refused(assets, tmp_path):
 
 @pytest.mark.parametrize("name", ["c4_test", "ucp_stream_1shard", "ucp_stream_4shards"])
 def test_state_keys_are_the_same_for_every_kind_and_round_trip(assets, kinds, name):
-    from ucp_dcp.torchtitan.to_stock import _CURSOR_KEYS
+    from ucp_dcp.torchtitan.to_stock_data import CURSOR_KEYS
 
-    assert _CURSOR_KEYS == STATE_KEYS, "export --to torchtitan reads the loader's state by these keys"
+    assert CURSOR_KEYS == STATE_KEYS, "export --to torchtitan reads the loader's state by these keys"
     fresh = _state(_loaders(assets, 2, name=name))
     assert tuple(fresh) == STATE_KEYS and fresh["cursor"] == 0
     loaders = _loaders(assets, 2, name=name)

@@ -3,7 +3,7 @@
 A random transformers ``DeepseekV3ForCausalLM`` built from the config our mapping emits (MLA with
 one ``q_proj`` or the ``q_a``/``q_b`` low-rank pair, a dense first layer, sigmoid group-limited
 routing with shared experts, a non-zero ``e_score_correction_bias``, YaRN) loads into torchtitan's
-deepseek_v3 (:func:`deepseek_v3_small_model`) through ``load_hf``: the same logits as transformers;
+deepseek_v3 (``ucp_dcp.testing.titan_models.DSV3_HF``) through ``load_hf``: the same logits as transformers;
 exported back, the folder is the source bitwise and ``from_pretrained`` gives the same logits.
 Negative controls: swapped experts, a sign-flipped correction bias and the other rope layout are
 caught by the logits; what HF computes differently is refused by name. At a TP=2 x EP=2 layout
@@ -13,6 +13,7 @@ experts with no all-gather.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -31,7 +32,7 @@ import ucp_dcp  # noqa: E402
 from ucp_dcp.errors import UCPError  # noqa: E402
 from ucp_dcp.sources.hf import load_hf  # noqa: E402
 from ucp_dcp.sources.hf.publish import export_hf  # noqa: E402
-from ucp_dcp.torchtitan.hf_deepseek import DEEPSEEK_SMALL, deepseek_v3_small_model  # noqa: E402
+from ucp_dcp.testing.titan_models import DSV3_HF, deepseek_v3_small_model  # noqa: E402
 from ucp_dcp.torchtitan.mappings import hf_mapping  # noqa: E402
 from ucp_dcp.torchtitan.moe import moe_rules  # noqa: E402
 
@@ -41,6 +42,11 @@ pytestmark = [
 ]
 
 BIAS = "model.layers.{i}.mlp.gate.e_score_correction_bias"
+
+
+def _hf_small(**changes):
+    """The HF-expressible CPU-sized deepseek_v3 (``DSV3_HF``), with ``changes`` (``q_lora_rank``, ``rope``)."""
+    return deepseek_v3_small_model(dataclasses.replace(DSV3_HF, **changes))
 
 
 def _hf_model(mapping, folder, seed=0):
@@ -71,7 +77,7 @@ def _safetensors(folder):
 
 
 def _tokens():
-    return torch.randint(0, DEEPSEEK_SMALL["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, DSV3_HF.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
 
 
 def _loaded(cfg, folder, mapping):
@@ -93,7 +99,7 @@ def _loaded(cfg, folder, mapping):
 )
 def test_deepseek_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, q_lora_rank, rope):
     _fp32_experts(monkeypatch.setattr)
-    cfg = deepseek_v3_small_model(q_lora_rank=q_lora_rank, rope=rope)
+    cfg = _hf_small(q_lora_rank=q_lora_rank, rope=rope)
     mapping = hf_mapping(cfg)
     c = mapping.config
     assert (c["first_k_dense_replace"], c["n_group"], c["topk_group"], c["rope_interleave"]) == (
@@ -138,7 +144,7 @@ def test_deepseek_defects_are_caught(tmp_path, monkeypatch, defect):
     from safetensors.torch import save_file
 
     _fp32_experts(monkeypatch.setattr)
-    cfg = deepseek_v3_small_model()
+    cfg = _hf_small()
     mapping = hf_mapping(cfg)
     hf = _hf_model(mapping, tmp_path / "hf")
     tokens = _tokens()
@@ -168,7 +174,7 @@ def test_deepseek_defects_are_caught(tmp_path, monkeypatch, defect):
 
 
 def _refusal(change):
-    cfg = deepseek_v3_small_model()
+    cfg = _hf_small()
     change(cfg)
     with pytest.raises(UCPError) as e:
         hf_mapping(cfg)
@@ -293,7 +299,7 @@ def _tp_ep_worker(rank, world, hf_path, q_lora_rank):
     from torch.distributed.tensor import distribute_tensor
 
     warnings.simplefilter("ignore")
-    cfg = deepseek_v3_small_model(q_lora_rank=q_lora_rank)
+    cfg = _hf_small(q_lora_rank=q_lora_rank)
     mapping = hf_mapping(cfg)
     ref = _titan(cfg).state_dict()
     load_hf(ref, hf_path, mapping, quiet=True)
@@ -336,7 +342,7 @@ def test_deepseek_loads_at_a_tp2_ep2_layout_equal_to_one_process(tmp_path, q_lor
     rows and 4 experts -- the bytes its shards hold, not the folder -- with no all-gather."""
     import dist as D
 
-    mapping = hf_mapping(deepseek_v3_small_model(q_lora_rank=q_lora_rank))
+    mapping = hf_mapping(_hf_small(q_lora_rank=q_lora_rank))
     _hf_model(mapping, tmp_path / "hf")
     res = D.run(_tp_ep_worker, 2, str(tmp_path / "hf"), q_lora_rank)
     total = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
@@ -349,7 +355,7 @@ def _pp_worker(rank, world, hf_path):
     """Rank ``rank`` of 2 as pipeline stage ``rank`` (stage 0: embedding and layers 0-1, stage 1:
     layer 2, norm and head), plain tensors: its stage loaded from the HF folder against a
     single-process load, reading only that stage's tensors."""
-    cfg = deepseek_v3_small_model()
+    cfg = _hf_small()
     mapping = hf_mapping(cfg)
     ref = _titan(cfg).state_dict()
     load_hf(ref, hf_path, mapping, quiet=True)
@@ -369,7 +375,7 @@ def test_deepseek_loads_into_pipeline_stages(tmp_path):
     """PP=2: each stage's tensors equal the single-process load bitwise; a stage reads its own bytes only."""
     import dist as D
 
-    _hf_model(hf_mapping(deepseek_v3_small_model()), tmp_path / "hf")
+    _hf_model(hf_mapping(_hf_small()), tmp_path / "hf")
     res = D.run(_pp_worker, 2, str(tmp_path / "hf"))
     assert all(r["bad"] == [] and r["keys"] > 10 and r["read"] == r["local"] for r in res), res
 
@@ -396,7 +402,7 @@ def _manager_worker(rank, world, base, hf_path, tokens):
     from ucp_dcp.torchtitan import UCPCheckpointManager
 
     _fp32_experts(D.patch)
-    cfg = deepseek_v3_small_model()
+    cfg = _hf_small()
     model = _titan(cfg)
     with torch.no_grad():
         for m in model.modules():
@@ -438,7 +444,7 @@ def test_manager_loads_and_saves_deepseek_in_hf(tmp_path):
     bias loaded (with its ``Replicated`` rule in that load), the folder written back bitwise."""
     import dist as D
 
-    hf = _hf_model(hf_mapping(deepseek_v3_small_model()), tmp_path / "hf")
+    hf = _hf_model(hf_mapping(_hf_small()), tmp_path / "hf")
     tokens = _tokens()
     with torch.no_grad():
         want = hf(tokens).logits

@@ -360,9 +360,9 @@ def test_mid_step_cursor_and_other_loaders_states_are_refused(assets):
 
 
 def test_export_to_torchtitan_refuses_the_interleaved_state():
-    from ucp_dcp.torchtitan.to_stock import _dataloader_entries, _saved_dataloader
+    from ucp_dcp.torchtitan.to_stock_data import dataloader_entries, saved_dataloader
 
     keys = {f"dataloader.{k}" for k in STATE_KEYS}
-    assert _saved_dataloader(keys)[0] == "interleaved", "not taken for the single-source cursor (it has its keys)"
+    assert saved_dataloader(keys)[0] == "interleaved", "not taken for the single-source cursor (it has its keys)"
     with pytest.raises(UCPError, match="interleaved loader's state"):
-        _dataloader_entries(None, "step-3", keys, 1)
+        dataloader_entries(None, "step-3", keys, 1)

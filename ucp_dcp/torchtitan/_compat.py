@@ -90,45 +90,7 @@ def text_dataset_parts(ds: Any) -> tuple[Any, Any, Any]:
     return ds._data, ds._tokenizer, ds._text_processor
 
 
-def llama3_debug_parts(dim: int) -> tuple[Any, Any, Any, Any]:
-    """The llama3 package's initializers and layer builder its debug model is made of: embedding init,
-    norm init, output-head init for ``dim``, and ``_build_llama3_layers``."""
-    from torchtitan.models import llama3 as L
-
-    return L._EMBEDDING_INIT, L._NORM_INIT, L._output_linear_init(dim), L._build_llama3_layers
-
-
-def qwen3_builders() -> dict[str, Any]:
-    """The private pieces of torchtitan's qwen3 registry a smaller qwen3 MoE is built from (its own
-    debug MoE model is too big for CPU tests): the norm factory, the embedding and linear inits, and
-    the MoE layer builder (:mod:`ucp_dcp.torchtitan.moe`)."""
-    from torchtitan.models import qwen3 as Q
-
-    return {
-        "norm": Q._qwen3_norm,
-        "embedding_init": Q._EMBEDDING_INIT,
-        "linear_init": Q._LINEAR_INIT,
-        "moe_layers": Q._build_qwen3_moe_layers,
-    }
-
-
 def router_forces_round_robin(router_config: Any) -> bool:
     """Whether a ``TokenChoiceTopKRouter.Config`` has its debug round-robin routing on (its private
     ``_debug_force_load_balance``: experts assigned by position, not by score)."""
     return bool(getattr(router_config, "_debug_force_load_balance", False))
-
-
-def deepseek_v3_builders() -> dict[str, Any]:
-    """The private pieces of torchtitan's deepseek_v3 registry a smaller deepseek_v3 is built from (its
-    own debug model is too slow for CPU jobs): the embedding and norm inits, the output-head init
-    factory, the MLA + MoE layer builder with DeepSeek V3's inits and the MTP layer builder
-    (:mod:`ucp_dcp.torchtitan.moe`, :mod:`ucp_dcp.torchtitan.hf_deepseek`)."""
-    from torchtitan.models import deepseek_v3 as D
-
-    return {
-        "embedding_init": D._EMBEDDING_INIT,
-        "norm_init": D._NORM_INIT,
-        "output_init": D._output_linear_init,
-        "layers": D._build_dsv3_layers,
-        "mtp_layers": D._build_mtp_layers,
-    }

@@ -32,110 +32,18 @@ a gate bias, debug routing) computes something HF cannot: refused by name.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
 from ..errors import UCPError
 from ..sources.hf.mapping import HFMapping, HFRule
-from ._compat import deepseek_v3_builders, router_forces_round_robin
+from ._compat import router_forces_round_robin
 
-__all__ = ["DEEPSEEK_SMALL", "HF_LATENT_EPS", "deepseek_v3_small_model", "deepseek_mapping", "is_deepseek_v3"]
-
-DEEPSEEK_SMALL = {
-    "n_layers": 3,
-    "n_dense_layers": 1,
-    "dim": 128,
-    "n_heads": 4,
-    "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 32,
-    "dense_hidden_dim": 192,
-    "moe_hidden_dim": 64,
-    "num_experts": 8,
-    "num_shared_experts": 1,
-    "top_k": 2,
-    "num_expert_groups": 4,
-    "num_limited_groups": 2,
-    "route_scale": 2.5,
-    "vocab_size": 512,
-}
-"""Geometry of :func:`deepseek_v3_small_model` (8 experts in 4 groups: EP degrees 2, 4, 8 divide them)."""
+__all__ = ["HF_LATENT_EPS", "deepseek_mapping", "is_deepseek_v3"]
 
 _ROPE = "HF's DeepSeek-V3 rotates interleaved pairs or halves, unscaled or with YaRN"
 HF_LATENT_EPS = 1e-6
 """HF builds ``q_a_layernorm``/``kv_a_layernorm`` with ``DeepseekV3RMSNorm``'s default eps."""
-
-
-def deepseek_v3_small_model(
-    q_lora_rank: int = 0, rope: str = "complex", attn_backend: str = "flex", rope_factor: float = 4.0
-) -> Any:
-    """torchtitan's DeepSeek-V3 architecture (MLA, dense first layer, sigmoid group-limited router with
-    shared experts and load-balancing bias, YaRN) at :data:`DEEPSEEK_SMALL` size, with the settings
-    HF's ``DeepseekV3ForCausalLM`` computes alike (latent norms at eps 1e-6).
-
-    Args:
-        q_lora_rank: 0 for one ``wq``, else the rank of ``wq_a``/``wq_b``.
-        rope: ``"complex"`` (torchtitan's ``ComplexRoPE``, interleaved pairs, as DeepSeek) or
-            ``"cossin"`` (``CosSinRoPE``, rotated halves).
-        rope_factor: the YaRN factor (1: no scaling).
-    """
-    # torchtitan's models need torch >= 2.12: imported here, not at module import (mappings imports us)
-    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-
-    g = DEEPSEEK_SMALL
-    dim, vocab = g["dim"], g["vocab_size"]
-    rope_cls = {"complex": ComplexRoPE, "cossin": CosSinRoPE}[rope]
-    D = deepseek_v3_builders()
-    layers = D["layers"](
-        n_layers=g["n_layers"],
-        n_dense_layers=g["n_dense_layers"],
-        dim=dim,
-        n_heads=g["n_heads"],
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=g["kv_lora_rank"],
-        qk_nope_head_dim=g["qk_nope_head_dim"],
-        qk_rope_head_dim=g["qk_rope_head_dim"],
-        v_head_dim=g["v_head_dim"],
-        mscale=0.707,
-        dense_hidden_dim=g["dense_hidden_dim"],
-        moe_hidden_dim=g["moe_hidden_dim"],
-        num_experts=g["num_experts"],
-        num_shared_experts=g["num_shared_experts"],
-        router_top_k=g["top_k"],
-        router_score_func="sigmoid",
-        router_num_expert_groups=g["num_expert_groups"],
-        router_num_limited_groups=g["num_limited_groups"],
-        router_route_scale=g["route_scale"],
-        router_route_norm=True,
-        attn_backend=attn_backend,
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
-        rope=rope_cls.Config(
-            dim=g["qk_rope_head_dim"],
-            max_seq_len=1024,
-            theta=10000.0,
-            scaling="yarn",
-            rope_factor=rope_factor,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            original_seq_len=256,
-        ),
-    )
-    for layer in layers:  # DeepSeek's (and HF's) latent norms: eps 1e-6, not torchtitan's default 1e-5
-        att = layer.attention
-        att.kv_norm = dataclasses.replace(att.kv_norm, eps=HF_LATENT_EPS)
-        att.q_norm = dataclasses.replace(att.q_norm, eps=HF_LATENT_EPS)
-    return DeepSeekV3Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=D["embedding_init"]),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=D["norm_init"]),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=D["output_init"](dim)),
-        layers=layers,
-    )
 
 
 def is_deepseek_v3(cfg: Any) -> bool:
@@ -192,7 +100,7 @@ def _attention_key(i: int, att: Any) -> tuple[Any, ...]:
                 eps,
                 HF_LATENT_EPS,
                 "HF's q_a_layernorm/kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is; set the latent "
-                "norms' eps to 1e-6 (as deepseek_v3_small_model does)",
+                "norms' (kv_norm, q_norm) eps to 1e-6",
             )
     linears = [att.wkv_a, att.wkv_b, att.wo] + ([att.wq_a, att.wq_b] if att.q_lora_rank else [att.wq])
     if any(getattr(lin, "bias", False) for lin in linears):

@@ -83,14 +83,14 @@ def _cpu_meshes() -> Iterator[None]:
 @contextlib.contextmanager
 def _saved_metadata(md: Any) -> Iterator[None]:
     """The manager's dataloader check reads the checkpoint's metadata by path; give it the plan's."""
-    import ucp_dcp.torchtitan.manager as mgr
+    import ucp_dcp.torchtitan.loader_policy as policy
 
-    real = mgr.read_metadata
-    mgr.read_metadata = lambda _checkpoint_id: md
+    real = policy.read_metadata
+    policy.read_metadata = lambda _checkpoint_id: md
     try:
         yield
     finally:
-        mgr.read_metadata = real
+        policy.read_metadata = real
 
 
 def _init_optimizer_state(optimizers: Any) -> None:

@@ -38,9 +38,9 @@ then resumes with ``--checkpoint.exclude_from_loading dataloader`` and restarts 
 Memory: the whole unsharded training state (parameters and optimizer moments) is held in this
 process's CPU memory, as for a torchtitan seed checkpoint.
 
-Kept in one module (over 400 lines once formatted): the export's steps in the order they run (refusals,
-build, load, write) and the report they fill; the data-position math is apart, in
-:mod:`ucp_dcp.torchtitan.stock_loader`.
+The job at world size 1 is built by :mod:`ucp_dcp.torchtitan.to_stock_job`, the dataloader entries come
+from :mod:`ucp_dcp.torchtitan.to_stock_data`; this module runs the steps in order (refusals, build,
+load, write) and fills the report.
 """
 
 from __future__ import annotations
@@ -55,24 +55,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import UCPError
 from ._compat import flattened_model_states_sd, states_to_load
-from .job import TrainState, job_config, parse_job, quiet
-from .stock_loader import NO_DATA, cursor_to_stock
+from .job import job_config, quiet
+from .to_stock_data import Captured, dataloader_entries
+from .to_stock_job import build_job, check_degree, mapping_from_flags, parse_flags
 
-__all__ = ["ExportReport", "export_to_torchtitan", "resolve_checkpoint"]
+__all__ = ["ExportReport", "export_to_torchtitan", "mapping_from_flags", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-_HINT_FLAGS = (
-    "give the job's own torchtitan flags after the export's, e.g. --module llama3 --config "
-    "llama3_debugmodel --hf_assets_path ... --dataloader.dataset_path ... --training.seq_len ..."
-)
-_CURSOR_KEYS = ("version", "cursor", "epoch", "doc", "offset", "text_hash", "resume", "seq_len", "dataset")
-"""The global-cursor loader's state keys (``dataloader.STATE_KEYS``, without importing torchtitan here)."""
-_TEXT_KEYS = ("dataset", "text_hash", "resume")
 
 
 @dataclass
@@ -80,19 +72,33 @@ class ExportReport:
     """What an export read and wrote (``format()`` is the CLI's text)."""
 
     source: str
+    """The checkpoint read (a ``step-N`` folder)."""
     out: str
+    """The output folder; the checkpoint is written to its ``step-<step>``."""
     step: int
+    """The training step of the checkpoint."""
     dp: int
+    """The data-parallel degree of the job that resumes."""
     model_tensors: int = 0
+    """Tensors in the model state written."""
     optimizer_tensors: int = 0
+    """Optimizer state tensors written."""
     param_groups: int = 0
+    """FQN-keyed param-group entries written."""
     lr_scheduler: Any = None
+    """The LR schedulers' state written."""
     train_state: dict[str, Any] = field(default_factory=dict)
+    """The train state written (``ntokens_seen`` is each rank's share)."""
     ntokens_total: int | None = None
+    """The job's ``ntokens_seen`` as the checkpoint holds it, before the share."""
     dataloader: str = ""
+    """What was written for the dataloader, in words."""
     dataloader_written: bool = True
+    """False: no dataloader state (the resume excludes it from loading)."""
     bytes_written: int = 0
+    """Bytes of the files written."""
     seconds: float = 0.0
+    """Wall time of the whole export."""
 
     def resume_flags(self) -> list[str]:
         flags = [
@@ -132,9 +138,6 @@ class ExportReport:
         return "\n".join(lines)
 
 
-# -- the checkpoint -------------------------------------------------------------------------------------
-
-
 def resolve_checkpoint(path: str, step: int | None = None) -> str:
     """``path`` itself, or in a torchtitan ``checkpoint/`` folder its ``step-<step>`` (default: the
     latest committed step, the one torchtitan resumes from)."""
@@ -156,98 +159,10 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
     return os.path.join(path, committed[-1][1])
 
 
-def _saved_dataloader(keys: set[str]) -> tuple[str, list[str]]:
-    """``("cursor" | "interleaved" | "per_rank" | "none" | "other", names)`` of the saved dataloader entries."""
-    names = sorted(k[len("dataloader.") :] for k in keys if k.startswith("dataloader."))
-    if not names:
-        return "none", names
-    if any(n.startswith("dp_rank_") for n in names):
-        return "per_rank", names
-    if "sources" in names:  # the interleaved loader's (it also has the single-source keys)
-        return "interleaved", names
-    if set(_CURSOR_KEYS) <= set(names):
-        return "cursor", names
-    return "other", names
-
-
-# -- the job at world size 1 --------------------------------------------------------------------------
-
-
-def _parse(argv: list[str]) -> Any:
-    if not any(a == "--module" or a.startswith("--module=") for a in argv):
-        raise UCPError("export --to torchtitan needs the job's --module and --config", hint=_HINT_FLAGS)
-    return parse_job(argv, _HINT_FLAGS)
-
-
-class _Captured(Stateful):
-    """A state entry read as it is (its template gives the names and types)."""
-
-    def __init__(self, template: dict[str, Any]) -> None:
-        self.value = dict(template)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.value = dict(state_dict)
-
-
-@dataclass
-class _Job:
-    model: Any
-    optimizers: Any
-    lr_schedulers: Any
-    train_state: TrainState
-
-
-def _build(cfg: Any) -> _Job:
-    """Model (real CPU tensors, no parallelism), optimizers with their state, LR schedulers, as the
-    Trainer builds them (and as torchtitan builds its seed checkpoint)."""
-    from torchtitan.components.optimizer.utils import init_optim_state
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.tools import utils as tt_utils
-
-    mc = cfg.model_spec.model
-    with torch.device("meta"), tt_utils.set_default_dtype(TORCH_DTYPE_MAP[cfg.training.dtype]):
-        model = mc.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    optimizers = cfg.optimizer.build(model_parts=[model])
-    lr_schedulers = cfg.lr_scheduler.build(optimizers=optimizers, training_steps=cfg.training.steps)
-    for optim in optimizers.optimizers:
-        init_optim_state(optim)
-    return _Job(model, optimizers, lr_schedulers, TrainState())
-
-
 _NOISE = ("initial_load_model_only", "is being re-looped", "Checkpointing active", "Preparing c4")
 """torchtitan's notices at every config parse, manager build and loader build; the stock loaders the export
 checks re-loop by design."""
 _WARNED = ("torch.distributed is disabled", "set_vital", "To get the last learning rate")
-
-
-def _check_degree(config: Any, dp: int) -> None:
-    """``dp`` against the job's flags: an explicit data-parallel degree must agree, and torchtitan
-    must accept the batch sizes at ``dp`` (it refuses a global batch that is not a multiple of the
-    local batch times the data-parallel degree)."""
-    P, T = config.parallelism, config.training
-    shard, rep = int(P.data_parallel_shard_degree), int(P.data_parallel_replicate_degree)
-    if shard > 0 and shard * rep != dp:
-        raise UCPError(
-            f"the job's flags give data-parallel degree {shard * rep} (dp_replicate {rep} x dp_shard "
-            f"{shard}), --dp says {dp}",
-            saved=shard * rep,
-            wanted=dp,
-            hint="give the flags of the job that will resume, or leave its dp_shard at -1",
-        )
-    gbs = T.global_batch_size if T.global_batch_size > 0 else T.local_batch_size * dp
-    if gbs % (T.local_batch_size * dp):
-        raise UCPError(
-            f"global batch size {gbs} is not a multiple of local batch size {T.local_batch_size} x "
-            f"data-parallel degree {dp}: torchtitan refuses that job",
-            wanted=dp,
-            hint="--training.global_batch_size / --training.local_batch_size of the job that will resume",
-        )
 
 
 def export_to_torchtitan(
@@ -281,11 +196,11 @@ def export_to_torchtitan(
             atom="optimizer",
         )
     with quiet(_NOISE, _WARNED):
-        parsed = _parse(argv)
-        _check_degree(parsed, dp)
+        parsed = parse_flags(argv)
+        check_degree(parsed, dp)
         cfg = job_config(parsed, unsharded=True)
-        entries, line = _dataloader_entries(cfg, src, keys, dp) if dataloader else (None, "none (--no-dataloader)")
-        job = _build(cfg)
+        entries, line = dataloader_entries(cfg, src, keys, dp) if dataloader else (None, "none (--no-dataloader)")
+        job = build_job(cfg)
         ts = job.train_state
         ucp_cfg = (
             cfg.checkpoint
@@ -321,7 +236,7 @@ def export_to_torchtitan(
             else derive(cfg.checkpoint, CheckpointManager.Config)
         )
         stock = _manager_config(stock_cfg).build(
-            dataloader=_Captured(entries) if entries is not None else None,
+            dataloader=Captured(entries) if entries is not None else None,
             model_parts=[job.model],
             optimizers=job.optimizers,
             lr_schedulers=job.lr_schedulers,
@@ -359,68 +274,3 @@ def _manager_config(cfg: Any) -> Any:
     cfg.enable, cfg.keep_latest_k, cfg.async_mode, cfg.last_save_in_hf = True, 0, "disabled", False
     cfg.exclude_from_loading = []  # the export reads every state (a resume's exclusions are the resume's)
     return cfg
-
-
-def _dataloader_entries(cfg: Any, src: str, keys: set[str], dp: int) -> tuple[dict[str, Any], str]:
-    """The ``dataloader`` entries of the export (torchtitan's per-rank format) and a line for the
-    report, read from the checkpoint; refuses what cannot be written at ``dp``."""
-    from ..planning.load_planner import UCPLoadPlanner
-    from ..storage.reader import UCPFileSystemReader
-
-    kind, names = _saved_dataloader(keys)
-    if kind == "none":
-        raise UCPError(
-            f"{src} holds no dataloader state",
-            atom="dataloader",
-            hint="export with --no-dataloader and resume with --checkpoint.exclude_from_loading dataloader",
-        )
-    if kind == "interleaved":
-        raise UCPError(
-            f"{src} holds the global-cursor interleaved loader's state: the export writes only the "
-            "single-source loader's stock state",
-            atom="dataloader",
-            hint=NO_DATA[3:],
-        )
-    if kind == "other":
-        raise UCPError(
-            f"the checkpoint's dataloader state ({', '.join(names[:4])}) is neither ucp_dcp's global "
-            "cursor nor torchtitan's per-rank state",
-            atom="dataloader",
-            hint=NO_DATA[3:],
-        )
-    if kind == "per_rank":
-        ranks = [n for n in names if n.startswith("dp_rank_")]
-        if len(ranks) != dp:
-            raise UCPError(
-                f"the checkpoint holds torchtitan's per-rank dataloader state for data-parallel degree {len(ranks)}, "
-                f"which cannot be remapped to {dp}",
-                atom="dataloader",
-                saved=len(ranks),
-                wanted=dp,
-                hint=f"export with --dp {len(ranks)}, " + NO_DATA,
-            )
-        template = {**{n: b"" for n in ranks}, "world_size": 0}
-    else:
-        template = {k: ("" if k in _TEXT_KEYS else 0) for k in _CURSOR_KEYS}
-    got = _Captured(template)
-    dcp.load({"dataloader": got}, storage_reader=UCPFileSystemReader(src), planner=UCPLoadPlanner())
-    value = got.value
-    if kind == "per_rank":
-        if value.get("world_size") != dp:
-            raise UCPError(
-                f"the per-rank dataloader state says world_size {value.get('world_size')}, not {dp}",
-                atom="dataloader.world_size",
-                saved=value.get("world_size"),
-                wanted=dp,
-            )
-        return value, f"{dp} per-rank stock entries copied as saved (dp_rank_0..{dp - 1}, world_size {dp})"
-    tokenizer = cfg.tokenizer.build(tokenizer_path=cfg.hf_assets_path)
-    return cursor_to_stock(cfg, value, dp, tokenizer)
-
-
-def mapping_from_flags(argv: list[str]) -> Any:
-    """:func:`~ucp_dcp.torchtitan.mappings.hf_mapping` of the model a torchtitan job's flags describe
-    (``--module llama3 --config llama3_8b ...``; ``export --to hf --mapping torchtitan``)."""
-    from .mappings import hf_mapping
-
-    return hf_mapping(job_config(_parse(argv), unsharded=True).model_spec.model)

@@ -66,7 +66,7 @@ DEMO = ["dp4-dp2", "pp2dp2-dp2", "tp2-dp2"]
 
 def titan_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launcher subprocess: this ``ucp_dcp`` first on its path (the launcher, the CPU
-    attention override and the ``--module ucp_dcp.torchtitan`` configs are imported from it)."""
+    attention override and the ``--module ucp_dcp.testing`` configs are imported from it)."""
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -128,7 +128,7 @@ def run_job(
     cmd = [
         *launcher_cmd(world_size(topo)),
         "--module",
-        "ucp_dcp.torchtitan",
+        "ucp_dcp.testing",
         "--config",
         config,
         "--hf_assets_path",
