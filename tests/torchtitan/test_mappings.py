@@ -429,9 +429,9 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     from safetensors.torch import load_file
 
     from ucp_dcp.testing.checks import TOL_FIRST
+    from ucp_dcp.testing.config_registry import llama3_debugmodel_gqa
     from ucp_dcp.testing.titan import jobs as tr
     from ucp_dcp.testing.titan.assets import make_assets
-    from ucp_dcp.testing.config_registry import llama3_debugmodel_gqa
 
     model_config = llama3_debugmodel_gqa().model_spec.model
     mapping = hf_mapping(model_config)
