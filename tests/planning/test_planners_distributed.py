@@ -112,9 +112,9 @@ def matrix_checkpoints():
 
 
 MATRIX = list(itertools.product(LAYOUTS, LAYOUTS))
-QUICK_PAIRS = {(a, LAYOUTS[(i + k) % len(LAYOUTS)]) for i, a in enumerate(LAYOUTS) for k in (1, 3)}
-"""``make test``'s 14 of the 49 pairs: every layout saved twice and loaded twice, growing and shrinking, 1-D to
-2-D and back; the other 35 run in ``make test-full``."""
+QUICK_PAIRS = {(a, LAYOUTS[(i + 1) % len(LAYOUTS)]) for i, a in enumerate(LAYOUTS)}
+"""``make test``'s 7 of the 49 pairs: every layout saved once and loaded once, growing and shrinking, 1-D to 2-D
+and back; the other 42 run in ``make test-full`` (``make test`` stays within its 5 minutes)."""
 
 
 @pytest.mark.parametrize(
