@@ -82,15 +82,46 @@ def test_dcp_to_torch_save_gives_a_state_dict_set_state_dict_takes(tmp_path):
     _same_state(saved, (model, optim))
 
 
-def test_ucp_load_prefers_its_own_per_parameter_groups(tmp_path):
-    """The stock entries are an extra: ucp_dcp still loads each parameter's own hyperparameters."""
-    saved = _save(tmp_path / "ckpt", "ucp")
+STOCK_COPY_LR = 0.5
+"""The lr written into the stock ``param_groups.<i>.lr`` copies only, so that a load shows which source it read."""
+
+
+def _save_with_differing_stock_copies(path, monkeypatch) -> tuple:
+    """A ucp_dcp save whose stock copies of the groups say lr=STOCK_COPY_LR, while its per-parameter
+    entries keep each group's own lr (in a real save both hold the same values)."""
+    import ucp_dcp.planning.resolve as resolve
+
+    real = resolve.collect_entries
+
+    def collect(*args, **kwargs):
+        entries, groups = real(*args, **kwargs)
+        for e in entries:
+            if e.stock and e.key.endswith(".lr"):
+                e.value = STOCK_COPY_LR
+        return entries, groups
+
+    with monkeypatch.context() as m:
+        m.setattr(resolve, "collect_entries", collect)
+        return _save(path, "ucp")
+
+
+def _loaded(load) -> tuple:
     model, optim = _job(seed=1)
     optim.step()
     sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
-    ucp_dcp.load(sd, tmp_path / "ckpt")
+    load(sd)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    _same_state(saved, (model, optim))
+    return model, optim
+
+
+def test_ucp_load_prefers_its_own_per_parameter_groups(tmp_path, monkeypatch):
+    """The stock entries are an extra: ucp_dcp fills the groups from each parameter's own entries
+    (lr 1e-2 and 3e-3, as saved), not from the positional copies stock DCP reads."""
+    path = tmp_path / "ckpt"
+    saved = _save_with_differing_stock_copies(path, monkeypatch)
+    _, stock = _loaded(lambda sd: dcp.load(sd, checkpoint_id=str(path)))
+    assert [g["lr"] for g in stock.param_groups] == [STOCK_COPY_LR] * 2, "the premise: the two sources differ"
+    _same_state(saved, _loaded(lambda sd: ucp_dcp.load(sd, path)))
 
 
 def _fsdp_worker(rank, world, folder):
