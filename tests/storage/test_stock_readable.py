@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import tensors_equal
+from helpers import assert_written_by_ucp, tensors_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -58,6 +58,8 @@ def _save(path, storage: str) -> tuple:
         ucp_dcp.save(sd, path)
     else:
         dcp.save(sd, checkpoint_id=str(path), planner=ucp_dcp.UCPSavePlanner())
+    # what stock DCP reads back must be ucp_dcp's checkpoint, not one stock DCP wrote itself
+    assert_written_by_ucp(path, storage=storage == "ucp")
     return model, optim
 
 
@@ -163,7 +165,9 @@ def _fsdp_worker(rank, world, folder):
 
 
 def test_stock_dcp_load_of_an_fsdp2_checkpoint_at_the_same_layout():
-    (m0, s0, g0), (m1, s1, g1) = D.run(_fsdp_worker, 2, D.tmpdir() + "/ckpt")[0]
+    folder = D.tmpdir() + "/ckpt"
+    (m0, s0, g0), (m1, s1, g1) = D.run(_fsdp_worker, 2, folder)[0]
+    assert_written_by_ucp(folder)
     assert all(tensors_equal(m0[k], m1[k]) for k in m0)
     assert all(tensors_equal(s0[k][n], s1[k][n]) for k in s0 for n in s0[k])
     assert g0 == g1
