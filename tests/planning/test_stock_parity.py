@@ -253,9 +253,10 @@ def loaded(tmp_path_factory):
 
     def get(writer: str, reader: str) -> dict:
         if writer not in paths:
-            paths[writer] = str(tmp_path_factory.mktemp(f"parity_{writer}"))
-            WRITERS[writer](_state(), paths[writer])
-            _written_by(writer, paths[writer])
+            path = str(tmp_path_factory.mktemp(f"parity_{writer}"))
+            WRITERS[writer](_state(), path)
+            _written_by(writer, path)
+            paths[writer] = path  # kept only once checked: every item of a writer that fails the check fails
         if (writer, reader) not in done:
             target = {k: _target(v) for k, v in _state().items()}
             with warnings.catch_warnings():
