@@ -81,3 +81,20 @@ def _worker_pools():
     dist = sys.modules.get("dist")
     if dist is not None:
         dist.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reconfig_runs():
+    """``run(save, load)``: one transition of the reconfiguration set on the pool (tests/support/reconfig_set.py),
+    run once per session by whichever test asks first: test_reconfig.py checks the resume, test_dryrun_reconfig.py
+    plans the same load against its ReadStats; neither depends on the other having run."""
+    from reconfig_set import run_transition
+
+    done: dict[tuple[str, str], dict] = {}
+
+    def run(save: str, load: str) -> dict:
+        if (save, load) not in done:
+            done[(save, load)] = run_transition(save, load)
+        return done[(save, load)]
+
+    return run

@@ -45,6 +45,12 @@ def saved(tmp_path_factory):
     return tm.save(RUN, tmp_path_factory.mktemp("dsv3"), SAVE)
 
 
+@pytest.fixture(scope="module")
+def resumes(saved):
+    """Each resume of RESUMES run once, by whichever test needs it first."""
+    return tm.Resumes(RUN, saved, RESUMES)
+
+
 def _check_state(state):
     """A meaningful deepseek_v3 MoE state: every bias off zero, counters zero, experts stacked,
     shared experts and the dense layer present."""
@@ -94,8 +100,8 @@ def test_checkpoint_holds_deepseek_moe_state(saved):
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_deepseek_resumes_at_a_new_layout(saved, name):
-    oracle, loaded, load = tm.resume(RUN, saved, name, RESUMES[name])
+def test_deepseek_resumes_at_a_new_layout(saved, resumes, name):
+    oracle, loaded, load = resumes(name)
     _check_state(loaded)
     tm.assert_resumed(RUN, oracle, loaded, saved[2], load)
 
@@ -107,11 +113,11 @@ def test_swapped_experts_at_load_are_caught(saved):
     assert tm.flipped_only(oracle, loaded, load) == [f"param/{EXPERTS}"]
 
 
-def test_plan_matches_the_resumes_rank_by_rank(saved):
-    """``ucp_dcp plan --target titan`` of the two resumes above, in this process: per-rank bytes
-    read, read calls, bytes received and fallbacks equal those of the real Trainer resumes."""
-    if not tm.plan_matches(RUN, saved, RESUMES):
-        pytest.skip("the resumes did not run")
+def test_plan_matches_the_resumes_rank_by_rank(resumes):
+    """``ucp_dcp plan --target titan`` of the two resumes, in this process: per-rank bytes read, read
+    calls, bytes received and fallbacks equal those of the real Trainer resumes (run here if no test
+    ran them yet)."""
+    tm.plan_matches(resumes, list(RESUMES))
 
 
 def test_mtp_layer_resumes_with_only_its_unread_counter_reset(tmp_path_factory):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import expect_ucp_error
+from helpers import assert_written_by_ucp, expect_ucp_error
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import ucp_dcp
@@ -164,6 +164,7 @@ def test_reduce_on_a_single_rank(tmp_path):
         checkpoint_id=tmp_path,
         planner=UCPSavePlanner(patterns=[Reduce(r"train_state\.tokens", "sum")]),
     )
+    assert_written_by_ucp(tmp_path, storage=False)
     target = {"train_state": {"tokens": 0, "step": 0}}
     dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner())
     assert target == {"train_state": {"tokens": 123, "step": 5}}

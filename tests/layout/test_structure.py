@@ -8,7 +8,7 @@ import dist as D
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import ucp_failure
+from helpers import assert_written_by_ucp, ucp_failure
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -136,7 +136,9 @@ def test_replicated_copies_that_differ_are_refused_from_the_writers_checksums():
 
 @pytest.mark.slow
 def test_the_replica_check_can_be_turned_off():
-    assert D.run(_replica_dtensor_worker, 4, D.tmpdir(), "off")[0] is None
+    root = D.tmpdir()
+    assert D.run(_replica_dtensor_worker, 4, root, "off")[0] is None
+    assert_written_by_ucp(f"{root}/r")  # saved by ucp_dcp with its check off (stock DCP has none to turn off)
 
 
 def _two_meshes_load_worker(rank, world_size, root):
@@ -166,10 +168,13 @@ def _tp_only_replicas_worker(rank, world_size, root):
     w = distribute_tensor(torch.randn(4, 3), world["tp"], [Shard(0)])
     ucp_dcp.save({"w": w}, f"{root}/tp")
     target = {"w": distribute_tensor(torch.zeros(4, 3), world["tp"], [Shard(1)])}
-    ucp_dcp.load(target, f"{root}/tp")
-    return torch.equal(target["w"].full_tensor(), w.full_tensor())
+    stats = ucp_dcp.load(target, f"{root}/tp")
+    # each rank's piece came through UCPFileSystemReader: read from the file or received from a peer
+    return torch.equal(target["w"].full_tensor(), w.full_tensor()) and stats.bytes_read + stats.bytes_received > 0
 
 
 @pytest.mark.slow
 def test_tp_meshes_of_data_parallel_ranks_hold_replicas():
-    assert D.run(_tp_only_replicas_worker, 4, D.tmpdir()) == [True] * 4
+    root = D.tmpdir()
+    assert D.run(_tp_only_replicas_worker, 4, root) == [True] * 4
+    assert_written_by_ucp(f"{root}/tp")

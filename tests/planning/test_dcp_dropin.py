@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import assert_written_by_ucp
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -212,6 +213,7 @@ def test_flatten_state_dict_false_on_a_flat_state_dict_saves_and_loads_as_dcp(tm
     dcp.save(_flat(), checkpoint_id=tmp_path / "dcp", planner=DefaultSavePlanner(False))
     ours, theirs = _metadata(tmp_path / "ours"), _metadata(tmp_path / "dcp")
     assert set(ours.state_dict_metadata) == set(theirs.state_dict_metadata) == {"w", "v", "step"}
+    assert_written_by_ucp(tmp_path / "ours", storage=False)
     for src in ("ours", "dcp"):
         back = {"w": torch.zeros(2, 3), "v": torch.zeros(3, dtype=torch.int64), "step": 0}
         dcp.load(back, checkpoint_id=tmp_path / src, planner=UCPLoadPlanner(False))
@@ -243,6 +245,7 @@ def test_flatten_state_dict_false_on_a_nested_state_dict_is_refused_clearly(save
 
 def test_flatten_sharded_tensors_either_way_is_the_same_for_tensors(tmp_path):
     dcp.save(_state(), checkpoint_id=tmp_path, planner=UCPSavePlanner(True, False))
+    assert_written_by_ucp(tmp_path, storage=False)
     back = {"model": {"a": torch.zeros(4, 3), "b": torch.zeros(2)}, "step": 0}
     dcp.load(back, checkpoint_id=tmp_path, planner=UCPLoadPlanner(True, False))
     assert torch.equal(back["model"]["a"], _state()["model"]["a"]) and back["step"] == 7
@@ -470,6 +473,7 @@ def test_save_driven_by_hand_in_dcps_order_loads_back(tmp_path, writer_cls, glob
         md = planner.metadata  # kept by the one-rank plan, as create_global_plan keeps it (DCP too)
     results = writer.write_data(final, planner).wait()
     writer.finish(md, [results])
+    assert_written_by_ucp(tmp_path, storage=writer_cls is UCPFileSystemWriter)
     back = {"model": {"a": torch.zeros(4, 3), "b": torch.zeros(2)}, "step": 0}
     dcp.load(back, checkpoint_id=tmp_path, planner=DefaultLoadPlanner())
     assert torch.equal(back["model"]["a"], _state()["model"]["a"]) and back["step"] == 7
@@ -481,7 +485,7 @@ def test_save_create_global_plan_on_a_coordinator_that_planned_nothing():
     rank.set_up_planner(_state(), None, False)
     local = rank.create_local_plan()
     plans, md = UCPSavePlanner().create_global_plan([local])
-    assert "model.a" in md.state_dict_metadata
+    assert "model.a" in md.state_dict_metadata and ucp_dcp.read_catalog(md.planner_data) is not None
     final = rank.finish_plan(plans[0])
     assert {it.index.fqn for it in final.items} >= {"model.a", "model.b", "step"}
 

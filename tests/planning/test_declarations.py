@@ -4,7 +4,7 @@ declared only at load over atoms saved separately, and target keys that alias on
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import expect_ucp_error
+from helpers import assert_written_by_ucp, expect_ucp_error
 
 import ucp_dcp
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
@@ -38,6 +38,7 @@ def test_a_tie_declared_at_save_and_load_loads(tmp_path):
         checkpoint_id=tmp_path,
         planner=UCPSavePlanner(patterns=[TIE]),
     )
+    assert_written_by_ucp(tmp_path, storage=False)
     target = {"model": {"emb.weight": torch.zeros(5, 3), "out.weight": torch.zeros(5, 3)}}
     dcp.load(target, checkpoint_id=tmp_path, planner=UCPLoadPlanner(patterns=[TIE]))
     assert torch.equal(target["model"]["out.weight"], w) and torch.equal(target["model"]["emb.weight"], w)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import expect_ucp_error, tensors_equal
+from helpers import assert_written_by_ucp, expect_ucp_error, tensors_equal
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -83,6 +83,7 @@ def test_round_trip_between_optimizer_forms(tmp_path, save_flat, load_flat):
     m, opt = _trained()
     msd, osd = get_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=save_flat))
     dcp.save({"model": msd, "optim": osd, "meta": {"epoch": 3}}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
+    assert_written_by_ucp(tmp_path, storage=False)
     m2, opt2 = _fresh()
     opts = StateDictOptions(flatten_optimizer_state_dict=load_flat)
     msd2, osd2 = get_state_dict(m2, opt2, options=opts)
@@ -119,6 +120,7 @@ def test_wrapper_segments_are_stripped(tmp_path):
 def test_dtype_change_is_converted(tmp_path):
     m, _ = _trained()
     dcp.save({"model": m.state_dict()}, checkpoint_id=tmp_path, planner=UCPSavePlanner())
+    assert_written_by_ucp(tmp_path, storage=False)
     m2, _ = _fresh()
     m2.to(torch.bfloat16)
     sd = {"model": m2.state_dict()}
@@ -226,6 +228,7 @@ def test_our_checkpoint_loads_with_stock_tools(tmp_path):
     m, opt = _trained()
     msd, osd = get_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck", planner=UCPSavePlanner())
+    assert_written_by_ucp(tmp_path / "ck", storage=False)  # ours, read by stock tools below
     # stock planner (flat optimizer form: same keys)
     m2, opt2 = _fresh()
     opts = StateDictOptions(flatten_optimizer_state_dict=True)

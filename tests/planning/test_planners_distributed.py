@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import ucp_failure
+from helpers import assert_written_by_ucp, ucp_failure
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -279,8 +279,11 @@ def _interop_worker(rank, world, root, kind):
 def test_fsdp2_tp_checkpoint_loads_at_dp3(kind):
     """stock: a stock-DCP checkpoint of an FSDP2+TP model loaded by ours at dp=3; async: the same
     state through ``dcp.async_save`` (thread mode) with our planner."""
-    bad = D.run(_interop_worker, 4, D.tmpdir(), kind)[0]
+    root = D.tmpdir()
+    bad = D.run(_interop_worker, 4, root, kind)[0]
     assert bad == [], f"{kind}: FSDP2+TP checkpoint loaded by ours at dp=3 differs: {bad[:5]}"
+    if kind == "async":
+        assert_written_by_ucp(f"{root}/ckpt", storage=False)
 
 
 def _spread_worker(rank, world, root):
@@ -297,8 +300,10 @@ def _spread_worker(rank, world, root):
 
 @pytest.mark.quick
 def test_replicated_values_are_written_once_spread_over_the_ranks():
-    spread = D.run(_spread_worker, 4, D.tmpdir())[0]
+    root = D.tmpdir()
+    spread = D.run(_spread_worker, 4, root)[0]
     assert spread == ["0", "0", "1", "1", "2", "2", "3", "3"], spread
+    assert_written_by_ucp(f"{root}/spread", storage=False)
 
 
 def _replica_mismatch_worker(rank, world, root):
@@ -497,8 +502,11 @@ DRIFT = {
 
 @pytest.mark.parametrize("check", sorted(DRIFT))
 def test_replicas_that_drifted_apart(check):
-    out = D.run(_drift_worker, 4, D.tmpdir(), check)[0]
+    root = D.tmpdir()
+    out = D.run(_drift_worker, 4, root, check)[0]
     assert out in DRIFT[check], out
+    if check != "error":  # kept one replica or the mean: saved by ucp_dcp (stock DCP would keep one silently)
+        assert_written_by_ucp(f"{root}/rep_{check}", storage=False)
 
 
 def _stage_claim_worker(rank, world, root):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp  # noqa: F401  (before tensor.parallel.fsdp: torch's import order)
 import torch.nn as nn
+from helpers import assert_written_by_ucp
 from torch.distributed._shard import _shard_tensor
 from torch.distributed._shard import sharded_tensor as st_api
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
@@ -181,7 +182,9 @@ def _enumerable_worker(rank, world, root):
 def test_enumerable_plan_with_several_shards_per_rank_and_empty_ranks():
     """Saved from and loaded into EnumerableShardingSpec plans that share no box, with two local shards on a
     rank and ranks holding none, on either side."""
-    res = D.run(_enumerable_worker, 4, D.tmpdir())
+    root = D.tmpdir()
+    res = D.run(_enumerable_worker, 4, root)
+    assert_written_by_ucp(root)
     assert [len(r) for r in res] == [1, 0, 2, 1]
     full, count = _assemble((6, 8), [p for r in res for p in r])
     assert bool((count == 1).all())
@@ -210,7 +213,9 @@ def _to_dtensor_worker(rank, world, root):
 
 def test_rowwise_sharded_tensor_loads_into_fsdp2_dtensors_on_three_ranks():
     """Row-wise ShardedTensors on 4 ranks -> DTensors Shard(0) on a 3-rank mesh (FSDP2's layout)."""
-    res = D.run(_to_dtensor_worker, 4, D.tmpdir())[0]
+    root = D.tmpdir()
+    res = D.run(_to_dtensor_worker, 4, root)[0]
+    assert_written_by_ucp(root, storage=False)
     for i, (k, shape) in enumerate(SHAPES.items()):
         assert _bitwise(res[k], _value(shape, i, torch.bfloat16 if k == "b" else torch.float32)), k
 
@@ -229,6 +234,8 @@ def test_sharded_tensor_loads_into_a_plain_tensor_in_one_process():
     (no process group) into plain full tensors."""
     root = D.tmpdir()
     D.run(_colwise_save_worker, 4, root)
+    assert_written_by_ucp(root + "/col", storage=False)
+    assert_written_by_ucp(root + "/row", storage=False)
     target = {"w": torch.full((4, 10), -7.0)}
     dcp.load(target, checkpoint_id=root + "/col", planner=UCPLoadPlanner(), no_dist=True)
     assert _bitwise(target["w"], _value((4, 10), 5))
@@ -351,7 +358,10 @@ def _fsdp1_to_fsdp2_worker(rank, world, root, writer):
 def test_fsdp1_sharded_checkpoint_resumes_in_fsdp2_on_three_ranks(writer):
     """ucp: FSDP1 sharded state saved with ucp_dcp.save; stock: the same with DCP's DefaultSavePlanner (a
     stock FSDP1 checkpoint). Both resume into FSDP2 at dp=3, model and optimizer bitwise."""
-    saved, loaded = D.run(_fsdp1_to_fsdp2_worker, 4, D.tmpdir(), writer)[0]
+    root = D.tmpdir()
+    saved, loaded = D.run(_fsdp1_to_fsdp2_worker, 4, root, writer)[0]
+    if writer == "ucp":
+        assert_written_by_ucp(root)
     assert any(k.startswith("optim/") for k in saved) and "group/inp.weight/lr" in saved
     assert saved["group/inp.weight/lr"] == 0.01
     assert _compare(saved, loaded) == []
@@ -439,7 +449,10 @@ def test_nested_sharded_tensor_fsdp1_over_tp(writer):
     """A 2-D FSDP1+TP nested ShardedTensor saved by ours (inner shards flattened into fragments) or by DCP's
     default planner (its _flatten_sharded_tensors): loads into DTensors Shard(1) on 3 ranks and back
     into the nested layout, bitwise."""
-    res = D.run(_nested_worker, 4, D.tmpdir(), writer)
+    root = D.tmpdir()
+    res = D.run(_nested_worker, 4, root, writer)
+    if writer == "ucp":
+        assert_written_by_ucp(root, storage=False)
     full = _value((7, 6), 21)
     assert _bitwise(res[0]["dtensor"], full)
     got, count = _assemble((7, 6), [p for r in res for p in r["nested"]])

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import expect_ucp_error
+from helpers import assert_written_by_ucp, expect_ucp_error
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ucp_dcp
@@ -77,6 +77,8 @@ def test_reordered_groups_get_their_own_hyperparameters(tmp_path, writer):
     msd, osd = get_state_dict(m, o)
     planner = ucp_dcp.UCPSavePlanner() if writer == "ucp" else None
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path, planner=planner)
+    if writer == "ucp":
+        assert_written_by_ucp(tmp_path, storage=False)
     want = _by_param(m, o)
     stock = _by_param(*_load(tmp_path, ("no_decay", "decay"), "stock"))
     ours_m, ours_o = _load(tmp_path, ("no_decay", "decay"), "ucp")

@@ -203,7 +203,7 @@ def _load_stock(sd, path):
 
 
 def _load_ucp(sd, path):
-    ucp_dcp.load(sd, path)
+    return ucp_dcp.load(sd, path)
 
 
 def _load_ucp_planner_only(sd, path):
@@ -235,6 +235,16 @@ def _state() -> dict:
     return {name: make() for name, make in CASES.items()}
 
 
+def _written_by(writer: str, path: str) -> None:
+    """Parity holds trivially if stock DCP did the work: a writer with our planner leaves our
+    catalog, one with our storage a verified sidecar, and stock DCP neither."""
+    from ucp_dcp.storage.opening import open_path
+
+    planner_data = dcp.FileSystemReader(path).read_metadata().planner_data
+    assert (ucp_dcp.read_catalog(planner_data) is not None) == (writer in ("ucp", "ucp_planner")), writer
+    assert (open_path(path, trust=True)[1].status == "verified") == (writer in ("ucp", "ucp_storage")), writer
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """``loaded(writer, reader)``: the full target after a load; each pair saved and loaded once."""
@@ -243,13 +253,19 @@ def loaded(tmp_path_factory):
 
     def get(writer: str, reader: str) -> dict:
         if writer not in paths:
-            paths[writer] = str(tmp_path_factory.mktemp(f"parity_{writer}"))
-            WRITERS[writer](_state(), paths[writer])
+            path = str(tmp_path_factory.mktemp(f"parity_{writer}"))
+            WRITERS[writer](_state(), path)
+            _written_by(writer, path)
+            paths[writer] = path  # kept only once checked: every item of a writer that fails the check fails
         if (writer, reader) not in done:
             target = {k: _target(v) for k, v in _state().items()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 READERS[reader](target, paths[writer])
+            if reader in ("ucp", "ucp_planner"):
+                # our load planner placed the objects: the int-keyed value at key 1, where stock's
+                # set_element leaves the placeholder (STOCK_WRONG)
+                assert target["int_keys"][1] == 5 and "1" not in target["int_keys"], (writer, reader)
             done[(writer, reader)] = target
         return done[(writer, reader)]
 
@@ -288,6 +304,7 @@ def test_same_keys_as_stock(tmp_path):
     keys = {}
     for w in ("stock", "ucp"):
         WRITERS[w](_state(), str(tmp_path / w))
+        _written_by(w, str(tmp_path / w))
         md = dcp.FileSystemReader(str(tmp_path / w)).read_metadata()
         keys[w] = {k: type(v).__name__ for k, v in md.state_dict_metadata.items()}
     assert keys["ucp"] == keys["stock"]
@@ -323,16 +340,16 @@ def test_custom_class_refused_naming_the_type_and_the_fix(tmp_path, writer):
 def test_custom_class_loads_with_trust_as_stock_does(tmp_path, writer):
     WRITERS[writer]({"p": Point(3)}, str(tmp_path))
     back = {"p": None}
-    ucp_dcp.load(back, str(tmp_path), trust=True)
-    assert same(back["p"], Point(3))
+    stats = ucp_dcp.load(back, str(tmp_path), trust=True)
+    assert same(back["p"], Point(3)) and stats.bytes_read > 0, "read by UCPFileSystemReader"
 
 
 def test_custom_class_loads_once_allowed(tmp_path):
     _save_stock({"p": Point(3)}, str(tmp_path))
     back = {"p": None}
     with torch.serialization.safe_globals([Point]):
-        ucp_dcp.load(back, str(tmp_path))
-    assert same(back["p"], Point(3))
+        stats = ucp_dcp.load(back, str(tmp_path))
+    assert same(back["p"], Point(3)) and stats.bytes_read > 0, "read by UCPFileSystemReader"
 
 
 def test_bytesio_does_not_open_the_safe_set(tmp_path):
@@ -348,8 +365,9 @@ def test_decoding_leaves_the_safe_globals_as_they_were(tmp_path):
     _save_stock({"b": _bio(), "f": frozenset({1})}, str(tmp_path))
     before = set(map(repr, torch.serialization.get_safe_globals()))
     with torch.serialization.safe_globals([frozenset]):  # the user's own allowance survives ours
-        _load_ucp({"b": None, "f": None}, str(tmp_path))
+        stats = _load_ucp({"b": None, "f": None}, str(tmp_path))
         assert frozenset in torch.serialization.get_safe_globals()
+    assert stats.bytes_read > 0, "decoded by UCPFileSystemReader (stock DCP's load leaves the safe set alone)"
     assert set(map(repr, torch.serialization.get_safe_globals())) == before
 
 
@@ -578,7 +596,8 @@ def _dist_parity_worker(rank, world, root):
                 if r == "stock":
                     dcp.load(target, checkpoint_id=path)
                 else:
-                    ucp_dcp.load(target, path)
+                    stats = ucp_dcp.load(target, path)
+                    assert stats.bytes_read + stats.bytes_received > 0, "through UCPFileSystemReader"
             results[(w, r)] = {k: _local(v) for k, v in target.items()}
     want = results[("stock", "stock")]
     bad = []
@@ -598,7 +617,9 @@ def _dist_parity_worker(rank, world, root):
 
 @pytest.mark.slow
 def test_dtensor_and_sharded_tensor_same_values_as_stock_on_2_ranks():
-    assert D.run(_dist_parity_worker, 2, D.tmpdir()) == [[], []]
+    root = D.tmpdir()
+    assert D.run(_dist_parity_worker, 2, root) == [[], []]
+    _written_by("ucp", f"{root}/ucp")
 
 
 def _equal_replicas_worker(rank, world, root):
@@ -614,8 +635,9 @@ def _equal_replicas_worker(rank, world, root):
     }
     ucp_dcp.save(state, f"{root}/eq")
     back = {"cfg": {k: None for k in keys}, "tags": None, "names": [None, None], "b": None, "t": torch.zeros(3)}
-    ucp_dcp.load(back, f"{root}/eq")
+    stats = ucp_dcp.load(back, f"{root}/eq")
     return (
+        stats.bytes_read + stats.bytes_received > 0,
         back["cfg"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "adam"},
         back["tags"] == {"a", "b", "c"},
         back["names"] == ["xxx", "xxx"],
@@ -626,7 +648,10 @@ def _equal_replicas_worker(rank, world, root):
 
 @pytest.mark.slow
 def test_equal_values_built_differently_are_one_replica():
-    assert D.run(_equal_replicas_worker, 2, D.tmpdir()) == [(True, True, True, True, [0.0, 1.0, 2.0])] * 2
+    """Saved by ucp_dcp (its replica check ran: no ReplicaMismatchError) and read back by it."""
+    root = D.tmpdir()
+    assert D.run(_equal_replicas_worker, 2, root) == [(True, True, True, True, True, [0.0, 1.0, 2.0])] * 2
+    _written_by("ucp", f"{root}/eq")
 
 
 def _neg_zero_worker(rank, world, root):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import ROOT, expect_ucp_error, rewrite_metadata
+from helpers import ROOT, assert_written_by_ucp, expect_ucp_error, rewrite_metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ucp_dcp
@@ -264,9 +264,10 @@ def test_a_crafted_value_is_refused_unless_trusted(tmp_path):
 def test_safe_values_round_trip_without_trust(tmp_path):
     state = {"w": torch.ones(3), "v": {"a": [1, 2.5, "x", None, True], "t": (torch.arange(3), {"k": b"raw"})}}
     ucp_dcp.save(state, tmp_path)
+    assert_written_by_ucp(tmp_path)
     back = {"w": torch.zeros(3), "v": {"a": None, "t": None}}
-    ucp_dcp.load(back, tmp_path)
-    assert _same(back, state)
+    stats = ucp_dcp.load(back, tmp_path)
+    assert _same(back, state) and stats.bytes_read > 0, "read by UCPFileSystemReader's safe decoding"
 
 
 # -- our errors --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import expect_ucp_error
+from helpers import assert_written_by_ucp, expect_ucp_error
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -198,6 +198,7 @@ def test_staged_save_pipeline_round_trips(tmp_path):
     g = torch.Generator().manual_seed(2)
     saved = {f"p{i}": torch.randn(30 + i, 7, generator=g) for i in range(6)}
     dcp.save(saved, storage_writer=UCPFileSystemWriter(tmp_path, staging="always"), planner=UCPSavePlanner())
+    assert_written_by_ucp(tmp_path)  # staged bytes verified against the sidecar's checksums
     back = {k: torch.zeros_like(v) for k, v in saved.items()}
     ucp_dcp.load(back, tmp_path)
     assert all(torch.equal(back[k], saved[k]) for k in saved)

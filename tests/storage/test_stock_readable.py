@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import tensors_equal
+from helpers import assert_written_by_ucp, tensors_equal
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -58,6 +58,8 @@ def _save(path, storage: str) -> tuple:
         ucp_dcp.save(sd, path)
     else:
         dcp.save(sd, checkpoint_id=str(path), planner=ucp_dcp.UCPSavePlanner())
+    # what stock DCP reads back must be ucp_dcp's checkpoint, not one stock DCP wrote itself
+    assert_written_by_ucp(path, storage=storage == "ucp")
     return model, optim
 
 
@@ -82,15 +84,46 @@ def test_dcp_to_torch_save_gives_a_state_dict_set_state_dict_takes(tmp_path):
     _same_state(saved, (model, optim))
 
 
-def test_ucp_load_prefers_its_own_per_parameter_groups(tmp_path):
-    """The stock entries are an extra: ucp_dcp still loads each parameter's own hyperparameters."""
-    saved = _save(tmp_path / "ckpt", "ucp")
+STOCK_COPY_LR = 0.5
+"""The lr written into the stock ``param_groups.<i>.lr`` copies only, so that a load shows which source it read."""
+
+
+def _save_with_differing_stock_copies(path, monkeypatch) -> tuple:
+    """A ucp_dcp save whose stock copies of the groups say lr=STOCK_COPY_LR, while its per-parameter
+    entries keep each group's own lr (in a real save both hold the same values)."""
+    import ucp_dcp.planning.resolve as resolve
+
+    real = resolve.collect_entries
+
+    def collect(*args, **kwargs):
+        entries, groups = real(*args, **kwargs)
+        for e in entries:
+            if e.stock and e.key.endswith(".lr"):
+                e.value = STOCK_COPY_LR
+        return entries, groups
+
+    with monkeypatch.context() as m:
+        m.setattr(resolve, "collect_entries", collect)
+        return _save(path, "ucp")
+
+
+def _loaded(load) -> tuple:
     model, optim = _job(seed=1)
     optim.step()
     sd = dict(zip(("model", "optim"), get_state_dict(model, optim)))
-    ucp_dcp.load(sd, tmp_path / "ckpt")
+    load(sd)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    _same_state(saved, (model, optim))
+    return model, optim
+
+
+def test_ucp_load_prefers_its_own_per_parameter_groups(tmp_path, monkeypatch):
+    """The stock entries are an extra: ucp_dcp fills the groups from each parameter's own entries
+    (lr 1e-2 and 3e-3, as saved), not from the positional copies stock DCP reads."""
+    path = tmp_path / "ckpt"
+    saved = _save_with_differing_stock_copies(path, monkeypatch)
+    _, stock = _loaded(lambda sd: dcp.load(sd, checkpoint_id=str(path)))
+    assert [g["lr"] for g in stock.param_groups] == [STOCK_COPY_LR] * 2, "the premise: the two sources differ"
+    _same_state(saved, _loaded(lambda sd: ucp_dcp.load(sd, path)))
 
 
 def _fsdp_worker(rank, world, folder):
@@ -132,7 +165,9 @@ def _fsdp_worker(rank, world, folder):
 
 
 def test_stock_dcp_load_of_an_fsdp2_checkpoint_at_the_same_layout():
-    (m0, s0, g0), (m1, s1, g1) = D.run(_fsdp_worker, 2, D.tmpdir() + "/ckpt")[0]
+    folder = D.tmpdir() + "/ckpt"
+    (m0, s0, g0), (m1, s1, g1) = D.run(_fsdp_worker, 2, folder)[0]
+    assert_written_by_ucp(folder)
     assert all(tensors_equal(m0[k], m1[k]) for k in m0)
     assert all(tensors_equal(s0[k][n], s1[k][n]) for k in s0 for n in s0[k])
     assert g0 == g1

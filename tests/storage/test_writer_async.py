@@ -384,6 +384,7 @@ def test_training_right_after_async_save_returns_does_not_change_the_checkpoint(
 
 def test_the_mutation_check_catches_a_stager_that_does_not_copy():
     res = D.run(_mutation_worker, WORLD, D.tmpdir(), "THREAD", "none", timeout=180)
+    assert res[0]["status"][0] == "ok" and len(res[0]["status"][1]) == 1, res[0]["status"]  # ucp_dcp committed it
     for r in res:
         assert r["changed"] and r["vs_before"], "without a copy the checkpoint must hold the post-step values"
         assert r["vs_after"] == [], r["vs_after"]

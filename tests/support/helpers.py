@@ -43,6 +43,50 @@ def tensors_equal(a, b) -> bool:
     return a == b
 
 
+def dcp_calls(patch) -> list[tuple[str, str, str]]:
+    """From now on (``patch``: ``dist.patch`` in a task, ``monkeypatch.setattr`` in a test), every
+    ``torch.distributed.checkpoint`` save/async_save/load as (function, planner type, storage type).
+    torchtitan calls them through that module: UCPCheckpointManager adds our planner and storage to
+    its calls, stock torchtitan passes neither (``NoneType``)."""
+    import torch.distributed.checkpoint as dcp
+
+    calls: list[tuple[str, str, str]] = []
+
+    def spy(fn, storage):
+        real = getattr(dcp, fn)
+
+        def call(*args, **kwargs):
+            calls.append((fn, type(kwargs.get("planner")).__name__, type(kwargs.get(storage)).__name__))
+            return real(*args, **kwargs)
+
+        return call
+
+    for fn, storage in (("save", "storage_writer"), ("async_save", "storage_writer"), ("load", "storage_reader")):
+        patch(dcp, fn, spy(fn, storage))
+    return calls
+
+
+UCP_SAVE = ("save", "UCPSavePlanner", "UCPFileSystemWriter")
+UCP_ASYNC_SAVE = ("async_save", "UCPSavePlanner", "UCPFileSystemWriter")
+UCP_LOAD = ("load", "UCPLoadPlanner", "UCPFileSystemReader")
+
+
+def assert_written_by_ucp(path, storage: bool = True) -> None:
+    """The checkpoint folder was written by ucp_dcp: its planner's catalog in ``.metadata``'s
+    planner_data and, with ``storage`` (UCPFileSystemWriter, not DCP's writer), its integrity sidecar
+    present and matching. Stock DCP writes neither, so a round trip that stock DCP would pass the same
+    way tells ucp_dcp from it with this."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ucp_dcp.planning.catalog import read_catalog
+    from ucp_dcp.storage.opening import open_path
+
+    assert read_catalog(FileSystemReader(path).read_metadata().planner_data) is not None, f"no catalog in {path}"
+    if storage:
+        integrity = open_path(path)[1]
+        assert integrity.status == "verified", (str(path), integrity.describe())
+
+
 def env_without_ucp() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)

@@ -2,7 +2,8 @@
 tests/e2e/test_titan_deepseek.py: deepseek_v3): a save job that is also the uninterrupted reference,
 resume jobs at other layouts from its step-``k`` checkpoint, and the checks that the state right
 after the load, the batches and the losses match the reference; and ``ucp_dcp plan`` of the same
-resumes against the real readers' ReadStats.
+resumes against the real readers' ReadStats. :class:`Resumes` runs each resume job once, when a test
+first asks for it, so the tests need no order among them.
 """
 
 from __future__ import annotations
@@ -101,9 +102,33 @@ def resume(run: MoERun, saved: tuple[Path, Path, Path], name: str, topo: dict[st
         env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **extra),
         config=run.config,
     )
+    # the hook writes a rank's stats only from UCPFileSystemReader: every rank loaded through ucp_dcp
+    missing = [r for r in range(tr._world(topo)) if not (load / f"stats.{r}").is_file()]
+    assert not missing, f"{name}: ranks {missing} did not load through UCPFileSystemReader"
     oracle = torch.load(saved_at / "oracle.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
     return oracle, loaded, load
+
+
+class Resumes:
+    """``resumes(name)``: :func:`resume` of ``topos[name]``, run when a test first asks for it and
+    kept, so every test that needs a resume gets it whatever ran before (shuffled order, a ``-k``
+    subset). A job that failed is not run again: each test that asks fails with its error."""
+
+    def __init__(self, run: MoERun, saved: tuple[Path, Path, Path], topos: dict[str, dict[str, int]]) -> None:
+        self.run, self.saved, self.topos = run, saved, topos
+        self._done: dict[str, tuple | BaseException] = {}
+
+    def __call__(self, name: str) -> tuple[dict, dict, Path]:
+        if name not in self._done:
+            try:
+                self._done[name] = resume(self.run, self.saved, name, self.topos[name])
+            except Exception as e:  # kept: every test that asks fails with it, none reruns the job
+                self._done[name] = e
+        got = self._done[name]
+        if isinstance(got, BaseException):
+            raise RuntimeError(f"resume job {name!r} failed") from got
+        return got
 
 
 def assert_resumed(
@@ -129,29 +154,25 @@ def flipped_only(oracle: dict, loaded: dict, load: Path) -> list[str]:
     return [k.replace("_checkpoint_wrapped_module.", "") for k in checks.state_diffs(oracle, loaded)]
 
 
-def plan_matches(run: MoERun, saved: tuple[Path, Path, Path], resumes: dict[str, dict[str, int]]) -> list[str]:
-    """``ucp_dcp plan --target titan`` of each resume, in this process, against the real resume's
-    per-rank ReadStats (bytes read, read calls, bytes received, fallbacks); the names compared (a
-    resume that did not run is left out)."""
+def plan_matches(resumes: Resumes, names: list[str]) -> None:
+    """``ucp_dcp plan --target titan`` of each named resume, in this process, against the real
+    resume's per-rank ReadStats (bytes read, read calls, bytes received, fallbacks); runs the
+    resumes it compares against if no test has yet."""
     from test_plan_target import _flags
 
     from ucp_dcp.tools.dryrun import plan_load
     from ucp_dcp.torchtitan.plan_target import TitanTarget
 
-    root, assets, saved_at = saved
-    done = []
-    for name, topo in resumes.items():
-        stats = sorted((root / name).glob("stats.*"))
-        if not stats:
-            continue
+    run, (_, assets, saved_at) = resumes.run, resumes.saved
+    for name in names:
+        topo = resumes.topos[name]
+        _, _, load = resumes(name)
         target = TitanTarget.from_args(_flags(assets, config=run.config, **topo))
         report = plan_load(saved_at / "checkpoint" / f"step-{run.k}", target, device="cpu", ranks_per_node=8)
         assert report.loads, (name, report.problems)
-        real = [json.loads((root / name / f"stats.{r}").read_text()) for r in range(len(stats))]
+        real = [json.loads((load / f"stats.{r}").read_text()) for r in range(tr._world(topo))]
         planned = [
             {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
             for r in report.ranks
         ]
         assert planned == real, name
-        done.append(name)
-    return done

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
-from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
+from helpers import UCP_SAVE, dcp_calls, skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
 from titan_models import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
 from titan_models import fp32_experts as _fp32_experts  # noqa: E402
 
@@ -401,6 +401,7 @@ def _manager_worker(rank, world, base, hf_path, tokens):
 
     from ucp_dcp.torchtitan import UCPCheckpointManager
 
+    calls = dcp_calls(D.patch)
     _fp32_experts(D.patch)
     cfg = _hf_small()
     model = _titan(cfg)
@@ -434,7 +435,7 @@ def _manager_worker(rank, world, base, hf_path, tokens):
     logits = _titan_logits(model, tokens)
     assert m.save(curr_step=1, last_step=True)
     m.close()
-    return bias, logits
+    return bias, logits, calls
 
 
 @pytest.mark.slow
@@ -448,7 +449,10 @@ def test_manager_loads_and_saves_deepseek_in_hf(tmp_path):
     tokens = _tokens()
     with torch.no_grad():
         want = hf(tokens).logits
-    bias, got = D.run(_manager_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    bias, got, calls = D.run(_manager_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    # ucp_dcp's HF path did the work: our planner over HFStorageReader, our planner and storage for the
+    # scratch checkpoint export_hf publishes, no stock adapter call
+    assert calls == [("load", "UCPLoadPlanner", "HFStorageReader"), UCP_SAVE], calls
     src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "run" / "checkpoint" / "step-1")
     assert torch.equal(bias, src[BIAS.format(i=2)]) and bias.abs().max() < 0.5
     _close(want, got)

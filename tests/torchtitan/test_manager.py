@@ -2,12 +2,15 @@
 model, a flat optimizer state, an LR scheduler and a dataloader handed to the manager directly (no
 Trainer). Save/load round trips, keep-latest purging, async saves, model-only last-step saves and
 initial loads, exclusions, load_step, empty states, a manager without ``train_state``, and the key set
-of a checkpoint. One rank of the shared gloo pool per test (async saves need a process group)."""
+of a checkpoint. One rank of the shared gloo pool per test (async saves need a process group).
+
+Each test also shows that ucp_dcp did the work, not stock DCP (whose round trips at one layout would
+pass the same checks): every DCP call had our planner and storage, and every step written holds our
+catalog and a verified integrity sidecar."""
 
 from __future__ import annotations
 
 import os
-import pickle
 import time
 
 import pytest
@@ -17,8 +20,14 @@ import torch.nn as nn
 pytest.importorskip("torchtitan")
 
 import dist as D  # noqa: E402
+from helpers import UCP_ASYNC_SAVE, UCP_LOAD, UCP_SAVE, assert_written_by_ucp, dcp_calls  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _assert_ucp_steps(folder, *steps) -> None:
+    for step in steps:
+        assert_written_by_ucp(os.path.join(folder, "checkpoint", f"step-{step}"))
 
 
 class Optim:
@@ -135,6 +144,7 @@ def _steps(folder):
 
 
 def _save_load_round_trip(rank, world, folder, async_mode):
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     train = TrainState()
     m = _manager(folder, model, opt, sched, states={"train_state": train}, async_mode=async_mode)
@@ -152,18 +162,21 @@ def _save_load_round_trip(rank, world, folder, async_mode):
     assert m2.load(step=-1)
     m2.close()
     got = _snapshot(model2, opt2, sched2)
-    return _equal(got, want), train2.state_dict(), _steps(folder)
+    return _equal(got, want), train2.state_dict(), _steps(folder), calls
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_save_and_load_restore_every_state(async_mode):
     folder = D.tmpdir()
-    equal, train, steps = D.run(_save_load_round_trip, 1, folder, async_mode)[0]
+    equal, train, steps, calls = D.run(_save_load_round_trip, 1, folder, async_mode)[0]
     assert equal and train == {"step": 2, "ntokens_seen": 64} and steps == ["step-2"]
+    assert calls == [UCP_SAVE if async_mode == "disabled" else UCP_ASYNC_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 2)
 
 
 def _no_train_state(rank, world, folder):
     """torchtitan's own manager test: states={"trainer": tensor}, an empty loader, an empty scheduler."""
+    calls = dcp_calls(D.patch)
     model, opt, _ = _parts(0)
 
     class EmptySched:
@@ -184,15 +197,19 @@ def _no_train_state(rank, world, folder):
     trainer.zero_()
     assert m.load(step=1)
     m.close()
-    return _equal(model.state_dict(), want), trainer.item()
+    return _equal(model.state_dict(), want), trainer, calls
 
 
 def test_manager_without_train_state_saves_and_empty_states_load():
-    equal, trainer = D.run(_no_train_state, 1, D.tmpdir())[0]
-    assert equal and trainer == pytest.approx(1.2347)
+    folder = D.tmpdir()
+    equal, trainer, calls = D.run(_no_train_state, 1, folder)[0]
+    assert equal and torch.equal(trainer, torch.tensor([1.2347]))
+    assert calls == [UCP_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 1)
 
 
 def _keep_latest(rank, world, folder):
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched, keep_latest_k=2)
     for step in (1, 2, 3, 4):
@@ -202,14 +219,18 @@ def _keep_latest(rank, world, folder):
     while _steps(folder) != ["step-3", "step-4"] and time.time() < deadline:
         time.sleep(0.05)  # purging runs on the manager's thread
     m.close()
-    return _steps(folder)
+    return _steps(folder), calls
 
 
 def test_keep_latest_k_purges_older_steps():
-    assert D.run(_keep_latest, 1, D.tmpdir())[0] == ["step-3", "step-4"]
+    folder = D.tmpdir()
+    steps, calls = D.run(_keep_latest, 1, folder)[0]
+    assert steps == ["step-3", "step-4"] and calls == [UCP_SAVE] * 4
+    _assert_ucp_steps(folder, 3, 4)
 
 
 def _load_step_and_fresh_start(rank, world, folder):
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched)
     fresh = m.load(step=-1)  # no checkpoint folder yet: a fresh start
@@ -224,15 +245,19 @@ def _load_step_and_fresh_start(rank, world, folder):
     m2 = _manager(folder, model2, opt2, sched2, load_step=2)
     assert m2.load(step=2)
     m2.close()
-    return fresh, _equal(_snapshot(model2, opt2, sched2), snaps[2])
+    return fresh, _equal(_snapshot(model2, opt2, sched2), snaps[2]), calls
 
 
 def test_load_step_picks_that_step_and_no_checkpoint_is_a_fresh_start():
-    fresh, equal = D.run(_load_step_and_fresh_start, 1, D.tmpdir())[0]
+    folder = D.tmpdir()
+    fresh, equal, calls = D.run(_load_step_and_fresh_start, 1, folder)[0]
     assert fresh is False and equal
+    assert calls == [UCP_SAVE] * 3 + [UCP_LOAD], "a fresh start loads nothing"
+    _assert_ucp_steps(folder, 1, 2, 3)
 
 
 def _exclusions(rank, world, folder):
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched, states={"train_state": TrainState()})
     _train(model, opt, sched)
@@ -254,17 +279,21 @@ def _exclusions(rank, world, folder):
     assert m2.load(step=-1)
     m2.close()
     got = _snapshot(model2, opt2, sched2)
-    return _equal(got[0], want[0]), _equal(got[1], before[1]), got[2] == before[2], train2.step
+    return _equal(got[0], want[0]), _equal(got[1], before[1]), got[2] == before[2], train2.step, calls
 
 
 def test_exclude_from_loading_leaves_those_states_alone():
-    model_loaded, opt_kept, sched_kept, step = D.run(_exclusions, 1, D.tmpdir())[0]
+    folder = D.tmpdir()
+    model_loaded, opt_kept, sched_kept, step, calls = D.run(_exclusions, 1, folder)[0]
     assert model_loaded and opt_kept and sched_kept and step == 0
+    assert calls == [UCP_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 2)
 
 
 def _last_step_model_only_and_initial_load(rank, world, folder):
     from ucp_dcp.storage.opening import read_metadata
 
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     m = _manager(
         folder,
@@ -295,31 +324,38 @@ def _last_step_model_only_and_initial_load(rank, world, folder):
     m2.close()
     want = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
     got = {k: v.float() for k, v in model2.state_dict().items()}
-    return keys, _equal(got, want), sched2.last_epoch
+    return keys, _equal(got, want), sched2.last_epoch, calls
 
 
 def test_last_step_model_only_export_and_initial_model_only_load():
-    keys, equal, last_epoch = D.run(_last_step_model_only_and_initial_load, 1, D.tmpdir())[0]
+    folder = D.tmpdir()
+    keys, equal, last_epoch, calls = D.run(_last_step_model_only_and_initial_load, 1, folder)[0]
     assert keys == ["0.bias", "0.weight", "1.bias", "1.weight"], "the export holds the model only"
     assert equal and last_epoch == 0
+    assert calls == [UCP_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 5)
 
 
 def _key_sets(rank, world, folder, ntokens):
     from ucp_dcp.storage.opening import read_metadata
 
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     m = _manager(folder, model, opt, sched, states={"train_state": TrainState()}, ntokens_seen=ntokens)
     _train(model, opt, sched, 1)
     m.save(curr_step=1)
     m.close()
-    return sorted(read_metadata(os.path.join(folder, "checkpoint", "step-1")).state_dict_metadata)
+    return sorted(read_metadata(os.path.join(folder, "checkpoint", "step-1")).state_dict_metadata), calls
 
 
 @pytest.mark.parametrize("ntokens", ["sum", "off"])
 def test_checkpoint_key_set_is_stocks(ntokens):
     """The keys are the stock manager's: model keys at the top level, optimizer/lr_scheduler/train_state
     flattened, nothing for an empty dataloader; the ntokens rule does not rename anything."""
-    keys = D.run(_key_sets, 1, D.tmpdir(), ntokens)[0]
+    folder = D.tmpdir()
+    keys, calls = D.run(_key_sets, 1, folder, ntokens)[0]
+    assert calls == [UCP_SAVE]
+    _assert_ucp_steps(folder, 1)
     params = ["0.bias", "0.weight", "1.bias", "1.weight"]
     opt = [
         f"optimizer.{k}"
@@ -371,6 +407,7 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
             cfg, dp_world_size=1, dp_rank=0, seq_len=32, local_batch_size=4, tokenizer=tok
         )
 
+    calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     dl = loader()
     m = _manager(folder, model, opt, sched, loader=dl)
@@ -379,12 +416,14 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
         next(it)
     m.save(curr_step=3)
     m.close()
+    saved = dl.state_dict()
     expected = [next(it)[0]["input"] for _ in range(2)]
     dl2 = loader()
     m2 = _manager(folder, *_parts(1), loader=dl2)
     m2.states["optimizer"].step()
     assert m2.load(step=-1)
     m2.close()
+    loaded = dl2.state_dict()
     it2 = iter(dl2)
     got = [next(it2)[0]["input"] for _ in range(2)]
     keys = sorted(
@@ -392,7 +431,7 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
         for k in read_metadata(os.path.join(folder, "checkpoint", "step-3")).state_dict_metadata
         if k.startswith("dataloader.")
     )
-    return keys, all(torch.equal(a, b) for a, b in zip(got, expected)), pickle.dumps(dl2.state_dict()) is not None
+    return keys, all(torch.equal(a, b) for a, b in zip(got, expected)), saved, loaded, calls
 
 
 def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
@@ -400,9 +439,13 @@ def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
     from ucp_dcp.torchtitan.dataloader import STATE_KEYS
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
-    keys, same, _ = D.run(_global_loader_state, 1, D.tmpdir(), str(assets))[0]
+    folder = D.tmpdir()
+    keys, same, saved, loaded, calls = D.run(_global_loader_state, 1, folder, str(assets))[0]
     assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
+    assert loaded == saved, "the loader's state right after the load is the state saved"
     assert same, "the batches after the load are the ones the saved loader would have given next"
+    assert calls == [UCP_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 3)
 
 
 def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_factory):
@@ -411,6 +454,10 @@ def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_facto
     from ucp_dcp.torchtitan.interleave import STATE_KEYS
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
-    keys, same, _ = D.run(_global_loader_state, 1, D.tmpdir(), str(assets), True)[0]
+    folder = D.tmpdir()
+    keys, same, saved, loaded, calls = D.run(_global_loader_state, 1, folder, str(assets), True)[0]
     assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
+    assert loaded == saved, "the loader's state right after the load is the state saved"
     assert same, "the batches after the load are the ones the saved loader would have given next"
+    assert calls == [UCP_SAVE, UCP_LOAD]
+    _assert_ucp_steps(folder, 3)

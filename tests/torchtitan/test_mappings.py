@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("transformers")
-from helpers import skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
+from helpers import UCP_SAVE, dcp_calls, skip_unless_torchtitan_runs, torchtitan_forward  # noqa: E402
 from titan_models import _close, _from_pretrained, _titan, _titan_logits  # noqa: E402
 from titan_models import fp32_experts as _fp32_experts  # noqa: E402
 from titan_models import hf_model as _hf_model  # noqa: E402
@@ -307,6 +307,7 @@ def _manager_hf_worker(rank, world, base, hf_path, tokens):
 
     from ucp_dcp.torchtitan import UCPCheckpointManager
 
+    calls = dcp_calls(D.patch)
     _fp32_experts(D.patch)
     cfg = _moe_config()
     model = _titan(cfg)
@@ -351,7 +352,7 @@ def _manager_hf_worker(rank, world, base, hf_path, tokens):
     except UCPError as e:
         refused = (e.atom, str(e))
     m.close()
-    return zeroed, logits, refused
+    return zeroed, logits, refused, calls
 
 
 @pytest.mark.slow
@@ -367,7 +368,10 @@ def test_manager_loads_and_saves_qwen3_moe_in_hf(tmp_path):
     tokens = torch.randint(0, mapping.config["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens).logits
-    zeroed, got, refused = D.run(_manager_hf_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    zeroed, got, refused, calls = D.run(_manager_hf_worker, 1, str(tmp_path / "run"), str(tmp_path / "hf"), tokens)[0]
+    # ucp_dcp's HF path did the work: our planner over HFStorageReader, our planner and storage for the
+    # scratch checkpoint export_hf publishes (the refused save included), no stock adapter call
+    assert calls == [("load", "UCPLoadPlanner", "HFStorageReader"), UCP_SAVE, UCP_SAVE], calls
     assert zeroed
     _close(want, got)
     src, out = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "run" / "checkpoint" / "step-1")
