@@ -9,8 +9,12 @@ A *mistake* is one change to a correct save -> load run of the toy trainer (``uc
 * ``perturb`` one replica before the save: a TP-replicated norm (``tp_norm``), an HSDP replica of an FSDP
   shard (``hsdp``), a plain per-rank value (``plain``: ``train_state.step`` on one rank);
 * ``writer`` swap: the checkpoint written by stock ``dcp.save`` (``DefaultSavePlanner``, ``FileSystemWriter``),
-  loaded by ucp_dcp (also into reordered groups); ``reader`` swap: our checkpoint loaded by stock DCP
-  (``DefaultLoadPlanner``, ``FileSystemReader``).
+  loaded by ucp_dcp (also into reordered groups, and ``over``: saved by stock DCP into the folder that holds our
+  checkpoint of the same state); ``reader`` swap: our checkpoint loaded by stock DCP (``DefaultLoadPlanner``,
+  ``FileSystemReader``);
+* ``plain``: the state handed to DCP with every DTensor of a one-rank mesh as its local tensor (what a job
+  without FSDP on those ranks saves: pipeline stages, expert lists), at save and at load, saved with the maps;
+  ``plain`` alone keeps the maps at load (it must load right), ``plain-<map>-load`` forgets one there.
 
 Each run ends in one :data:`Outcome`: ``ok`` (returned, state bitwise the oracle's), ``refused`` (a ``UCPError``
 with ``atom`` and ``hint``), ``unclear`` (a ``UCPError`` without them), ``crash`` (another exception), ``silent``
@@ -52,7 +56,7 @@ VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_ma
 rule (:func:`names_cause`) still counts as refused but is listed apart ("refused, other cause")."""
 STEPS = 2
 
-Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader"]
+Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader", "plain"]
 Side = Literal["", "save", "load", "both"]
 Outcome = Literal["ok", "refused", "unclear", "crash", "silent", "stock-ok", "stock-refused", "stock-silent"]
 
@@ -64,8 +68,8 @@ class Mistake:
     kind: Kind
     """What is done wrong."""
     target: str = ""
-    """The rule/map key (drop, alter), the replica (perturb), ``reorder`` for the writer swap into
-    reordered groups; empty otherwise."""
+    """The rule/map key (drop, alter, plain), the replica (perturb), ``norules`` / ``reorder`` / ``over`` for
+    the writer swaps (:data:`SWAPS`); empty otherwise."""
     side: Side = ""
     """Where a drop/alter happens."""
 
@@ -78,8 +82,12 @@ class Mistake:
         """The checkpoint this run loads (runs with equal variants share one save)."""
         if self.kind in ("drop", "alter") and self.side in ("save", "both"):
             return (self.kind, self.target)
-        if self.kind in ("perturb", "writer"):
-            return (self.kind, "stock" if self.kind == "writer" else self.target)
+        if self.kind == "writer":
+            return ("writer", "over" if self.target == "over" else "stock")
+        if self.kind == "perturb":
+            return ("perturb", self.target)
+        if self.kind == "plain":
+            return ("plain",)
         return ("correct",)
 
     @property
@@ -88,10 +96,12 @@ class Mistake:
             return (self.kind, self.target)
         if self.kind == "reorder":
             return ("reorder",)
-        if self.kind == "writer" and self.target:  # a stock checkpoint loaded by ucp_dcp without rules
+        if self.kind == "writer" and self.target in ("norules", "reorder"):  # loaded by ucp_dcp without rules
             return ("reorder", "norules") if self.target == "reorder" else ("norules",)
         if self.kind == "reader":
             return ("stock",)
+        if self.kind == "plain":
+            return ("plain", self.target) if self.target else ("plain",)
         return ("correct",)
 
 
@@ -104,14 +114,26 @@ def all_mistakes(writer_swap: bool = True) -> list[Mistake]:
         out += [Mistake("alter", r, side) for r in ALTERABLE]
     out.append(Mistake("reorder"))
     out += [Mistake("perturb", p) for p in PERTURB]
+    out += PLAIN
     if writer_swap:
         out += SWAPS
     return out
 
 
-SWAPS = [Mistake("writer"), Mistake("writer", "norules"), Mistake("writer", "reorder"), Mistake("reader")]
+SWAPS = [
+    Mistake("writer"),
+    Mistake("writer", "norules"),
+    Mistake("writer", "reorder"),
+    Mistake("writer", "over"),
+    Mistake("reader"),
+]
 """The writer/reader swaps: a stock checkpoint loaded by ucp_dcp with the toy's rules, without rules, without
-rules into reordered param groups; our checkpoint loaded by stock DCP."""
+rules into reordered param groups, with the toy's rules from the folder that held our checkpoint (stock saved
+over ours); our checkpoint loaded by stock DCP."""
+
+PLAIN = [Mistake("plain"), Mistake("plain", "stage_map", "load"), Mistake("plain", "expert_map", "load")]
+"""Plain tensors where the layout has one-rank meshes: with the maps (must load right), and each map forgotten at
+load, where no mesh tells a pipeline stage (an expert rank) from a data-parallel replica."""
 
 
 WRITER_SWAP_TRANSITIONS = {
@@ -155,6 +177,9 @@ def rule_key(rule) -> str:
 
 def is_noop(m: Mistake, save: Topology, load: Topology) -> bool:
     """The mistake changes nothing at this transition (skipped, not a run)."""
+    if m.kind == "plain":  # only where the load has stages (expert lists) whose numbers a map changes
+        need = {"stage_map": load.n_stages > 1, "expert_map": load.ep > 1, "": load.n_stages > 1 or load.ep > 1}
+        return not need[m.target]
     sides = {"save": [save], "load": [load], "both": [save, load]}.get(m.side, [])
     if m.target == "expert_map" and m.kind in ("drop", "alter"):
         return all(t.ep == 1 for t in sides)  # the identity numbering
@@ -252,6 +277,30 @@ def perturb(tr, sd: dict, target: str) -> list[tuple[torch.Tensor, torch.Tensor]
     return undo
 
 
+def plain(x):
+    """``x`` (a nested state dict) with every DTensor of a one-rank mesh replaced by its local tensor, which
+    shares its memory (a load into it fills the DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) and x.device_mesh.size() == 1:
+        return x.to_local()
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [plain(v) for v in x]
+    return x
+
+
+def take_values(sd, loaded) -> None:
+    """Put the non-tensor values a load set in ``loaded`` (a :func:`plain` copy of ``sd``) back into ``sd``
+    (its tensors share memory with ``sd``'s; its containers and values are its own)."""
+    for k in range(len(sd)) if isinstance(sd, list) else sd:
+        if isinstance(sd[k], (dict, list)):
+            take_values(sd[k], loaded[k])
+        elif not isinstance(sd[k], torch.Tensor):
+            sd[k] = loaded[k]
+
+
 # -- one transition on the workers ------------------------------------------------------------------
 
 
@@ -291,15 +340,15 @@ def _save(cfg, tr, job, variant, folder) -> dict | None:
     sd = tr.state_dict()
     undo = perturb(tr, sd, variant[1]) if variant[0] == "perturb" else []
     try:
-        if variant == ("writer", "stock"):
-            dcp.save(sd, storage_writer=FileSystemWriter(folder), planner=DefaultSavePlanner(), process_group=job.group)
-        else:
+        if variant != ("writer", "stock"):  # ours (also first, for the stock save over it)
             dcp.save(
-                sd,
+                plain(sd) if variant == ("plain",) else sd,
                 storage_writer=ucp_dcp.UCPFileSystemWriter(folder),
                 process_group=job.group,
                 planner=ucp_dcp.UCPSavePlanner(**options(cfg, job, variant)),
             )
+        if variant[0] == "writer":
+            dcp.save(sd, storage_writer=FileSystemWriter(folder), planner=DefaultSavePlanner(), process_group=job.group)
         return None
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -355,12 +404,18 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
             dcp.load(sd, storage_reader=FileSystemReader(folder), planner=DefaultLoadPlanner(), process_group=job.group)
         else:
             opts = {} if "norules" in variant else options(cfg, job, variant)
+            target = sd
+            if variant[0] == "plain":  # its local tensors share the DTensors' memory: sd is loaded through them
+                opts = options(cfg, job, ("drop", variant[1]) if len(variant) > 1 else ("correct",))
+                target = plain(sd)
             dcp.load(
-                sd,
+                target,
                 storage_reader=ucp_dcp.UCPFileSystemReader(folder),
                 process_group=job.group,
                 planner=ucp_dcp.UCPLoadPlanner(**opts),
             )
+            if target is not sd:
+                take_values(sd, target)
         tr.load_state_dict(sd)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -379,7 +434,7 @@ def _verdict(m: Mistake, failure: dict | None, diffs: list[str] | None) -> dict:
         out = {"outcome": "silent", "diffs": 0, "first": ["replicas differed at save; no error"]}
     else:
         out = {"outcome": "ok"}
-    if m.kind == "none" and out["outcome"] != "ok":
+    if m.kind in ("none", "plain") and not m.target and out["outcome"] != "ok":
         out["outcome"] = "crash" if out["outcome"] != "silent" else "silent"  # the correct run must load right
     if m.kind == "reader":  # stock DCP loaded: any error is its refusal, only a wrong return is notable
         out["outcome"] = "stock-" + (out["outcome"] if out["outcome"] in ("ok", "silent") else "refused")
@@ -497,7 +552,8 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
         for k in ("silent", "crash", "unclear", "ok", "refused", "user-owned")
     }
     stock = sum(1 for r in results if r["outcome"].startswith("stock-"))
-    other = [r for r in results if r["outcome"] == "refused" and r["mistake"] != "writer" and not names_cause(r)]
+    swaps = ("writer", "writer-over")  # a stock checkpoint: its refusal names whatever stock DCP got wrong
+    other = [r for r in results if r["outcome"] == "refused" and r["mistake"] not in swaps and not names_cause(r)]
     for r in other:
         lines.append(
             f"{'REFUSED?':<12} {r['save']} -> {r['load']}: {r['mistake']}: the error names another cause: "
