@@ -155,7 +155,8 @@ reconfig: $(STAMP)
 	$(PY) recipes/reconfig.py
 
 # mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
-# perturbed, the writer/reader swapped, on the whole reconfiguration set (ucp_dcp/testing/mistakes.py); one line per silent,
+# perturbed, the writer/reader swapped (also a stock save over ours), maps forgotten on plain tensors, on the whole
+# reconfiguration set (ucp_dcp/testing/mistakes.py); one line per silent,
 # crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
 .PHONY: mistakes
 mistakes: $(STAMP)

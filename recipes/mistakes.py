@@ -1,6 +1,7 @@
 """The mistake-injection tier: every ordinary mistake (a rule or map dropped or altered at save, at load or
-both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's) on every
-transition of the reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
+both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's, a stock save
+into the folder holding ours, a map forgotten at load on plain tensors) on every transition of the
+reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
 and the fix. One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
 ``MISTAKES FAILED: ...``. The set is ``ucp_dcp.testing.mistakes``; each transition runs in fresh processes
 (``ucp_dcp.testing.processes``), where the tests run the same worker on their pool.

@@ -82,6 +82,24 @@ def test_noops_are_skipped_not_run():
     assert not is_noop(Mistake("perturb", "plain"), dp4, tp2)
 
 
+def test_stock_over_ours_and_plain_tensors_pick_their_checkpoint_and_load():
+    over = Mistake("writer", "over")
+    assert over.save_variant == ("writer", "over") and over.load_variant == ("correct",)  # the toy's rules at load
+    assert Mistake("writer").save_variant == ("writer", "stock")
+    forgot = Mistake("plain", "expert_map", "load")
+    assert forgot.save_variant == ("plain",) and forgot.load_variant == ("plain", "expert_map")
+    assert Mistake("plain").load_variant == ("plain",)
+    assert _options(Topology(ep=2), ("drop", "expert_map")).keys() == {"patterns", "stage_map"}
+
+
+def test_plain_tensor_mistakes_run_where_the_load_has_stages_or_expert_lists():
+    dp4, ep4, pp2 = Topology(dp=4), Topology(ep=4), Topology(pp=2)
+    assert is_noop(Mistake("plain", "expert_map", "load"), ep4, dp4) and is_noop(Mistake("plain"), ep4, dp4)
+    assert not is_noop(Mistake("plain", "expert_map", "load"), dp4, ep4)
+    assert is_noop(Mistake("plain", "stage_map", "load"), dp4, ep4)
+    assert not is_noop(Mistake("plain", "stage_map", "load"), dp4, pp2) and not is_noop(Mistake("plain"), dp4, pp2)
+
+
 def test_the_plan_covers_every_class_on_every_transition_and_swaps_on_four():
     jobs, skipped = plan(TRANSITIONS)
     assert len(jobs) == len(TRANSITIONS) == 15 and skipped > 0

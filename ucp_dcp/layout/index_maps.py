@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import PatternError
 from .naming import Path
 
-__all__ = ["Chunk", "IndexMap", "stage_map", "expert_map", "check_ownership"]
+__all__ = ["Chunk", "IndexMap", "stage_map", "expert_map", "check_ownership", "map_position"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,17 @@ def stage_map(
 def expert_map(experts: Sequence[int] | int, *, total: int | None = None, owner: int | None = None) -> IndexMap:
     """Local expert lists: ``experts`` is the global index of each local expert (or the first one)."""
     return IndexMap("experts", (Chunk(experts if isinstance(experts, int) else tuple(experts), (), owner),), total)
+
+
+def map_position(name: str, key: str) -> tuple[str, int] | None:
+    """Where a dotted atom name numbers an entry of the map ``key``: ``(template, index)`` with the
+    first ``<key>.<i>`` written ``<key>.*`` in the template (``model.layers.2.w`` -> ``("model.layers.*.w",
+    2)``); None when the name numbers no such entry."""
+    segs = name.split(".")
+    for j in range(len(segs) - 1):
+        if segs[j] == key and segs[j + 1].isdigit():
+            return ".".join(segs[: j + 1] + ["*"] + segs[j + 2 :]), int(segs[j + 1])
+    return None
 
 
 def check_ownership(key: str, total: int | None, claims: Iterable[tuple[int, int | None]], where: str) -> None:

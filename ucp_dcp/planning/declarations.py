@@ -3,9 +3,10 @@
 The rules and maps a load passes describe the *target*; the catalog records what was declared at
 save. Where the two disagree in a way that changes meaning, the load is refused before a byte is
 read: a map the checkpoint was saved with and this load lacks (its stage-local names then miss or
-collide), a ``Tied`` rule declared only at load over an atom the checkpoint holds separately (its
-saved values would be replaced by the tied parameter's), and target keys that alias one storage
-under different atoms (one of the two loads would silently overwrite the other).
+collide; on plain tensors :mod:`ucp_dcp.planning.forgotten_maps` sees it at the global plan), a
+``Tied`` rule declared only at load over an atom the checkpoint holds separately (its saved values
+would be replaced by the tied parameter's), and target keys that alias one storage under different
+atoms (one of the two loads would silently overwrite the other).
 """
 
 from __future__ import annotations

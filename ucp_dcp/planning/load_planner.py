@@ -24,6 +24,7 @@ from .consistency import check_rule_usage, zero_like
 from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
 from .device import needs_staging, split_reads, staging_forced
 from .entries import GroupTarget
+from .forgotten_maps import check_forgotten_maps, map_reads
 from .load_steps import (
     SavedIndex,
     combine_problems,
@@ -61,7 +62,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             which DCP's planner first flattens into one. ucp_dcp never needs that step (it plans each
             value from the boxes of memory it holds, or refuses it), so both values behave the same.
         allow_partial_load: as in DCP: skip atoms the checkpoint lacks instead of raising
-            :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``).
+            :class:`MissingAtomsError` (they are listed in ``planner.missing_atoms``); and accept a
+            load that a forgotten ``stage_map``/``expert_map`` would refuse (a warning names it).
         options: the layout description shared with the save planner (:class:`UCPOptions`:
             ``patterns`` for the *target* layout — the rules recorded in the checkpoint's catalog
             apply too —, ``strict``, ``stage_map``, ``expert_map``, ``name_rules`` (as at save),
@@ -252,12 +254,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             {m.key: m.total for m in self.maps},
         )
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
-        return LoadPlan(
-            reads,
-            planner_data=LoadPlanPayload(
-                usage, self.read_once, keeps_items=True, meshes=target_meshes(self._targets.values())
-            ),
-        )
+        meshes, mapped = target_meshes(self._targets.values()), map_reads(self._catalog, self.maps, reads)
+        payload = LoadPlanPayload(usage, self.read_once, keeps_items=True, meshes=meshes, map_reads=mapped)
+        return LoadPlan(reads, planner_data=payload)
 
     def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
         """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
@@ -309,6 +308,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         if getattr(self, "_catalog", None):
             check_map_orders(self._catalog.get("map_orders", {}), map_orders(usages))
+            reads = [p.planner_data.map_reads for p in global_plan]  # plain tensors: no mesh shows a lost map
+            check_forgotten_maps(self._catalog, self.metadata, self.maps, reads, self.allow_partial_load)
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
         return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
 

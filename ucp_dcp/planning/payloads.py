@@ -334,6 +334,12 @@ class LoadPlanPayload(_Compact):
     meshes: dict[tuple[int, ...], bytes] = field(default_factory=dict)
     """This rank's DTensor target atoms by their mesh's rank set (:func:`ucp_dcp.layout.structure.target_meshes`):
     one atom wanted whole on two meshes is a forgotten stage/expert map."""
+    map_reads: list[str] = field(default_factory=list)
+    """Saved atoms this rank reads whose names number an entry of an index map the checkpoint was saved
+    with and this load lacks (``layers.<i>``); empty when no map is lacking. Ranks that read the same
+    such names while the checkpoint's other entries go unread forgot the map
+    (:mod:`ucp_dcp.planning.forgotten_maps`): what meshes show for DTensors, for
+    plain tensors."""
 
 
 @dataclass(frozen=True)

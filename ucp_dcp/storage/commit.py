@@ -10,7 +10,11 @@ checkpoint as it was; one that dies after it leaves the new checkpoint plus stra
 next save removes.
 
 :func:`open_checkpoint` is the reading side: it finds ``.metadata``, verifies it against its
-sidecar, and names what is wrong when a folder holds no committed checkpoint.
+sidecar, and names what is wrong when a folder holds no committed checkpoint. Each sidecar is bound
+to the ``.metadata`` bytes it was committed with (their hash is its name and is recorded inside it);
+a ``.metadata`` that matches none of them is refused when anything in it says our writer committed
+it (catalog, I/O table, data files a record lists: then it was damaged or rewritten), and is
+otherwise the checkpoint another writer (stock ``dcp.save``) saved over ours: it opens unverified.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..planning.catalog import CATALOG_KEY
 from ..planning.opened import IntegrityStatus
 from .format import IO_KEY
 from .sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, safe_unpickle, sidecar_name
 
-__all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState"]
+__all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState", "signs_of_a_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +148,8 @@ class Integrity:
     files: dict[str, int] | None = None
     """Size of every data file as written (from the sidecar)."""
     strays: list[str] = field(default_factory=list)
-    """Files of an interrupted save (not part of this checkpoint; the next save removes them)."""
+    """Files that are not part of this checkpoint: an interrupted save's, or those of a ucp_dcp checkpoint
+    another writer saved over (its data files and integrity records); the next ucp_dcp save removes them."""
 
     def describe(self) -> str:
         if self.status == "verified":
@@ -156,7 +162,10 @@ class Integrity:
         else:
             text = "none: no checksums, nothing a load reads is verified"
         if self.strays:
-            text += f"; {len(self.strays)} stray file(s) of an interrupted save (removed by the next save)"
+            text += (
+                f"; {len(self.strays)} stray file(s) of an interrupted save or of a checkpoint this one replaced "
+                "(removed by the next ucp_dcp save)"
+            )
         return text
 
 
@@ -205,14 +214,9 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
         # a writer with checksums=False: the tables are checked, the data cannot be
         return md, Integrity("verified" if io.get("algo") else "none", side, io.get("algo"), files, strays)
     if st.sidecars:
-        raise CorruptCheckpointError(
-            f".metadata in {path} matches none of its integrity records ({', '.join(st.sidecars)}): its bytes hash "
-            f"to {h}; the file is damaged or was rewritten by a tool that does not write sidecars",
-            saved=st.sidecars,
-            wanted=h,
-            hint="restore the checkpoint from a good copy; if another tool rewrote it on purpose, delete the "
-            ".ucp.*.json files to read it unverified",
-        )
+        # none of the integrity records was committed with this .metadata: a damaged or rewritten
+        # one of ours (refused), or another writer's checkpoint saved over ours (loads unverified)
+        return _unrecorded(fs, path, st, md_bytes, h, trust)
     md = safe_unpickle(md_bytes, trust=trust, where=f".metadata in {path}")
     io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) if isinstance(md.storage_data, dict) else None
     if isinstance(io, dict) and io.get("version", 1) >= 2:
@@ -224,3 +228,62 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
     referenced = {getattr(i, "relative_path", None) for i in (md.storage_data or {}).values()}
     strays = [n for n in st.data_files if n not in referenced] + st.tmp_files
     return md, Integrity("partial" if algo else "none", None, algo, None, strays)
+
+
+def _unrecorded(fs: Any, path: Any, st: DirState, md_bytes: bytes, h: str, trust: bool) -> tuple[Metadata, Integrity]:
+    """Open a ``.metadata`` that no integrity record in the folder was committed with: refused when
+    anything in it says a ucp_dcp writer committed it (:func:`signs_of_a_record`), else the stock
+    checkpoint another writer saved over ours, unverified, the old records and files its strays."""
+    where = f".metadata in {path}"
+    names = ", ".join(st.sidecars)
+    try:
+        md = safe_unpickle(md_bytes, trust=trust, where=where)
+    except (CorruptCheckpointError, UnsafeCheckpointError) as e:
+        raise CorruptCheckpointError(
+            f"{where} matches none of its integrity records ({names}): its bytes hash to {h}, and it does not "
+            f"open as DCP metadata either ({e.message})",
+            saved=st.sidecars,
+            wanted=h,
+            hint="the file is damaged; restore the checkpoint from a good copy",
+        ) from None
+    listed: dict[str, str] = {}  # data file -> the record listing it
+    for side in st.sidecars:
+        try:
+            body = decode_sidecar(_read(fs, fs.concat_path(path, side)), side)
+        except CorruptCheckpointError:
+            continue  # a damaged record lists nothing we can use; the signs in the metadata remain
+        listed.update((f, side) for f in body.get("files", {}))
+    signs = signs_of_a_record(md, listed)
+    if signs:
+        raise CorruptCheckpointError(
+            f"{where} matches none of its integrity records ({names}): its bytes hash to {h}, yet it "
+            f"{' and '.join(signs)}. It was committed with an integrity record and changed since: the file is "
+            "damaged or was rewritten",
+            saved=st.sidecars,
+            wanted=h,
+            hint="restore the checkpoint from a good copy; if you rewrote it on purpose (e.g. UCPSavePlanner "
+            "through another storage writer), save through ucp_dcp.save / UCPFileSystemWriter, or delete the "
+            ".ucp.*.json files to read it unverified",
+        )
+    referenced = {getattr(i, "relative_path", None) for i in (md.storage_data or {}).values()}
+    strays = [n for n in st.data_files if n not in referenced] + st.sidecars + st.tmp_files
+    return md, Integrity("none", None, None, None, strays)
+
+
+def signs_of_a_record(md: Metadata, listed: dict[str, str]) -> list[str]:
+    """What in ``md`` says a ucp_dcp writer committed it with an integrity record (empty: nothing,
+    it is another writer's checkpoint). ``listed``: data file -> the integrity record that lists it.
+
+    Three independent signs, so no single damaged byte can hide all of them: the catalog lives in
+    ``planner_data``, the I/O table and the data-file names in ``storage_data``, and the stock writer
+    names its files ``__<rank>_<n>.distcp``, never one of ours (``__<rank>_<token>_<n>.distcp``)."""
+    signs = []
+    if isinstance(md.planner_data, dict) and CATALOG_KEY in md.planner_data:
+        signs.append("carries ucp_dcp's catalog")
+    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
+    if MetadataIndex(IO_KEY) in storage:
+        signs.append("carries the I/O table only UCPFileSystemWriter writes (always with a record)")
+    used = sorted({f for i in storage.values() if (f := getattr(i, "relative_path", None)) in listed})
+    if used:
+        signs.append(f"references {len(used)} data file(s) that {listed[used[0]]} lists ({', '.join(used[:3])})")
+    return signs

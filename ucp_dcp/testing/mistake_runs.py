@@ -135,6 +135,30 @@ def perturb(tr, sd: dict, target: str) -> list[tuple[torch.Tensor, torch.Tensor]
 # -- one transition on the workers ------------------------------------------------------------------
 
 
+def plain(x):
+    """``x`` (a nested state dict) with every DTensor of a one-rank mesh replaced by its local tensor, which
+    shares its memory (a load into it fills the DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) and x.device_mesh.size() == 1:
+        return x.to_local()
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [plain(v) for v in x]
+    return x
+
+
+def take_values(sd, loaded) -> None:
+    """Put the non-tensor values a load set in ``loaded`` (a :func:`plain` copy of ``sd``) back into ``sd``
+    (its tensors share memory with ``sd``'s; its containers and values are its own)."""
+    for k in range(len(sd)) if isinstance(sd, list) else sd:
+        if isinstance(sd[k], (dict, list)):
+            take_values(sd[k], loaded[k])
+        elif not isinstance(sd[k], torch.Tensor):
+            sd[k] = loaded[k]
+
+
 def _classify_exc(e: BaseException) -> dict:
     err = first_ucp_error(e)
     if err is None:
@@ -167,15 +191,15 @@ def _save(cfg, tr, job, variant, folder) -> dict | None:
     sd = tr.state_dict()
     undo = perturb(tr, sd, variant[1]) if variant[0] == "perturb" else []
     try:
-        if variant == ("writer", "stock"):
-            dcp.save(sd, storage_writer=FileSystemWriter(folder), planner=DefaultSavePlanner(), process_group=job.group)
-        else:
+        if variant != ("writer", "stock"):  # ours (also first, for the stock save over it)
             dcp.save(
-                sd,
+                plain(sd) if variant == ("plain",) else sd,
                 storage_writer=UCPFileSystemWriter(folder),
                 process_group=job.group,
                 planner=UCPSavePlanner(**options(cfg, job, variant)),
             )
+        if variant[0] == "writer":
+            dcp.save(sd, storage_writer=FileSystemWriter(folder), planner=DefaultSavePlanner(), process_group=job.group)
         return None
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -229,12 +253,18 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
             dcp.load(sd, storage_reader=FileSystemReader(folder), planner=DefaultLoadPlanner(), process_group=job.group)
         else:
             opts = {} if "norules" in variant else options(cfg, job, variant)
+            target = sd
+            if variant[0] == "plain":  # its local tensors share the DTensors' memory: sd is loaded through them
+                opts = options(cfg, job, ("drop", variant[1]) if len(variant) > 1 else ("correct",))
+                target = plain(sd)
             dcp.load(
-                sd,
+                target,
                 storage_reader=UCPFileSystemReader(folder),
                 process_group=job.group,
                 planner=UCPLoadPlanner(**opts),
             )
+            if target is not sd:
+                take_values(sd, target)
         tr.load_state_dict(sd)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -253,7 +283,7 @@ def _verdict(m: Mistake, failure: dict | None, diffs: list[str] | None) -> dict:
         out = {"outcome": "silent", "diffs": 0, "first": ["replicas differed at save; no error"]}
     else:
         out = {"outcome": "ok"}
-    if m.kind == "none" and out["outcome"] != "ok":
+    if m.kind in ("none", "plain") and not m.target and out["outcome"] != "ok":
         out["outcome"] = "crash" if out["outcome"] != "silent" else "silent"  # the correct run must load right
     if m.kind == "reader":  # stock DCP loaded: any error is its refusal, only a wrong return is notable
         out["outcome"] = "stock-" + (out["outcome"] if out["outcome"] in ("ok", "silent") else "refused")

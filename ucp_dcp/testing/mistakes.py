@@ -9,8 +9,12 @@ A *mistake* is one change to a correct save -> load run of the toy trainer (``uc
 * ``perturb`` one replica before the save: a TP-replicated norm (``tp_norm``), an HSDP replica of an FSDP
   shard (``hsdp``), a plain per-rank value (``plain``: ``train_state.step`` on one rank);
 * ``writer`` swap: the checkpoint written by stock ``dcp.save`` (``DefaultSavePlanner``, ``FileSystemWriter``),
-  loaded by ucp_dcp (also into reordered groups); ``reader`` swap: our checkpoint loaded by stock DCP
-  (``DefaultLoadPlanner``, ``FileSystemReader``).
+  loaded by ucp_dcp (also into reordered groups, and ``over``: saved by stock DCP into the folder that holds our
+  checkpoint of the same state); ``reader`` swap: our checkpoint loaded by stock DCP (``DefaultLoadPlanner``,
+  ``FileSystemReader``);
+* ``plain``: the state handed to DCP with every DTensor of a one-rank mesh as its local tensor (what a job
+  without FSDP on those ranks saves: pipeline stages, expert lists), at save and at load, saved with the maps;
+  ``plain`` alone keeps the maps at load (it must load right), ``plain-<map>-load`` forgets one there.
 
 Each run ends in one :data:`Outcome`: ``ok`` (returned, state bitwise the oracle's), ``refused`` (a ``UCPError``
 with ``atom`` and ``hint``), ``unclear`` (a ``UCPError`` without them), ``crash`` (another exception), ``silent``
@@ -38,7 +42,7 @@ VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_ma
 """Words a refusal's message or hint may use to name the cause; a refusal that does not name the mistaken
 rule (:func:`names_cause`) still counts as refused but is listed apart ("refused, other cause")."""
 
-Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader"]
+Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader", "plain"]
 Side = Literal["", "save", "load", "both"]
 Outcome = Literal["ok", "refused", "unclear", "crash", "silent", "stock-ok", "stock-refused", "stock-silent"]
 
@@ -50,8 +54,8 @@ class Mistake:
     kind: Kind
     """What is done wrong."""
     target: str = ""
-    """The rule/map key (drop, alter), the replica (perturb), ``reorder`` for the writer swap into
-    reordered groups; empty otherwise."""
+    """The rule/map key (drop, alter, plain), the replica (perturb), ``norules`` / ``reorder`` / ``over`` for
+    the writer swaps (:data:`SWAPS`); empty otherwise."""
     side: Side = ""
     """Where a drop/alter happens."""
 
@@ -64,8 +68,12 @@ class Mistake:
         """The checkpoint this run loads (runs with equal variants share one save)."""
         if self.kind in ("drop", "alter") and self.side in ("save", "both"):
             return (self.kind, self.target)
-        if self.kind in ("perturb", "writer"):
-            return (self.kind, "stock" if self.kind == "writer" else self.target)
+        if self.kind == "writer":
+            return ("writer", "over" if self.target == "over" else "stock")
+        if self.kind == "perturb":
+            return ("perturb", self.target)
+        if self.kind == "plain":
+            return ("plain",)
         return ("correct",)
 
     @property
@@ -74,10 +82,12 @@ class Mistake:
             return (self.kind, self.target)
         if self.kind == "reorder":
             return ("reorder",)
-        if self.kind == "writer" and self.target:  # a stock checkpoint loaded by ucp_dcp without rules
+        if self.kind == "writer" and self.target in ("norules", "reorder"):  # loaded by ucp_dcp without rules
             return ("reorder", "norules") if self.target == "reorder" else ("norules",)
         if self.kind == "reader":
             return ("stock",)
+        if self.kind == "plain":
+            return ("plain", self.target) if self.target else ("plain",)
         return ("correct",)
 
 
@@ -90,14 +100,26 @@ def all_mistakes(writer_swap: bool = True) -> list[Mistake]:
         out += [Mistake("alter", r, side) for r in ALTERABLE]
     out.append(Mistake("reorder"))
     out += [Mistake("perturb", p) for p in PERTURB]
+    out += PLAIN
     if writer_swap:
         out += SWAPS
     return out
 
 
-SWAPS = [Mistake("writer"), Mistake("writer", "norules"), Mistake("writer", "reorder"), Mistake("reader")]
+SWAPS = [
+    Mistake("writer"),
+    Mistake("writer", "norules"),
+    Mistake("writer", "reorder"),
+    Mistake("writer", "over"),
+    Mistake("reader"),
+]
 """The writer/reader swaps: a stock checkpoint loaded by ucp_dcp with the toy's rules, without rules, without
-rules into reordered param groups; our checkpoint loaded by stock DCP."""
+rules into reordered param groups, with the toy's rules from the folder that held our checkpoint (stock saved
+over ours); our checkpoint loaded by stock DCP."""
+
+PLAIN = [Mistake("plain"), Mistake("plain", "stage_map", "load"), Mistake("plain", "expert_map", "load")]
+"""Plain tensors where the layout has one-rank meshes: with the maps (must load right), and each map forgotten at
+load, where no mesh tells a pipeline stage (an expert rank) from a data-parallel replica."""
 
 
 WRITER_SWAP_TRANSITIONS = {
@@ -133,6 +155,9 @@ USER_OWNED: dict[str, str] = {
 
 def is_noop(m: Mistake, save: Topology, load: Topology) -> bool:
     """The mistake changes nothing at this transition (skipped, not a run)."""
+    if m.kind == "plain":  # only where the load has stages (expert lists) whose numbers a map changes
+        need = {"stage_map": load.n_stages > 1, "expert_map": load.ep > 1, "": load.n_stages > 1 or load.ep > 1}
+        return not need[m.target]
     sides = {"save": [save], "load": [load], "both": [save, load]}.get(m.side, [])
     if m.target == "expert_map" and m.kind in ("drop", "alter"):
         return all(t.ep == 1 for t in sides)  # the identity numbering
@@ -204,7 +229,8 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
         for k in ("silent", "crash", "unclear", "ok", "refused", "user-owned")
     }
     stock = sum(1 for r in results if r["outcome"].startswith("stock-"))
-    other = [r for r in results if r["outcome"] == "refused" and r["mistake"] != "writer" and not names_cause(r)]
+    swaps = ("writer", "writer-over")  # a stock checkpoint: its refusal names whatever stock DCP got wrong
+    other = [r for r in results if r["outcome"] == "refused" and r["mistake"] not in swaps and not names_cause(r)]
     for r in other:
         lines.append(
             f"{'REFUSED?':<12} {r['save']} -> {r['load']}: {r['mistake']}: the error names another cause: "
