@@ -32,34 +32,6 @@ class MoERun:
     """Sequences in a global batch (the harness runs global batch 8)."""
 
 
-def env(folder: Path, **extra: str) -> dict[str, str]:
-    """The launcher's recording switches: losses, batch hashes, model buffers in the state dump."""
-    return {
-        "UCP_TITAN_METRICS": str(folder / "loss.json"),
-        "UCP_TITAN_BATCHES": str(folder / "batches.json"),
-        "UCP_TITAN_STATE_BUFFERS": "1",
-        **extra,
-    }
-
-
-def _per_rank(prefix: Path) -> dict[int, list]:
-    """Merged ``{step: value}`` files written per rank by the launcher."""
-    out: dict[int, list] = {}
-    for f in prefix.parent.glob(prefix.name + ".rank*"):
-        for step, v in json.loads(f.read_text()).items():
-            out.setdefault(int(step), []).append(v)
-    return out
-
-
-def losses(folder: Path) -> dict[int, float]:
-    return {s: v[0] for s, v in _per_rank(folder / "loss.json").items()}
-
-
-def batches(folder: Path) -> dict[int, list[str]]:
-    """Per step, the set of sequences trained on by all ranks (whatever the DP degree or microbatching)."""
-    return {s: sorted({h for rows in v for h in rows}) for s, v in _per_rank(folder / "batches.json").items()}
-
-
 def save(run: MoERun, root: Path, topo: dict[str, int]) -> tuple[Path, Path, Path]:
     """The save job at ``topo`` (checkpoint at step ``k``, oracle state dumped right after it):
     ``(root, assets, save folder)``."""
@@ -71,7 +43,7 @@ def save(run: MoERun, root: Path, topo: dict[str, int]) -> tuple[Path, Path, Pat
         assets,
         run.steps,
         ["--checkpoint.interval", str(run.k)],
-        env(out, UCP_TITAN_STATE=str(out / "oracle.pt"), UCP_TITAN_STATE_STEP=str(run.k)),
+        tr.recording_env(out, UCP_TITAN_STATE=str(out / "oracle.pt"), UCP_TITAN_STATE_STEP=str(run.k)),
         config=run.config,
     )
     return root, assets, out
@@ -99,11 +71,11 @@ def resume(run: MoERun, saved: tuple[Path, Path, Path], name: str, topo: dict[st
         assets,
         run.steps,
         tr.resume_flags(saved_at, run.k, run.steps),
-        env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **extra),
+        tr.recording_env(load, UCP_TITAN_STATE=str(load / "loaded.pt"), **paths, **extra),
         config=run.config,
     )
     # the hook writes a rank's stats only from UCPFileSystemReader: every rank loaded through ucp_dcp
-    missing = [r for r in range(tr._world(topo)) if not (load / f"stats.{r}").is_file()]
+    missing = [r for r in range(tr.world_size(topo)) if not (load / f"stats.{r}").is_file()]
     assert not missing, f"{name}: ranks {missing} did not load through UCPFileSystemReader"
     oracle = torch.load(saved_at / "oracle.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
@@ -139,10 +111,10 @@ def assert_resumed(
     step, ``checks.TOL_LAST`` at the last)."""
     bad = [k for k in checks.state_diffs(oracle, loaded) if k not in reset]
     assert not bad, f"{len(bad)} of {len(oracle)} entries differ: {bad[:6]}"
-    ref, res = losses(saved_at), losses(load)
+    ref, res = tr.losses(saved_at / "loss.json"), tr.losses(load / "loss.json")
     rel = [abs(res[s] - ref[s]) / abs(ref[s]) for s in range(run.k + 1, run.steps + 1)]
     assert rel[0] <= checks.TOL_FIRST and rel[-1] <= checks.TOL_LAST, (ref, res)
-    ref_b, res_b = batches(saved_at), batches(load)
+    ref_b, res_b = tr.batches(saved_at / "batches.json"), tr.batches(load / "batches.json")
     steps = range(run.k + 1, run.steps + 1)
     assert all(res_b[s] == ref_b[s] and len(ref_b[s]) == run.batch_rows for s in steps), (ref_b, res_b)
 
@@ -170,7 +142,7 @@ def plan_matches(resumes: Resumes, names: list[str]) -> None:
         target = TitanTarget.from_args(_flags(assets, config=run.config, **topo))
         report = plan_load(saved_at / "checkpoint" / f"step-{run.k}", target, device="cpu", ranks_per_node=8)
         assert report.loads, (name, report.problems)
-        real = [json.loads((load / f"stats.{r}").read_text()) for r in range(tr._world(topo))]
+        real = [json.loads((load / f"stats.{r}").read_text()) for r in range(tr.world_size(topo))]
         planned = [
             {"bytes_read": r.bytes_read, "reads": r.reads, "bytes_received": r.bytes_received, "fallbacks": r.fallbacks}
             for r in report.ranks
