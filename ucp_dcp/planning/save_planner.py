@@ -21,6 +21,7 @@ from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .averaging import exchange_averages
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
+from .entries import raw_optimizers
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .resolve import Resolver
 from .save_steps import (
@@ -32,6 +33,7 @@ from .save_steps import (
     merge_cached,
     structures_by_hash,
 )
+from .ties import fold_shared_storage
 
 __all__ = ["UCPSavePlanner"]
 
@@ -149,10 +151,13 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._patterns = Patterns(self.rules, strict=self.strict)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
+        # keys viewing one tensor (a tied embedding and head) are one atom, found from the state itself
+        resolved, alias_paths = fold_shared_storage(resolved)
         self._resolved, self._ties = live_entries(resolved)
         for r in self._resolved:
             _check_savable(r.name, r.value)
-        self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()}
+        self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()} | alias_paths
+        self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.name: r.value for r in self._resolved}
         self.is_coordinator = is_coordinator
 
@@ -164,6 +169,7 @@ class UCPSavePlanner(DefaultSavePlanner):
             self.mappings,
             self.check_replicas,
             defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error",
+            raw_optimizers=self._raw,
         )
         payload = local_payload(
             self._local, self._resolved, self._ties, self._patterns, self.options, self.is_coordinator
