@@ -196,3 +196,21 @@ def test_overlapping_but_different_views_are_saved_as_they_are(tmp_path):
     out = {"w": torch.zeros(4, 3), "top": torch.zeros(2, 3)}
     ucp_dcp.load(out, tmp_path)
     assert torch.equal(out["w"], w) and torch.equal(out["top"], w[:2])
+
+
+def test_an_untied_target_lacks_only_the_head_optimizer_state(tmp_path):
+    """A tied model's optimizer has one parameter: the untied target's head has no saved moments."""
+    model, opt = _trained()
+    ucp_dcp.save(FORMS["get_state_dict"](model, opt), tmp_path)
+    untied = LM(False, seed=1)
+    state = FORMS["get_state_dict"](untied, torch.optim.AdamW(untied.parameters(), lr=0.1))
+    with pytest.raises(ucp_dcp.MissingAtomsError) as e:
+        ucp_dcp.load(state, tmp_path)
+    wanted = set(e.value.wanted)
+    assert {f"optim.state.output.weight.{k}" for k in ("step", "exp_avg", "exp_avg_sq")} <= wanted
+    assert all(".output.weight." in a for a in wanted), wanted  # its state and per-parameter group entries only
+    ucp_dcp.load(state, tmp_path, allow_partial_load=True)
+    assert torch.equal(state["model"]["output.weight"], model.output.weight)
+    assert torch.equal(
+        state["optim"]["state"]["tok_embeddings.weight"]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )

@@ -33,6 +33,7 @@ __all__ = [
     "VERSION",
     "RAW_HINT",
     "merge_local_catalogs",
+    "merge_raw_optimizers",
     "raw_optimizer_error",
     "read_catalog",
 ]
@@ -67,20 +68,10 @@ def merge_local_catalogs(
     meshes: list[dict[str, Any]] = []
     atoms: dict[str, dict[str, Any]] = {}
     holders: dict[str, int] = {}
-    raw: dict[str, list[list[int]]] = {}
+    raw = merge_raw_optimizers(local_cats)
     for rank, cat in enumerate(local_cats):
         if not cat:
             continue
-        for prefix, groups in (cat.get("raw_optimizers") or {}).items():
-            if raw.setdefault(prefix, groups) != groups:
-                raise raw_optimizer_error(
-                    prefix,
-                    f"the raw optimizer.state_dict() '{prefix}' lists other parameter positions on different ranks "
-                    f"({raw[prefix]} and {groups}): each rank's positions number its own optimizer's parameters "
-                    "(pipeline stages), so equal keys would name different parameters",
-                    raw[prefix],
-                    groups,
-                )
         remap = [intern(meshes, m) for m in cat["meshes"]]
         for name, rec in cat["atoms"].items():
             layout = rec.get("layout")
@@ -128,6 +119,25 @@ def merge_local_catalogs(
     if raw:
         out["raw_optimizers"] = raw
     return out
+
+
+def merge_raw_optimizers(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[list[int]]]:
+    """The parameter positions of every raw ``optimizer.state_dict()`` saved, which all ranks must list
+    alike: each rank's positions number its own optimizer's parameters, so under pipeline parallelism
+    equal keys name different parameters (checked before the replicas, whose mismatch it explains)."""
+    raw: dict[str, list[list[int]]] = {}
+    for cat in local_cats:
+        for prefix, groups in ((cat or {}).get("raw_optimizers") or {}).items():
+            if raw.setdefault(prefix, groups) != groups:
+                raise raw_optimizer_error(
+                    prefix,
+                    f"the raw optimizer.state_dict() '{prefix}' lists other parameter positions on different ranks "
+                    f"({raw[prefix]} and {groups}): each rank's positions number its own optimizer's parameters "
+                    "(pipeline stages), so equal keys would name different parameters",
+                    raw[prefix],
+                    groups,
+                )
+    return raw
 
 
 RAW_HINT = (

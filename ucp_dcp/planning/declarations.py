@@ -83,7 +83,7 @@ def tie_problem(r: Any, saved: Any, saved_rules: Sequence[Rule], rules: Sequence
         atom=own.name,
         saved=f"'{own.name}' and '{r.atom.name}' saved separately",
         wanted=f"tied to '{r.atom.param}'",
-        hint=f"drop the Tied rule and give '{r.entry.key}' a tensor of its own (untie the parameters): each saved "
+        hint=f"drop the Tied rule and give '{r.entry.key}' a tensor of its own (untie the tied parameters): each saved "
         "atom then loads into its own key; tie them afterwards with the value you choose",
     )
 
@@ -126,7 +126,7 @@ def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | No
                     atom=sorted(b.atoms)[0],
                     saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]],
                     wanted="one value",
-                    hint=f"give '{b.entry.key}' a tensor of its own (untie the parameters) to load each saved value "
+                    hint=f"give '{b.entry.key}' a tensor of its own (untie the tied parameters) to load each saved value "
                     "into its own key, then tie them with the value you choose",
                 )
             )

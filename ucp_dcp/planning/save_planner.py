@@ -20,6 +20,7 @@ from ..layout.patterns import Patterns
 from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .averaging import exchange_averages
+from .catalog import merge_raw_optimizers
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
 from .entries import raw_optimizers
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
@@ -205,7 +206,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         maps = {m.key: m.total for m in self.maps}
         check_rule_usage(self._patterns, [p.usage for p in payloads], maps, "at save")
         structures = structures_by_hash([p.packed for p in payloads], cache.structures)
-        # facts before declarations: whole tensors from different meshes are not replicas
+        # facts before declarations: whole tensors from different meshes are not replicas, nor are raw
+        # optimizer entries of ranks that number other parameters
+        merge_raw_optimizers([st.catalog for st in structures.values()])
         meshes = catalog_meshes([st.catalog for st in structures.values()])
         check_mesh_collisions(meshes, tied_atoms(self._patterns, structures.values()), "at save")
         check_replica_digests(payloads, structures, self.check_replicas, meshes)
