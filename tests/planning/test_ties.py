@@ -214,3 +214,7 @@ def test_an_untied_target_lacks_only_the_head_optimizer_state(tmp_path):
     assert torch.equal(
         state["optim"]["state"]["tok_embeddings.weight"]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
     )
+
+
+def test_tensors_without_plain_memory_are_never_one_tensor():
+    assert storage_identity(torch.eye(3).to_sparse()) is None

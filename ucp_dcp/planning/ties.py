@@ -53,16 +53,20 @@ def item_key(index: MetadataIndex) -> str:
 def storage_identity(value: Any) -> tuple[Any, ...] | None:
     """What makes two live tensors one tensor: the same memory, viewed with the same offset, shape,
     strides and dtype (and for a DTensor the same mesh, placements and global shape). None for values
-    that are never folded: objects, empty or meta tensors (they own no memory to share),
+    that are never folded: objects, empty, meta or sparse tensors (no plain memory to share),
     ShardedTensors and CheckpointableTensors (their pieces are stated, not viewed)."""
     if not isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor) or is_checkpointable_tensor(value):
         return None
     t = local_tensor(value)
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0 or t.layout != torch.strided:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # a tensor without plain storage (wrapper subclasses)
         return None
     key: tuple[Any, ...] = (
         str(t.device),
-        t.untyped_storage().data_ptr(),
+        ptr,
         t.storage_offset(),
         tuple(t.shape),
         tuple(t.stride()),
