@@ -218,3 +218,17 @@ def test_an_untied_target_lacks_only_the_head_optimizer_state(tmp_path):
 
 def test_tensors_without_plain_memory_are_never_one_tensor():
     assert storage_identity(torch.eye(3).to_sparse()) is None
+
+
+def test_inspect_shows_the_alias_and_verify_checks_its_bytes_once(tmp_path):
+    from ucp_dcp.tools.summary import summarize
+    from ucp_dcp.tools.verify import verify
+
+    model, _ = _trained()
+    ucp_dcp.save({"model": model.state_dict()}, tmp_path)
+    report = verify(tmp_path)
+    assert report.status == "ok", report.problems
+    rows = summarize(dcp.FileSystemReader(tmp_path).read_metadata())["atoms"]
+    alias = rows["model.output.weight"]
+    assert alias["pattern"] == "alias" and alias["live"] == "model.tok_embeddings.weight" and alias["bytes"] == 0
+    assert rows["model.tok_embeddings.weight"]["bytes"] > 0
