@@ -232,3 +232,23 @@ def test_inspect_shows_the_alias_and_verify_checks_its_bytes_once(tmp_path):
     alias = rows["model.output.weight"]
     assert alias["pattern"] == "alias" and alias["live"] == "model.tok_embeddings.weight" and alias["bytes"] == 0
     assert rows["model.tok_embeddings.weight"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("rules", [[], [TIE]], ids=["found", "declared"])
+def test_a_tied_target_reads_the_value_once(tmp_path, rules):
+    model, _ = _trained()
+    ucp_dcp.save({"model": {"tok_embeddings.weight": model.tok_embeddings.weight}}, tmp_path / "one")
+    ucp_dcp.save({"model": model.state_dict()}, tmp_path / "tied", patterns=rules)
+    alone = ucp_dcp.load({"model": {"tok_embeddings.weight": torch.zeros(11, 4)}}, tmp_path / "one")
+    target = LM(True, seed=1)
+    stats = ucp_dcp.load(
+        {
+            "model": {
+                "tok_embeddings.weight": target.tok_embeddings.weight.data,
+                "output.weight": target.output.weight.data,
+            }
+        },
+        tmp_path / "tied",
+    )
+    assert torch.equal(target.output.weight, model.output.weight)
+    assert stats.bytes_read == alone.bytes_read and len(stats.items) == len(alone.items), (stats, alone)

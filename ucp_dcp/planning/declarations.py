@@ -88,10 +88,12 @@ def tie_problem(r: Any, saved: Any, saved_rules: Sequence[Rule], rules: Sequence
     )
 
 
-def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | None]) -> list[UCPError]:
+def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | None]) -> tuple[list[UCPError], set[str]]:
     """Target keys whose local memory overlaps but which load different atoms, unless they view one
     tensor the same way and the checkpoint holds one value for both (``same``, see
-    :meth:`~ucp_dcp.planning.load_steps.SavedIndex.same_value`): a tied model loading its own tie."""
+    :meth:`~ucp_dcp.planning.load_steps.SavedIndex.same_value`): a tied model loading its own tie.
+    Also returns the keys whose reads would only repeat another key's (the later views of one tensor
+    that loads one value): they need no reads of their own."""
     spans: dict[tuple[str, int], list[tuple[int, int, Any]]] = {}
     for r in resolved:
         if not r.present or not isinstance(r.value, torch.Tensor):
@@ -104,15 +106,21 @@ def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | No
         hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
         spans.setdefault((str(t.device), st.data_ptr()), []).append((lo, hi, r))
     out: list[UCPError] = []
+    repeats: set[str] = set()
     for items in spans.values():
         items.sort(key=lambda x: x[0])
         for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
-            if lo2 >= hi1 or set(a.atoms) & set(b.atoms):
+            if lo2 >= hi1:
                 continue
             one_view = len(a.atoms) == len(b.atoms) == 1 and storage_identity(a.value) == storage_identity(b.value)
+            if set(a.atoms) & set(b.atoms):
+                if one_view and set(a.atoms) == set(b.atoms) and not a.fills and not b.fills:
+                    repeats.add(b.entry.key)  # one tensor, one atom (a declared tie): read once
+                continue
             equal = same(next(iter(a.atoms)), next(iter(b.atoms))) if one_view else None
             if equal:
-                continue  # both keys receive the same bytes
+                repeats.add(b.entry.key)  # both keys view one tensor that receives one value
+                continue
             why = {
                 False: "the checkpoint holds different values for them",
                 None: "the checkpoint cannot show they hold one value (saved separately, without ucp_dcp's "
@@ -130,7 +138,7 @@ def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | No
                     "into its own key, then tie them with the value you choose",
                 )
             )
-    return out
+    return out, repeats
 
 
 _LAYOUT_FIELDS = {

@@ -206,7 +206,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
-        problems += alias_problems(list(self._targets.values()), saved.same_value)
+        aliased, repeats = alias_problems(list(self._targets.values()), saved.same_value)
+        problems += aliased
         raw = raw_optimizer_problems(self._raw, self._catalog, (r.name for r in self._targets.values()))
         if raw:  # keys by position that name other parameters: every other problem follows from it
             raise combine_problems(raw)
@@ -222,6 +223,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             keeps_total = self.is_coordinator if self.data_slot is None else self.data_slot == 0
             if r.reduce is not None and r.reduce.op == "sum" and not keeps_total:
                 self._zero.append(r)  # the coordinator takes the total; the next save sums right
+                continue
+            if r.entry.key in repeats:  # a tied key: the tensor's first key reads its value
                 continue
             try:
                 entry, missing = entry_reads(r, saved, self.allow_lossy_dtype)
