@@ -85,9 +85,22 @@ def test_a_tied_model_saves_one_atom_and_loads_into_itself_without_a_rule(tmp_pa
     assert _equal_models(fresh, model)
 
 
+def _written_once(folder) -> bool:
+    """The checkpoint holds the tied weight once: an alias whose entries are its atom's bytes."""
+    md = dcp.FileSystemReader(folder).read_metadata()
+    rec = md.planner_data["__ucp__"]["atoms"]["model.tok_embeddings.weight"]
+    at = torch.Size([0, 0])
+    return (
+        rec.get("aliases") == ["model.output.weight"]
+        and md.storage_data[MetadataIndex("model.output.weight", at)]
+        == md.storage_data[MetadataIndex("model.tok_embeddings.weight", at)]
+    )
+
+
 def test_a_tied_checkpoint_loads_into_an_untied_model_in_both_names(tmp_path):
     model, _ = _trained()
     ucp_dcp.save({"model": model.state_dict()}, tmp_path)
+    assert _written_once(tmp_path)
     untied = LM(tied=False, seed=1)
     ucp_dcp.load({"model": untied.state_dict()}, tmp_path)
     assert untied.output.weight is not untied.tok_embeddings.weight
@@ -100,6 +113,7 @@ def test_a_tied_checkpoint_loads_into_an_untied_model_in_both_names(tmp_path):
 def test_stock_dcp_reads_a_tied_checkpoint_written_once(tmp_path, tied):
     model, _ = _trained()
     ucp_dcp.save({"model": model.state_dict()}, tmp_path)
+    assert _written_once(tmp_path)
     target = LM(tied, seed=1)
     dcp.load({"model": target.state_dict()}, checkpoint_id=tmp_path)  # DCP's planner and reader
     assert _equal_models(target, model)
