@@ -30,6 +30,7 @@ __all__ = [
     "reduce_problem",
     "raw_optimizer_problems",
     "check_raw_params",
+    "raw_params_sink",
     "with_raw_note",
 ]
 
@@ -274,6 +275,17 @@ def raw_optimizer_problems(
                 )
             )
     return out
+
+
+def raw_params_sink(r: Any, target_raw: Mapping[str, Any]) -> Callable[[Any], None] | None:
+    """Where a raw optimizer's ``params`` list goes when read: checked against the target's (a stock
+    checkpoint's positions are only known then), not written; None for any other entry."""
+    a = r.entry.atom
+    prefix = ".".join(map(str, a.prefix[:-1]))
+    if a.kind != "param_group" or a.suffix != ("params",) or prefix not in target_raw:
+        return None
+    want = r.value
+    return lambda v: check_raw_params(prefix, v, want)
 
 
 def check_raw_params(prefix: str, saved: Any, wanted: Any) -> None:

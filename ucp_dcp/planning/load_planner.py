@@ -23,8 +23,8 @@ from .catalog import read_catalog
 from .consistency import check_rule_usage, zero_like
 from .declarations import (
     alias_problems,
-    check_raw_params,
     raw_optimizer_problems,
+    raw_params_sink,
     reduce_problem,
     rule_conflicts,
     tie_problem,
@@ -235,7 +235,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self.missing_atoms += missing
             keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
-                self._sinks[r.entry.key] = self._object_sink(r)
+                self._sinks[r.entry.key] = raw_params_sink(r, self._raw) or (
+                    lambda v, path=r.entry.path: set_value(self.original_state_dict, path, v)
+                )
         for g in self._stock_groups(saved, problems):
             try:
                 group, sinks, missing = group_reads(g, saved, self._resolver)
@@ -274,15 +276,6 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         meshes, mapped = target_meshes(self._targets.values()), map_reads(self._catalog, self.maps, reads)
         payload = LoadPlanPayload(usage, self.read_once, keeps_items=True, meshes=meshes, map_reads=mapped)
         return LoadPlan(reads, planner_data=payload)
-
-    def _object_sink(self, r: Resolved) -> Callable[[Any], None]:
-        """Where a loaded object goes: into the target at its path; a raw optimizer's ``params`` list
-        is checked instead (a stock checkpoint's positions are only known once read)."""
-        a = r.entry.atom
-        prefix = ".".join(map(str, a.prefix[:-1]))
-        if a.kind == "param_group" and a.suffix == ("params",) and prefix in self._raw:
-            return lambda v, want=r.value: check_raw_params(prefix, v, want)
-        return lambda v, path=r.entry.path: set_value(self.original_state_dict, path, v)
 
     def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
         """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
