@@ -114,7 +114,9 @@ class MissingAtomsError(UCPError, RuntimeError):
 
 
 class ParamGroupError(UCPError):
-    """Optimizer hyperparameters that must agree within a target param group do not."""
+    """Optimizer param groups that cannot be filled right: hyperparameters that must agree within a
+    target group do not, or a raw ``optimizer.state_dict()`` whose parameter positions differ from
+    the checkpoint's."""
 
 
 class CatalogVersionError(UCPError):

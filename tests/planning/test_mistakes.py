@@ -11,6 +11,7 @@ import dist as D
 import pytest
 from test_reconfig import TRANSITIONS, _id
 
+from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
 from ucp_dcp.testing.mistake_runs import options, rule_key, transition_worker
 from ucp_dcp.testing.mistakes import (
     RULES,
@@ -160,3 +161,24 @@ def test_no_mistake_is_silent(save, load):
     print("\n".join(lines))
     assert len(results) == len(names)
     assert ok, "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_no_state_form_mistake_is_silent():
+    """Ties without rules and the raw optimizer form (``ucp_dcp.testing.mistake_forms``), every run on 2 ranks:
+    each loads bitwise right or is refused naming the cause; copies that differ are always refused."""
+    results = D.run(form_worker, WORLD, D.tmpdir(), list(SCENARIOS), timeout=900)[0]
+    lines, ok = summary(results, skipped=0)
+    for r in results:
+        print(f"{r['mistake']:<22} {r['outcome']:<10} {r.get('error', '')[:150]}")
+    print("\n".join(lines))
+    by = {r["mistake"]: r for r in results}
+    assert len(results) == len(SCENARIOS) and ok, "\n".join(lines)
+    assert not any(x.startswith("REFUSED?") for x in lines), "\n".join(lines)  # every refusal names its cause
+    for name in ("form-tied-same", "form-tied-plain", "form-tied-untied", "form-tied-rule", "form-tied-copies"):
+        assert by[name]["outcome"] == "ok", by[name]  # correct use without a declaration: loads
+    for name in ("form-raw-same", "form-raw-plain", "form-raw-stockwriter"):
+        assert by[name]["outcome"] == "ok", by[name]
+    for name in ("form-tied-differ", "form-tied-differrule", "form-raw-regrouped", "form-raw-named", "form-raw-stages"):
+        assert by[name]["outcome"] == "refused", by[name]
+    assert by["form-tied-reader"]["outcome"] == by["form-raw-reader"]["outcome"] == "stock-ok"

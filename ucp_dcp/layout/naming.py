@@ -68,7 +68,11 @@ class OptimizerForm:
     """How an optimizer state dict is laid out inside the user's state dict."""
 
     NESTED = "nested"
-    """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [...]}]}`` (DSD default / raw)."""
+    """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`` (``get_state_dict``'s default)."""
+    RAW = "raw"
+    """``optimizer.state_dict()`` itself: the nested layout with parameters keyed by their integer
+    position in the optimizer (``{"state": {0: {...}}, "param_groups": [{..., "params": [0, 1]}]}``).
+    A position names no parameter, so it is saved and loaded as DCP does, key by key."""
     FLAT = "flat"
     """``{"state.<fqn>.<k>": ..., "param_groups.<fqn>.<hp>": ...}`` (``flatten_optimizer_state_dict``)."""
 
@@ -81,6 +85,12 @@ def _looks_nested_optimizer(d: Mapping[str, Any]) -> bool:
         and isinstance(groups, list)
         and all(isinstance(g, Mapping) and "params" in g for g in groups)
     )
+
+
+def _keyed_by_position(d: Mapping[str, Any]) -> bool:
+    """A nested optimizer state dict whose groups list parameters by integer position (``optimizer.state_dict()``)."""
+    params = [p for g in d["param_groups"] for p in g["params"]]
+    return bool(params) and all(isinstance(p, int) and not isinstance(p, bool) for p in params)
 
 
 def _looks_flat_optimizer(d: Mapping[str, Any]) -> bool:
@@ -99,7 +109,7 @@ def find_optimizer_containers(state_dict: Mapping[str, Any]) -> dict[Path, str]:
 
     def visit(path: Path, d: Mapping[str, Any]) -> None:
         if _looks_nested_optimizer(d):
-            found[path] = OptimizerForm.NESTED
+            found[path] = OptimizerForm.RAW if _keyed_by_position(d) else OptimizerForm.NESTED
             return
         if _looks_flat_optimizer(d):
             found[path] = OptimizerForm.FLAT
@@ -157,7 +167,7 @@ def parse_path(path: Sequence[PathElem], containers: Mapping[Path, str]) -> Atom
         if path[:n] != cpath or len(path) <= n:
             continue
         rest = path[n:]
-        if form == OptimizerForm.NESTED:
+        if form in (OptimizerForm.NESTED, OptimizerForm.RAW):
             for head, kind in (("state", "optim_state"), ("param_groups", "param_group")):
                 if rest[0] == head and len(rest) >= 3:
                     prefix = cpath + (head,)

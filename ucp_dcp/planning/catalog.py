@@ -25,9 +25,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import AmbiguousLayoutError, CatalogVersionError
+from ..errors import AmbiguousLayoutError, CatalogVersionError, ParamGroupError
 
-__all__ = ["CATALOG_KEY", "FORMAT", "VERSION", "merge_local_catalogs", "read_catalog"]
+__all__ = [
+    "CATALOG_KEY",
+    "FORMAT",
+    "VERSION",
+    "RAW_HINT",
+    "merge_local_catalogs",
+    "merge_raw_optimizers",
+    "raw_optimizer_error",
+    "read_catalog",
+]
 
 CATALOG_KEY = "__ucp__"
 """Reserved key of ``Metadata.planner_data`` holding the catalog."""
@@ -59,6 +68,7 @@ def merge_local_catalogs(
     meshes: list[dict[str, Any]] = []
     atoms: dict[str, dict[str, Any]] = {}
     holders: dict[str, int] = {}
+    raw = merge_raw_optimizers(local_cats)
     for rank, cat in enumerate(local_cats):
         if not cat:
             continue
@@ -97,13 +107,51 @@ def merge_local_catalogs(
                 )
             if layout is not None and layout not in have["layouts"]:
                 have["layouts"].append(layout)
-    return {
+            if rec.get("aliases"):  # keys viewing this atom's tensor, on any rank
+                have["aliases"] = sorted(set(have.get("aliases", ())) | set(rec["aliases"]))
+    out = {
         "format": FORMAT,
         "version": VERSION,
         "writer": dict(writer),
         "topology": {"world_size": world_size if world_size is not None else len(local_cats), "meshes": meshes},
         "atoms": atoms,
     }
+    if raw:
+        out["raw_optimizers"] = raw
+    return out
+
+
+def merge_raw_optimizers(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[list[int]]]:
+    """The parameter positions of every raw ``optimizer.state_dict()`` saved, which all ranks must list
+    alike: each rank's positions number its own optimizer's parameters, so under pipeline parallelism
+    equal keys name different parameters (checked before the replicas, whose mismatch it explains)."""
+    raw: dict[str, list[list[int]]] = {}
+    for cat in local_cats:
+        for prefix, groups in ((cat or {}).get("raw_optimizers") or {}).items():
+            if raw.setdefault(prefix, groups) != groups:
+                raise raw_optimizer_error(
+                    prefix,
+                    f"the raw optimizer.state_dict() '{prefix}' lists other parameter positions on different ranks "
+                    f"({raw[prefix]} and {groups}): each rank's positions number its own optimizer's parameters "
+                    "(pipeline stages), so equal keys would name different parameters",
+                    raw[prefix],
+                    groups,
+                )
+    return raw
+
+
+RAW_HINT = (
+    "build the state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) and "
+    "load it back with set_state_dict: it keys optimizer state by parameter name (FQN), which any layout and "
+    "parameter order can load; a raw optimizer.state_dict() loads only into an optimizer that lists the same "
+    "parameters in the same order"
+)
+"""What DCP's docs advise for optimizer state, as the hint of every refusal of the raw form."""
+
+
+def raw_optimizer_error(prefix: str, message: str, saved: Any, wanted: Any) -> ParamGroupError:
+    """A refusal of a raw ``optimizer.state_dict()`` (parameters keyed by position) at ``prefix``."""
+    return ParamGroupError(message, atom=f"{prefix}.param_groups", saved=saved, wanted=wanted, hint=RAW_HINT)
 
 
 def read_catalog(planner_data: Any) -> dict[str, Any] | None:

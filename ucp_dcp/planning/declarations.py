@@ -11,16 +11,28 @@ atoms (one of the two loads would silently overwrite the other).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import AmbiguousLayoutError, PatternError, UCPError
 from ..layout.patterns import Rule, Tied, describe, rule_to_json
+from .catalog import RAW_HINT, raw_optimizer_error
 from .entries import local_tensor
+from .ties import storage_identity
 
-__all__ = ["with_map_note", "tie_problem", "alias_problems", "rule_conflicts", "reduce_problem"]
+__all__ = [
+    "with_map_note",
+    "tie_problem",
+    "alias_problems",
+    "rule_conflicts",
+    "reduce_problem",
+    "raw_optimizer_problems",
+    "check_raw_params",
+    "raw_params_sink",
+    "with_raw_note",
+]
 
 _MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
 
@@ -46,29 +58,43 @@ def with_map_note(err: UCPError, saved_maps: Iterable[str], load_maps: Iterable[
     )
 
 
-def tie_problem(r: Any, saved_lookup: Any, saved_rules: Sequence[Rule], rules: Sequence[Rule]) -> UCPError | None:
+def tie_problem(r: Any, saved: Any, saved_rules: Sequence[Rule], rules: Sequence[Rule]) -> UCPError | None:
     """A target entry a ``Tied`` rule renamed to another parameter's atom, while the checkpoint
-    holds the entry's own atom and was not saved with that tie: loading the tied atom would replace
-    the saved values (``rules``: this load's declared rules)."""
+    holds the entry's own atom and was not saved with that tie: accepted when the checkpoint shows
+    the two saved atoms are bitwise one value (its digests agree, or they were one tensor at save),
+    refused otherwise, since loading the tied atom would replace the saved values (``saved``: the
+    :class:`~ucp_dcp.planning.load_steps.SavedIndex`, ``rules``: this load's declared rules)."""
     own = r.entry.atom
     if not r.tied or own.param == r.atom.param:
         return None
     rule = next((x for x in rules if isinstance(x, Tied) and x.param == r.atom.param), None)
-    if rule is None or rule in saved_rules or saved_lookup(own.name) is None:
+    if rule is None or rule in saved_rules or saved.lookup(own.name) is None:
         return None
+    same = saved.same_value(own.name, r.atom.name)
+    if same:
+        return None
+    why = (
+        "their saved values differ (their digests disagree)"
+        if same is False
+        else "the checkpoint cannot show they are equal (no checksums, or saved in other chunks)"
+    )
     return PatternError(
         f"rule {describe(rule)} (declared at load, not at save) loads '{r.atom.name}' into '{r.entry.key}', "
-        f"but the checkpoint holds '{own.name}' as an atom of its own: its saved values would be replaced",
+        f"but the checkpoint holds '{own.name}' as an atom of its own and {why}: its saved values would be replaced",
         atom=own.name,
         saved=f"'{own.name}' and '{r.atom.name}' saved separately",
         wanted=f"tied to '{r.atom.param}'",
-        hint="drop the Tied rule at load to load each saved atom into its own parameter (the model then "
-        "starts untied), or save the job with the tie declared",
+        hint=f"drop the Tied rule and give '{r.entry.key}' a tensor of its own (untie the tied parameters): each saved "
+        "atom then loads into its own key; tie them afterwards with the value you choose",
     )
 
 
-def alias_problems(resolved: Sequence[Any]) -> list[UCPError]:
-    """Target keys whose local memory overlaps but which load different atoms."""
+def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | None]) -> tuple[list[UCPError], set[str]]:
+    """Target keys whose local memory overlaps but which load different atoms, unless they view one
+    tensor the same way and the checkpoint holds one value for both (``same``, see
+    :meth:`~ucp_dcp.planning.load_steps.SavedIndex.same_value`): a tied model loading its own tie.
+    Also returns the keys whose reads would only repeat another key's (the later views of one tensor
+    that loads one value): they need no reads of their own."""
     spans: dict[tuple[str, int], list[tuple[int, int, Any]]] = {}
     for r in resolved:
         if not r.present or not isinstance(r.value, torch.Tensor):
@@ -81,22 +107,39 @@ def alias_problems(resolved: Sequence[Any]) -> list[UCPError]:
         hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
         spans.setdefault((str(t.device), st.data_ptr()), []).append((lo, hi, r))
     out: list[UCPError] = []
+    repeats: set[str] = set()
     for items in spans.values():
         items.sort(key=lambda x: x[0])
         for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
-            if lo2 < hi1 and not set(a.atoms) & set(b.atoms):
-                out.append(
-                    AmbiguousLayoutError(
-                        f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "
-                        f"({sorted(a.atoms)[0]!r} and {sorted(b.atoms)[0]!r}): one load would overwrite the other",
-                        atom=sorted(b.atoms)[0],
-                        saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]],
-                        wanted="one value",
-                        hint="if they are one tied parameter, declare Tied(<param>, [<alias>]) at save and load (its "
-                        "copies are then one atom); otherwise give each key its own tensor",
-                    )
+            if lo2 >= hi1:
+                continue
+            one_view = len(a.atoms) == len(b.atoms) == 1 and storage_identity(a.value) == storage_identity(b.value)
+            if set(a.atoms) & set(b.atoms):
+                if one_view and set(a.atoms) == set(b.atoms) and not a.fills and not b.fills:
+                    repeats.add(b.entry.key)  # one tensor, one atom (a declared tie): read once
+                continue
+            equal = same(next(iter(a.atoms)), next(iter(b.atoms))) if one_view else None
+            if equal:
+                repeats.add(b.entry.key)  # both keys view one tensor that receives one value
+                continue
+            why = {
+                False: "the checkpoint holds different values for them",
+                None: "the checkpoint cannot show they hold one value (saved separately, without ucp_dcp's "
+                "checksums or in other chunks)",
+            }[equal if one_view else None]
+            out.append(
+                AmbiguousLayoutError(
+                    f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "
+                    f"({sorted(a.atoms)[0]!r} and {sorted(b.atoms)[0]!r}): {why}, and one load would overwrite "
+                    "the other",
+                    atom=sorted(b.atoms)[0],
+                    saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]],
+                    wanted="one value",
+                    hint=f"give '{b.entry.key}' a tensor of its own (untie the tied parameters) to load each saved value "
+                    "into its own key, then tie them with the value you choose",
                 )
-    return out
+            )
+    return out, repeats
 
 
 _LAYOUT_FIELDS = {
@@ -185,3 +228,87 @@ def reduce_problem(r: Any, catalog: dict[str, Any] | None) -> UCPError | None:
         wanted=f"reduce:{r.reduce.op}",
         hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it",
     )
+
+
+def raw_optimizer_problems(
+    target_raw: Mapping[str, list[list[int]]], catalog: Mapping[str, Any] | None, target_names: Iterable[str]
+) -> list[UCPError]:
+    """Raw ``optimizer.state_dict()`` values (parameters keyed by position) that this load cannot fill
+    exactly: positions other than the checkpoint's (another parameter order or count, another
+    pipeline stage), or one side keyed by position and the other by name. Stock checkpoints (no
+    catalog) are checked when their ``params`` lists are read."""
+    if catalog is None:
+        return []
+    saved_raw: dict[str, list[list[int]]] = catalog.get("raw_optimizers", {})
+    out: list[UCPError] = []
+    for prefix, groups in target_raw.items():
+        if prefix not in saved_raw:
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the target's '{prefix}' is a raw optimizer.state_dict() (parameters keyed by position), but the "
+                    "checkpoint does not hold it in that form (its optimizer state is keyed by parameter name, or absent)",
+                    "keyed by name",
+                    groups,
+                )
+            )
+        elif saved_raw[prefix] != groups:
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the checkpoint's raw optimizer.state_dict() '{prefix}' lists parameter positions "
+                    f"{saved_raw[prefix]}, the target's {groups}: position i would name another parameter",
+                    saved_raw[prefix],
+                    groups,
+                )
+            )
+    names = list(target_names)
+    for prefix in sorted(set(saved_raw) - set(target_raw)):
+        if any(n.startswith((f"{prefix}.state.", f"{prefix}.param_groups.")) for n in names):
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the checkpoint holds '{prefix}' as a raw optimizer.state_dict() (parameters keyed by position), "
+                    "the target keys it by parameter name: positions cannot be matched to names",
+                    saved_raw[prefix],
+                    "keyed by name",
+                )
+            )
+    return out
+
+
+def raw_params_sink(r: Any, target_raw: Mapping[str, Any]) -> Callable[[Any], None] | None:
+    """Where a raw optimizer's ``params`` list goes when read: checked against the target's (a stock
+    checkpoint's positions are only known then), not written; None for any other entry."""
+    a = r.entry.atom
+    prefix = ".".join(map(str, a.prefix[:-1]))
+    if a.kind != "param_group" or a.suffix != ("params",) or prefix not in target_raw:
+        return None
+    want = r.value
+    return lambda v: check_raw_params(prefix, v, want)
+
+
+def check_raw_params(prefix: str, saved: Any, wanted: Any) -> None:
+    """A stock checkpoint's ``params`` list of a raw optimizer's group, read, against the target's."""
+    if saved != wanted:
+        raise raw_optimizer_error(
+            prefix,
+            f"the checkpoint's raw optimizer.state_dict() '{prefix}' lists parameter positions {saved} in a group "
+            f"where the target lists {wanted}: position i would name another parameter",
+            saved,
+            wanted,
+        )
+
+
+def with_raw_note(err: UCPError, problems: Sequence[UCPError], raw_prefixes: Iterable[str]) -> UCPError:
+    """``err`` with a note when some problem concerns a raw ``optimizer.state_dict()`` of the target (a
+    stock checkpoint's, whose positions are not recorded): a position naming another parameter than at
+    save shows up as a shape mismatch or a missing key, whose own hint would not say why."""
+    hit = sorted({x for x in raw_prefixes for p in problems if (p.atom or "").startswith(x + ".")})
+    if not hit:
+        return err
+    note = (
+        f"'{hit[0]}' is a raw optimizer.state_dict(): its state is keyed by parameter position, and a position "
+        "that named another parameter at save shows up as the problem above."
+    )
+    return type(err)(f"{err.message}\n{note}", atom=err.atom, saved=err.saved, wanted=err.wanted, hint=RAW_HINT)

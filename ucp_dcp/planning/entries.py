@@ -19,14 +19,24 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import ShardedTensor, flatten_state_dict, is_checkpointable_tensor
+from .._compat import ShardedTensor, flatten_state_dict, is_checkpointable_tensor, set_element
 from .._compat import local_tensor as dtensor_local
 from ..errors import ParamGroupError
 from ..layout.fragments import LocalShards
 from ..layout.naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
 from ..layout.shards import LocalShard, sharded_tensor_shards
 
-__all__ = ["Entry", "GroupTarget", "GROUP_ONLY_KEYS", "collect_entries", "is_sharded", "local_tensor", "shard_memory"]
+__all__ = [
+    "Entry",
+    "GroupTarget",
+    "GROUP_ONLY_KEYS",
+    "collect_entries",
+    "raw_optimizers",
+    "set_value",
+    "is_sharded",
+    "local_tensor",
+    "shard_memory",
+]
 
 GROUP_ONLY_KEYS = ("params", "param_names")
 """Param-group keys that describe membership, not hyperparameters."""
@@ -188,6 +198,21 @@ def collect_entries(
     return entries, groups
 
 
+def raw_optimizers(
+    state_dict: Mapping[str, Any], rules: NameRules, rewrite: Callable[[Path], Path] | None = None
+) -> dict[str, list[list[int]]]:
+    """Per raw ``optimizer.state_dict()`` in ``state_dict`` (by canonical dotted path), its groups'
+    parameter positions: what tells, without names, whether two optimizers list the same parameters."""
+    rw = rewrite or (lambda p: p)
+    return {
+        ".".join(map(str, rw(rules.canonical_path(c)))): [
+            list(g["params"]) for g in _get(state_dict, c)["param_groups"]
+        ]
+        for c, form in find_optimizer_containers(state_dict).items()
+        if form == OptimizerForm.RAW
+    }
+
+
 def _get(d: Mapping[str, Any], path: Path) -> Any:
     for p in path:
         d = d[next(k for k in d if str(k) == p)]
@@ -221,3 +246,27 @@ def shard_memory(value: torch.Tensor, shards: Sequence[LocalShard]) -> torch.Ten
         shards[0].tensor.dtype if shards else value.dtype,
         shards[0].tensor.device if shards else torch.device("cpu"),
     )
+
+
+def set_value(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Put a loaded object at its flatten ``path`` in the target. DCP's paths hold dict keys as
+    strings: the existing key that prints as the segment (``1`` for ``"1"``) is the one replaced,
+    where DCP's ``set_element`` adds a second key ``"1"`` and leaves ``1`` as it was."""
+    node: Any = root
+    for i, seg in enumerate(path):
+        if isinstance(node, dict):
+            key = seg if seg in node else next((k for k in node if str(k) == seg), _ABSENT)
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            key = seg
+        else:
+            key = _ABSENT
+        if key is _ABSENT:
+            break
+        if i == len(path) - 1:
+            node[key] = value
+            return
+        node = node[key]
+    set_element(root, path, value)  # a path the target lacks: DCP's way (it creates it)
+
+
+_ABSENT = object()

@@ -21,9 +21,18 @@ from ..layout.structure import check_map_orders, check_mesh_collisions, map_orde
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .catalog import read_catalog
 from .consistency import check_rule_usage, zero_like
-from .declarations import alias_problems, reduce_problem, rule_conflicts, tie_problem, with_map_note
+from .declarations import (
+    alias_problems,
+    raw_optimizer_problems,
+    raw_params_sink,
+    reduce_problem,
+    rule_conflicts,
+    tie_problem,
+    with_map_note,
+    with_raw_note,
+)
 from .device import needs_staging, split_reads, staging_forced
-from .entries import GroupTarget
+from .entries import GroupTarget, raw_optimizers, set_value
 from .forgotten_maps import check_forgotten_maps, map_reads
 from .load_steps import (
     SavedIndex,
@@ -180,6 +189,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, self._groups = self._resolver.resolve_state_dict(state_dict, for_load=True)
         self._targets: dict[str, Resolved] = {r.entry.key: r for r in resolved}
+        self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.entry.key: r.value for r in resolved}
         self.mappings = {r.entry.key: r.entry.path for r in resolved}
 
@@ -196,11 +206,15 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
-        problems += alias_problems(list(self._targets.values()))
+        aliased, repeats = alias_problems(list(self._targets.values()), saved.same_value)
+        problems += aliased
+        raw = raw_optimizer_problems(self._raw, self._catalog, (r.name for r in self._targets.values()))
+        if raw:  # keys by position that name other parameters: every other problem follows from it
+            raise combine_problems(raw)
         for r in self._targets.values():
             if not r.present:
                 continue
-            tied = tie_problem(r, saved.lookup, self._saved_rules, self.rules)
+            tied = tie_problem(r, saved, self._saved_rules, self.rules)
             if tied is None:
                 tied = reduce_problem(r, self._catalog)
             if tied is not None:
@@ -209,6 +223,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             keeps_total = self.is_coordinator if self.data_slot is None else self.data_slot == 0
             if r.reduce is not None and r.reduce.op == "sum" and not keeps_total:
                 self._zero.append(r)  # the coordinator takes the total; the next save sums right
+                continue
+            if r.entry.key in repeats:  # a tied key: the tensor's first key reads its value
                 continue
             try:
                 entry, missing = entry_reads(r, saved, self.allow_lossy_dtype)
@@ -219,7 +235,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self.missing_atoms += missing
             keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
-                self._sinks[r.entry.key] = lambda v, path=r.entry.path: _set_value(self.original_state_dict, path, v)
+                self._sinks[r.entry.key] = raw_params_sink(r, self._raw) or (
+                    lambda v, path=r.entry.path: set_value(self.original_state_dict, path, v)
+                )
         for g in self._stock_groups(saved, problems):
             try:
                 group, sinks, missing = group_reads(g, saved, self._resolver)
@@ -239,9 +257,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 ", ".join(self.missing_atoms[:10]),
             )
         if problems:
-            raise with_map_note(
+            err = with_map_note(
                 combine_problems(problems), (self._catalog or {}).get("maps", []), [m.key for m in self.maps]
             )
+            raise with_raw_note(err, problems, self._raw)
         self._patterns.note_names(saved_names(self.metadata, self._catalog))
         # reads into device targets are cut to the staging buffer's size (bounded host memory,
         # also for pieces other ranks send)
@@ -369,30 +388,6 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         r = self._targets[read_item.dest_index.fqn]
         region = r.fragments[read_item.dest_index.index].view(r.local)
         return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
-
-
-def _set_value(root: STATE_DICT_TYPE, path: tuple[Any, ...], value: Any) -> None:
-    """Put a loaded object at its flatten ``path`` in the target. DCP's paths hold dict keys as
-    strings: the existing key that prints as the segment (``1`` for ``"1"``) is the one replaced,
-    where DCP's ``set_element`` adds a second key ``"1"`` and leaves ``1`` as it was."""
-    node: Any = root
-    for i, seg in enumerate(path):
-        if isinstance(node, dict):
-            key = seg if seg in node else next((k for k in node if str(k) == seg), _ABSENT)
-        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
-            key = seg
-        else:
-            key = _ABSENT
-        if key is _ABSENT:
-            break
-        if i == len(path) - 1:
-            node[key] = value
-            return
-        node = node[key]
-    set_element(root, path, value)  # a path the target lacks: DCP's way (it creates it)
-
-
-_ABSENT = object()
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:

@@ -39,6 +39,7 @@ from ..layout.naming import AtomName, NameRules, OptimizerForm
 from .catalog import read_catalog
 from .entries import Entry, GroupTarget
 from .resolve import Resolved, Resolver
+from .ties import catalog_aliases, saved_equal
 
 __all__ = [
     "GROUP_SINK",
@@ -164,7 +165,10 @@ class SavedIndex:
     def __init__(self, md: Metadata, rules: NameRules) -> None:
         self.md = md
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
-        atoms = (read_catalog(md.planner_data) or {}).get("atoms", {})
+        catalog = read_catalog(md.planner_data)
+        atoms = (catalog or {}).get("atoms", {})
+        self.aliases = catalog_aliases(catalog)
+        """Alias atom -> the atom saved for it (keys that were one tensor at save)."""
         self.by_atom: dict[str, str] = {}
         self.clashes: dict[str, list[str]] = {}
         for key in md.state_dict_metadata:
@@ -186,7 +190,20 @@ class SavedIndex:
                 saved=self.clashes[atom],
                 hint="load with name_rules that keep the distinguishing segment",
             )
-        return self.by_atom.get(atom)
+        found = self.by_atom.get(atom)
+        if found is None and atom in self.aliases:  # one tensor with another key at save: saved once
+            return self.lookup(self.aliases[atom])
+        return found
+
+    def same_value(self, a: str, b: str) -> bool | None:
+        """Whether atoms ``a`` and ``b`` hold one value in the checkpoint: one atom with aliases, or two
+        saved atoms whose digests agree (None: the checkpoint cannot tell, see :func:`saved_equal`)."""
+        if self.aliases.get(a, a) == self.aliases.get(b, b):
+            return True
+        ka, kb = self.lookup(a), self.lookup(b)
+        if ka is None or kb is None:
+            return None
+        return True if ka == kb else saved_equal(self.md, ka, kb)
 
     def chunks(self, key: str) -> ChunkIndex:
         if key not in self._chunks:

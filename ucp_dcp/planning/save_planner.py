@@ -20,7 +20,9 @@ from ..layout.patterns import Patterns
 from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .averaging import exchange_averages
+from .catalog import merge_raw_optimizers
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
+from .entries import raw_optimizers
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .resolve import Resolver
 from .save_steps import (
@@ -32,6 +34,7 @@ from .save_steps import (
     merge_cached,
     structures_by_hash,
 )
+from .ties import fold_shared_storage
 
 __all__ = ["UCPSavePlanner"]
 
@@ -149,10 +152,13 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._patterns = Patterns(self.rules, strict=self.strict)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
+        # keys viewing one tensor (a tied embedding and head) are one atom, found from the state itself
+        resolved, alias_paths = fold_shared_storage(resolved)
         self._resolved, self._ties = live_entries(resolved)
         for r in self._resolved:
             _check_savable(r.name, r.value)
-        self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()}
+        self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()} | alias_paths
+        self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.name: r.value for r in self._resolved}
         self.is_coordinator = is_coordinator
 
@@ -164,6 +170,7 @@ class UCPSavePlanner(DefaultSavePlanner):
             self.mappings,
             self.check_replicas,
             defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error",
+            raw_optimizers=self._raw,
         )
         payload = local_payload(
             self._local, self._resolved, self._ties, self._patterns, self.options, self.is_coordinator
@@ -199,7 +206,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         maps = {m.key: m.total for m in self.maps}
         check_rule_usage(self._patterns, [p.usage for p in payloads], maps, "at save")
         structures = structures_by_hash([p.packed for p in payloads], cache.structures)
-        # facts before declarations: whole tensors from different meshes are not replicas
+        # facts before declarations: whole tensors from different meshes are not replicas, nor are raw
+        # optimizer entries of ranks that number other parameters
+        merge_raw_optimizers([st.catalog for st in structures.values()])
         meshes = catalog_meshes([st.catalog for st in structures.values()])
         check_mesh_collisions(meshes, tied_atoms(self._patterns, structures.values()), "at save")
         check_replica_digests(payloads, structures, self.check_replicas, meshes)

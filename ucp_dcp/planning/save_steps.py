@@ -58,6 +58,7 @@ from .payloads import (
     dtype_of,
 )
 from .resolve import Resolved
+from .ties import catalog_aliases, check_aliases
 
 __all__ = [
     "LocalPlan",
@@ -145,9 +146,14 @@ class _AtomTable:
 
 
 def build_local(
-    resolved: list[Resolved], mappings: dict[str, Any], check_replicas: str, defer_pieces: bool = False
+    resolved: list[Resolved],
+    mappings: dict[str, Any],
+    check_replicas: str,
+    defer_pieces: bool = False,
+    raw_optimizers: dict[str, list[list[int]]] | None = None,
 ) -> LocalPlan:
-    """This rank's items (one per piece of local memory, or per object), reduced values and digests."""
+    """This rank's items (one per piece of local memory, or per object), reduced values and digests;
+    ``raw_optimizers`` (the parameter positions of raw ``optimizer.state_dict()`` values) go to the catalog."""
     table = _AtomTable()
     rows: list[tuple[int, ItemKind, Offsets, Offsets]] = []
     pieces: dict[PieceKey, tuple[Resolved, Fragment | None]] = {}
@@ -171,7 +177,7 @@ def build_local(
         table.shapes,
         table.dtypes,
         mappings,
-        _local_catalog(resolved),
+        _local_catalog(resolved, raw_optimizers),
         whole_digests=sorted(a for a, box in digests if box is None),
         piece_digests=sorted((a, box.offsets, box.sizes) for a, box in digests if box is not None),
     )
@@ -204,9 +210,11 @@ def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Frag
     return out
 
 
-def _local_catalog(resolved: list[Resolved]) -> dict[str, Any]:
+def _local_catalog(resolved: list[Resolved], raw_optimizers: dict[str, list[list[int]]] | None) -> dict[str, Any]:
     """This rank's catalog records, meshes interned."""
     cat = cat_mod.local_catalog()
+    if raw_optimizers:
+        cat["raw_optimizers"] = raw_optimizers
     for r in resolved:
         for name, rec in r.atoms.items():
             rec = dict(rec)
@@ -398,7 +406,10 @@ def global_plan(
     catalog["maps"] = sorted(map_keys)
     if map_orders:
         catalog["map_orders"] = dict(sorted(map_orders.items()))
-    planner_data: dict[str, Any] = {k: mappings[k] for k in sdm if k in mappings}
+    check_aliases(catalog)
+    aliases = catalog_aliases(catalog)
+    # an alias's flatten path too: ucp_dcp's writer adds it to the metadata as a key of the same bytes
+    planner_data: dict[str, Any] = {k: mappings[k] for k in [*sdm, *aliases] if k in mappings}
     planner_data[cat_mod.CATALOG_KEY] = catalog
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)
     averages = average_writers(payloads, result.items, result.keep, [result.structures[s] for s in result.structure_of])

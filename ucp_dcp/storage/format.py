@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .._compat import dtype_of_storage_type, torch_file_reader
 from ..errors import CorruptCheckpointError
+from ..planning.ties import IO_KEY, item_key  # defined with the planner, which compares saved digests
 
 __all__ = [
     "IO_KEY",
@@ -47,9 +48,6 @@ __all__ = [
     "chunk_meta",
 ]
 
-IO_KEY = "__ucp_io__"
-"""Reserved ``MetadataIndex.fqn`` of the ``Metadata.storage_data`` entry holding ucp_dcp's I/O
-information (per-item tensor data offsets and block checksums); builtins only."""
 BLOCK = 1 << 20
 """Checksum block: 1 MiB of tensor bytes."""
 IO_VERSION = 3
@@ -301,11 +299,6 @@ def blocks_touching(intervals: Sequence[tuple[int, int]], nbytes: int, block: in
         return []
     arr = np.array(widened, dtype=np.int64)
     return merge_intervals(arr[:, 0], arr[:, 1])
-
-
-def item_key(index: MetadataIndex) -> str:
-    """Builtins key of a stored item in the ``__ucp_io__`` table."""
-    return f"{index.fqn}|{','.join(map(str, index.offset or ()))}"
 
 
 def read_key(item: ReadItem) -> str:

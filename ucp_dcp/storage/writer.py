@@ -48,6 +48,7 @@ from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, met
 from ..errors import ReplicaMismatchError, UCPError
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
+from ..planning.ties import add_alias_keys
 from .commit import commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
@@ -397,6 +398,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                 storage[wr.index] = info
                 files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
         check_replica_copies(copies, table)  # before the commit: a refused save leaves the last checkpoint
+        add_alias_keys(metadata, storage, table)  # tied keys: bytes written once, every name readable
         storage[MetadataIndex(IO_KEY)] = {
             "version": IO_VERSION,
             "block": BLOCK,

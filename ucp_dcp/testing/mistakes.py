@@ -38,7 +38,7 @@ ALTERABLE = ("fused_wqkv", "fused_w13", "tied", "padded", "reduce", "stage_map",
 """Rules with a meaningful wrong value (``mistake_runs._altered``); a ``Replicated`` rule has none (its ``check`` mode
 matters only with a perturbed replica, which ``perturb`` covers)."""
 PERTURB = ("tp_norm", "hsdp", "plain")
-VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_map", "param group")
+VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_map", "param group", "raw optimizer")
 """Words a refusal's message or hint may use to name the cause; a refusal that does not name the mistaken
 rule (:func:`names_cause`) still counts as refused but is listed apart ("refused, other cause")."""
 
@@ -201,6 +201,7 @@ def names_cause(r: dict) -> bool:
         "hsdp": "replica",
         "plain": "replica",
         "reorder": "param group",
+        "raw": "raw optimizer",  # the state-form runs (ucp_dcp.testing.mistake_forms)
     }.get(target, target)
     return word in r.get("mentions", [word])
 

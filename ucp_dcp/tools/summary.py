@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UCPError
 from ..planning.catalog import read_catalog
+from ..planning.ties import catalog_aliases
 from ..storage.commit import Integrity, open_checkpoint, scan
 from ..storage.opening import filesystem, step_folders
 from .summary_text import _HP_ORDER, _mesh_text, _topology_text, format_steps, format_summary
@@ -110,9 +111,11 @@ def summarize(
     cat_atoms = (catalog or {}).get("atoms", {})
     kinds = atom_kinds(md, catalog)
     found = read_values(path, md) if path is not None and values else {}
+    aliases = catalog_aliases(catalog)
     sizes: dict[str, int] = {}
     for index, info in (md.storage_data or {}).items():
-        sizes[index.fqn] = sizes.get(index.fqn, 0) + int(getattr(info, "length", 0))
+        if index.fqn not in aliases:  # an alias's entries point at its atom's bytes, stored once
+            sizes[index.fqn] = sizes.get(index.fqn, 0) + int(getattr(info, "length", 0))
     atoms = {}
     for name, smd in sorted(md.state_dict_metadata.items()):
         rec = cat_atoms.get(name, {})
@@ -125,9 +128,9 @@ def summarize(
         else:
             row = {"shape": None, "dtype": None, "chunks": 1}
         row["kind"] = kinds[name]
-        row["pattern"] = rec.get("pattern", "unknown")
-        if rec.get("live"):
-            row["live"] = rec["live"]
+        row["pattern"] = "alias" if name in aliases else rec.get("pattern", "unknown")
+        if rec.get("live") or name in aliases:  # an alias: the atom whose tensor it was at save
+            row["live"] = rec.get("live") or aliases[name]
         row["layouts"] = _layouts(rec, catalog)
         row["bytes"] = sizes.get(name, 0)
         got = found.get(name)

@@ -19,6 +19,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
+from ..planning.catalog import read_catalog
+from ..planning.ties import catalog_aliases
 from ..storage.format import HASHES, IO_KEY, block_hash, item_key
 from ..storage.tiles import saved_tile_grid, tile_checksums
 
@@ -227,9 +229,13 @@ def _items(md: Metadata) -> dict[str, list[_Item]]:
         for c in smd.chunks
     }
     out: dict[str, list[_Item]] = {}
-    for index, info in (md.storage_data or {}).items():
+    storage = md.storage_data or {}
+    aliases = catalog_aliases(read_catalog(md.planner_data))
+    for index, info in storage.items():
         if index.fqn == IO_KEY:
             continue
+        if index.fqn in aliases and storage.get(MetadataIndex(aliases[index.fqn], index.offset)) == info:
+            continue  # a tied key: its entries point at its atom's bytes, checked once there
         smd = md.state_dict_metadata.get(index.fqn)
         shape, itemsize = None, 1
         if isinstance(smd, TensorStorageMetadata):
