@@ -359,13 +359,16 @@ def test_sets_digest_alike_whatever_the_hash_seed():
         "from ucp_dcp.planning.digests import value_digest; "
         "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))"
     )
-    outs = {
-        subprocess.run(
+    # the three interpreters start at once: each spends its time importing torch
+    procs = [
+        subprocess.Popen(
             [sys.executable, "-c", code],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
             env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
-        ).stdout.strip()
+        )
         for seed in (1, 2, 3)
-    }
+    ]
+    outs = {p.communicate(timeout=300)[0].strip() for p in procs}
     assert len(outs) == 1 and outs != {""} and outs != {"None"}, outs

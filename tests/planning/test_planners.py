@@ -287,17 +287,22 @@ def test_inspect_cli(tmp_path):
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ucp", planner=UCPSavePlanner())
     dcp.save({"model": msd}, checkpoint_id=tmp_path / "stock", planner=DefaultSavePlanner())
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", *a], capture_output=True, text=True)
-    out = run(str(tmp_path / "ucp"), "--json")
-    assert out.returncode == 0, out.stderr
-    s = json.loads(out.stdout)
+    # the three commands start at once: each spends its time importing torch
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ucp_dcp", "inspect", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for a in ([str(tmp_path / "ucp"), "--json"], [str(tmp_path / "stock")], [str(tmp_path / "nothing")])
+    ]
+    (out, err), (text, _), _ = (p.communicate(timeout=300) for p in procs)
+    assert procs[0].returncode == 0, err
+    s = json.loads(out)
     assert s["ucp_catalog"] and s["topology"]["world_size"] == 1
     row = s["atoms"]["optim.state.emb.weight.exp_avg"]
     assert row["shape"] == [10, 6] and row["dtype"] == "float32" and row["kind"] == "optim_state"
     assert row["chunks"] == 1 and row["bytes"] > 240
-    text = run(str(tmp_path / "stock")).stdout
     assert "source topology: unknown" in text and "model.emb.weight" in text
-    assert run(str(tmp_path / "nothing")).returncode == 2
+    assert procs[2].returncode == 2
 
 
 def test_errors_survive_pickle_and_helpers_unwrap():

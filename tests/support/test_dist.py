@@ -56,7 +56,7 @@ def _hang_on_rank_0(rank, world):
     [
         (_fail_on_rank_1, ["--- rank 1: Traceback", "ValueError: rank one says no", "still running"]),
         (_die_on_rank_1, ["rank 1: the process died (exit code 7)", "rank 1 about to go"]),
-        (_hang_on_rank_0, ["rank 0: no result after 5s: hung", 'test_dist.py", line', "in _hang_on_rank_0"]),
+        (_hang_on_rank_0, ["rank 0: no result after 3s: hung", 'test_dist.py", line', "in _hang_on_rank_0"]),
     ],
     ids=["raises", "dies", "hangs"],
 )
@@ -64,7 +64,7 @@ def test_a_failing_rank_is_reported_and_the_pool_starts_afresh(fn, expected):
     # on the 2-process pool: a restart costs half the workers of the 4-process one most tests share
     before = [r[4] for r in D.run(_identity, 2, "before")]
     with pytest.raises(AssertionError) as info:
-        D.run(fn, 2, timeout=5)
+        D.run(fn, 2, timeout=3)
     text = str(info.value)
     for piece in expected:
         assert piece in text, text
