@@ -97,11 +97,11 @@ def _outermost(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def install(cls: type, names: Iterable[str], inherited: bool = False) -> None:
-    """Wrap the hooks ``cls`` itself defines (each subclass), or also those it inherits from DCP's
-    planner (``inherited``: the planner class itself)."""
+def install(cls: type, names: Iterable[str]) -> None:
+    """Wrap each hook ``cls`` resolves to that is not wrapped yet: DCP's inherited ones on the planner
+    class, each subclass's overrides, also those it gets from a mixin listed before the planner."""
     for name in names:
-        fn = getattr(cls, name, None) if inherited else cls.__dict__.get(name)
+        fn = getattr(cls, name, None)
         if callable(fn) and not getattr(fn, "__ucp_outermost__", False):
             setattr(cls, name, _outermost(name, fn))
 
@@ -111,10 +111,10 @@ def overrides(planner: Any, base: type, name: str) -> bool:
     return getattr(type(planner), name) is not getattr(base, name)
 
 
-def refuse_overrides(cls: type, refused: dict[str, str], planner: str) -> None:
-    """Raise at class definition when ``cls`` defines a hook ``planner`` would never call."""
+def refuse_overrides(cls: type, base: type, refused: dict[str, str], planner: str) -> None:
+    """Raise at class definition when ``cls`` replaces a hook of ``base`` that ``planner`` would never call."""
     for name, why in refused.items():
-        if name in cls.__dict__:
+        if getattr(cls, name, None) is not getattr(base, name, None):
             raise UCPError(f"{cls.__qualname__}.{name}: {planner} does not support overriding {name}: {why}", hint=why)
 
 

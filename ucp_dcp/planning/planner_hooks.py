@@ -53,11 +53,11 @@ _DATA_HOOKS = ("resolve_data", "lookup_object", "transform_object")
 
 
 def _set_up_hooks(cls: type, outer: tuple[str, ...], refused: dict[str, str], name: str) -> None:
-    if "_hook_base" not in cls.__dict__ and not any("_hook_base" in c.__dict__ for c in cls.__mro__[1:]):
-        cls._hook_base = cls  # type: ignore[attr-defined]  # the planner class itself: wrap what it inherits too
-        install(cls, outer, inherited=True)
-        return
-    refuse_overrides(cls, refused, name)
+    base = next((c for c in cls.__mro__[1:] if "_hook_base" in c.__dict__), None)
+    if base is None:
+        cls._hook_base = cls  # type: ignore[attr-defined]  # the planner class itself
+    else:
+        refuse_overrides(cls, base, refused, name)
     install(cls, outer)
 
 
@@ -205,8 +205,21 @@ class LoadHooks:
 
     def _scratch_for(self, read_item: ReadItem, target: torch.Tensor, saved: torch.dtype) -> torch.Tensor:
         """A tensor of the saved dtype to read into; ``_outer_commit_tensor`` converts it into ``target``."""
-        scratch = torch.empty(tuple(read_item.lengths), dtype=saved)
         atom = self._targets[read_item.dest_index.fqn].fragments[read_item.dest_index.index or 0].atom
+        if overrides(self, self._hook_base, "resolve_tensor"):
+            # DCP's resolve_tensor returns the destination; an override building on it would get the
+            # scratch (another dtype) or skip the range check
+            raise UCPError(
+                f"atom '{atom}': saved dtype {saved}, target dtype {target.dtype}: a narrowing conversion, checked "
+                f"on a scratch tensor of the saved dtype, which an override of resolve_tensor "
+                f"({type(self).__name__}) would receive instead of the destination",
+                atom=atom,
+                saved=saved,
+                wanted=target.dtype,
+                hint="pass allow_lossy_dtype=True (super().resolve_tensor then returns the destination and the "
+                "reader converts as Tensor.copy_ does, as DCP's), or load into a target of the saved dtype",
+            )
+        scratch = torch.empty(tuple(read_item.lengths), dtype=saved)
         # by storage address: the reader may hand back a detached alias of it
         self._scratch[id(read_item)] = (scratch.untyped_storage().data_ptr(), target, atom)
         return scratch
