@@ -174,6 +174,7 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
         self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()} | alias_paths
         self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.name: r.value for r in self._resolved}
+        self._keys = {a: r.entry.key for r in self._resolved for a in r.atoms}
         self._state_view = state_view(self.state_dict)
         self.is_coordinator = is_coordinator
 
@@ -315,6 +316,11 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
             return averaged
         # a conjugate or negative view is saved as the values it shows (the writer copies bytes)
         return f.view(r.local).detach().resolve_conj().resolve_neg()
+
+    def key_of(self, index: MetadataIndex) -> str:
+        """The flattened key (DCP's ``index.fqn``) of the state-dict entry atom ``index.fqn`` comes from:
+        a ``lookup_object`` override that looks values up by the user's keys maps the atom name with it."""
+        return self._keys[index.fqn]
 
     def replica_copies(self) -> list[tuple[MetadataIndex, torch.Tensor]]:
         """This rank's copies of replicated pieces another rank writes (``replica_digests="writer"``):
