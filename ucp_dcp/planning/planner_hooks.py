@@ -206,19 +206,6 @@ class LoadHooks:
     def _scratch_for(self, read_item: ReadItem, target: torch.Tensor, saved: torch.dtype) -> torch.Tensor:
         """A tensor of the saved dtype to read into; ``_outer_commit_tensor`` converts it into ``target``."""
         atom = self._targets[read_item.dest_index.fqn].fragments[read_item.dest_index.index or 0].atom
-        if overrides(self, self._hook_base, "resolve_tensor"):
-            # DCP's resolve_tensor returns the destination; an override building on it would get the
-            # scratch (another dtype) or skip the range check
-            raise UCPError(
-                f"atom '{atom}': saved dtype {saved}, target dtype {target.dtype}: a narrowing conversion, checked "
-                f"on a scratch tensor of the saved dtype, which an override of resolve_tensor "
-                f"({type(self).__name__}) would receive instead of the destination",
-                atom=atom,
-                saved=saved,
-                wanted=target.dtype,
-                hint="pass allow_lossy_dtype=True (super().resolve_tensor then returns the destination and the "
-                "reader converts as Tensor.copy_ does, as DCP's), or load into a target of the saved dtype",
-            )
         scratch = torch.empty(tuple(read_item.lengths), dtype=saved)
         # by storage address: the reader may hand back a detached alias of it
         self._scratch[id(read_item)] = (scratch.untyped_storage().data_ptr(), target, atom)
@@ -228,11 +215,24 @@ class LoadHooks:
         # a scratch of resolve_tensor is converted into its target here, where no override skips it,
         # and the override is given the target (what DCP's commit_tensor receives)
         scratch = self._scratch.pop(id(read_item), None) if hasattr(self, "_scratch") else None
-        if scratch is not None and tensor.untyped_storage().data_ptr() == scratch[0]:
-            _, target, atom = scratch
-            if tensor.dtype != target.dtype:
-                check_range(atom, tensor, target.dtype)
-            with torch.no_grad():
-                target.copy_(tensor)
-            tensor = target
-        return call(read_item, tensor)
+        if scratch is None:
+            return call(read_item, tensor)
+        ptr, target, atom = scratch
+        if tensor.untyped_storage().data_ptr() != ptr:
+            # an override of resolve_tensor read into a tensor of its own, built from the scratch (another
+            # dtype than DCP's destination) and past the range check
+            raise UCPError(
+                f"atom '{atom}': saved dtype {tensor.dtype}, target dtype {target.dtype}: a narrowing conversion is "
+                f"read into a scratch tensor of the saved dtype and range-checked; the override of resolve_tensor "
+                f"({type(self).__name__}) returned another tensor, which would skip both",
+                atom=atom,
+                saved=tensor.dtype,
+                wanted=target.dtype,
+                hint="pass allow_lossy_dtype=True (super().resolve_tensor then returns the destination and the "
+                "reader converts as Tensor.copy_ does, as DCP's), or load into a target of the saved dtype",
+            )
+        if tensor.dtype != target.dtype:
+            check_range(atom, tensor, target.dtype)
+        with torch.no_grad():
+            target.copy_(tensor)
+        return call(read_item, target)
