@@ -144,6 +144,15 @@ class FP16:
         return item if write_item.type == WriteItemType.BYTE_IO else item.to(torch.float16)
 
 
+class HalfData:
+    """``resolve_data`` alone returning fp16 data for fp32 items: DCP stores the fp16 tensor and converts at
+    load, ucp_dcp converts to the item's dtype at save; either way the load sees fp16-rounded values."""
+
+    def resolve_data(self, write_item):
+        item = super().resolve_data(write_item)
+        return item if write_item.type == WriteItemType.BYTE_IO else item.to(torch.float16)
+
+
 class KeepSecretOut:
     """``create_local_plan`` dropping items: a secret stays out of the checkpoint."""
 
@@ -181,7 +190,7 @@ def _loaded(family, path, target=None, **kw) -> dict:
     return target
 
 
-@pytest.mark.parametrize("pattern", [Redact, Ema, FP16])
+@pytest.mark.parametrize("pattern", [Redact, Ema, FP16, HalfData])
 def test_save_data_hooks_match_dcp(pattern):
     def run(family, path):
         _save(family, path, _state(), pattern)
@@ -193,7 +202,7 @@ def test_save_data_hooks_match_dcp(pattern):
         assert out["secret"] == "<redacted>" and not out["w"].isnan().any()
     if pattern is Ema:
         assert torch.equal(out["w"], torch.full((4, 3), 0.5))
-    if pattern is FP16:  # rounded to fp16 on the way, loaded back into fp32
+    if pattern in (FP16, HalfData):  # rounded to fp16 on the way, loaded back into fp32
         assert torch.equal(out["m"], plain["m"].half().float()) and not torch.equal(out["m"], plain["m"])
 
 
@@ -256,6 +265,13 @@ class ListPlannerData:
         return plans, replace(metadata, planner_data=["per-rank-data"])
 
 
+class WrongSize:
+    """``lookup_object`` giving a value of another size than the item's (DCP would write it as given)."""
+
+    def lookup_object(self, index):
+        return torch.ones(2) if index.fqn == "w" else super().lookup_object(index)
+
+
 class SetUpWithoutSuper:
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         self.state_dict = state_dict
@@ -272,6 +288,7 @@ SAVE_REFUSALS = [
     (DropInGlobalPlan, "create_global_plan changed the plan's items"),
     (DropInFinishPlan, "finish_plan changed the plan's items"),
     (ListPlannerData, "create_global_plan: the metadata's planner_data lost ucp_dcp's catalog"),
+    (WrongSize, "not a tensor of the item's size (4, 3)"),
     (SetUpWithoutSuper, "did not call super().set_up_planner()"),
     (EditAfterSuper, "self.state_dict was changed after UCPSavePlanner.set_up_planner resolved it"),
 ]
