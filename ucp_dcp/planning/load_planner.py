@@ -103,7 +103,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
     As with DCP's planner, ``finish_plan`` may also be given the local plan itself (one process, no
     global step). A missing step raises :class:`UCPError` naming it.
 
-    Subclasses override DCP's hooks with DCP's meaning (``docs/compatibility.md``, "Subclassing the
+    Subclasses override DCP's hooks with DCP's meaning (``docs/concepts.md``, "Subclassing the
     planners"): ``resolve_tensor`` is ``lookup_tensor(dest_index)`` + ``transform_tensor(item, t)``
     (``dest_index.fqn`` is the target's flattened key, ``self.state_dict`` is keyed by them); a
     dtype conversion that needs a range check reads into a scratch tensor, converted into the

@@ -92,7 +92,7 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
     plans this rank alone, so the rank writes everything it holds. A missing step raises
     :class:`UCPError` naming it.
 
-    Subclasses override DCP's hooks with DCP's meaning (``docs/compatibility.md``, "Subclassing the
+    Subclasses override DCP's hooks with DCP's meaning (``docs/concepts.md``, "Subclassing the
     planners"): ``resolve_data`` is ``lookup_object(index)`` + ``transform_object(item, obj)``, where
     ``index.fqn`` is the *atom* name and ``self.state_dict`` is keyed by atom names (the flattened
     key for plain keys; ``self.mappings[atom]`` is its path in the state dict given to

@@ -4,7 +4,7 @@ object) beside the other classes of the harness (:mod:`ucp_dcp.testing.mistakes`
 
 Each hook pattern either does what DCP's planner would do with it (``ok``: the state is bitwise what the
 hook asked for) or is refused with a ``UCPError``; returning with any other state is ``silent`` (the hook was
-ignored). Patterns that ucp_dcp documents as refused (``docs/compatibility.md``) must be refused.
+ignored). Patterns that ucp_dcp documents as refused (``docs/concepts.md``, "Subclassing the planners") must be refused.
 """
 
 from __future__ import annotations
