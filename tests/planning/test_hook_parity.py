@@ -437,6 +437,40 @@ def test_load_local_plan_drops_reads_like_dcp():
     assert torch.equal(out["w"], torch.full((4, 3), 3.0)) and torch.equal(out["m"], _state()["m"])
 
 
+class SeesLoadItems:
+    """Load ``create_global_plan`` reading the gathered reads."""
+
+    def create_global_plan(self, global_plan):
+        self.seen = sorted(it.dest_index.fqn for p in global_plan for it in p.items)
+        return super().create_global_plan(global_plan)
+
+
+def test_load_global_plan_sees_the_reads_like_dcp():
+    def run(family, path):
+        path = _saved(family)
+        planner = _load(family, path, _zeros(), SeesLoadItems)
+        return {"seen": planner.seen}
+
+    assert _assert_parity(_both(run))["seen"] == ["b", "m", "secret", "step", "w"]
+
+
+class EmaByUserKey:
+    """``lookup_object`` by the user's keys: ``key_of`` maps an atom to its flattened key (here the
+    atom drops the ``module.`` wrapper segment)."""
+
+    def lookup_object(self, index):
+        key = self.key_of(index)
+        return torch.full((2,), 0.5) if key == "model.module.x" else super().lookup_object(index)
+
+
+def test_lookup_object_by_the_users_key(tmp_path):
+    ucp = PLANNERS[1]
+    _save(ucp, tmp_path, {"model": {"module.x": torch.ones(2)}}, EmaByUserKey)
+    target = {"model": {"module.x": torch.zeros(2)}}
+    _load(ucp, tmp_path, target)
+    assert torch.equal(target["model"]["module.x"], torch.full((2,), 0.5))
+
+
 def test_load_set_up_planner_edit_matches_dcp():
     def run(family, path):
         path = _saved(family)
@@ -484,9 +518,7 @@ def test_load_hooks_ucp_cannot_carry_are_refused(pattern, words):
     ucp = PLANNERS[1]
     path = _saved(ucp)
     target = _zeros()
-    # DCP's reader shows the global step the items (ucp_dcp's keeps them on their rank)
-    planner = _mix(pattern, UCPLoadPlanner)()
-    err = _refusal(lambda: dcp.load(target, storage_reader=FileSystemReader(path), planner=planner))
+    err = _refusal(lambda: _load(ucp, path, target, pattern))
     assert words in str(err), err
     assert torch.equal(target["m"], torch.zeros(3, 3))  # refused before any byte was read
 

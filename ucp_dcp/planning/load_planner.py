@@ -34,7 +34,7 @@ from .declarations import (
 from .device import needs_staging, split_reads, staging_forced
 from .entries import GroupTarget, raw_optimizers, set_value
 from .forgotten_maps import check_forgotten_maps, map_reads
-from .hooks import check_resolved, check_state_dict, plan_snapshot, state_view
+from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
 from .load_steps import (
     SavedIndex,
     combine_problems,
@@ -288,7 +288,9 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         )
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
         meshes, mapped = target_meshes(self._targets.values()), map_reads(self._catalog, self.maps, reads)
-        payload = LoadPlanPayload(usage, self.read_once, keeps_items=True, meshes=meshes, map_reads=mapped)
+        # an override of create_global_plan sees the items, as DCP's does (else they stay on the rank)
+        keeps = not overrides(self, self._hook_base, "create_global_plan")
+        payload = LoadPlanPayload(usage, self.read_once, keeps_items=keeps, meshes=meshes, map_reads=mapped)
         self._payload = payload
         return LoadPlan(reads, planner_data=payload)
 
