@@ -104,11 +104,9 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
     global step). A missing step raises :class:`UCPError` naming it.
 
     Subclasses override DCP's hooks with DCP's meaning (``docs/concepts.md``, "Subclassing the
-    planners"): ``resolve_tensor`` is ``lookup_tensor(dest_index)`` + ``transform_tensor(item, t)``
-    (``dest_index.fqn`` is the target's flattened key, ``self.state_dict`` is keyed by them); a
-    dtype conversion that needs a range check reads into a scratch tensor, converted into the
-    target before ``commit_tensor`` runs, so an override that skips ``super()`` still gets the
-    values; the local plan's read items may be dropped (the target keeps its value).
+    planners"): ``resolve_tensor`` is ``lookup_tensor`` + ``transform_tensor`` (``dest_index.fqn``
+    is the target's flattened key); a range-checked read is converted into its target before any
+    ``commit_tensor`` override runs; dropped read items leave their target as it is.
     """
 
     _materialize = True
