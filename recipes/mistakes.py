@@ -2,7 +2,8 @@
 both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's, a stock save
 into the folder holding ours, a map forgotten at load on plain tensors) on every transition of the
 reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
-and the fix; then the state-form runs (ties without rules, the raw optimizer form: ``ucp_dcp.testing.mistake_forms``).
+and the fix; then the state-form runs (ties without rules, the raw optimizer form: ``ucp_dcp.testing.mistake_forms``)
+and the subclass-hook runs (DCP's planner extension points overridden: ``ucp_dcp.testing.mistake_hooks``).
 One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
 ``MISTAKES FAILED: ...``. The set is ``ucp_dcp.testing.mistakes``; each transition runs in fresh processes
 (``ucp_dcp.testing.processes``), where the tests run the same worker on their pool.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from ucp_dcp.testing.elastic import RECONFIG_SET
 from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
+from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
 from ucp_dcp.testing.mistake_runs import transition_worker
 from ucp_dcp.testing.mistakes import SAME_LAYOUT, plan, summary
 from ucp_dcp.testing.processes import RanksFailed, run_ranks
@@ -54,17 +56,17 @@ def run_transition(save: str, load: str, names: list[str], timeout: float = 1500
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_forms(timeout: float = 900) -> list[dict]:
-    """The state-form runs on 2 fresh processes; a failed task reports them crashed."""
+def run_forms(timeout: float = 900, worker=form_worker, scenarios=SCENARIOS, label: str = "state forms") -> list[dict]:
+    """The state-form (or subclass-hook) runs on 2 fresh processes; a failed task reports them crashed."""
     root = tempfile.mkdtemp(prefix="ucp-mistakes-forms-")
     try:
-        return run_ranks(form_worker, WORLD, root, list(SCENARIOS), timeout=timeout)[0]
+        return run_ranks(worker, WORLD, root, list(scenarios), timeout=timeout)[0]
     except RanksFailed as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else "task failed"
-        print(f"# state forms: the task failed:\n{str(e)[-6000:]}", file=sys.stderr)
+        print(f"# {label}: the task failed:\n{str(e)[-6000:]}", file=sys.stderr)
         return [
             {"save": "-", "load": "-", "mistake": n, "outcome": "crash", "error": f"task failed: {why}"}
-            for n in SCENARIOS
+            for n in scenarios
         ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -98,14 +100,19 @@ def main() -> int:
                 print(
                     f"#   {r['mistake']:<28} {r['outcome']:<14} {r.get('error', '') or r.get('first', '')}", flush=True
                 )
-    if not a.only or a.only in "form":  # the state-form runs: ties without rules, the raw optimizer form
+    classes = [
+        ("form", "state forms", form_worker, SCENARIOS),
+        ("hooks", "subclass hooks", hooks_worker, HOOK_SCENARIOS),
+    ]
+    # the state-form runs (ties without rules, the raw optimizer form), the subclass-hook runs (issue 31)
+    for key, label, worker, scenarios in classes:
+        if a.only and a.only not in key:
+            continue
         t1 = time.perf_counter()
-        rs = run_forms()
+        rs = run_forms(worker=worker, scenarios=scenarios, label=label)
         results += rs
         bad = sum(1 for r in rs if r["outcome"] in ("silent", "crash", "unclear"))
-        print(
-            f"# state forms: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s", flush=True
-        )
+        print(f"# {label}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s", flush=True)
         if a.v:
             for r in rs:
                 print(

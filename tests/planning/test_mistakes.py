@@ -12,6 +12,7 @@ import pytest
 from test_reconfig import TRANSITIONS, _id
 
 from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
+from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
 from ucp_dcp.testing.mistake_runs import options, rule_key, transition_worker
 from ucp_dcp.testing.mistakes import (
     RULES,
@@ -182,3 +183,18 @@ def test_no_state_form_mistake_is_silent():
     for name in ("form-tied-differ", "form-tied-differrule", "form-raw-regrouped", "form-raw-named", "form-raw-stages"):
         assert by[name]["outcome"] == "refused", by[name]
     assert by["form-tied-reader"]["outcome"] == by["form-raw-reader"]["outcome"] == "stock-ok"
+
+
+@pytest.mark.slow
+def test_no_subclass_hook_mistake_is_silent():
+    """DCP's planner extension points overridden (``ucp_dcp.testing.mistake_hooks``), every run on 2 ranks: each
+    pattern does what DCP's planner would do with it, and the documented refusals are refused naming the hook."""
+    results = D.run(hooks_worker, WORLD, D.tmpdir(), list(HOOK_SCENARIOS), timeout=900)[0]
+    lines, ok = summary(results, skipped=0)
+    for r in results:
+        print(f"{r['mistake']:<22} {r['outcome']:<10} {r.get('error', '')[:150]}")
+    print("\n".join(lines))
+    assert len(results) == len(HOOK_SCENARIOS) and ok, "\n".join(lines)
+    assert not any(x.startswith("REFUSED?") for x in lines), "\n".join(lines)
+    for r in results:  # honoured where documented so, refused where documented so
+        assert r["outcome"] == ("refused" if HOOK_SCENARIOS[r["mistake"]].must_refuse else "ok"), r

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .._compat import _init_state_dict, narrow_tensor_by_index, set_element
+from .._compat import _init_state_dict, set_element
 from ..errors import UCPError, UnverifiedCheckpointWarning
-from ..layout.dtypes import check_range, conversion
+from ..layout.dtypes import conversion
 from ..layout.patterns import Patterns, rule_from_json
 from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
@@ -34,6 +34,7 @@ from .declarations import (
 from .device import needs_staging, split_reads, staging_forced
 from .entries import GroupTarget, raw_optimizers, set_value
 from .forgotten_maps import check_forgotten_maps, map_reads
+from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
 from .load_steps import (
     SavedIndex,
     combine_problems,
@@ -47,6 +48,7 @@ from .load_steps import (
 )
 from .opened import integrity_of, raise_if_unopened
 from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
+from .planner_hooks import LoadHooks
 from .resolve import Resolved, Resolver
 from .stock_groups import StockGroups
 
@@ -55,7 +57,7 @@ __all__ = ["UCPLoadPlanner"]
 logger = logging.getLogger(__name__)
 
 
-class UCPLoadPlanner(DefaultLoadPlanner):
+class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
 
     A drop-in for ``DefaultLoadPlanner``: the first three parameters are DCP's, in DCP's order and
@@ -100,6 +102,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     ``create_global_plan``] → ``finish_plan`` → ``load_bytes``/``resolve_tensor``/``commit_tensor``.
     As with DCP's planner, ``finish_plan`` may also be given the local plan itself (one process, no
     global step). A missing step raises :class:`UCPError` naming it.
+
+    Subclasses override DCP's hooks with DCP's meaning (``docs/concepts.md``, "Subclassing the
+    planners"): ``resolve_tensor`` is ``lookup_tensor`` + ``transform_tensor`` (``dest_index.fqn``
+    is the target's flattened key); a range-checked read is converted into its target before any
+    ``commit_tensor`` override runs; dropped read items leave their target as it is.
     """
 
     _materialize = True
@@ -155,7 +162,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        for stale in ("_targets", "_reads", "_sinks"):  # a reused planner: the previous load's plan is gone
+        # a reused planner: the previous load's plan is gone
+        for stale in ("_targets", "_reads", "_sinks", "_state_view", "_global_offered"):
             self.__dict__.pop(stale, None)
         if metadata is None:
             raise UCPError(
@@ -191,16 +199,20 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self._targets: dict[str, Resolved] = {r.entry.key: r for r in resolved}
         self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.entry.key: r.value for r in resolved}
+        self._state_view = state_view(self.state_dict)
         self.mappings = {r.entry.key: r.entry.path for r in resolved}
 
     # -- planning --------------------------------------------------------------------------------
 
     def create_local_plan(self) -> LoadPlan:
+        check_state_dict(self, "UCPLoadPlanner")
         if not hasattr(self, "_targets"):
             raise protocol_error("create_local_plan", "set_up_planner(state_dict, metadata)")
         saved = self._saved_index()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._zero: list[Resolved] = []
+        self._untouched: set[str] = set()  # keys whose every read an override dropped
+        self._scratch: dict[int, tuple[int, torch.Tensor, str]] = {}
         self.missing_atoms = []
         self._stock_reads: list[ReadItem] = []
         reads: list[ReadItem] = []
@@ -274,7 +286,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         )
         # the storage layer learns who reads shared bytes, and that finish_plan puts the items back
         meshes, mapped = target_meshes(self._targets.values()), map_reads(self._catalog, self.maps, reads)
-        payload = LoadPlanPayload(usage, self.read_once, keeps_items=True, meshes=meshes, map_reads=mapped)
+        # an override of create_global_plan sees the items, as DCP's does (else they stay on the rank)
+        keeps = not overrides(self, self._hook_base, "create_global_plan")
+        payload = LoadPlanPayload(usage, self.read_once, keeps_items=keeps, meshes=meshes, map_reads=mapped)
+        self._payload = payload
         return LoadPlan(reads, planner_data=payload)
 
     def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
@@ -309,6 +324,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         return needs_staging(self._targets[item.dest_index.fqn].local, forced)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        self._check_unedited(global_plan)
         foreign = [i for i, p in enumerate(global_plan) if not isinstance(p.planner_data, LoadPlanPayload)]
         if foreign:
             raise UCPError(
@@ -340,9 +356,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if not hasattr(self, "_reads"):
             raise protocol_error("finish_plan", "create_local_plan()")
         new_plan = LoadPlan(self._reads, storage_data=new_plan.storage_data, planner_data=new_plan.planner_data)
+        self._final = plan_snapshot(self._reads)
         # the load is validated on every rank: now it is safe to touch the target
         with torch.no_grad():
             for r in self._targets.values():
+                if r.entry.key in self._untouched:  # an override dropped its reads: it keeps its value
+                    continue
                 for box in r.fills:
                     region = r.local
                     for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
@@ -361,33 +380,20 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self._sinks[read_item.dest_index.fqn](decode_value(value, read_item.storage_index.fqn, self.trust))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        target = self._target_region(read_item)
+        if not hasattr(self, "_targets"):
+            raise protocol_error("resolve_tensor", "set_up_planner(state_dict, metadata)")
+        # DCP's: the lookup, then the transform (a narrow to the item's box)
+        target = self.transform_tensor(read_item, self.lookup_tensor(read_item.dest_index))
+        check_resolved(target, read_item)
         saved = self.metadata.state_dict_metadata[read_item.storage_index.fqn].properties.dtype
         viewed = target.is_conj() or target.is_neg()  # its memory holds other bytes than its values
         if not viewed and (
             saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"
         ):
             return target  # the reader writes (and converts) straight into the target
-        # a narrowing conversion: read into a scratch tensor of the saved dtype, range-check the
-        # values in commit_tensor, then convert into the target (copy_ also writes through views)
-        return torch.empty(tuple(read_item.lengths), dtype=saved)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        target = self._target_region(read_item)
-        if tensor.dtype == target.dtype and not (target.is_conj() or target.is_neg()):
-            return  # the target itself (see resolve_tensor)
-        r = self._targets[read_item.dest_index.fqn]
-        if tensor.dtype != target.dtype:
-            check_range(r.fragments[read_item.dest_index.index].atom, tensor, target.dtype)
-        with torch.no_grad():
-            target.copy_(tensor)
-
-    def _target_region(self, read_item: ReadItem) -> torch.Tensor:
-        if not hasattr(self, "_targets"):
-            raise protocol_error("resolve_tensor", "set_up_planner(state_dict, metadata)")
-        r = self._targets[read_item.dest_index.fqn]
-        region = r.fragments[read_item.dest_index.index].view(r.local)
-        return narrow_tensor_by_index(region, read_item.dest_offsets, read_item.lengths)
+        # a narrowing conversion: read into a scratch tensor of the saved dtype; the values are
+        # range-checked and converted into the target before commit_tensor (_outer_commit_tensor)
+        return self._scratch_for(read_item, target, saved)
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.tensor import DTensor
 
 from .._compat import cached_plans_key, local_tensor, plan_caching
@@ -23,7 +23,9 @@ from .averaging import exchange_averages
 from .catalog import merge_raw_optimizers
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
 from .entries import raw_optimizers
+from .hooks import check_state_dict, offered_items, plan_snapshot, snapshot, state_view
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
+from .planner_hooks import SaveHooks
 from .resolve import Resolver
 from .save_steps import (
     build_local,
@@ -51,7 +53,7 @@ def _from_options(name: str) -> property:
     return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``")
 
 
-class UCPSavePlanner(DefaultSavePlanner):
+class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
     """Save planner that stores parallelism-independent atoms.
 
     A drop-in for ``DefaultSavePlanner``: the first five parameters are DCP's, in DCP's order and
@@ -89,6 +91,13 @@ class UCPSavePlanner(DefaultSavePlanner):
     ``finish_plan`` may also be given the local plan itself (one process, no global step): it then
     plans this rank alone, so the rank writes everything it holds. A missing step raises
     :class:`UCPError` naming it.
+
+    Subclasses override DCP's hooks with DCP's meaning (``docs/concepts.md``, "Subclassing the
+    planners"): ``resolve_data`` is ``lookup_object(index)`` + ``transform_object(item, obj)``, where
+    ``index.fqn`` is the *atom* name and ``self.state_dict`` is keyed by atom names (the flattened
+    key for plain keys; ``self.mappings[atom]`` is its path in the state dict given to
+    ``set_up_planner``); the local plan lists its ``WriteItem``s, and an override of
+    ``create_local_plan`` may drop items or change their dtype.
     """
 
     def __init__(
@@ -145,7 +154,12 @@ class UCPSavePlanner(DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
-        for stale in ("_resolved", "_local"):  # a reused planner: the previous save's plan is gone
+        for stale in (
+            "_resolved",
+            "_local",
+            "_state_view",
+            "_global_offered",
+        ):  # a reused planner: the previous save's plan is gone
             self.__dict__.pop(stale, None)
         if not self.flatten_state_dict:
             require_flat(state_dict, "save")
@@ -160,17 +174,33 @@ class UCPSavePlanner(DefaultSavePlanner):
         self.mappings = {a: p for r in self._resolved for a, p in r.paths.items()} | alias_paths
         self._raw = raw_optimizers(state_dict, self.name_rules, self._resolver.rewrite)
         self.state_dict = {r.name: r.value for r in self._resolved}
+        self._keys = {a: r.entry.key for r in self._resolved for a in r.atoms}
+        self._state_view = state_view(self.state_dict)
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        check_state_dict(self, "UCPSavePlanner")
         if not hasattr(self, "_resolved"):
             raise protocol_error("create_local_plan", "set_up_planner(state_dict)")
+        self.__dict__.pop("_local", None)
+        items = offered_items(self._resolved)  # DCP's local plan: one item per piece, as DCP lists them
+        self._offered = snapshot(items)
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def _outer_create_local_plan(self, call: Any) -> SavePlan:
+        """After the outermost ``create_local_plan`` (an override's included): plan the items it
+        kept, packed for the gather (DCP's coordinator would get them as objects)."""
+        plan = call()
+        pieces = self._item_edits(plan)  # what an override dropped or retyped (SaveHooks)
         self._local = build_local(
             self._resolved,
             self.mappings,
             self.check_replicas,
             defer_pieces=self.replica_digests == "writer" and self.check_replicas == "error",
             raw_optimizers=self._raw,
+            dropped=pieces,
+            dtypes=self._dtypes,
         )
         payload = local_payload(
             self._local, self._resolved, self._ties, self._patterns, self.options, self.is_coordinator
@@ -187,6 +217,9 @@ class UCPSavePlanner(DefaultSavePlanner):
     # -- coordinator -------------------------------------------------------------------------------
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return self._plan_globally(self._unedited(all_plans))
+
+    def _plan_globally(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         foreign = [i for i, p in enumerate(all_plans) if not isinstance(p.planner_data, LocalPlanPayload)]
         if foreign:
             raise UCPError(
@@ -237,7 +270,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         if isinstance(new_plan.planner_data, LocalPlanPayload):
             # the local plan itself, with no global step (DCP's planner takes it as final): plan this
             # rank alone, as a one-rank save would
-            new_plan = replace(self.create_global_plan([new_plan])[0][0], storage_data=new_plan.storage_data)
+            new_plan = replace(self._plan_globally([new_plan])[0][0], storage_data=new_plan.storage_data)
         elif new_plan.usable and not isinstance(new_plan.planner_data, RankAnswer):
             raise UCPError(
                 "finish_plan was given a plan that is neither this planner's local plan nor the coordinator's "
@@ -257,19 +290,24 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._averaged = exchange_averages(answer.averages, self._resolved) if answer.exchange else {}
         self._verify = list(answer.verify)
         self.plan = replace(new_plan, items=items, planner_data=None)
+        self._final = plan_snapshot(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if not hasattr(self, "_local"):
-            raise protocol_error("resolve_data", "create_local_plan() and finish_plan()")
-        name = write_item.index.fqn
+        # DCP's: the lookup, then the transform (a BYTE_IO object is serialized by transform_object)
+        return self.transform_object(write_item, self.lookup_object(write_item.index))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The value of atom ``index.fqn``: an object, or the piece at ``index.offset`` (as DCP's
+        lookup returns a DTensor's shard)."""
+        name = index.fqn
         reduced = getattr(self, "_reduced", {})
         if name in reduced:
-            return _as_data(reduced[name], write_item)
-        if write_item.type == WriteItemType.BYTE_IO:
+            return reduced[name]
+        if index.offset is None:
             r, _ = self._local.pieces[(name, None)]
-            return _as_data(r.value, write_item)
-        offsets = tuple(write_item.index.offset)
+            return r.value
+        offsets = tuple(index.offset)
         r, f = self._local.pieces[(name, offsets)]
         if f is None:
             return torch.empty(tuple(r.atoms[name]["shape"]), dtype=r.local.dtype)
@@ -279,13 +317,18 @@ class UCPSavePlanner(DefaultSavePlanner):
         # a conjugate or negative view is saved as the values it shows (the writer copies bytes)
         return f.view(r.local).detach().resolve_conj().resolve_neg()
 
+    def key_of(self, index: MetadataIndex) -> str:
+        """The flattened key (DCP's ``index.fqn``) of the state-dict entry atom ``index.fqn`` comes from:
+        a ``lookup_object`` override that looks values up by the user's keys maps the atom name with it."""
+        return self._keys[index.fqn]
+
     def replica_copies(self) -> list[tuple[MetadataIndex, torch.Tensor]]:
         """This rank's copies of replicated pieces another rank writes (``replica_digests="writer"``):
         the storage writer hashes them and compares them with the written copy before the commit."""
         out = []
         for name, offsets in getattr(self, "_verify", ()):
             r, f = self._local.pieces[(name, tuple(offsets))]
-            out.append((MetadataIndex(name, torch.Size(offsets)), f.view(r.local).detach()))
+            out.append((MetadataIndex(name, torch.Size(offsets)), self._copy_as_written(name, r, f)))
         return out
 
     def _cache(self) -> PlanCache:
@@ -317,14 +360,6 @@ def _check_savable(name: str, value: Any) -> None:
             hint="save t.to_dense(), or the tensor's parts (e.g. indices() and values()) as separate entries, "
             "and rebuild it after loading",
         )
-
-
-def _as_data(value: Any, item: WriteItem) -> torch.Tensor | io.BytesIO:
-    if item.type != WriteItemType.BYTE_IO:
-        return value
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf
 
 
 @dataclass

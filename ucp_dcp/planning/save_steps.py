@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import AmbiguousLayoutError
 from ..layout.fragments import Fragment
 from ..layout.patterns import Patterns
-from ..layout.placements import Layout
+from ..layout.placements import Layout, dtype_name
 from ..layout.shards import global_shape
 from ..options import UCPOptions
 from . import catalog as cat_mod
@@ -71,6 +71,8 @@ __all__ = [
     "global_plan",
     "merge_cached",
     "final_items",
+    "write_rows",
+    "tensor_item",
 ]
 
 # -- local plan ------------------------------------------------------------------------------------
@@ -151,9 +153,14 @@ def build_local(
     check_replicas: str,
     defer_pieces: bool = False,
     raw_optimizers: dict[str, list[list[int]]] | None = None,
+    dropped: set[tuple[str, Offsets | None]] | frozenset = frozenset(),
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> LocalPlan:
     """This rank's items (one per piece of local memory, or per object), reduced values and digests;
-    ``raw_optimizers`` (the parameter positions of raw ``optimizer.state_dict()`` values) go to the catalog."""
+    ``raw_optimizers`` (the parameter positions of raw ``optimizer.state_dict()`` values) go to the catalog.
+    ``dropped`` pieces (``(atom, offsets)``) get no item and ``dtypes`` replaces atoms' saved dtypes:
+    what a ``create_local_plan`` override did to the items (:mod:`ucp_dcp.planning.hooks`)."""
+    dtypes = dtypes or {}
     table = _AtomTable()
     rows: list[tuple[int, ItemKind, Offsets, Offsets]] = []
     pieces: dict[PieceKey, tuple[Resolved, Fragment | None]] = {}
@@ -166,8 +173,11 @@ def build_local(
                 table.id(name, tuple(r.atoms[name]["shape"]) if tensor else None, r.value.dtype if tensor else None)
                 reduced[name] = r.value.detach().cpu().clone() if tensor else r.value
             continue
-        for name, kind, offsets, sizes, frag in _write_rows(r):
-            a = table.id(name, tuple(r.atoms[name]["shape"]) if tensor else None, r.local.dtype if tensor else None)
+        for name, kind, offsets, sizes, frag in write_rows(r):
+            if (name, offsets if tensor else None) in dropped:
+                continue
+            dtype = dtypes.get(name, r.local.dtype) if tensor else None
+            a = table.id(name, tuple(r.atoms[name]["shape"]) if tensor else None, dtype)
             rows.append((a, kind, offsets, sizes))
             pieces[(name, offsets if tensor else None)] = (r, frag)
     deferred: list[tuple[str, Any]] | None = [] if defer_pieces else None
@@ -177,7 +187,7 @@ def build_local(
         table.shapes,
         table.dtypes,
         mappings,
-        _local_catalog(resolved, raw_optimizers),
+        _local_catalog(resolved, raw_optimizers, dtypes),
         whole_digests=sorted(a for a, box in digests if box is None),
         piece_digests=sorted((a, box.offsets, box.sizes) for a, box in digests if box is not None),
     )
@@ -192,7 +202,7 @@ def build_local(
     )
 
 
-def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:
+def write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Fragment | None]]:
     """One live entry's items: ``(atom, kind, offsets, sizes, fragment)``."""
     if not isinstance(r.value, torch.Tensor):
         return [(name, ItemKind.BYTES, (), (), None) for name in r.atoms]
@@ -210,14 +220,18 @@ def _write_rows(r: Resolved) -> list[tuple[str, ItemKind, Offsets, Offsets, Frag
     return out
 
 
-def _local_catalog(resolved: list[Resolved], raw_optimizers: dict[str, list[list[int]]] | None) -> dict[str, Any]:
-    """This rank's catalog records, meshes interned."""
+def _local_catalog(
+    resolved: list[Resolved], raw_optimizers: dict[str, list[list[int]]] | None, dtypes: Mapping[str, torch.dtype]
+) -> dict[str, Any]:
+    """This rank's catalog records, meshes interned (``dtypes``: saved dtypes a hook changed)."""
     cat = cat_mod.local_catalog()
     if raw_optimizers:
         cat["raw_optimizers"] = raw_optimizers
     for r in resolved:
         for name, rec in r.atoms.items():
             rec = dict(rec)
+            if name in dtypes and "dtype" in rec:
+                rec["dtype"] = dtype_name(dtypes[name])
             if "layout" in rec:
                 rec["layout"] = {
                     "mesh": cat_mod.intern(cat["meshes"], rec["layout"]["mesh"]),
@@ -459,7 +473,7 @@ def final_items(structure: PlanStructure, items: LocalItems, answer: RankAnswer)
             continue
         nd = len(shapes[a])
         out.append(
-            _tensor_item(
+            tensor_item(
                 names[a], items.off[i, :nd].tolist(), items.size[i, :nd].tolist(), shapes[a], dtype_of(dtypes[a]), kind
             )
         )
@@ -467,11 +481,11 @@ def final_items(structure: PlanStructure, items: LocalItems, answer: RankAnswer)
         if r.shape is None:
             out.append(WriteItem(index=MetadataIndex(r.atom), type=WriteItemType.BYTE_IO))
         else:
-            out.append(_tensor_item(r.atom, (0,) * len(r.shape), r.shape, r.shape, r.dtype, ItemKind.TENSOR))
+            out.append(tensor_item(r.atom, (0,) * len(r.shape), r.shape, r.shape, r.dtype, ItemKind.TENSOR))
     return out
 
 
-def _tensor_item(
+def tensor_item(
     name: str, offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int], dtype: torch.dtype, kind: ItemKind
 ) -> WriteItem:
     offs, sizes = torch.Size(offsets), torch.Size(sizes)
