@@ -58,4 +58,3 @@ class ReadOnceRequest(Protocol):
     keeps_items: bool
     """The planner puts its read items back in ``finish_plan``: the reader may leave them out of the
     gathered plan (and refuses a final plan that lacks them)."""
-

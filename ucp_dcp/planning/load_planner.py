@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import _init_state_dict, narrow_tensor_by_index, set_element
-from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..layout.dtypes import check_range, conversion
 from ..layout.patterns import Patterns, rule_from_json
 from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
@@ -140,7 +140,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
         )
         if self.read_once not in READ_ONCE_MODES:
-            raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
+            raise InvalidArgumentError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
 
     def __reduce__(self) -> tuple[Any, ...]:

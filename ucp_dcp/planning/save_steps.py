@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ..errors import AmbiguousLayoutError
+from ..errors import AmbiguousLayoutError, UCPError
 from ..layout.fragments import Fragment
 from ..layout.patterns import Patterns
 from ..layout.placements import Layout
@@ -438,7 +438,11 @@ def merge_cached(payloads: list[LocalPlanPayload], cached: list[LocalPlanPayload
         if p.packed is not None:
             out.append(p)
         elif cached is None:
-            raise RuntimeError("UCP plan cache is empty but a rank sent a cached plan")
+            raise UCPError(
+                f"rank {i} sent a cached plan (enable_plan_caching), but the coordinator's plan cache is empty",
+                hint="give every rank a planner configured alike (enable_plan_caching on all or none) and the "
+                "same planner class",
+            )
         else:
             out.append(p.with_packed(cached[i].packed))
     return out

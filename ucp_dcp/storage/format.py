@@ -227,7 +227,9 @@ def gather_grid(src: np.ndarray, src_start: int, grid: BoxGrid, out: np.ndarray)
         return
     lo, hi = grid.first - src_start, grid.end - src_start
     if lo < 0 or hi > len(src) or len(out) != grid.nbytes:  # as_strided does no bounds checks
-        raise ValueError(f"grid [{grid.first}, {grid.end}) outside source [{src_start}, {src_start + len(src)})")
+        raise CorruptCheckpointError(
+            f"grid [{grid.first}, {grid.end}) outside source [{src_start}, {src_start + len(src)})"
+        )
     view = np.lib.stride_tricks.as_strided(
         src[lo:], shape=(*grid.counts, grid.run), strides=(*grid.strides, 1), writeable=False
     )

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .._compat import fsspec_filesystem
-from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
 from ..planning.collectives import p2p_group
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
@@ -94,11 +94,13 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         if "://" in str(path):
             self.fs = fsspec_filesystem()()
             self.path = self.fs.init_path(path)
-        self.thread_count = reading_threads() if thread_count is None else max(1, int(thread_count))
+        if thread_count is not None and (not isinstance(thread_count, int) or isinstance(thread_count, bool)):
+            raise InvalidArgumentError(f"thread_count must be an int or None, got {thread_count!r}")
+        self.thread_count = reading_threads() if thread_count is None else max(1, thread_count)
         self.verify_checksums = verify_checksums
         self.trust = trust
         if read_once is not None and read_once not in READ_ONCE_MODES:
-            raise UCPError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
+            raise InvalidArgumentError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
         self.read_once = read_once
         self._forced = staging_forced(staging)
         self.stage_bytes = _device.STAGE_BYTES
