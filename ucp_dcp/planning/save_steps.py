@@ -399,8 +399,10 @@ def global_plan(
     mappings: dict[str, Any] = {}
     for st in result.structures:
         mappings.update(st.paths)
+    # one catalog per distinct structure: its errors name the ranks holding that structure, not its index
+    holders = [[r for r, s in enumerate(result.structure_of) if s == i] for i in range(len(result.structures))]
     catalog = cat_mod.merge_local_catalogs(
-        [st.catalog for st in result.structures], writer=writer, world_size=len(payloads)
+        [st.catalog for st in result.structures], writer=writer, world_size=len(payloads), ranks=holders
     )
     catalog["rules"] = rules_json
     catalog["maps"] = sorted(map_keys)
