@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import AmbiguousLayoutError, CatalogVersionError, ParamGroupError
+from .catalog_record import Catalog
 
 __all__ = [
     "CATALOG_KEY",
@@ -36,6 +37,7 @@ __all__ = [
     "merge_raw_optimizers",
     "raw_optimizer_error",
     "read_catalog",
+    "load_catalog",
 ]
 
 CATALOG_KEY = "__ucp__"
@@ -168,7 +170,23 @@ def raw_optimizer_error(prefix: str, message: str, saved: Any, wanted: Any) -> P
 
 
 def read_catalog(planner_data: Any) -> dict[str, Any] | None:
-    """The catalog inside ``Metadata.planner_data`` (None for checkpoints written without ucp_dcp)."""
+    """The catalog inside ``Metadata.planner_data`` as stored (None for checkpoints written without
+    ucp_dcp), checked field by field (:class:`~ucp_dcp.errors.CatalogError` names a bad one). Planning
+    reads it typed: :func:`load_catalog`."""
+    cat = _raw_catalog(planner_data)
+    if cat is not None:
+        Catalog.from_json(cat)
+    return cat
+
+
+def load_catalog(planner_data: Any) -> Catalog | None:
+    """The catalog inside ``Metadata.planner_data`` as a typed, checked :class:`Catalog` (None: no catalog)."""
+    cat = _raw_catalog(planner_data)
+    return Catalog.from_json(cat) if cat is not None else None
+
+
+def _raw_catalog(planner_data: Any) -> dict[str, Any] | None:
+    """The catalog dict, its format and version checked (a newer major version is refused whole)."""
     if not isinstance(planner_data, dict):
         return None
     cat = planner_data.get(CATALOG_KEY)
