@@ -58,6 +58,11 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     The positional parameters are ``FileSystemReader``'s, in its order (a drop-in); ucp_dcp's own
     options are keyword-only after them.
 
+    Works with any load planner (DCP's reads the way DCP's reader does, plus read-once). A planner whose
+    plan payload is a :class:`~ucp_dcp.planning.handshake.ReadOnceRequest` (``UCPLoadPlanner``) chooses the
+    read-once mode and keeps its items out of the gathered plan; one that then hands ``read_data`` fewer
+    items than it planned is refused, naming the pair.
+
     Args:
         path: checkpoint folder or fsspec URL.
         _extension_registry: as in DCP: the stream transforms items written with them are decoded

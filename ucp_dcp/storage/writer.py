@@ -164,6 +164,11 @@ class UCPFileSystemWriter(FileSystemWriter):
     The positional parameters are ``FileSystemWriter``'s, in its order and with its meaning (a
     drop-in); ucp_dcp's own options are keyword-only after them.
 
+    Works with any save planner. With one whose plan payload is a
+    :class:`~ucp_dcp.planning.handshake.WriterAcknowledgement` (``UCPSavePlanner``) it marks the payload with
+    its name and whether it compares replicas, and with a :class:`~ucp_dcp.planning.handshake.ReplicaCopySource`
+    planner it compares this rank's copies of replicated pieces with the written ones before the commit.
+
     Args:
         path: checkpoint folder. It may hold a checkpoint already: that one stays loadable until
             this save commits, and its files are removed after.
