@@ -98,3 +98,14 @@ def test_the_load_planner_refuses_a_damaged_catalog_naming_the_field(tmp_path):
     rewrite_metadata(tmp_path, md)
     with pytest.raises(CatalogError, match=r"atoms\['w'\]\.shape\[0\]"):
         ucp_dcp.load({"w": torch.zeros(3)}, tmp_path)
+
+
+def test_a_saved_rule_missing_fields_is_a_pattern_error(tmp_path):
+    from helpers import rewrite_metadata
+
+    ucp_dcp.save({"w": torch.ones(3)}, tmp_path)
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    md.planner_data[CATALOG_KEY]["rules"] = [{"kind": "padded", "pattern": "w"}]
+    rewrite_metadata(tmp_path, md)
+    with pytest.raises(ucp_dcp.PatternError, match="rule Padded in catalog: .*'size'"):
+        ucp_dcp.load({"w": torch.zeros(3)}, tmp_path)

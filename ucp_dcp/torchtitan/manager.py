@@ -133,7 +133,7 @@ class UCPCheckpointManager(CheckpointManager):
         for text in config.rules:
             try:
                 rules.append(rule_from_json(json.loads(text)))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, PatternError) as e:
                 raise PatternError(f"checkpoint.rules entry {text!r} is not a valid rule: {e}") from None
         return rules
 
