@@ -8,13 +8,14 @@ objects, and failures come out as a plain :class:`UCPError` instead of DCP's wra
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
-from .errors import ucp_errors
+from .errors import UnexpectedArgumentError, ucp_errors
 from .planning.load_planner import UCPLoadPlanner
 from .planning.save_planner import UCPSavePlanner
 from .storage.reader import ReadStats, UCPFileSystemReader
@@ -38,6 +39,7 @@ def save(
     A checkpoint already in ``path`` stays loadable until this one commits. ``planner_options``
     go to :class:`UCPSavePlanner` (``patterns``, ``stage_map``, ``check_replicas``, ...).
     """
+    _check_call("save", state_dict, path)
     writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
     if checksums:  # replicas are compared from the block checksums the writer computes anyway
         planner_options.setdefault("replica_digests", "writer")
@@ -63,6 +65,7 @@ def load(
     and values are decoded without running code unless ``trust=True``. ``planner_options`` go to
     :class:`UCPLoadPlanner`. Returns this rank's I/O figures.
     """
+    _check_call("load", state_dict, path)
     reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
     with ucp_errors():
         dcp.load(
@@ -72,3 +75,20 @@ def load(
             process_group=process_group,
         )
     return reader.stats
+
+
+def _check_call(what: str, state_dict: Any, path: Any) -> None:
+    """Refuse, before any collective, arguments DCP would fail on deep inside (an AttributeError)."""
+    if not isinstance(state_dict, Mapping):
+        raise UnexpectedArgumentError(
+            f"ucp_dcp.{what}: state_dict must be a dict (a mapping of keys to tensors and values), got "
+            f"{type(state_dict).__name__}",
+            wanted="dict",
+            saved=type(state_dict).__name__,
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise UnexpectedArgumentError(
+            f"ucp_dcp.{what}: path must be a folder (str or os.PathLike), got {type(path).__name__}",
+            wanted="str | os.PathLike",
+            saved=type(path).__name__,
+        )

@@ -15,6 +15,8 @@ from typing import Any
 
 __all__ = [
     "UCPError",
+    "InvalidArgumentError",
+    "UnexpectedArgumentError",
     "AmbiguousLayoutError",
     "CoverageError",
     "ShapeMismatchError",
@@ -22,6 +24,7 @@ __all__ = [
     "MissingAtomsError",
     "ParamGroupError",
     "CatalogVersionError",
+    "CatalogError",
     "PatternError",
     "ReplicaMismatchError",
     "ChecksumError",
@@ -79,6 +82,19 @@ class UCPError(Exception):
         return (_rebuild, (type(self), self.message, self._fields()))
 
 
+class InvalidArgumentError(UCPError, ValueError):
+    """An argument or setting of a public call (a planner, reader or writer option, a torchtitan config
+    field, an environment variable) has a value it does not accept.
+
+    Also a ``ValueError``, what Python code raises for such values: ``except ValueError`` keeps working."""
+
+
+class UnexpectedArgumentError(UCPError, TypeError):
+    """A public call was given an argument it does not take, or in a place it does not take it.
+
+    Also a ``TypeError``, what Python raises for an unexpected keyword argument."""
+
+
 class AmbiguousLayoutError(UCPError):
     """Save cannot decide what the logical tensor is: two live keys for one atom, a ``Partial``
     placement, or a value shared by name whose contents differ across ranks."""
@@ -121,6 +137,12 @@ class ParamGroupError(UCPError):
 
 class CatalogVersionError(UCPError):
     """The checkpoint's catalog was written by an incompatible (newer) ucp_dcp."""
+
+
+class CatalogError(CatalogVersionError, ValueError):
+    """The checkpoint's catalog (``planner_data["__ucp__"]``) has a field of the wrong type or value:
+    a damaged checkpoint or another tool's record under ucp_dcp's key. Names the field. (A
+    ``CatalogVersionError``, which already covered a catalog this ucp_dcp cannot read, and a ``ValueError``.)"""
 
 
 class PatternError(UCPError):

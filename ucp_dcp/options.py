@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._compat import flatten_state_dict
-from .errors import UCPError
+from .errors import UCPError, UnexpectedArgumentError
 from .layout.index_maps import IndexMap
 from .layout.naming import NameRules
 from .layout.patterns import Patterns, Rule
@@ -61,9 +61,13 @@ def split_options(options: UCPOptions | None, kwargs: dict[str, Any]) -> UCPOpti
     """``options``, or one built from the shared keyword arguments a planner was given (not both)."""
     shared = {k: kwargs.pop(k) for k in _FIELDS if k in kwargs}
     if kwargs:
-        raise TypeError(f"unexpected planner argument(s): {', '.join(sorted(kwargs))}")
+        raise UnexpectedArgumentError(
+            f"unexpected planner argument(s): {', '.join(sorted(kwargs))}",
+            wanted=list(_FIELDS),
+            hint="the planners take DCP's parameters, their own keyword options and UCPOptions' fields",
+        )
     if options is not None and shared:
-        raise TypeError(f"pass either options=UCPOptions(...) or {', '.join(sorted(shared))}, not both")
+        raise UnexpectedArgumentError(f"pass either options=UCPOptions(...) or {', '.join(sorted(shared))}, not both")
     return options if options is not None else UCPOptions(**shared)
 
 
@@ -71,7 +75,7 @@ def options_first(first: Any, options: UCPOptions | None, planner: str) -> UCPOp
     """The planners' first positional parameter is DCP's ``flatten_state_dict``; a ``UCPOptions``
     passed there (the old first parameter) is refused with the spelling that works."""
     if isinstance(first, UCPOptions):
-        raise TypeError(
+        raise UnexpectedArgumentError(
             f"{planner}'s first positional argument is DCP's flatten_state_dict; "
             f"pass the layout as {planner}(options=UCPOptions(...))"
         )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import AmbiguousLayoutError
 from .placements import Layout, Placement, PlacementKind
 
 __all__ = [
@@ -182,7 +183,9 @@ def dim_runs(global_shape: Sequence[int], layout: Layout, coordinate: Sequence[i
     for mesh_dim, p in enumerate(layout.placements):
         if p.kind.shards:
             if not 0 <= p.dim < len(global_shape):
-                raise ValueError(f"placement {p} shards dim {p.dim} of a {len(global_shape)}-d tensor")
+                raise AmbiguousLayoutError(
+                    f"placement {p} shards dim {p.dim} of a {len(global_shape)}-d tensor", saved=str(p)
+                )
             runs[p.dim] = _apply(runs[p.dim], p, layout.mesh_shape[mesh_dim], coordinate[mesh_dim])
     return [_merge(r) for r in runs]
 

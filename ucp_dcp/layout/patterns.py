@@ -185,7 +185,10 @@ def rule_from_json(d: dict[str, Any]) -> Rule:
         d["parts"] = tuple(tuple(p) for p in d["parts"])
     if "aliases" in d:
         d["aliases"] = tuple(d["aliases"])
-    return cls(**d)
+    try:
+        return cls(**d)
+    except TypeError as e:  # missing or unknown fields (a catalog is untrusted input)
+        raise PatternError(f"rule {cls.__name__} in catalog: {e}", saved=d) from None
 
 
 def literal_prefix(pattern: str) -> str:

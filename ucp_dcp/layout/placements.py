@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._compat import _StridedShard, root_mesh
-from ..errors import AmbiguousLayoutError
+from ..errors import AmbiguousLayoutError, CatalogError
 
 __all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo"]
 
@@ -82,7 +82,7 @@ class Placement:
     def decode(text: str) -> Placement:
         m = _PLACEMENT_RE.match(text)
         if not m:
-            raise ValueError(f"bad placement code {text!r}")
+            raise CatalogError(f"bad placement code {text!r}", saved=text)
         if text == "R":
             return Placement(PlacementKind.REPLICATE)
         if m.group(2) is not None:
@@ -243,5 +243,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise CatalogError(f"unknown dtype {name!r}", saved=name)
     return dt

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import AmbiguousLayoutError, CatalogVersionError, ParamGroupError
+from .catalog_record import Catalog
 
 __all__ = [
     "CATALOG_KEY",
@@ -36,6 +37,7 @@ __all__ = [
     "merge_raw_optimizers",
     "raw_optimizer_error",
     "read_catalog",
+    "load_catalog",
 ]
 
 CATALOG_KEY = "__ucp__"
@@ -60,18 +62,23 @@ def intern(items: list[dict[str, Any]], item: dict[str, Any]) -> int:
 
 
 def merge_local_catalogs(
-    local_cats: Sequence[dict[str, Any] | None], writer: dict[str, str], world_size: int | None = None
+    local_cats: Sequence[dict[str, Any] | None],
+    writer: dict[str, str],
+    world_size: int | None = None,
+    ranks: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Merge per-rank catalogs (one per distinct rank structure is enough) into the checkpoint
     catalog; every rank that holds an atom must agree on its logical shape, dtype and kind (else the
-    save is ambiguous). ``world_size`` defaults to the number of catalogs."""
+    save is ambiguous). ``ranks``: the ranks each catalog stands for (default: catalog ``i`` is rank
+    ``i``), named in those errors. ``world_size`` defaults to the number of catalogs."""
     meshes: list[dict[str, Any]] = []
     atoms: dict[str, dict[str, Any]] = {}
-    holders: dict[str, int] = {}
+    holders: dict[str, str] = {}
     raw = merge_raw_optimizers(local_cats)
-    for rank, cat in enumerate(local_cats):
+    for i, cat in enumerate(local_cats):
         if not cat:
             continue
+        rank = _ranks(ranks[i] if ranks is not None else [i])
         remap = [intern(meshes, m) for m in cat["meshes"]]
         for name, rec in cat["atoms"].items():
             layout = rec.get("layout")
@@ -87,8 +94,8 @@ def merge_local_catalogs(
             for field in ("shape", "dtype", "value", "kind"):
                 if have.get(field) != rec.get(field):
                     raise AmbiguousLayoutError(
-                        f"atom '{name}' is saved with {field}={have.get(field)!r} by rank {holders[name]} "
-                        f"but {field}={rec.get(field)!r} by rank {rank}",
+                        f"atom '{name}' is saved with {field}={have.get(field)!r} by {holders[name]} "
+                        f"but {field}={rec.get(field)!r} by {rank}",
                         atom=name,
                         saved=have.get(field),
                         wanted=rec.get(field),
@@ -100,7 +107,7 @@ def merge_local_catalogs(
             if sharded_now != sharded_before:
                 raise AmbiguousLayoutError(
                     f"atom '{name}' is a plain tensor on some ranks and a DTensor on others "
-                    f"(rank {holders[name]} vs rank {rank})",
+                    f"({holders[name]} vs {rank})",
                     atom=name,
                     hint="save it with one layout everywhere (wrap the plain copy with DTensor.from_local, "
                     "or give the per-rank tensors distinct names)",
@@ -119,6 +126,14 @@ def merge_local_catalogs(
     if raw:
         out["raw_optimizers"] = raw
     return out
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 2`` / ``ranks [0, 1]``: the ranks one local catalog stands for, as errors name them."""
+    shown = list(ranks)
+    if len(shown) == 1:
+        return f"rank {shown[0]}"
+    return f"ranks {shown[:8]}" + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
 
 
 def merge_raw_optimizers(local_cats: Sequence[dict[str, Any] | None]) -> dict[str, list[list[int]]]:
@@ -155,7 +170,23 @@ def raw_optimizer_error(prefix: str, message: str, saved: Any, wanted: Any) -> P
 
 
 def read_catalog(planner_data: Any) -> dict[str, Any] | None:
-    """The catalog inside ``Metadata.planner_data`` (None for checkpoints written without ucp_dcp)."""
+    """The catalog inside ``Metadata.planner_data`` as stored (None for checkpoints written without
+    ucp_dcp), checked field by field (:class:`~ucp_dcp.errors.CatalogError` names a bad one). Planning
+    reads it typed: :func:`load_catalog`."""
+    cat = _raw_catalog(planner_data)
+    if cat is not None:
+        Catalog.from_json(cat)
+    return cat
+
+
+def load_catalog(planner_data: Any) -> Catalog | None:
+    """The catalog inside ``Metadata.planner_data`` as a typed, checked :class:`Catalog` (None: no catalog)."""
+    cat = _raw_catalog(planner_data)
+    return Catalog.from_json(cat) if cat is not None else None
+
+
+def _raw_catalog(planner_data: Any) -> dict[str, Any] | None:
+    """The catalog dict, its format and version checked (a newer major version is refused whole)."""
     if not isinstance(planner_data, dict):
         return None
     cat = planner_data.get(CATALOG_KEY)

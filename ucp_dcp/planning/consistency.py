@@ -298,7 +298,11 @@ def zero_like(value: Any) -> Any:
         return False
     if isinstance(value, (int, float, complex)):
         return type(value)(0)
-    raise TypeError(f"cannot zero a {type(value).__name__}")
+    raise PatternError(
+        f"a Reduce(op='sum') value of type {type(value).__name__} has no zero for the ranks that do not take the total",
+        saved=type(value).__name__,
+        hint="declare Reduce(op='sum') only for tensors and numbers",
+    )
 
 
 # -- rule usage and index ownership ----------------------------------------------------------------

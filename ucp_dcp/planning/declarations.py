@@ -19,6 +19,7 @@ import torch
 from ..errors import AmbiguousLayoutError, PatternError, UCPError
 from ..layout.patterns import Rule, Tied, describe, rule_to_json
 from .catalog import RAW_HINT, raw_optimizer_error
+from .catalog_record import Catalog
 from .entries import local_tensor
 from .ties import storage_identity
 
@@ -151,18 +152,13 @@ _LAYOUT_FIELDS = {
 """The fields of a rule that decide how saved atoms relate to live values (not ``fill``, ``check``)."""
 
 
-def rule_conflicts(
-    declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: dict[str, Any] | None
-) -> list[UCPError]:
+def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: Catalog | None) -> list[UCPError]:
     """Rules this load declares that describe a parameter the checkpoint holds differently from the
     rule it was saved with (same kind, both match one saved name, other layout fields): the saved
     atoms were cut by the saved rule, so the declared one would put their rows in the wrong places."""
     import re
 
-    atoms = (catalog or {}).get("atoms", {})
-    names: set[str] = set()
-    for name, rec in atoms.items():
-        names.update(x for x in (rec.get("param"), rec.get("live"), name) if x)
+    names = catalog.saved_names() if catalog is not None else set()
     out: list[UCPError] = []
     for d in declared:
         fields = _LAYOUT_FIELDS.get(d.kind)
@@ -212,26 +208,26 @@ def rule_json(rule: Rule) -> dict[str, Any]:
     return rule_to_json(rule)
 
 
-def reduce_problem(r: Any, catalog: dict[str, Any] | None) -> UCPError | None:
+def reduce_problem(r: Any, catalog: Catalog | None) -> UCPError | None:
     """A ``Reduce`` rule applied at load to an atom the checkpoint saved without one: what was saved
     is one rank's copy (checked equal across ranks), which the load would take for the reduced total."""
     if r.reduce is None or not catalog:
         return None
-    rec = catalog.get("atoms", {}).get(r.name)
-    if rec is None or str(rec.get("pattern", "")).startswith("reduce:"):
+    rec = catalog.atoms.get(r.name)
+    if rec is None or (rec.pattern or "").startswith("reduce:"):
         return None
     return PatternError(
         f"rule {describe(r.reduce)} reduces '{r.name}' at load, but the checkpoint saved it without a reduction "
-        f"(pattern {rec.get('pattern')!r}: one rank's copy): the load would take that copy for the {r.reduce.op}",
+        f"(pattern {rec.pattern!r}: one rank's copy): the load would take that copy for the {r.reduce.op}",
         atom=r.name,
-        saved=rec.get("pattern"),
+        saved=rec.pattern,
         wanted=f"reduce:{r.reduce.op}",
         hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it",
     )
 
 
 def raw_optimizer_problems(
-    target_raw: Mapping[str, list[list[int]]], catalog: Mapping[str, Any] | None, target_names: Iterable[str]
+    target_raw: Mapping[str, list[list[int]]], catalog: Catalog | None, target_names: Iterable[str]
 ) -> list[UCPError]:
     """Raw ``optimizer.state_dict()`` values (parameters keyed by position) that this load cannot fill
     exactly: positions other than the checkpoint's (another parameter order or count, another
@@ -239,7 +235,7 @@ def raw_optimizer_problems(
     catalog) are checked when their ``params`` lists are read."""
     if catalog is None:
         return []
-    saved_raw: dict[str, list[list[int]]] = catalog.get("raw_optimizers", {})
+    saved_raw = catalog.raw_optimizers
     out: list[UCPError] = []
     for prefix, groups in target_raw.items():
         if prefix not in saved_raw:

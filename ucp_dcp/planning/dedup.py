@@ -106,11 +106,14 @@ def replica_copies_to_verify(
         return {}
     blind = [rank for rank, p in enumerate(payloads) if p.deferred and not p.writer_verifies]
     if blind:
+        writers = sorted({_writer_name(payloads[r]) for r in blind})
         raise UCPError(
-            f"rank(s) {blind[:8]} left their replica comparison to the storage writer "
-            "(UCPSavePlanner(replica_digests='writer')), but their writer does not compare replicas",
+            f"UCPSavePlanner(replica_digests='writer') with {' / '.join(writers)}: rank(s) {blind[:8]} left their "
+            "replica comparison to the storage writer, which does not compare replicas; refused before any write",
+            wanted="UCPFileSystemWriter with checksums=True",
+            saved=writers,
             hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
-            "leave replica_digests at 'plan'",
+            "leave replica_digests at 'plan' (any storage writer)",
         )
     writer: dict[PieceKey, int] = {}
     for rank, (st, its, kept) in enumerate(zip(structures, items, keep)):
@@ -127,3 +130,10 @@ def replica_copies_to_verify(
         if mine:
             out[rank] = mine
     return out
+
+
+def _writer_name(payload: LocalPlanPayload) -> str:
+    """The storage writer a payload came through, as a message names it."""
+    if payload.writer is None:
+        return "a storage writer that is not ucp_dcp's (e.g. DCP's FileSystemWriter)"
+    return f"{payload.writer} (checksums off)" if not payload.writer_verifies else payload.writer

@@ -18,6 +18,8 @@ from typing import Literal, get_args
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["STAGE_BYTES", "STAGING_ENV", "split_box", "split_reads", "staging_forced", "needs_staging"]
 
 STAGE_BYTES = 16 << 20
@@ -34,7 +36,9 @@ def staging_forced(mode: StagingMode | None = None) -> bool:
     """Whether CPU targets go through staging (``mode`` or, when None, ``$UCP_DCP_STAGING``)."""
     chosen: str = mode if mode is not None else os.environ.get(STAGING_ENV, "auto")
     if chosen not in get_args(StagingMode):
-        raise ValueError(f"staging must be 'auto' or 'always', got {chosen!r}")
+        raise InvalidArgumentError(
+            f"staging must be 'auto' or 'always', got {chosen!r}" + ("" if mode is not None else f" (${STAGING_ENV})")
+        )
     return chosen == "always"
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import AmbiguousLayoutError
 from ..layout.index_maps import IndexMap, map_position
+from .catalog_record import Catalog
 
 __all__ = ["lacking_maps", "map_reads", "forgotten_map_problem", "check_forgotten_maps"]
 
@@ -29,12 +29,12 @@ logger = logging.getLogger(__name__)
 _MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
 
 
-def lacking_maps(catalog: dict[str, Any] | None, maps: Iterable[IndexMap]) -> list[str]:
+def lacking_maps(catalog: Catalog | None, maps: Iterable[IndexMap]) -> list[str]:
     """Keys of the index maps the checkpoint was saved with that this load (``maps``) does not pass."""
-    return sorted(set((catalog or {}).get("maps", [])) - {m.key for m in maps})
+    return sorted(set(catalog.maps if catalog is not None else ()) - {m.key for m in maps})
 
 
-def map_reads(catalog: dict[str, Any] | None, maps: Iterable[IndexMap], reads: Iterable[ReadItem]) -> list[str]:
+def map_reads(catalog: Catalog | None, maps: Iterable[IndexMap], reads: Iterable[ReadItem]) -> list[str]:
     """The saved atoms a rank's ``reads`` read that number an entry of a map the load lacks (``layers.<i>``)."""
     lacking = lacking_maps(catalog, maps)
     if not lacking:
@@ -43,7 +43,7 @@ def map_reads(catalog: dict[str, Any] | None, maps: Iterable[IndexMap], reads: I
 
 
 def check_forgotten_maps(
-    catalog: dict[str, Any] | None,
+    catalog: Catalog | None,
     md: Metadata,
     maps: Iterable[IndexMap],
     reads: Sequence[Iterable[str]],

@@ -14,12 +14,12 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import _init_state_dict, set_element
-from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..layout.dtypes import conversion
 from ..layout.patterns import Patterns, rule_from_json
 from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
-from .catalog import read_catalog
+from .catalog import load_catalog
 from .consistency import check_rule_usage, zero_like
 from .declarations import (
     alias_problems,
@@ -147,7 +147,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             {True: "ranks", False: "off"}.get(read_once, read_once) if isinstance(read_once, bool) else read_once
         )
         if self.read_once not in READ_ONCE_MODES:
-            raise UCPError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
+            raise InvalidArgumentError(f"read_once={read_once!r}: expected 'hosts', 'ranks' or 'off'")
         self.missing_atoms: list[str] = []
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -185,8 +185,8 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
                 UnverifiedCheckpointWarning,
                 stacklevel=2,
             )
-        self._catalog = read_catalog(metadata.planner_data)  # refuses newer catalogs before any read
-        saved_rules = [rule_from_json(d) for d in (self._catalog or {}).get("rules", [])]
+        self._catalog = load_catalog(metadata.planner_data)  # typed and checked; newer ones refused before any read
+        saved_rules = [rule_from_json(d) for d in (self._catalog.rules if self._catalog else ())]
         self._saved_rules = saved_rules
         conflicts = rule_conflicts(self.rules, saved_rules, self._catalog)
         if conflicts and self.strict:
@@ -270,7 +270,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             )
         if problems:
             err = with_map_note(
-                combine_problems(problems), (self._catalog or {}).get("maps", []), [m.key for m in self.maps]
+                combine_problems(problems), self._catalog.maps if self._catalog else (), [m.key for m in self.maps]
             )
             raise with_raw_note(err, problems, self._raw)
         self._patterns.note_names(saved_names(self.metadata, self._catalog))
@@ -342,7 +342,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         if getattr(self, "_catalog", None):
-            check_map_orders(self._catalog.get("map_orders", {}), map_orders(usages))
+            check_map_orders(self._catalog.map_orders, map_orders(usages))
             reads = [p.planner_data.map_reads for p in global_plan]  # plain tensors: no mesh shows a lost map
             check_forgotten_maps(self._catalog, self.metadata, self.maps, reads, self.allow_partial_load)
         # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)

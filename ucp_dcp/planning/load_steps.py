@@ -36,7 +36,8 @@ from ..layout.coverage import ChunkIndex, exact_cover_problem
 from ..layout.dtypes import LOSS, conversion, kind
 from ..layout.fragments import Box
 from ..layout.naming import AtomName, NameRules, OptimizerForm
-from .catalog import read_catalog
+from .catalog import load_catalog
+from .catalog_record import Catalog
 from .entries import Entry, GroupTarget
 from .resolve import Resolved, Resolver
 from .ties import catalog_aliases, saved_equal
@@ -152,11 +153,8 @@ def check_tensor(name: str, smd: Any, r: Resolved, allow_lossy_dtype: bool = Fal
         )
 
 
-def saved_names(md: Metadata, catalog: dict[str, Any] | None) -> set[str]:
-    names = set(md.state_dict_metadata)
-    for _name, rec in (catalog or {}).get("atoms", {}).items():
-        names.update(x for x in (rec.get("param"), rec.get("live")) if x)
-    return names
+def saved_names(md: Metadata, catalog: Catalog | None) -> set[str]:
+    return set(md.state_dict_metadata) | (catalog.saved_names() if catalog is not None else set())
 
 
 class SavedIndex:
@@ -165,8 +163,8 @@ class SavedIndex:
     def __init__(self, md: Metadata, rules: NameRules) -> None:
         self.md = md
         pd = md.planner_data if isinstance(md.planner_data, dict) else {}
-        catalog = read_catalog(md.planner_data)
-        atoms = (catalog or {}).get("atoms", {})
+        catalog = load_catalog(md.planner_data)
+        atoms = catalog.atoms if catalog is not None else {}
         self.aliases = catalog_aliases(catalog)
         """Alias atom -> the atom saved for it (keys that were one tensor at save)."""
         self.by_atom: dict[str, str] = {}

@@ -262,11 +262,15 @@ class LocalPlanPayload(_Compact):
     writer_verifies: bool = False
     """This rank's storage writer compares replicated pieces after the write (it said so in
     ``prepare_local_plan``, :meth:`acknowledge_writer`)."""
+    writer: str | None = None
+    """The class name of the storage writer that acknowledged this payload (None: the writer is not a
+    ucp_dcp one and left it unmarked), named when a save needs what that writer does not do."""
 
-    def acknowledge_writer(self) -> LocalPlanPayload:
-        """This payload, marked: the storage writer compares the deferred replicated pieces."""
+    def acknowledge_writer(self, writer: str, compares_replicas: bool) -> LocalPlanPayload:
+        """This payload, marked by the storage writer (:class:`~ucp_dcp.planning.handshake.WriterAcknowledgement`):
+        its class name and whether it compares the deferred replicated pieces."""
         out = object.__new__(LocalPlanPayload)
-        out.__dict__.update(self.__dict__, writer_verifies=True)
+        out.__dict__.update(self.__dict__, writer_verifies=compares_replicas, writer=writer)
         return out
 
     def with_packed(self, packed: PackedPlan | None) -> LocalPlanPayload:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import cached_plans_key, local_tensor, plan_caching
 from .._version import __version__
-from ..errors import UCPError
+from ..errors import InvalidArgumentError, UCPError
 from ..layout.patterns import Patterns
 from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
@@ -122,10 +122,10 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
             enable_plan_caching=enable_plan_caching,
         )
         if check_replicas not in _CHECK_MODES:
-            raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
+            raise InvalidArgumentError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
         if replica_digests not in get_args(ReplicaDigests):
-            raise ValueError(f"replica_digests must be 'plan' or 'writer', got {replica_digests!r}")
+            raise InvalidArgumentError(f"replica_digests must be 'plan' or 'writer', got {replica_digests!r}")
         self.replica_digests = replica_digests
         self.options = split_options(options, layout)
         self._config = {

@@ -12,6 +12,7 @@ the local plan, the global plan and the final items share the row layout of the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ..errors import AmbiguousLayoutError
+from ..errors import AmbiguousLayoutError, UCPError
 from ..layout.fragments import Fragment
 from ..layout.patterns import Patterns
 from ..layout.placements import Layout, dtype_name
@@ -40,6 +41,7 @@ from ..layout.shards import global_shape
 from ..options import UCPOptions
 from . import catalog as cat_mod
 from .averaging import average_writers, is_averaged
+from .catalog_record import Catalog
 from .consistency import check_coverage, check_padding, replica_digests, tie_mismatches
 from .dedup import Rows, choose_writers, replica_copies_to_verify
 from .entries import is_sharded
@@ -413,18 +415,22 @@ def global_plan(
     mappings: dict[str, Any] = {}
     for st in result.structures:
         mappings.update(st.paths)
-    catalog = cat_mod.merge_local_catalogs(
-        [st.catalog for st in result.structures], writer=writer, world_size=len(payloads)
+    # one catalog per distinct structure: its errors name the ranks holding that structure, not its index
+    holders = [[r for r, s in enumerate(result.structure_of) if s == i] for i in range(len(result.structures))]
+    merged = cat_mod.merge_local_catalogs(
+        [st.catalog for st in result.structures], writer=writer, world_size=len(payloads), ranks=holders
     )
-    catalog["rules"] = rules_json
-    catalog["maps"] = sorted(map_keys)
-    if map_orders:
-        catalog["map_orders"] = dict(sorted(map_orders.items()))
+    catalog = dataclasses.replace(
+        Catalog.from_json(merged),
+        rules=tuple(rules_json),
+        maps=tuple(sorted(map_keys)),
+        map_orders=dict(sorted((map_orders or {}).items())),
+    )
     check_aliases(catalog)
     aliases = catalog_aliases(catalog)
     # an alias's flatten path too: ucp_dcp's writer adds it to the metadata as a key of the same bytes
     planner_data: dict[str, Any] = {k: mappings[k] for k in [*sdm, *aliases] if k in mappings}
-    planner_data[cat_mod.CATALOG_KEY] = catalog
+    planner_data[cat_mod.CATALOG_KEY] = catalog.to_json(cat_mod.FORMAT)
     coordinator = next((i for i, p in enumerate(payloads) if p.coordinator), 0)
     averages = average_writers(payloads, result.items, result.keep, [result.structures[s] for s in result.structure_of])
     verify = replica_copies_to_verify(
@@ -452,7 +458,11 @@ def merge_cached(payloads: list[LocalPlanPayload], cached: list[LocalPlanPayload
         if p.packed is not None:
             out.append(p)
         elif cached is None:
-            raise RuntimeError("UCP plan cache is empty but a rank sent a cached plan")
+            raise UCPError(
+                f"rank {i} sent a cached plan (enable_plan_caching), but the coordinator's plan cache is empty",
+                hint="give every rank a planner configured alike (enable_plan_caching on all or none) and the "
+                "same planner class",
+            )
         else:
             out.append(p.with_packed(cached[i].packed))
     return out

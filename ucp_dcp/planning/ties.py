@@ -14,7 +14,7 @@ were not one tensor) are one value only if their bytes are: the checkpoint's per
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, is_checkpointable_tensor
 from ..errors import AmbiguousLayoutError
 from ..layout.naming import Path
-from .catalog import read_catalog
+from .catalog import load_catalog
+from .catalog_record import Catalog
 from .entries import local_tensor
 from .resolve import Resolved
 
@@ -117,28 +118,24 @@ def fold_shared_storage(resolved: Sequence[Resolved]) -> tuple[list[Resolved], d
     return kept, paths
 
 
-def catalog_aliases(catalog: Mapping[str, Any] | None) -> dict[str, str]:
+def catalog_aliases(catalog: Catalog | None) -> dict[str, str]:
     """Alias atom -> the atom it was saved as, from a catalog's records."""
-    out: dict[str, str] = {}
-    for name, rec in (catalog or {}).get("atoms", {}).items():
-        for alias in rec.get("aliases", ()):
-            out[alias] = name
-    return out
+    return catalog.aliases() if catalog is not None else {}
 
 
-def check_aliases(catalog: Mapping[str, Any]) -> None:
+def check_aliases(catalog: Catalog) -> None:
     """Refuse a save where a key is one tensor with another on some rank but a tensor of its own on
     another rank (or the alias of two atoms): the checkpoint could not give it one value."""
     owners: dict[str, list[str]] = {}
-    for name, rec in catalog.get("atoms", {}).items():
-        for alias in rec.get("aliases", ()):
+    for name, rec in catalog.atoms.items():
+        for alias in rec.aliases:
             owners.setdefault(alias, []).append(name)
     for alias, of in sorted(owners.items()):
-        if alias in catalog["atoms"] or len(of) > 1:
-            saved = sorted(of) + ([alias] if alias in catalog["atoms"] else [])
+        if alias in catalog.atoms or len(of) > 1:
+            saved = sorted(of) + ([alias] if alias in catalog.atoms else [])
             raise AmbiguousLayoutError(
                 f"'{alias}' shares memory with {sorted(of)[0]!r} on some rank but is saved as "
-                f"{'a tensor of its own' if alias in catalog['atoms'] else 'a copy of ' + repr(sorted(of)[1])} "
+                f"{'a tensor of its own' if alias in catalog.atoms else 'a copy of ' + repr(sorted(of)[1])} "
                 "by another: the checkpoint cannot hold one value for it",
                 atom=alias,
                 saved=saved,
@@ -180,7 +177,7 @@ def add_alias_keys(md: Metadata, storage: dict[MetadataIndex, Any], table: dict[
     (``storage``: the writer's storage entries, ``table``: its I/O table): the bytes stay written
     once, and stock DCP finds the alias like any key. Called by a writer that controls the storage
     entries (DCP's own writer does not: its checkpoints keep aliases in the catalog only)."""
-    for alias, atom in catalog_aliases(read_catalog(md.planner_data)).items():
+    for alias, atom in catalog_aliases(load_catalog(md.planner_data)).items():
         smd = md.state_dict_metadata.get(atom)
         if not isinstance(smd, TensorStorageMetadata) or alias in md.state_dict_metadata:
             continue

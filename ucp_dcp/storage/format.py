@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .._compat import dtype_of_storage_type, torch_file_reader
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, TruncatedFileError
 from ..planning.ties import IO_KEY, item_key  # defined with the planner, which compares saved digests
 
 __all__ = [
@@ -227,7 +227,9 @@ def gather_grid(src: np.ndarray, src_start: int, grid: BoxGrid, out: np.ndarray)
         return
     lo, hi = grid.first - src_start, grid.end - src_start
     if lo < 0 or hi > len(src) or len(out) != grid.nbytes:  # as_strided does no bounds checks
-        raise ValueError(f"grid [{grid.first}, {grid.end}) outside source [{src_start}, {src_start + len(src)})")
+        raise TruncatedFileError(  # bytes read fewer than the record says: a short file
+            f"grid [{grid.first}, {grid.end}) outside source [{src_start}, {src_start + len(src)})"
+        )
     view = np.lib.stride_tricks.as_strided(
         src[lo:], shape=(*grid.counts, grid.run), strides=(*grid.strides, 1), writeable=False
     )

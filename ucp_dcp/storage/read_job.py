@@ -126,7 +126,10 @@ class ReadJob:
                 return None, memoryview(bytearray(nbytes))
             buf = self.staging_pool(target).acquire()
             return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
-        if target.dtype == record.dtype and target.is_contiguous() and target.numel():
+        # a conjugate/negative view's memory holds other bytes than its values (stock planners hand
+        # those targets over as they are): copy_ into it from a buffer, as DCP's reader does
+        viewed = target.is_conj() or target.is_neg()
+        if target.dtype == record.dtype and target.is_contiguous() and target.numel() and not viewed:
             return target, memoryview(target.view(-1).view(torch.uint8).numpy())
         return None, memoryview(bytearray(nbytes))
 

@@ -29,10 +29,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .._compat import fsspec_filesystem
-from ..errors import UCPError, UnverifiedCheckpointWarning
+from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
 from ..planning.collectives import p2p_group
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
+from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
 from .checksums import BlockChecker
@@ -56,6 +57,11 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
 
     The positional parameters are ``FileSystemReader``'s, in its order (a drop-in); ucp_dcp's own
     options are keyword-only after them.
+
+    Works with any load planner (DCP's reads the way DCP's reader does, plus read-once). A planner whose
+    plan payload is a :class:`~ucp_dcp.planning.handshake.ReadOnceRequest` (``UCPLoadPlanner``) chooses the
+    read-once mode and keeps its items out of the gathered plan; one that then hands ``read_data`` fewer
+    items than it planned is refused, naming the pair.
 
     Args:
         path: checkpoint folder or fsspec URL.
@@ -93,16 +99,20 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         if "://" in str(path):
             self.fs = fsspec_filesystem()()
             self.path = self.fs.init_path(path)
-        self.thread_count = reading_threads() if thread_count is None else max(1, int(thread_count))
+        if thread_count is not None and (not isinstance(thread_count, int) or isinstance(thread_count, bool)):
+            raise InvalidArgumentError(f"thread_count must be an int or None, got {thread_count!r}")
+        self.thread_count = reading_threads() if thread_count is None else max(1, thread_count)
         self.verify_checksums = verify_checksums
         self.trust = trust
         if read_once is not None and read_once not in READ_ONCE_MODES:
-            raise UCPError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
+            raise InvalidArgumentError(f"read_once={read_once!r}: expected one of {READ_ONCE_MODES}")
         self.read_once = read_once
         self._forced = staging_forced(staging)
         self.stage_bytes = _device.STAGE_BYTES
         """Size of a staging buffer (and the largest item read into one)."""
         self.stats = ReadStats()
+        self._kept_items: int | None = None
+        """Read items a planner that keeps them (:class:`ReadOnceRequest`) planned on this rank."""
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
 
@@ -125,6 +135,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         raise_if_unopened(metadata)
+        self._kept_items = None
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         check_tables(metadata)
         if self.integrity is None:  # metadata handed in by the caller, not read here
@@ -159,11 +170,15 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         puts its items back in ``finish_plan`` (``LoadPlanPayload.keeps_items``) gets them left out
         of the gathered plan, so planning stays O(summary) per rank."""
         pd = plan.planner_data
-        mode = self.read_once or getattr(pd, "read_once", None) or "hosts"
+        request = pd if isinstance(pd, ReadOnceRequest) else None  # other planners: DCP's contract only
+        mode = self.read_once or (request.read_once if request is not None else None) or "hosts"
         if mode not in READ_ONCE_MODES:
             raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
         summary = local_summary(plan.items, self._md, mode)
-        return LoadPlan([] if getattr(pd, "keeps_items", False) else plan.items, storage_data=summary, planner_data=pd)
+        keeps = request is not None and request.keeps_items
+        # a planner that said it keeps its items must hand them all to read_data (else nothing is read)
+        self._kept_items = len(plan.items) if keeps else None
+        return LoadPlan([] if keeps else plan.items, storage_data=summary, planner_data=pd)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
@@ -173,6 +188,14 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     # -- entry point -------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        kept = self._kept_items
+        if kept is not None and len(plan.items) != kept:
+            raise UCPError(
+                f"{type(planner).__name__} with {type(self).__name__}: the planner's plan said it puts its {kept} "
+                f"read item(s) back in finish_plan (keeps_items), but read_data got {len(plan.items)}",
+                hint="a planner whose LoadPlan.planner_data has keeps_items=True must return its own read items "
+                "from finish_plan (UCPLoadPlanner does)",
+            )
         self.stats = ReadStats()
         t0 = time.perf_counter()
         transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()

@@ -48,6 +48,7 @@ from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, met
 from ..errors import ReplicaMismatchError, UCPError
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
+from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from .commit import commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
@@ -163,6 +164,11 @@ class UCPFileSystemWriter(FileSystemWriter):
     The positional parameters are ``FileSystemWriter``'s, in its order and with its meaning (a
     drop-in); ucp_dcp's own options are keyword-only after them.
 
+    Works with any save planner. With one whose plan payload is a
+    :class:`~ucp_dcp.planning.handshake.WriterAcknowledgement` (``UCPSavePlanner``) it marks the payload with
+    its name and whether it compares replicas, and with a :class:`~ucp_dcp.planning.handshake.ReplicaCopySource`
+    planner it compares this rank's copies of replicated pieces with the written ones before the commit.
+
     Args:
         path: checkpoint folder. It may hold a checkpoint already: that one stays loadable until
             this save commits, and its files are removed after.
@@ -251,9 +257,10 @@ class UCPFileSystemWriter(FileSystemWriter):
                 f"a checkpoint exists in {self.path} and overwrite=False",
                 hint="save into another folder, or pass overwrite=True",
             )
-        ack = getattr(plan.planner_data, "acknowledge_writer", None)
-        if ack is not None and self.checksums:  # UCPSavePlanner: this writer compares replicated pieces
-            plan = dataclasses.replace(plan, planner_data=ack())
+        if isinstance(plan.planner_data, WriterAcknowledgement):  # UCPSavePlanner's payload: say who writes
+            plan = dataclasses.replace(
+                plan, planner_data=plan.planner_data.acknowledge_writer(type(self).__name__, self.checksums)
+            )
         return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -290,8 +297,7 @@ class UCPFileSystemWriter(FileSystemWriter):
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(1, min(self.thread_count, work.qsize()))]
         # copies of replicated pieces another rank writes: hashed while the writes run, compared in finish()
-        copies = getattr(planner, "replica_copies", None)
-        copies = copies() if copies is not None and self.checksums else []
+        copies = planner.replica_copies() if isinstance(planner, ReplicaCopySource) and self.checksums else []
         hasher = ThreadPoolExecutor(1) if copies else None
         copy_sums = (
             [

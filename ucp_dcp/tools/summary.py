@@ -23,7 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UCPError
-from ..planning.catalog import read_catalog
+from ..planning.catalog import load_catalog, read_catalog
 from ..planning.ties import catalog_aliases
 from ..storage.commit import Integrity, open_checkpoint, scan
 from ..storage.opening import filesystem, step_folders
@@ -111,7 +111,7 @@ def summarize(
     cat_atoms = (catalog or {}).get("atoms", {})
     kinds = atom_kinds(md, catalog)
     found = read_values(path, md) if path is not None and values else {}
-    aliases = catalog_aliases(catalog)
+    aliases = catalog_aliases(load_catalog(md.planner_data))
     sizes: dict[str, int] = {}
     for index, info in (md.storage_data or {}).items():
         if index.fqn not in aliases:  # an alias's entries point at its atom's bytes, stored once

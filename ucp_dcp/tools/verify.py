@@ -19,7 +19,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
-from ..planning.catalog import read_catalog
+from ..planning.catalog import load_catalog
 from ..planning.ties import catalog_aliases
 from ..storage.format import HASHES, IO_KEY, block_hash, item_key
 from ..storage.tiles import saved_tile_grid, tile_checksums
@@ -230,7 +230,7 @@ def _items(md: Metadata) -> dict[str, list[_Item]]:
     }
     out: dict[str, list[_Item]] = {}
     storage = md.storage_data or {}
-    aliases = catalog_aliases(read_catalog(md.planner_data))
+    aliases = catalog_aliases(load_catalog(md.planner_data))
     for index, info in storage.items():
         if index.fqn == IO_KEY:
             continue

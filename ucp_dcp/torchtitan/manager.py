@@ -1,13 +1,13 @@
 """``UCPCheckpointManager``: torchtitan's DCP checkpoint manager with ucp_dcp's planners.
 
-Every stock feature is kept -- the manager runs torchtitan's own ``dcp_save``/``dcp_load`` (async
-modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``, seed checkpoints, last-step
-model-only exports) and only hands DCP the UCP planners.
+Every stock feature is kept (async modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``,
+seed checkpoints, last-step model-only exports): the manager overrides torchtitan's ``dcp_save``/``dcp_load``,
+through which torchtitan makes every DCP call, with the same calls plus the UCP planners and storage.
 
 Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
 (:mod:`ucp_dcp.torchtitan.manager_hf`), not torchtitan's state-dict adapter. The other parts of the
 manager sit beside it: the fused-QKV atoms (:mod:`ucp_dcp.torchtitan.fused_qkv`), the planners and
-storage handed to torchtitan's DCP calls (:mod:`ucp_dcp.torchtitan.planner_dcp`) and the dataloader
+storage in the manager's DCP calls (:mod:`ucp_dcp.torchtitan.planner_dcp`) and the dataloader
 policy (:mod:`ucp_dcp.torchtitan.loader_policy`); this module holds the class, its options and the rules
 each save or load declares.
 
@@ -40,7 +40,7 @@ import torch.nn as nn
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 
-from ..errors import PatternError
+from ..errors import InvalidArgumentError, PatternError
 from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
@@ -48,7 +48,7 @@ from .fused_qkv import FusedQKVModelWrapper, fused_qkv_rules, without_qkv_split_
 from .loader_policy import DataloaderPolicy, apply_dataloader_policy
 from .manager_hf import load_hf, save_hf
 from .moe import moe_rules
-from .planner_dcp import dcp_planners
+from .planner_dcp import check_dcp_paths, ucp_dcp_load, ucp_dcp_save
 
 __all__ = ["UCPCheckpointManager", "FusedQKVModelWrapper", "fused_qkv_rules", "rules_for_call"]
 
@@ -101,9 +101,12 @@ class UCPCheckpointManager(CheckpointManager):
                 ("check_replicas", CheckMode),
             ):
                 if getattr(self, name) not in get_args(mode):
-                    raise ValueError(f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}")
+                    raise InvalidArgumentError(
+                        f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}"
+                    )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        check_dcp_paths(CheckpointManager)  # no torchtitan save/load path left to DCP's defaults
         model_parts = kwargs["model_parts"]
         # the stock ModelWrapper built by the parent caches a state dict: without the split hook,
         # building it does not all-gather wqkv either
@@ -130,7 +133,7 @@ class UCPCheckpointManager(CheckpointManager):
         for text in config.rules:
             try:
                 rules.append(rule_from_json(json.loads(text)))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, PatternError) as e:
                 raise PatternError(f"checkpoint.rules entry {text!r} is not a valid rule: {e}") from None
         return rules
 
@@ -153,20 +156,19 @@ class UCPCheckpointManager(CheckpointManager):
     def _load_planner(self, rules: list[Rule]) -> UCPLoadPlanner:
         return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
 
+    # torchtitan saves and loads only through these two (check_dcp_paths refuses a release that does not):
+    # each makes torchtitan's own DCP calls with our planner and storage, patching nothing global
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         if to_hf:
             return save_hf(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection)
-        rules = self._call_rules(state_dict)
-        with dcp_planners(save=lambda: self._save_planner(rules)):
-            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        planner = self._save_planner(self._call_rules(state_dict))
+        return ucp_dcp_save(self, state_dict, checkpoint_id, async_mode, planner, enable_garbage_collection)
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if from_hf:
             return load_hf(self, state_dict, checkpoint_id, from_quantized)
         state_dict = self._apply_dataloader_policy(state_dict, checkpoint_id)
-        rules = self._call_rules(state_dict)
-        with dcp_planners(load=lambda: self._load_planner(rules)):
-            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        return ucp_dcp_load(self, state_dict, checkpoint_id, self._load_planner(self._call_rules(state_dict)))
 
     def _apply_dataloader_policy(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
         """``state_dict`` checked against the checkpoint's dataloader state (:mod:`.loader_policy`)."""

@@ -27,9 +27,11 @@ import time
 from typing import Any, Protocol
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-import torchtitan.components.checkpointer.dcp as tt_dcp
+from torchtitan.components.checkpointer import AsyncMode
 from torchtitan.components.checkpointer.base import MODEL
+from torchtitan.tools.utils import GarbageCollection
 
 from ..errors import UCPError, ucp_errors
 from ..layout.patterns import Rule, Tied
@@ -110,7 +112,7 @@ def load_hf(manager: HFManager, state_dict: dict[str, Any], checkpoint_id: str, 
     if zeroed:  # not loaded: its Replicated rule would match nothing
         rules = [r for r in rules if getattr(r, "pattern", None) != EXPERT_BIAS]
     with ucp_errors():
-        tt_dcp.dcp.load(to_load, storage_reader=reader, planner=manager._load_planner(rules))
+        dcp.load(to_load, storage_reader=reader, planner=manager._load_planner(rules))
     manager.states[MODEL].load_state_dict(state_dict)
     manager.hf_load_stats = reader.stats
     logger.info(
@@ -129,7 +131,7 @@ def save_hf(
     doc). torchtitan casts the state to ``export_dtype`` before the call; the files keep it."""
     from ..sources.hf.publish import export_hf
 
-    if async_mode != tt_dcp.AsyncMode.DISABLED:
+    if async_mode != AsyncMode.DISABLED:
         logger.warning("UCP: a Hugging Face save is written synchronously (async_mode %s ignored)", async_mode)
     begin = time.monotonic()
     cfg = hf_model_config(manager)
@@ -145,7 +147,7 @@ def save_hf(
     try:
         planner = manager._save_planner(_hf_rules(manager, state_dict, cfg))
         with ucp_errors():
-            tt_dcp.dcp.save(state_dict, storage_writer=UCPFileSystemWriter(scratch), planner=planner)
+            dcp.save(state_dict, storage_writer=UCPFileSystemWriter(scratch), planner=planner)
         stats = export_hf(
             scratch, checkpoint_id, mapping, max_shard_bytes=manager.ucp.hf_max_shard_bytes, overwrite=True
         )
@@ -165,7 +167,7 @@ def save_hf(
         time.monotonic() - begin,
     )
     if enable_garbage_collection:
-        tt_dcp.GarbageCollection.collect("GC collection invoked by checkpointer.")
+        GarbageCollection.collect("GC collection invoked by checkpointer.")
 
 
 def _write_single_file_index(folder: str) -> None:

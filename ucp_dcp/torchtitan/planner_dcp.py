@@ -1,65 +1,135 @@
-"""torchtitan's own ``dcp_save``/``dcp_load``, given ucp_dcp's planners and storage for one call.
+"""The DCP calls of ``UCPCheckpointManager.dcp_save`` / ``dcp_load``, with ucp_dcp's planners and storage.
 
-torchtitan's checkpointer calls ``dcp.save``/``dcp.async_save``/``dcp.load`` through the ``dcp`` name of
-its module; :func:`dcp_planners` puts a stand-in there for the length of one call, which adds the UCP
-planner and, for a local ``checkpoint_id`` that came without one, the UCP storage writer or reader
-(checksums, atomic commit, safe opening). Everything else is the real module, so every stock feature of
-those calls (async modes, staging, process groups) is kept.
+The manager overrides torchtitan's ``dcp_save``/``dcp_load`` (torchtitan 0.3.0 saves and loads only through
+them) and makes the same ``dcp.save``/``dcp.async_save``/``dcp.load`` calls they make -- the async modes, the
+manager's process group and stager, garbage collection, the model reload after a load -- adding the UCP
+planner and, for a local ``checkpoint_id``, the UCP storage writer or reader (checksums, atomic commit, safe
+opening). Nothing global is patched: two managers in one process (threads included) each make their own
+calls.
+
+A torchtitan release that calls DCP from another method would save that path with DCP's defaults, silently
+stock; :func:`check_dcp_paths` reads the manager's torchtitan classes once and refuses, at construction, any
+DCP call outside the methods ucp_dcp overrides.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import ast
+import functools
+import inspect
+import logging
+import textwrap
+import types
 from typing import Any
 
-import torchtitan.components.checkpointer.dcp as tt_dcp
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torchtitan.components.checkpointer import AsyncMode
+from torchtitan.components.checkpointer.base import MODEL
+from torchtitan.tools.utils import GarbageCollection
 
+from ..errors import UCPError
+from ..planning.load_planner import UCPLoadPlanner
+from ..planning.save_planner import UCPSavePlanner
 from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 
-__all__ = ["dcp_planners"]
+__all__ = ["OVERRIDDEN", "check_dcp_paths", "dcp_calls_outside", "ucp_dcp_load", "ucp_dcp_save"]
+
+logger = logging.getLogger(__name__)
+
+OVERRIDDEN = ("dcp_save", "dcp_load")
+"""The torchtitan methods that make DCP calls and ``UCPCheckpointManager`` overrides."""
+_DCP_CALLS = ("save", "async_save", "load")
 
 
-def _with_storage(kwargs: dict[str, Any], key: str, cls: type) -> dict[str, Any]:
-    """Our storage for a local ``checkpoint_id`` that came without one: checksums, atomic commit,
-    safe opening (torchtitan passes ``storage_writer=None`` unless it writes Hugging Face files)."""
-    cid = kwargs.get("checkpoint_id")
-    if kwargs.get(key) is None and cid is not None and "://" not in str(cid):
-        kwargs[key] = cls(cid)
-    return kwargs
+def _local(checkpoint_id: Any) -> bool:
+    return checkpoint_id is not None and "://" not in str(checkpoint_id)
 
 
-class _PlannerDCP:
-    """Stands in for the ``dcp`` module inside torchtitan's checkpointer for one call, adding our
-    planner and storage to ``save``/``async_save``/``load``; everything else is the real module."""
+@torch.no_grad()
+def ucp_dcp_save(
+    manager: Any, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, planner: UCPSavePlanner, gc: bool
+) -> Any:
+    """torchtitan 0.3.0's ``dcp_save`` (not to Hugging Face) with ``planner`` and, for a local folder, our writer:
+    returns what its DCP call returns (None, a ``Future`` or an ``AsyncSaveResponse``)."""
+    writer = UCPFileSystemWriter(checkpoint_id) if _local(checkpoint_id) else None
+    common: dict[str, Any] = {"storage_writer": writer, "checkpoint_id": checkpoint_id, "planner": planner}
+    if async_mode == AsyncMode.ASYNC:
+        ret = dcp.async_save(state_dict, process_group=manager.pg, **common)
+    elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+        ret = dcp.async_save(
+            state_dict,
+            process_group=manager.pg,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=manager.stager,
+            **common,
+        )
+    else:
+        ret = dcp.save(state_dict, **common)
+    if gc:
+        GarbageCollection.collect("GC collection invoked by checkpointer.")
+    return ret
 
-    def __init__(self, real: Any, save: Any, load: Any) -> None:
-        self._real, self._save, self._load = real, save, load
 
-    def save(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("planner", self._save())
-        return self._real.save(*args, **_with_storage(kwargs, "storage_writer", UCPFileSystemWriter))
-
-    def async_save(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("planner", self._save())
-        return self._real.async_save(*args, **_with_storage(kwargs, "storage_writer", UCPFileSystemWriter))
-
-    def load(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("planner", self._load())
-        return self._real.load(*args, **_with_storage(kwargs, "storage_reader", UCPFileSystemReader))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+@torch.no_grad()
+def ucp_dcp_load(manager: Any, state_dict: dict[str, Any], checkpoint_id: str, planner: UCPLoadPlanner) -> None:
+    """torchtitan 0.3.0's ``dcp_load`` (not from Hugging Face) with ``planner`` and, for a local folder, our
+    reader; the model is reloaded from the flattened state afterwards, as torchtitan does."""
+    reader = UCPFileSystemReader(checkpoint_id) if _local(checkpoint_id) else None
+    dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
+    if MODEL in manager.states:
+        manager.states[MODEL].load_state_dict(state_dict)
 
 
-@contextlib.contextmanager
-def dcp_planners(save: Any = None, load: Any = None) -> Iterator[None]:
-    """Within: torchtitan's checkpointer reaches ``dcp`` through :class:`_PlannerDCP`; ``save`` / ``load``
-    make the planner of each DCP call (None: DCP's default)."""
-    real = tt_dcp.dcp
-    tt_dcp.dcp = _PlannerDCP(real, save or (lambda: None), load or (lambda: None))
-    try:
-        yield
-    finally:
-        tt_dcp.dcp = real
+def dcp_calls_outside(cls: type, allowed: tuple[str, ...] = OVERRIDDEN, library: str = "torchtitan") -> list[str]:
+    """``Class.method`` of every method of ``cls``'s classes from ``library`` (its MRO) that calls DCP's
+    save/async_save/load but is not in ``allowed``. A class whose source cannot be read is named too."""
+    out = []
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith(library):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            out.append(f"{klass.__qualname__} (source unreadable)")
+            continue
+        names = _dcp_names(inspect.getmodule(klass))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in allowed:
+                if any(_is_dcp_call(c, names) for c in ast.walk(node) if isinstance(c, ast.Call)):
+                    out.append(f"{klass.__qualname__}.{node.name}")
+    return out
+
+
+def _dcp_names(module: types.ModuleType | None) -> tuple[set[str], set[str]]:
+    """Names in ``module`` bound to ``torch.distributed.checkpoint`` and to its save/load functions."""
+    glob = vars(module) if module is not None else {}
+    modules = {n for n, v in glob.items() if v is dcp}
+    funcs = {n for n, v in glob.items() if any(v is getattr(dcp, f) for f in _DCP_CALLS)}
+    return modules, funcs
+
+
+def _is_dcp_call(call: ast.Call, names: tuple[set[str], set[str]]) -> bool:
+    modules, funcs = names
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr in _DCP_CALLS and isinstance(f.value, ast.Name):
+        return f.value.id in modules
+    return isinstance(f, ast.Name) and f.id in funcs
+
+
+@functools.cache
+def check_dcp_paths(cls: type, library: str = "torchtitan") -> None:
+    """Refuse a torchtitan checkpoint manager that calls DCP outside the methods ucp_dcp overrides: that
+    path would save or load with DCP's planner and storage, silently stock (once per class)."""
+    outside = dcp_calls_outside(cls, library=library)
+    if outside:
+        raise UCPError(
+            f"torchtitan's checkpoint manager calls DCP from {', '.join(outside)}, which ucp_dcp does not override "
+            f"(only {', '.join(OVERRIDDEN)}): those saves or loads would run without ucp_dcp's planner and storage",
+            wanted=list(OVERRIDDEN),
+            saved=outside,
+            hint="use a torchtitan release ucp_dcp supports (ucp_dcp.torchtitan._compat.TESTED_TORCHTITAN), or "
+            "turn the ucp_dcp checkpoint option off",
+        )

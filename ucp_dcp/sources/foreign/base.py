@@ -109,7 +109,10 @@ class ForeignReader(UCPFileSystemReader):
 
     def describe(self) -> tuple[list[Piece], dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Any]]:
         """``(pieces, atom dtype and shape, plain values by atom)`` of the checkpoint at ``self.path``."""
-        raise NotImplementedError
+        raise UCPError(
+            f"{type(self).__name__} reads no format: ForeignReader is the base of the foreign readers",
+            hint="use DeepSpeedReader or MegatronReader, or a subclass that implements describe()",
+        )
 
     def _open(self) -> tuple[Metadata, Integrity]:
         return self._metadata(), Integrity("none")  # no checksums: this reader warns, in its own words

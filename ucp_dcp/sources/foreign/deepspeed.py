@@ -377,6 +377,8 @@ def _resolve(path: str, tag: str | None, universal: bool) -> str:
             raise CorruptCheckpointError(f"{f} names {sub!r}, not a folder of {path}")
         return os.path.join(path, sub)
 
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint at {path}: not a folder", saved=path)
     if tag is not None:
         if not os.path.isdir(os.path.join(path, tag)):
             raise CheckpointNotFoundError(f"no DeepSpeed checkpoint tag folder {os.path.join(path, tag)}")
