@@ -16,6 +16,7 @@ from helpers import assert_written_by_ucp, tensors_equal, ucp_failure
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -126,11 +127,41 @@ def test_save_pair_whose_writer_cannot_compare_replicas_is_refused_before_writin
 
 
 class _DroppingPlanner(UCPLoadPlanner):
-    """Says it puts its read items back in finish_plan (keeps_items) and does not."""
+    """Drops read items in finish_plan, where they are fixed (the planner's hook check refuses it)."""
 
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
         return type(plan)(plan.items[:1], storage_data=plan.storage_data, planner_data=plan.planner_data)
+
+
+class _DroppingWrapper(LoadPlanner):
+    """Not a UCPLoadPlanner subclass: wraps one, so its payload says it puts its read items back in
+    finish_plan (keeps_items), and does not; only the reader can see it."""
+
+    def __init__(self) -> None:
+        self.inner = UCPLoadPlanner()
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        self.inner.set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self):
+        return self.inner.create_local_plan()
+
+    def create_global_plan(self, global_plan):
+        return self.inner.create_global_plan(global_plan)
+
+    def finish_plan(self, central_plan):
+        plan = self.inner.finish_plan(central_plan)
+        return type(plan)(plan.items[:1], storage_data=plan.storage_data, planner_data=plan.planner_data)
+
+    def load_bytes(self, read_item, value):
+        self.inner.load_bytes(read_item, value)
+
+    def resolve_tensor(self, read_item):
+        return self.inner.resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item, tensor):
+        self.inner.commit_tensor(read_item, tensor)
 
 
 def _load_pair(rank, world, root, reader, planner):
@@ -144,7 +175,12 @@ def _load_pair(rank, world, root, reader, planner):
     got = _state(mesh, 1)
     got["sharded"] = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)], src_data_rank=None)
     storage = {"dcp": FileSystemReader, "ucp": UCPFileSystemReader}[reader](path)
-    plan = {"dcp": DefaultLoadPlanner, "ucp": UCPLoadPlanner, "dropping": _DroppingPlanner}[planner]()
+    plan = {
+        "dcp": DefaultLoadPlanner,
+        "ucp": UCPLoadPlanner,
+        "dropping": _DroppingPlanner,
+        "wrapper": _DroppingWrapper,
+    }[planner]()
     error = _error_of(lambda: dcp.load(got, storage_reader=storage, planner=plan))
     sent = storage.stats.bytes_received if isinstance(storage, UCPFileSystemReader) and error == "no error" else 0
     return error, error == "no error" and tensors_equal(_full(got), _full(want)), sent
@@ -165,7 +201,14 @@ def test_mixed_load_pair_works_bitwise(reader, planner):
 
 
 def test_load_planner_that_drops_the_items_it_kept_is_refused_naming_the_pair():
+    out = D.run(_load_pair, WORLD, D.tmpdir(), "ucp", "wrapper")
+    for error, _, _ in out:
+        assert error.startswith("UCPError: _DroppingWrapper with UCPFileSystemReader:"), error
+        assert "keeps_items" in error
+
+
+def test_load_planner_subclass_that_drops_items_in_finish_plan_is_refused_naming_the_hook():
     out = D.run(_load_pair, WORLD, D.tmpdir(), "ucp", "dropping")
     for error, _, _ in out:
-        assert error.startswith("UCPError: _DroppingPlanner with UCPFileSystemReader:"), error
-        assert "keeps_items" in error
+        assert error.startswith("UCPError: finish_plan changed the plan's items"), error
+        assert "drop read items in create_local_plan" in error
