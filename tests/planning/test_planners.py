@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from helpers import assert_written_by_ucp, expect_ucp_error, tensors_equal
+from helpers import assert_written_by_ucp, expect_ucp_error, run_cli, tensors_equal
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -350,5 +350,5 @@ def test_fsspec_storage(tmp_path):
     dcp.load(sd, checkpoint_id=url, planner=UCPLoadPlanner())
     set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _assert_same_training_state(m, opt, m2, opt2)
-    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", url, "--json"], capture_output=True, text=True)
+    out = run_cli("inspect", url, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["ucp_catalog"], out.stderr

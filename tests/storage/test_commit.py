@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import ROOT, assert_written_by_ucp, expect_ucp_error, rewrite_metadata
+from helpers import ROOT, assert_written_by_ucp, expect_ucp_error, rewrite_metadata, run_cli
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ucp_dcp
@@ -112,7 +112,7 @@ def test_a_crash_between_sidecar_and_metadata_keeps_the_old_checkpoint(tmp_path,
     assert _same(_load(tmp_path), _state(0))
     _, integ = open_path(tmp_path)
     assert integ.status == "verified" and len(integ.strays) >= 2, integ  # new data file, sidecar, tmp file
-    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", str(tmp_path)], capture_output=True, text=True)
+    out = run_cli("inspect", str(tmp_path))
     assert "stray file(s) of an interrupted save" in out.stdout, out.stdout + out.stderr
     ucp_dcp.save(_state(2), tmp_path)  # the next save cleans up
     assert not open_path(tmp_path)[1].strays and _same(_load(tmp_path), _state(2))
@@ -131,7 +131,7 @@ def test_pieces_of_a_save_that_never_committed_are_an_incomplete_checkpoint(tmp_
     with pytest.raises(ucp_dcp.IncompleteCheckpointError, match="incomplete checkpoint.*no .metadata") as e:
         _load(tmp_path)
     assert any(n.endswith(".distcp") for n in e.value.saved)
-    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", str(tmp_path)], capture_output=True, text=True)
+    out = run_cli("inspect", str(tmp_path))
     assert out.returncode == 2 and "incomplete checkpoint" in out.stderr
     assert verify(tmp_path).status == "incomplete"
     with pytest.raises(FileNotFoundError):  # DCP's own reader does not take it for a checkpoint either
@@ -235,7 +235,7 @@ def test_a_crafted_metadata_pickle_never_runs(tmp_path):
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(ucp_dcp.UnsafeCheckpointError, match="could run code"):
         _load(ckpt)
-    out = subprocess.run([sys.executable, "-m", "ucp_dcp", "inspect", str(ckpt)], capture_output=True, text=True)
+    out = run_cli("inspect", str(ckpt))
     assert out.returncode == 2 and "UnsafeCheckpointError" not in out.stderr and "could run code" in out.stderr
     assert verify(ckpt).status == "unsafe"
     assert not marker.exists()
@@ -322,9 +322,7 @@ def test_verify_names_file_atom_and_box_of_a_bad_block(tmp_path):
     info = md.storage_data[MetadataIndex("w", (0, 0))]
     data_offset = md.storage_data[MetadataIndex("__ucp_io__")]["items"]["w|0,0"][0]
     _flip(Path(tmp_path, info.relative_path), info.offset + data_offset + (1 << 20) + 5)
-    out = subprocess.run(
-        [sys.executable, "-m", "ucp_dcp", "verify", str(tmp_path), "--json"], capture_output=True, text=True
-    )
+    out = run_cli("verify", str(tmp_path), "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     rep = json.loads(out.stdout)
     (p,) = rep["problems"]

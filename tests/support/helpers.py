@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m ucp_dcp ARGS`` in this process: its exit status and what it printed, as a subprocess
+    would give them, without the seconds a fresh interpreter spends importing torch (``test_inspect_cli``
+    keeps the real command line covered)."""
+    from ucp_dcp.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["python", "-m", "ucp_dcp", *args], code, out.getvalue(), err.getvalue())
 
 
 def ucp_failure(exc: BaseException) -> ucp_dcp.UCPError:
