@@ -1,6 +1,6 @@
 """One rank fails during a load: does every rank end, within seconds, with the true cause?
 
-    python recipes/chaos.py [--worlds 2,4] [--modes hosts,off] [--only FAULT] [--peer-timeout 8]
+    python recipes/chaos.py [--worlds 2,4] [--modes hosts,off] [--only FAULT,...] [--peer-timeout 8]
 
 Each case (:mod:`ucp_dcp.testing.chaos`) is a fresh gloo job on two simulated hosts whose collective
 timeout (300 s) is far above the bound: one rank finds a checksum mismatch, a missing file, a dtype
@@ -23,13 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--modes", default="hosts,off")
-    ap.add_argument("--only", default=None, help="run only the faults containing this text (e.g. exit@)")
+    ap.add_argument("--only", default=None, help="run only the faults containing one of these (comma-separated: exit@,dtype)")
     ap.add_argument("--peer-timeout", type=float, default=8.0)
     args = ap.parse_args(argv)
     todo = [
         Case(c.world, c.fault, c.read_once, args.peer_timeout)
         for c in cases(tuple(int(w) for w in args.worlds.split(",")), tuple(args.modes.split(",")))
-        if args.only is None or args.only in c.fault
+        if args.only is None or any(part in c.fault for part in args.only.split(","))
     ]
     hangs = aborts = failed = 0
     for case in todo:

@@ -326,17 +326,18 @@ def peer_lost(rank: int, why: str) -> PeerLostError:
     )
 
 
-def this_rank() -> int | None:
-    """This process's global rank (None outside a process group)."""
+def this_rank() -> int:
+    """This process's global rank (0 outside a process group: DCP then runs as rank 0)."""
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) -> UCPError | None:
     """Of DCP's per-rank failures, the one to raise on rank ``me``: its own error when it failed
     by itself; else the lowest rank's own (non-peer) ``UCPError``, as a peer error naming that rank;
-    else the first peer error; None when no rank raised a ``UCPError``."""
+    else the first peer error; None when no rank raised a ``UCPError``. (DCP keys failures by rank
+    in its process group: with a subgroup, ``me`` is the global rank, so ranks may differ.)"""
     own: list[tuple[int, UCPError]] = []
     peers: list[UCPError] = []
     for rank, e in sorted(failures, key=lambda f: f[0]):

@@ -7,6 +7,9 @@ Each multi-process case runs on the pool with a ``timeout`` far below the pool's
 import gc
 import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import dist as D
 import pytest
@@ -56,8 +59,9 @@ def test_first_ucp_error_prefers_this_ranks_own_cause_then_names_the_failing_ran
 
     cause = ChecksumError("checksum mismatch")
     exc = CheckpointException("load", {0: peer_error(1, cause), 1: cause})
-    got = first_ucp_error(exc)  # outside a process group: not rank 1, so the peer's view
+    got = first_ucp_error(exc)  # outside a process group this is rank 0: the peer's view
     assert isinstance(got, ChecksumError) and isinstance(got, PeerFailedError) and got.rank == 1
+    assert first_ucp_error(CheckpointException("load", {0: cause, 1: peer_error(0, cause)})) is cause
 
 
 # -- the read-once exchange and reads, on the pool -------------------------------------------------------------
@@ -146,3 +150,16 @@ def test_destroy_and_init_process_group_then_load_again_in_the_same_process():
     res = D.run(_restart_worker, 4, D.tmpdir(), timeout=120, backend="cpu:gloo")
     assert [r[0] for r in res] == [[None] * 3] * 4, res
     assert all(r[1] >= 1 for r in res), res
+
+
+# -- make chaos, a sample --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_make_chaos_sample_ends_every_case_with_the_cause():
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "chaos.py"
+    args = ["--worlds", "4", "--modes", "hosts", "--only", "checksum,dtype,raise@incoming,exit@read"]
+    out = subprocess.run([sys.executable, str(recipe), *args], capture_output=True, text=True, timeout=600)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0 and last == "CHAOS OK: 4 cases, 0 hangs, 0 aborts", out.stdout + out.stderr[-3000:]
