@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--modes", default="hosts,off")
-    ap.add_argument("--only", default=None, help="run only the faults containing one of these (comma-separated: exit@,dtype)")
+    ap.add_argument(
+        "--only", default=None, help="run only the faults containing one of these (comma-separated: exit@,dtype)"
+    )
     ap.add_argument("--peer-timeout", type=float, default=8.0)
     args = ap.parse_args(argv)
     todo = [

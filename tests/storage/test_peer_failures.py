@@ -123,7 +123,8 @@ def test_peer_errors_catch_as_the_cause_class_after_dcp():
 def test_a_rank_that_dies_or_stops_is_named_by_every_survivor_within_the_bound(fault):
     out = run_case(Case(4, fault, peer_timeout=5.0))
     assert out.ok, (out.problems, out.hangs, out.aborts, out.results)
-    assert all(r["peer"] == 3 and r["seconds"] < out.case.bound for r in out.results.values()), out.results
+    brief = {k: (r["error"], r["peer"], round(r["seconds"], 1), r["message"]) for k, r in out.results.items()}
+    assert all(r["peer"] == 3 and r["seconds"] < out.case.bound for r in out.results.values()), brief
 
 
 # -- restart in one process ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -37,6 +38,17 @@ def _beat_s() -> float:
     return float(os.environ.get("UCP_DCP_BEAT_S") or 0.5)
 
 
+def _clients(store: Any) -> tuple[Any, Any]:
+    """The job's store for this thread, and a connection of its own for the heartbeat thread (one
+    TCPStore client is not used from two threads at once). Keys carry our own prefix."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return base, dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=60))
+    return store, store  # FileStore, HashStore: one lock per operation
+
+
 class Liveness:
     """One load's heartbeat and step announcements (inactive outside a process group, or without a
     token from the coordinator). Use as a context manager: the heartbeat stops on exit."""
@@ -52,7 +64,7 @@ class Liveness:
         self._thread: threading.Thread | None = None
         self.started = time.monotonic()
         if self.active:
-            self.store = default_store()
+            self.store, self._beat_store = _clients(default_store())
 
     def __enter__(self) -> Liveness:
         if self.active:
@@ -67,7 +79,7 @@ class Liveness:
             self._thread.join(timeout=5)
 
     def _beat(self, n: int) -> None:
-        self.store.set(f"{self.prefix}beat/{self.rank}", str(n))
+        self._beat_store.set(f"{self.prefix}beat/{self.rank}", str(n))
 
     def _run(self) -> None:
         n = 1
