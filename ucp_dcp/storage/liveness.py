@@ -120,18 +120,25 @@ class Liveness:
         return err
 
     def wait_for(self, step: str, ranks: list[int]) -> None:
-        """Wait until every rank of ``ranks`` announced ``step``; raise for the first lost one."""
+        """Wait until every rank of ``ranks`` announced ``step``; raise for the first lost one.
+        One store call per poll while all are there or nearly; which ranks are missing (one call
+        each) is looked at once a second, so a job of many ranks does not flood the store."""
         if not self.active:
             return
         missing = [r for r in ranks if r != self.rank]
-        pause = 0.005
+        pause, looked = 0.005, time.monotonic()
         while missing:
-            keys = [f"{self.prefix}{step}/{r}" for r in missing]
-            missing = [r for r, k in zip(missing, keys) if not self.store.check([k])]
-            if not missing:
-                return
-            for r in missing:
-                self.check(r)
+            try:
+                if self.store.check([f"{self.prefix}{step}/{r}" for r in missing]):  # all there
+                    return
+                if time.monotonic() - looked >= 1.0 or len(missing) == 1:
+                    missing = [r for r in missing if not self.store.check([f"{self.prefix}{step}/{r}"])]
+                    for r in missing:
+                        self.check(r)
+                    looked = time.monotonic()
+            except (RuntimeError, OSError) as e:  # the store's host exited (it raised for the same rank first)
+                r = min(missing, key=lambda m: self._seen.get(m, (b"", time.monotonic()))[1])
+                raise self.lost(r, f"it had not finished when the job's store stopped answering ({e})") from e
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 

@@ -194,6 +194,7 @@ def _rank_main(case: Case, rank: int, port: int, root: str, results: Any) -> Non
     results.put((rank, report))
     results.close()
     results.join_thread()
+    time.sleep(PG_TIMEOUT_S)  # rank 0 hosts the store: stay until the parent ends the job, as a launcher would
     os._exit(0)  # no teardown: a peer may be dead, and the interpreter's exit may wait on gloo
 
 
@@ -240,14 +241,14 @@ def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
                         out.results[rank] = report
                     break
     finally:
+        codes = [p.exitcode for p in procs]  # before the kill below: who died by itself
         for p in procs:
-            p.join(timeout=2 if p.pid is not None else 0)
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
         shutil.rmtree(root, ignore_errors=True)
     for r in sorted(want - set(out.results)):
-        code = procs[r].exitcode
+        code = codes[r]
         if code is not None and code < 0:
             out.aborts.append(r)
         else:
