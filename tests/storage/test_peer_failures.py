@@ -121,7 +121,7 @@ def test_peer_errors_catch_as_the_cause_class_after_dcp():
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["exit@read", "hang@read"])
 def test_a_rank_that_dies_or_stops_is_named_by_every_survivor_within_the_bound(fault):
-    out = run_case(Case(4, fault, peer_timeout=5.0))
+    out = run_case(Case(4, fault, peer_timeout=10.0))  # a starved heartbeat (a loaded 2-core box) is not a lost rank
     assert out.ok, (out.problems, out.hangs, out.aborts, out.results)
     brief = {k: (r["error"], r["peer"], round(r["seconds"], 1), r["message"]) for k, r in out.results.items()}
     assert all(r["peer"] == 3 and r["seconds"] < out.case.bound for r in out.results.values()), brief
@@ -134,11 +134,14 @@ def _restart_worker(rank, world, root):
     from ucp_dcp.planning import collectives
 
     os.environ["UCP_DCP_P2P"] = "side"  # host bytes on a cached gloo side group, the path the cache serves
+    recycled = object()  # every default group looks the same to the cache, as a recycled id() would
+    collectives.default_group = lambda: recycled
     ends = [one_rank(Case(world, "none"), rank, f"{root}/a")["error"]]
     dist.destroy_process_group()
     gc.collect()  # the old default group's id is free to be reused by the next one
-    dist.init_process_group("gloo", init_method=f"file://{root}/store-b", rank=rank, world_size=world)
-    ends.append(one_rank(Case(world, "none"), rank, f"{root}/b")["error"])
+    again = world - 1 - rank  # the same processes in another order: a stale group would pair the wrong ones
+    dist.init_process_group("gloo", init_method=f"file://{root}/store-b", rank=again, world_size=world)
+    ends.append(one_rank(Case(world, "none"), again, f"{root}/b")["error"])
     dist.destroy_process_group()
     pair = rank // 2  # the same processes, two jobs of a smaller world
     dist.init_process_group("gloo", init_method=f"file://{root}/store-c{pair}", rank=rank % 2, world_size=2)
@@ -148,7 +151,7 @@ def _restart_worker(rank, world, root):
 
 @pytest.mark.slow
 def test_destroy_and_init_process_group_then_load_again_in_the_same_process():
-    res = D.run(_restart_worker, 4, D.tmpdir(), timeout=120, backend="cpu:gloo")
+    res = D.run(_restart_worker, 4, D.tmpdir(), timeout=90, backend="cpu:gloo")
     assert [r[0] for r in res] == [[None] * 3] * 4, res
     assert all(r[1] >= 1 for r in res), res
 
