@@ -103,6 +103,22 @@ def default_group() -> _c10d.ProcessGroup:
     return _c10d._get_default_group()
 
 
+def group_registered(group: _c10d.ProcessGroup) -> bool:
+    """Whether ``group`` is still a live group of this process (``destroy_process_group`` unregisters
+    every group: a cached one is then dead)."""
+    return group in _c10d._world.pg_map
+
+
+def default_store() -> Any:
+    """The default group's store (the job's TCPStore, prefixed): keys every rank of the job can see."""
+    return _c10d._get_default_store()
+
+
+def set_default_timeout(timeout: Any) -> None:
+    """Set the default group's collective timeout (a ``timedelta``) for the collectives that follow."""
+    _c10d._set_pg_timeout(timeout)
+
+
 def fsspec_filesystem() -> type:
     """DCP's fsspec-backed ``FileSystem`` (imported on use: it needs fsspec). torch 2.15 moved it to
     ``fsspec_filesystem._FileSystem``; the old module still exists there but warns on import."""

@@ -10,7 +10,8 @@ back into a plain ``UCPError`` for callers who prefer one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import importlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
     "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
     "UntestedTorchWarning",
+    "PeerFailedError",
+    "PeerLostError",
+    "peer_error",
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",
@@ -195,7 +199,14 @@ class UntestedTorchWarning(UserWarning):
 
 def first_ucp_error(exc: BaseException) -> UCPError | None:
     """Return the first ``UCPError`` carried by ``exc`` (itself, a DCP ``CheckpointException``'s
-    per-rank failures in rank order, or the ``__cause__``/``__context__`` chain)."""
+    per-rank failures in rank order, or the ``__cause__``/``__context__`` chain). Of DCP's per-rank
+    failures, this rank's own error wins; else another rank's cause, as a
+    :class:`~ucp_dcp.errors.PeerFailedError` naming that rank (an instance of the cause's class)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):  # DCP's per-rank failures: the root cause, not a peer's "rank k failed"
+        found = root_cause(((r, f[0] if isinstance(f, tuple) else f) for r, f in failures.items()), this_rank())
+        if found is not None:
+            return found
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -236,6 +247,146 @@ def ucp_errors() -> Iterator[None]:
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
         err = first_ucp_error(exc)
+        if err is None:  # e.g. DCP's collective failed after this load saw a rank die: name that rank
+            err = lost_peer(exc)
         if err is None:
             raise
         raise err from exc
+
+
+# -- errors about other ranks ----------------------------------------------------------------------------------
+# A rank that fails raises its own error; a rank that fails because of it raises a PeerFailedError naming that
+# rank and the cause in one line, created per cause class so that `except ChecksumError` catches it too.
+
+
+class PeerFailedError(UCPError):
+    """Another rank failed, and this rank could not finish without it. ``rank`` is that rank,
+    ``cause_class`` the name of its error's class (this error is an instance of that class too)."""
+
+    rank: int = -1
+    cause_class: str = "UCPError"
+
+    def __reduce__(self):  # rebuilt through the per-cause class, not pickled by reference to it
+        cls = type(self)
+        if cls in (PeerFailedError, PeerLostError):
+            return (_build, (cls, self.rank, self.message, self._fields()))
+        base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
+        return (_rebuild_peer, (base.__module__, base.__qualname__, self.rank, self.message, self._fields()))
+
+
+class PeerLostError(PeerFailedError):
+    """Another rank stopped answering (its process died, or it did not reach the exchange within
+    the peer timeout, ``UCP_DCP_PEER_TIMEOUT_S``)."""
+
+
+_CLASSES: dict[type, type[PeerFailedError]] = {}
+
+
+def _peer_class(cause: type) -> type[PeerFailedError]:
+    if issubclass(cause, PeerFailedError):
+        return cause
+    if cause is UCPError:
+        return PeerFailedError
+    if cause not in _CLASSES:
+        try:  # also an instance of the cause's class, so `except ChecksumError` works on peers
+            _CLASSES[cause] = type(f"Peer{cause.__name__}", (PeerFailedError, cause), {"__module__": __name__})
+        except TypeError:  # a base that cannot be mixed in (layout conflict): the plain peer error
+            _CLASSES[cause] = PeerFailedError
+    return _CLASSES[cause]
+
+
+def _build(cls: type[PeerFailedError], rank: int, message: str, fields: dict[str, Any]) -> PeerFailedError:
+    err = cls.__new__(cls)
+    UCPError.__init__(err, message, **fields)
+    err.rank = rank
+    base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
+    err.cause_class = base.__name__
+    return err
+
+
+def _rebuild_peer(module: str, qualname: str, rank: int, message: str, fields: dict[str, Any]) -> PeerFailedError:
+    return _build(_peer_class(_lookup(module, qualname)), rank, message, fields)
+
+
+def _lookup(module: str, qualname: str) -> type:
+    """A cause class by name, only from ucp_dcp and builtins (else ``UCPError``)."""
+    if module == "builtins" or module == "ucp_dcp" or module.startswith("ucp_dcp."):
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, type) and issubclass(obj, Exception):
+                return obj
+        except (ImportError, AttributeError):
+            pass
+    return UCPError
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def peer_error(rank: int, cause: BaseException) -> PeerFailedError:
+    """This rank's error for ``cause``, raised on rank ``rank``: one line naming both, an instance
+    of ``cause``'s class. A cause that is itself a peer error is passed on unchanged."""
+    if isinstance(cause, PeerFailedError):
+        return cause
+    message = cause.message if isinstance(cause, UCPError) else str(cause)
+    fields = cause._fields() if isinstance(cause, UCPError) else {}
+    fields["hint"] = fields.get("hint") or f"rank {rank} reports the cause in full; fix that and load again"
+    text = f"rank {rank} failed: {type(cause).__name__}: {_first_line(message)}"
+    return _build(_peer_class(type(cause)), rank, text, fields)
+
+
+def peer_lost(rank: int, why: str) -> PeerLostError:
+    """Rank ``rank`` stopped answering (``why``: what was seen)."""
+    return _build(  # type: ignore[return-value]
+        PeerLostError,
+        rank,
+        f"rank {rank} stopped answering during the load: {why}",
+        {"hint": "that rank's process died or hangs (see its log); the job must be restarted"},
+    )
+
+
+def this_rank() -> int:
+    """This process's global rank (0 outside a process group: DCP then runs as rank 0)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) -> UCPError | None:
+    """Of DCP's per-rank failures, the one to raise on rank ``me``: its own error when it failed
+    by itself; else the lowest rank's own (non-peer) ``UCPError``, as a peer error naming that rank;
+    else the first peer error; None when no rank raised a ``UCPError``. (DCP keys failures by rank
+    in its process group: with a subgroup, ``me`` is the global rank, so ranks may differ.)"""
+    own: list[tuple[int, UCPError]] = []
+    peers: list[UCPError] = []
+    for rank, e in sorted(failures, key=lambda f: f[0]):
+        if isinstance(e, PeerFailedError):
+            peers.append(e)
+        elif isinstance(e, UCPError):
+            own.append((rank, e))
+    for rank, e in own:
+        if rank == me:
+            return e
+    if own:
+        rank, e = own[0]
+        return peer_error(rank, e)
+    return peers[0] if peers else None
+
+
+_LOST: list[PeerLostError] = []
+
+
+def record_lost(err: PeerLostError) -> None:
+    """Remember that this load saw ``err``'s rank die: DCP's next collective then fails with a
+    backend error, which :func:`ucp_dcp.errors.ucp_errors` replaces with ``err``."""
+    _LOST[:] = [err]
+
+
+def lost_peer(exc: BaseException) -> PeerLostError | None:
+    """The rank this process saw die, for a failure ``exc`` that does not say (then forgotten)."""
+    if not _LOST or not isinstance(exc, Exception):
+        return None
+    return _LOST.pop()

@@ -10,13 +10,15 @@ created once and reused. Device tensors travel over NCCL when the default group 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .._compat import default_group
+from .._compat import default_group, group_registered
+from ..errors import UCPError
 
-__all__ = ["P2P_ENV", "carries_cpu", "p2p_group", "send_device"]
+__all__ = ["P2P_ENV", "PEER_TIMEOUT_ENV", "peer_timeout", "carries_cpu", "p2p_group", "send_device"]
 
 P2P_ENV = "UCP_DCP_P2P"
 """``side``: send host bytes on the gloo side group even when the default group could carry them."""
@@ -31,7 +33,30 @@ def carries_cpu(backend: str) -> bool:
     return backend not in ("nccl", "xccl", "hccl")
 
 
-_SIDE: dict[tuple[int, tuple[int, ...] | None], dist.ProcessGroup] = {}
+PEER_TIMEOUT_ENV = "UCP_DCP_PEER_TIMEOUT_S"
+DEFAULT_PEER_TIMEOUT_S = 30.0
+"""Default bound on waiting for another rank's step or message (independent of the PG timeout)."""
+
+
+def peer_timeout() -> float:
+    """Seconds to wait for another rank (``$UCP_DCP_PEER_TIMEOUT_S``, default 30)."""
+    raw = os.environ.get(PEER_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UCPError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)") from None
+    if value <= 0:
+        raise UCPError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)")
+    return value
+
+
+_SIDE: dict[tuple[int, ...] | None, tuple[object, dist.ProcessGroup]] = {}
+"""``members -> (default group, side group)``. Not keyed by ``id()`` of the default group: after
+``destroy_process_group()`` and a new ``init_process_group()`` a recycled id would hand back a
+destroyed group. An entry is used only while its default group is the current one and its side
+group is still registered."""
 
 
 def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
@@ -42,14 +67,17 @@ def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
     if carries_cpu(str(dist.get_backend())) and os.environ.get(P2P_ENV, "default") != "side":
         return None
     members = tuple(sorted(ranks)) if ranks is not None else None
-    key = (id(default_group()), members)
-    if key not in _SIDE:
-        _SIDE[key] = dist.new_group(
+    current = default_group()
+    hit = _SIDE.get(members)
+    if hit is None or hit[0] is not current or not group_registered(hit[1]):
+        side = dist.new_group(
             ranks=list(members) if members is not None else None,
             backend="gloo",
             use_local_synchronization=members is not None,
+            timeout=timedelta(seconds=peer_timeout()),  # its own bound: a lost peer fails it in seconds
         )
-    return _SIDE[key]
+        hit = _SIDE[members] = (current, side)
+    return hit[1]
 
 
 def send_device(t: torch.Tensor) -> tuple[torch.device, dist.ProcessGroup | None]:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import time
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -31,19 +30,18 @@ from torch.futures import Future
 from .._compat import fsspec_filesystem
 from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
-from ..planning.collectives import p2p_group
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
-from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
+from ..planning.payloads import ReadOnceMode, ReadSummary
+from . import read_protocol
 from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .read_job import ReadJob, ReadStats
-from .staging import BUFFERS_PER_THREAD
 from .threads import reading_threads, split_work
-from .transport import READ_ONCE_MODES, as_bytes_tensor, exchange, local_summary, plan_transport
+from .transport import READ_ONCE_MODES, local_summary, plan_transport
 
 __all__ = ["UCPFileSystemReader", "ReadStats"]
 
@@ -183,7 +181,13 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
         summaries = [p.storage_data if isinstance(p.storage_data, ReadSummary) else None for p in plans]
-        return [dataclasses.replace(p, storage_data=t) for p, t in zip(plans, plan_transport(summaries))]
+        # one id per load for its keys in the store, and who loads (ucp_dcp.storage.liveness)
+        members = [int(s.rank) for s in summaries] if all(s is not None for s in summaries) else None  # type: ignore[union-attr]
+        token = uuid.uuid4().hex
+        return [
+            dataclasses.replace(p, storage_data=dataclasses.replace(t, token=token, members=members))
+            for p, t in zip(plans, plan_transport(summaries))
+        ]
 
     # -- entry point -------------------------------------------------------------------------------
 
@@ -197,48 +201,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
                 "from finish_plan (UCPLoadPlanner does)",
             )
         self.stats = ReadStats()
-        t0 = time.perf_counter()
-        transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()
-        recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
-        send_items = {int(i) for pieces, _ in transport.send for i in pieces}
-        job = ReadJob(
-            plan,
-            planner,
-            send_items,
-            chunk_meta=self._chunk_meta,
-            storage_data=self.storage_data,
-            forced=self._forced,
-            stage_bytes=self.stage_bytes,
-            buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
-            stats=self.stats,
-        )
-        error: BaseException | None = None
-        try:
-            self._read_local(job, recv_items)
-        except Exception as e:  # any failure (checksum, missing file, I/O): tell the consumers first
-            error = e
-        sends: dict[int, list[torch.Tensor | None]] = {}
-        for pieces, dsts in transport.send:
-            # one payload per bundle, shared by all its consumers (a lone piece: its own memory)
-            payload = as_bytes_tensor([job.keep[int(i)] for i in pieces]) if error is None else None
-            for dst in dsts.tolist():
-                sends.setdefault(dst, []).append(payload)
-        incoming = {src: [job.incoming(pieces.tolist()) for pieces in msgs] for src, msgs in transport.recv.items()}
-        group = p2p_group(transport.ranks) if transport.ranks else None
-        failed = exchange(sends, incoming, ok=error is None, group=group)
-        if job.pool is not None:  # the one wait for device copies in flight
-            job.pool.drain()
-            self.stats.staged_bytes = job.pool.stats.staged_bytes
-            self.stats.staging_buffers = job.pool.stats.allocated
-            self.stats.staging_waits = job.pool.stats.waits
-        self.stats.seconds = time.perf_counter() - t0
-        if error is not None:
-            raise error
-        if failed:
-            raise UCPError(
-                f"rank(s) {failed} failed reading checkpoint data this rank needs (see their errors)",
-                hint="the reading rank reports the cause (e.g. a checksum mismatch)",
-            )
+        read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

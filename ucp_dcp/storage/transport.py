@@ -5,9 +5,8 @@ reader sends the piece to the others after its own reads. Pieces travel in *bund
 at least ``SOLO`` bytes alone (sent from, and received into, tensor memory: no copy on either
 side), smaller pieces with the same holders packed up to ``BUNDLE`` bytes. Each bundle is one
 point-to-point message per consumer on the default group (global ranks): an int64 header
-``(status, nbytes)`` then the payload, tagged by its position among the pair's messages. A reader
-that failed (e.g. a checksum mismatch) still sends every header, with ``status = 1``, so no
-consumer waits forever; every rank raises after the exchange. A consumer receives one bundle at a
+``(status, nbytes)`` then the payload, tagged by its position among the pair's messages (:mod:`ucp_dcp.storage.exchange`: the
+exchange itself, failures included: a failed reader sends its error instead of the data). A consumer receives one bundle at a
 time, so its extra memory is one packed bundle at most.
 
 Messages are host bytes, on the group :func:`ucp_dcp.planning.collectives.p2p_group` picks (the default
@@ -30,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..errors import UCPError
 from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
 from .format import read_key
 
@@ -40,7 +38,6 @@ __all__ = [
     "READ_ONCE_MODES",
     "Incoming",
     "assign_readers",
-    "exchange",
     "as_bytes_tensor",
     "read_summary",
     "local_summary",
@@ -174,55 +171,6 @@ class Incoming:
     bytes as they are, else a fresh buffer."""
     deliver: Callable[[torch.Tensor], None]
     """Called with the filled buffer."""
-
-
-def exchange(
-    sends: dict[int, list[torch.Tensor | None]],
-    recvs: dict[int, list[Incoming]],
-    ok: bool,
-    group: dist.ProcessGroup | None = None,
-) -> list[int]:
-    """Send every ``sends[dst]`` message (uint8 tensors, in order) and receive every ``recvs[src]``
-    message (in order), delivering each as it arrives, on ``group`` (None: the default group;
-    ranks are global). Returns the sources that reported a failure. ``ok=False`` sends failure
-    headers instead of data (payloads may then be None)."""
-    works, keep = [], []
-    for dst in sorted(sends):
-        for k, data in enumerate(sends[dst]):
-            header = torch.tensor([0 if ok else 1, data.numel() if ok and data is not None else 0], dtype=torch.int64)
-            keep.append(header)
-            works.append(dist.isend(header, dst, group=group, tag=2 * k))
-            if ok and data is not None and data.numel():
-                works.append(dist.isend(data, dst, group=group, tag=2 * k + 1))
-    failed: list[int] = []
-    bad_size = []
-    for src in sorted(recvs):
-        for k, msg in enumerate(recvs[src]):
-            header = torch.empty(2, dtype=torch.int64)
-            dist.irecv(header, src, group=group, tag=2 * k).wait()
-            status, nbytes = (int(x) for x in header)
-            if status != 0:
-                if src not in failed:
-                    failed.append(src)
-                continue
-            if nbytes != msg.nbytes:  # drain the payload even when it is unusable: the sender waits for it
-                if nbytes:
-                    dist.irecv(torch.empty(nbytes, dtype=torch.uint8), src, group=group, tag=2 * k + 1).wait()
-                bad_size.append((src, nbytes, msg.nbytes))
-                continue
-            buf = msg.buffer() if nbytes else torch.empty(0, dtype=torch.uint8)
-            if nbytes:
-                dist.irecv(buf, src, group=group, tag=2 * k + 1).wait()
-            msg.deliver(buf)
-    for w in works:
-        w.wait()
-    if bad_size:
-        src, got, expect = bad_size[0]
-        raise UCPError(
-            f"rank {src} sent {got} bytes of shared checkpoint data, expected {expect}",
-            hint="the ranks disagree on the load plan; this is a bug, please report it",
-        )
-    return failed
 
 
 def as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""``UCPFileSystemReader.read_data``: every step inside one failure protocol.
+
+Whatever fails on a rank -- building the read job, its own reads, packing what it sends, working
+out where received bytes go, the side group -- the rank still takes part in the exchange: it sends
+its error to every rank waiting for bytes from it, and receives (into scratch memory) every message
+meant for it. Then it raises its own error; a rank that failed only because another did raises
+that rank's error (:class:`~ucp_dcp.errors.PeerFailedError`: the rank and the cause in one
+line, an instance of the cause's class). A rank that died is found through the store
+(:mod:`ucp_dcp.storage.liveness`), not by a collective timing out.
+
+``UCP_DCP_FAULT`` (testing, ``recipes/chaos.py``): ``RANK:STEP[:ACTION]`` makes rank ``RANK``
+fail at ``STEP`` (one of :data:`STEPS`); ``ACTION`` is ``raise`` (default), ``exit`` (the process
+is SIGKILLed) or ``hang`` (it stops, without a heartbeat).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
+from ..errors import UCPError
+from ..planning.collectives import p2p_group
+from ..planning.payloads import TransportPlan
+from .exchange import drain_only, exchange, size_error
+from .liveness import Liveness, peer_timeout
+from .read_job import ReadJob
+from .staging import BUFFERS_PER_THREAD
+from .transport import Incoming, as_bytes_tensor
+
+__all__ = ["FAULT_ENV", "STEPS", "FaultInjected", "read_data", "fault_point"]
+
+FAULT_ENV = "UCP_DCP_FAULT"
+STEPS = ("job", "read", "pack", "incoming", "group", "deliver")
+"""The steps of ``read_data`` a fault can be injected at (in order)."""
+
+
+class FaultInjected(UCPError):
+    """The failure ``UCP_DCP_FAULT`` asked for (testing only)."""
+
+
+def fault_point(step: str) -> None:
+    """Fail here if ``$UCP_DCP_FAULT`` names this rank and ``step`` (cheap when unset)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    rank, _, rest = spec.partition(":")
+    at, _, action = rest.partition(":")
+    if at != step or not dist.is_initialized() or int(rank) != dist.get_rank():
+        return
+    if action == "exit":
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: a killed rank
+    if action == "hang":
+        time.sleep(10**6)  # stuck in a step (the heartbeat thread is not started for this case)
+    raise FaultInjected(f"fault injected at step '{step}' ({FAULT_ENV}={spec})")
+
+
+def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
+    """Read this rank's items, exchange the shared ones, raise the true cause of any failure.
+    ``reader``: the :class:`~ucp_dcp.storage.reader.UCPFileSystemReader` (not imported: it imports this)."""
+    t0 = time.perf_counter()
+    transport = plan.storage_data if isinstance(plan.storage_data, TransportPlan) else TransportPlan()
+    stats = reader.stats
+    error: BaseException | None = None
+    job: ReadJob | None = None
+    hang = os.environ.get(FAULT_ENV, "").endswith(":hang")
+    with Liveness(getattr(transport, "token", ""), getattr(transport, "members", None)) as live:
+        if hang:  # a stuck rank beats no more
+            live.__exit__()
+        try:
+            recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
+            send_items = {int(i) for pieces, _ in transport.send for i in pieces}
+            fault_point("job")
+            job = ReadJob(
+                plan,
+                planner,
+                send_items,
+                chunk_meta=reader._chunk_meta,
+                storage_data=reader.storage_data,
+                forced=reader._forced,
+                stage_bytes=reader.stage_bytes,
+                buffers=BUFFERS_PER_THREAD * max(1, reader.thread_count),
+                stats=stats,
+            )
+            fault_point("read")
+            reader._read_local(job, recv_items)
+        except Exception as e:  # checksum, missing file, I/O, ...: the consumers are told below
+            error = e
+        sends: dict[int, list[torch.Tensor | None]] = {}
+        for _, dsts in transport.send:  # every message is sent, with data or with this rank's error
+            for dst in dsts.tolist():
+                sends.setdefault(dst, []).append(None)
+        try:
+            fault_point("pack")
+            at = dict.fromkeys(sends, 0)
+            kept = job.keep if error is None and job is not None else {}
+            for pieces, dsts in transport.send if error is None else ():
+                payload = as_bytes_tensor([kept[int(i)] for i in pieces])  # shared by its consumers
+                for dst in dsts.tolist():
+                    sends[dst][at[dst]] = payload
+                    at[dst] += 1
+        except Exception as e:
+            error = error or e
+        incoming = _incoming(job, transport, error)
+        if isinstance(incoming, BaseException):
+            error, incoming = error or incoming, {s: [drain_only() for _ in m] for s, m in transport.recv.items()}
+        group = None
+        try:
+            fault_point("group")
+            group = p2p_group(transport.ranks) if transport.ranks else None
+        except Exception as e:  # the default group carries the exchange (gloo) or nothing does
+            error = error or e
+        if job is not None and error is None and os.environ.get(FAULT_ENV):
+            incoming = {s: [_faulty(m) for m in msgs] for s, msgs in incoming.items()}
+        out = exchange(sends, incoming, error, group, live, peer_timeout())
+        try:
+            live.done()  # a rank that died anywhere in its read is named here, not by DCP's gather
+        except UCPError as e:
+            out.peers.append(e)  # type: ignore[arg-type]
+    if job is not None and job.pool is not None:  # the one wait for device copies in flight
+        job.pool.drain()
+        stats.staged_bytes = job.pool.stats.staged_bytes
+        stats.staging_buffers = job.pool.stats.allocated
+        stats.staging_waits = job.pool.stats.waits
+    stats.seconds = time.perf_counter() - t0
+    if error is not None or out.error is not None:
+        raise error or out.error  # type: ignore[misc]
+    if out.peers:
+        raise out.peers[0]
+    if out.bad_size:
+        raise size_error(out.bad_size)
+
+
+def _incoming(
+    job: ReadJob | None, transport: TransportPlan, error: BaseException | None
+) -> dict[int, list[Incoming]] | BaseException:
+    """Where each expected message goes; scratch only when this rank already failed."""
+    if job is None or error is not None:
+        return {src: [drain_only() for _ in msgs] for src, msgs in transport.recv.items()}
+    try:
+        fault_point("incoming")
+        return {src: [job.incoming(p.tolist()) for p in msgs] for src, msgs in transport.recv.items()}
+    except Exception as e:
+        return e
+
+
+def _faulty(msg: Incoming) -> Incoming:
+    def deliver(buf: torch.Tensor) -> None:
+        fault_point("deliver")
+        msg.deliver(buf)
+
+    return Incoming(msg.nbytes, msg.buffer, deliver)

@@ -1,0 +1,287 @@
+"""One-rank failures during a load, and what every rank must do about them (``recipes/chaos.py``).
+
+A *case* is a fresh gloo job of 2 or 4 ranks on two simulated hosts (``UCP_DCP_HOST``): it saves a
+checkpoint (a sharded DTensor, two replicated 1.2 MiB tensors every rank needs, an object), breaks
+one thing on one rank, and loads with ``read_once`` on (``"hosts"``) or ``"off"``. The faults:
+
+* ``checksum``: a flipped byte in the file holding a replicated tensor (found by whichever rank reads it);
+* ``missing``: the file holding the other replicated tensor removed;
+* ``dtype``: the last rank's targets for both replicated tensors are fp16, and the saved values overflow;
+* ``raise@STEP``, ``exit@STEP``, ``hang@STEP``: the last rank raises, dies, or stops at a step of
+  ``read_data`` (:data:`ucp_dcp.storage.read_protocol.STEPS`, through ``UCP_DCP_FAULT``).
+
+A case passes when every rank that was not killed or stopped on purpose ends within the bound
+(``UCP_DCP_PEER_TIMEOUT_S`` plus the fail-fast timeout plus slack) with an error of the cause's class,
+the failing rank with its own error and every other rank with one naming a failing rank. A rank
+without a result is a *hang*; a rank that died by a signal (SIGABRT: "terminate called without an
+active exception") is an *abort*.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+PG_TIMEOUT_S = 300.0
+"""The job's collective timeout: far above the bound, so an end within the bound is not the PG's doing."""
+SLACK_S = 10.0
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "ucp_dcp"]
+_CTX = None
+EXPECTED = {"checksum": "ChecksumError", "missing": "MissingFileError", "dtype": "DtypeConversionError"}
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    fault: str
+    """``checksum``, ``missing``, ``dtype``, or ``ACTION@STEP``."""
+    read_once: str = "hosts"
+    peer_timeout: float = 8.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.fault} world={self.world} read_once={self.read_once}"
+
+    @property
+    def faulty(self) -> int:
+        return self.world - 1  # not rank 0: it hosts the job's store
+
+    @property
+    def action(self) -> str:
+        return self.fault.split("@")[0] if "@" in self.fault else "raise"
+
+    @property
+    def expected(self) -> str:
+        if self.fault == "none":
+            return ""
+        if "@" not in self.fault:
+            return EXPECTED[self.fault]
+        return "FaultInjected" if self.action == "raise" else "PeerLostError"
+
+    @property
+    def bound(self) -> float:
+        from ..storage.liveness import FAIL_FAST_S
+
+        return self.peer_timeout + FAIL_FAST_S + SLACK_S
+
+
+def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "off")) -> list[Case]:
+    """Every fault at every step it applies to, for each world size and read-once mode."""
+    from ..storage.read_protocol import STEPS
+
+    out = []
+    for world in worlds:
+        for mode in modes:
+            faults = ["checksum", "missing", "dtype"] + [f"raise@{s}" for s in STEPS]
+            faults += ["exit@read", "exit@deliver", "hang@read"]
+            for f in faults:
+                if mode == "off" and f.split("@")[-1] in ("deliver", "group"):
+                    continue  # nothing is received, no group is made: the step does not happen
+                out.append(Case(world, f, mode))
+    return out
+
+
+@dataclass
+class Outcome:
+    case: Case
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    hangs: list[int] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return max((r["seconds"] for r in self.results.values()), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.hangs or self.aborts or self.problems)
+
+
+# -- one rank -----------------------------------------------------------------------------------------------
+
+
+def _state(rank: int, world: int, fp16: bool) -> dict[str, Any]:
+    """The saved state, or (``fp16``) a target whose replicated tensors cannot hold the saved values."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.randn(world * 64, 256, generator=torch.Generator().manual_seed(0))
+    rep = torch.full((300_000,), 1e6)  # 1.2 MB >= SOLO: each a message of its own; overflows fp16
+    if fp16:
+        return {"w": _shard(w, mesh, rank, world), "a": rep.half(), "b": rep.half(), "step": 7}
+    return {"w": _shard(w, mesh, rank, world), "a": rep, "b": rep + 1, "step": 7}
+
+
+def _shard(w: Any, mesh: Any, rank: int, world: int) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = w.shape[0] // world
+    return DTensor.from_local(w[rank * rows : (rank + 1) * rows].clone(), mesh, [Shard(0)], run_check=False)
+
+
+def _damage(root: str, fault: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = dcp.FileSystemReader(root).read_metadata()
+    if fault == "checksum":
+        info = md.storage_data[MetadataIndex("a", (0,))]
+        p = os.path.join(root, info.relative_path)
+        raw = bytearray(open(p, "rb").read())
+        raw[info.offset + info.length - 4096] ^= 1  # inside the tensor bytes, not the zip header
+        open(p, "wb").write(bytes(raw))
+    elif fault == "missing":
+        os.remove(os.path.join(root, md.storage_data[MetadataIndex("b", (0,))].relative_path))
+
+
+def one_rank(case: Case, rank: int, root: str) -> dict[str, Any]:
+    """This rank's part of ``case`` in an initialized process group: save, break, load; how the load
+    ended (``error``: None or the class name, ``classes``, ``message``, ``peer``, ``seconds``)."""
+    import torch.distributed as dist
+
+    from ..api import load, save
+
+    os.environ["UCP_DCP_PEER_TIMEOUT_S"] = str(case.peer_timeout)
+    os.environ["UCP_DCP_HOST"] = f"node{rank * 2 // case.world}"
+    os.environ.pop("UCP_DCP_FAULT", None)
+    save(_state(rank, case.world, False), root)
+    dist.barrier()
+    if rank == 0:
+        _damage(root, case.fault)
+    dist.barrier()
+    if "@" in case.fault:
+        action, step = case.fault.split("@")
+        os.environ["UCP_DCP_FAULT"] = f"{case.faulty}:{step}:{action}"
+    sd = _state(rank, case.world, case.fault == "dtype" and rank == case.faulty)
+    t0 = time.monotonic()
+    try:
+        load(sd, root, read_once=case.read_once)
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except Exception as e:
+        return {
+            "error": type(e).__name__,
+            "classes": [c.__name__ for c in type(e).__mro__],
+            "message": str(e).splitlines()[0][:300],
+            "peer": getattr(e, "rank", None),
+            "seconds": time.monotonic() - t0,
+            "trace": traceback.format_exc() if os.environ.get("UCP_CHAOS_TRACE") else "",
+        }
+
+
+def _rank_main(case: Case, rank: int, port: int, root: str, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    report: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=case.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        report = one_rank(case, rank, root)
+    except BaseException as e:  # setup failed: reported as such
+        report = {"error": "setup", "classes": [], "message": repr(e)[:300], "peer": None, "seconds": 0.0}
+    results.put((rank, report))
+    results.close()
+    results.join_thread()
+    time.sleep(PG_TIMEOUT_S)  # rank 0 hosts the store: stay until the parent ends the job, as a launcher would
+    os._exit(0)  # no teardown: a peer may be dead, and the interpreter's exit may wait on gloo
+
+
+# -- a case ---------------------------------------------------------------------------------------------------
+
+
+def _ctx() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
+    """Run one case in fresh processes; judge every rank's end (see the module doc)."""
+    ctx = _ctx()
+    root = tempfile.mkdtemp(prefix="ucp-chaos-")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(case, r, port, root, results)) for r in range(case.world)]
+    for p in procs:
+        p.start()
+    out = Outcome(case)
+    stopped = case.faulty if case.action in ("exit", "hang") else None
+    want = {r for r in range(case.world) if r != stopped}
+    deadline = time.monotonic() + setup_s + case.bound
+    try:
+        while want - set(out.results) and time.monotonic() < deadline:
+            try:
+                rank, report = results.get(timeout=0.5)
+                out.results[rank] = report
+            except queue_mod.Empty:
+                if any(procs[r].exitcode not in (None, 0) for r in want - set(out.results)):
+                    time.sleep(1.0)  # its report may still be in the pipe
+                    while not results.empty():
+                        rank, report = results.get()
+                        out.results[rank] = report
+                    break
+    finally:
+        codes = [p.exitcode for p in procs]  # before the kill below: who died by itself
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        shutil.rmtree(root, ignore_errors=True)
+    for r in sorted(want - set(out.results)):
+        code = codes[r]
+        if code is not None and code < 0:
+            out.aborts.append(r)
+        else:
+            out.hangs.append(r)
+    _judge(out)
+    return out
+
+
+def judge(case: Case, results: dict[int, dict[str, Any]]) -> list[str]:
+    """What is wrong with how the ranks of ``case`` ended (nothing: the case passes)."""
+    out = Outcome(case, results)
+    _judge(out)
+    return out.problems
+
+
+def _judge(out: Outcome) -> None:
+    case = out.case
+    for r, rep in sorted(out.results.items()):
+        if rep["error"] is None:
+            out.problems.append(f"rank {r} loaded without an error")
+            continue
+        if rep["error"] == "setup":
+            out.problems.append(f"rank {r} failed before the load: {rep['message']}")
+            continue
+        if case.expected not in rep["classes"]:
+            out.problems.append(f"rank {r} raised {rep['error']}, not a {case.expected}: {rep['message']}")
+        if rep["seconds"] > case.bound:
+            out.problems.append(f"rank {r} took {rep['seconds']:.1f} s (bound {case.bound:.0f} s)")
+        peer = "PeerFailedError" in rep["classes"]
+        if peer and f"rank {rep['peer']}" not in rep["message"]:
+            out.problems.append(f"rank {r}'s peer error does not name the rank: {rep['message']}")
+        if r == case.faulty and "@" in case.fault and case.action == "raise" and peer:
+            out.problems.append(f"the failing rank {r} raised a peer's error: {rep['message']}")
+    own = [r for r, rep in out.results.items() if rep["error"] and "PeerFailedError" not in rep.get("classes", [])]
+    if case.action == "raise" and out.results and not own:
+        out.problems.append("no rank raised the cause as its own error")
