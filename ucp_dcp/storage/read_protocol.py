@@ -69,7 +69,7 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
     error: BaseException | None = None
     job: ReadJob | None = None
     hang = os.environ.get(FAULT_ENV, "").endswith(":hang")
-    with Liveness(getattr(transport, "token", ""), getattr(transport, "members", None)) as live:
+    with Liveness(transport.token, transport.members) as live:
         if hang:  # a stuck rank beats no more
             live.__exit__()
         try:
