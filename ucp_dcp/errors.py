@@ -60,6 +60,10 @@ class UCPError(Exception):
     what the checkpoint holds and what the caller asked for; ``hint`` says what to do.
     """
 
+    collective: bool = False
+    """Raised by the coordinator's global plan: a finding about every rank's plans, which every
+    rank raises as it is (not as a :class:`PeerFailedError` of the coordinator)."""
+
     def __init__(
         self,
         message: str,
@@ -83,7 +87,7 @@ class UCPError(Exception):
         return {"atom": self.atom, "saved": self.saved, "wanted": self.wanted, "hint": self.hint}
 
     def __reduce__(self):  # keyword-only fields do not survive Exception's default pickling
-        return (_rebuild, (type(self), self.message, self._fields()))
+        return (_rebuild, (type(self), self.message, self._fields()), {"collective": self.collective})
 
 
 class InvalidArgumentError(UCPError, ValueError):
@@ -363,6 +367,8 @@ def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) ->
     own: list[tuple[int, UCPError]] = []
     peers: list[UCPError] = []
     for rank, e in sorted(failures, key=lambda f: f[0]):
+        if isinstance(e, UCPError) and e.collective:  # the global plan's finding: the job's, not a peer's
+            return e
         if isinstance(e, PeerFailedError):
             peers.append(e)
         elif isinstance(e, UCPError):

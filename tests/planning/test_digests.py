@@ -145,7 +145,10 @@ def _read_once_dtype_worker(rank, world, root, name, dtype):
         dcp.load(back, storage_reader=UCPFileSystemReader(f"{root}/dt"), planner=UCPLoadPlanner(read_once="ranks"))
     except CheckpointException as e:
         err = ucp_failure(e)
-        return type(err).__name__, err.atom
+        # the receiver may hear of the reader's own overflow first: a peer error that is still a DtypeConversionError
+        return type(err).__name__.removeprefix("Peer") if isinstance(err, ucp_dcp.DtypeConversionError) else repr(
+            err
+        ), err.atom
     return back[name].tolist()
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ucp_dcp.errors import (
+    AmbiguousLayoutError,
     ChecksumError,
     DtypeConversionError,
     MissingFileError,
@@ -62,6 +63,17 @@ def test_first_ucp_error_prefers_this_ranks_own_cause_then_names_the_failing_ran
     got = first_ucp_error(exc)  # outside a process group this is rank 0: the peer's view
     assert isinstance(got, ChecksumError) and isinstance(got, PeerFailedError) and got.rank == 1
     assert first_ucp_error(CheckpointException("load", {0: cause, 1: peer_error(0, cause)})) is cause
+
+
+def test_a_global_plan_finding_is_raised_as_itself_on_every_rank_after_pickling():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    finding = AmbiguousLayoutError("two meshes want one atom", atom="w")
+    finding.collective = True  # as the planners' create_global_plan marks it
+    sent = pickle.loads(pickle.dumps(finding))  # DCP scatters the coordinator's failure to every rank
+    assert sent.collective and type(sent) is AmbiguousLayoutError
+    got = first_ucp_error(CheckpointException("load", {1: sent}))  # this is rank 0, the failure keyed to rank 1
+    assert got is sent and not isinstance(got, PeerFailedError)
 
 
 # -- the read-once exchange and reads, on the pool -------------------------------------------------------------

@@ -90,6 +90,10 @@ def _outermost(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         running.add(key)
         try:
             return getattr(self, f"_outer_{name}")(functools.partial(fn, self), *args, **kwargs)
+        except UCPError as e:
+            if name == "create_global_plan":  # DCP hands it to every rank as the coordinator's failure
+                e.collective = True
+            raise
         finally:
             running.discard(key)
 
