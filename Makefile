@@ -106,7 +106,7 @@ test-e2e-ci: $(STAMP)
 plan-scale: $(STAMP)
 	$(PY) recipes/plan_demo.py --scale --out runs/plan_scale
 
-# the rest of the large matrices make test samples (marker full): 42 more (dp,tp) pairs, 12 more reconfiguration
+# the rest of the large matrices make test samples (marker full): 42 more (dp,tp) pairs, 13 more reconfiguration
 # transitions and their plan checks (~10 min); not in CI, whose e2e tier loads every transition in the mistake set
 test-full: $(STAMP)
 	$(PY) -m pytest -m full --durations=10

@@ -34,6 +34,7 @@ CORE = {
     "a transition of the mistake set": "tests/planning/test_mistakes.py::test_no_mistake_is_silent[dp4-to-dp2tp2]",
     "the fault set's bit flips": "tests/storage/test_commit.py::test_fault_injection[flips-args0-flips 16/16 caught]",
     "plan against a real load": "tests/e2e/test_plan_target.py::test_plan_matches_a_real_resume_rank_by_rank",
+    "one-rank failures end every rank with the cause (a killed rank included)": "tests/storage/test_peer_failures.py::test_make_chaos_sample_ends_every_case_with_the_cause",
 }
 """The e2e items every CI run takes, one per capability (items marked ``e2e_core`` are core too)."""
 SHARDS = 5
