@@ -5,7 +5,7 @@
 
 * the **core** items (marker ``e2e_core``) every time: one per capability (a dense torchtitan resume at a new
   layout, an MoE resume, HF in and out, a foreign checkpoint, a sample of the mistake set and of the fault set,
-  ``plan`` against a real load);
+  ``plan`` against a real load, a sample of one-rank failures);
 * one of :data:`SHARDS` shards of the other items, chosen from the commit (``git rev-list --count HEAD`` modulo
   :data:`SHARDS`): the same commit always runs the same shard, so a failure reproduces, and successive landings
   walk through the shards, so every item runs in CI over a few landings. ``--e2e-shard K`` (or
