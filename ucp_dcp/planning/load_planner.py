@@ -20,6 +20,7 @@ from ..layout.patterns import Patterns, rule_from_json
 from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
 from .catalog import load_catalog
+from .catalog_record import Catalog
 from .consistency import check_rule_usage, zero_like
 from .declarations import (
     alias_problems,
@@ -185,7 +186,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
                 UnverifiedCheckpointWarning,
                 stacklevel=2,
             )
-        self._catalog = load_catalog(metadata.planner_data)  # typed and checked; newer ones refused before any read
+        self._catalog = self._read_catalog(metadata)  # typed and checked; newer ones refused before any read
         saved_rules = [rule_from_json(d) for d in (self._catalog.rules if self._catalog else ())]
         self._saved_rules = saved_rules
         conflicts = rule_conflicts(self.rules, saved_rules, self._catalog)
@@ -314,6 +315,10 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             self._sinks.update(stock.sinks)
             self.missing_atoms += stock.missing()
         return rest
+
+    def _read_catalog(self, metadata: Metadata) -> Catalog | None:
+        """The checkpoint's catalog, parsed and checked (the dry run parses it once for all simulated ranks)."""
+        return load_catalog(metadata.planner_data)
 
     def _saved_index(self) -> SavedIndex:
         """The checkpoint's keys by atom name (``ucp_dcp.tools.dryrun`` shares one across the ranks it plans)."""
