@@ -421,8 +421,10 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
     dl2 = loader()
     m2 = _manager(folder, *_parts(1), loader=dl2)
     m2.states["optimizer"].step()
+    opens = _count_opens()
     assert m2.load(step=-1)
     m2.close()
+    opened = len(opens)
     loaded = dl2.state_dict()
     it2 = iter(dl2)
     got = [next(it2)[0]["input"] for _ in range(2)]
@@ -431,7 +433,24 @@ def _global_loader_state(rank, world, folder, assets, interleaved=False):
         for k in read_metadata(os.path.join(folder, "checkpoint", "step-3")).state_dict_metadata
         if k.startswith("dataloader.")
     )
-    return keys, all(torch.equal(a, b) for a, b in zip(got, expected)), saved, loaded, calls
+    return keys, all(torch.equal(a, b) for a, b in zip(got, expected)), saved, loaded, calls, opened
+
+
+def _count_opens() -> list[str]:
+    """From now on in this task, every opening of a checkpoint's metadata (read, verified, unpickled)."""
+    import ucp_dcp.storage.opening as opening
+    import ucp_dcp.storage.reader as reader
+
+    opens: list[str] = []
+    for mod in (opening, reader):
+        real = mod.open_checkpoint
+
+        def spy(*args, _real=real, **kwargs):
+            opens.append(str(args[1]))
+            return _real(*args, **kwargs)
+
+        D.patch(mod, "open_checkpoint", spy)
+    return opens
 
 
 def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
@@ -440,11 +459,12 @@ def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
     folder = D.tmpdir()
-    keys, same, saved, loaded, calls = D.run(_global_loader_state, 1, folder, str(assets))[0]
+    keys, same, saved, loaded, calls, opens = D.run(_global_loader_state, 1, folder, str(assets))[0]
     assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
     assert loaded == saved, "the loader's state right after the load is the state saved"
     assert same, "the batches after the load are the ones the saved loader would have given next"
     assert calls == [UCP_SAVE, UCP_LOAD]
+    assert opens == 1, "the dataloader check and dcp.load share one opening of the metadata"
     _assert_ucp_steps(folder, 3)
 
 
@@ -455,7 +475,7 @@ def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_facto
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
     folder = D.tmpdir()
-    keys, same, saved, loaded, calls = D.run(_global_loader_state, 1, folder, str(assets), True)[0]
+    keys, same, saved, loaded, calls, _ = D.run(_global_loader_state, 1, folder, str(assets), True)[0]
     assert keys == sorted(f"dataloader.{k}" for k in STATE_KEYS)
     assert loaded == saved, "the loader's state right after the load is the state saved"
     assert same, "the batches after the load are the ones the saved loader would have given next"

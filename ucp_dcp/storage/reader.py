@@ -113,13 +113,29 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         """Read items a planner that keeps them (:class:`ReadOnceRequest`) planned on this rank."""
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
+        self._opened: tuple[str, Metadata] | None = None
+        """``(path, metadata)`` opened by :meth:`metadata_for_load` for the next ``read_metadata``."""
 
     def _open(self) -> tuple[Metadata, Integrity]:
         """The checkpoint's metadata and how far it can be verified (readers of other formats
         override this and inherit the error handling of :meth:`read_metadata`)."""
         return open_checkpoint(self.fs, self.path, trust=self.trust)
 
+    def metadata_for_load(self) -> Metadata:
+        """Open the checkpoint now for the load about to run: the next :meth:`read_metadata` (DCP's, in
+        ``dcp.load``) hands back this opening instead of reading and verifying ``.metadata`` again, so a
+        caller's checks before the load (the torchtitan manager's dataloader policy) cost no second open."""
+        md = self.read_metadata()
+        self._opened = (str(self.path), md)
+        return md
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        opened, self._opened = self._opened, None
+        if opened is not None and opened[0] == str(self.path):  # reset() to another folder: open that one
+            md = opened[1]
+            md.storage_meta = md.storage_meta or StorageMeta()
+            md.storage_meta.load_id = self.load_id  # dcp.load's reset() drew a new load id
+            return md
         try:
             md, self.integrity = self._open()
         except UCPError as e:

@@ -10,12 +10,13 @@ restarts its data stream (``"restart"``) -- never a silent wrong position.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
+from torch.distributed.checkpoint.metadata import Metadata
 from torchtitan.components.checkpointer.base import DATALOADER
 
 from ..errors import UCPError
-from ..storage.opening import read_metadata
 
 __all__ = ["DataloaderPolicy", "apply_dataloader_policy"]
 
@@ -25,20 +26,20 @@ DataloaderPolicy = Literal["error", "restart"]
 """``dataloader_policy``: refuse a dataloader state that cannot be remapped, or restart the data streams."""
 
 
-def apply_dataloader_policy(state_dict: dict[str, Any], checkpoint_id: str, policy: DataloaderPolicy) -> dict[str, Any]:
+def apply_dataloader_policy(
+    state_dict: dict[str, Any], metadata: Callable[[], Metadata], policy: DataloaderPolicy
+) -> dict[str, Any]:
     """Check, before anything is read, that the saved dataloader state fits this run's loader: ``state_dict``
-    as it is, without its dataloader (``policy`` ``"restart"``), or a :class:`UCPError` (``"error"``)."""
+    as it is, without its dataloader (``policy`` ``"restart"``), or a :class:`UCPError` (``"error"``).
+    ``metadata`` opens the checkpoint's metadata (called only when there is a loader state to check; the
+    manager hands in the opening its ``dcp.load`` then reuses)."""
     loader = state_dict.get(DATALOADER)
     if loader is None:
         return state_dict
     target = loader.state_dict() if hasattr(loader, "state_dict") else loader  # DCP loads Stateful objects
     if not isinstance(target, dict) or not target:  # nothing to load (a loader without state), as stock
         return state_dict
-    saved = {
-        k[len(DATALOADER) + 1 :]
-        for k in read_metadata(checkpoint_id).state_dict_metadata
-        if k.startswith(DATALOADER + ".")
-    }
+    saved = {k[len(DATALOADER) + 1 :] for k in metadata().state_dict_metadata if k.startswith(DATALOADER + ".")}
     problem = _dataloader_mismatch(saved, set(target), target.get("world_size"))
     if problem is None:
         return state_dict

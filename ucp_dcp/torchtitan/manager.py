@@ -31,12 +31,15 @@ What changes in the checkpoint:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 
@@ -44,11 +47,12 @@ from ..errors import InvalidArgumentError, PatternError
 from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
+from ..storage.opening import read_metadata
 from .fused_qkv import FusedQKVModelWrapper, fused_qkv_rules, without_qkv_split_hooks
 from .loader_policy import DataloaderPolicy, apply_dataloader_policy
 from .manager_hf import load_hf, save_hf
 from .moe import moe_rules
-from .planner_dcp import check_dcp_paths, ucp_dcp_load, ucp_dcp_save
+from .planner_dcp import check_dcp_paths, ucp_dcp_load, ucp_dcp_save, ucp_reader
 
 __all__ = ["UCPCheckpointManager", "FusedQKVModelWrapper", "fused_qkv_rules", "rules_for_call"]
 
@@ -167,12 +171,14 @@ class UCPCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         if from_hf:
             return load_hf(self, state_dict, checkpoint_id, from_quantized)
-        state_dict = self._apply_dataloader_policy(state_dict, checkpoint_id)
-        return ucp_dcp_load(self, state_dict, checkpoint_id, self._load_planner(self._call_rules(state_dict)))
+        reader = ucp_reader(checkpoint_id)  # one opening of the metadata per rank for the check and the load
+        opened = reader.metadata_for_load if reader is not None else functools.partial(read_metadata, checkpoint_id)
+        state_dict = self._apply_dataloader_policy(state_dict, opened)
+        return ucp_dcp_load(self, state_dict, checkpoint_id, self._load_planner(self._call_rules(state_dict)), reader)
 
-    def _apply_dataloader_policy(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
+    def _apply_dataloader_policy(self, state_dict: dict[str, Any], metadata: Callable[[], Metadata]) -> dict[str, Any]:
         """``state_dict`` checked against the checkpoint's dataloader state (:mod:`.loader_policy`)."""
-        return apply_dataloader_policy(state_dict, checkpoint_id, self.ucp.dataloader_policy)
+        return apply_dataloader_policy(state_dict, metadata, self.ucp.dataloader_policy)
 
 
 TRAIN_STATE = "train_state"

@@ -80,19 +80,6 @@ def _cpu_meshes() -> Iterator[None]:
         tt_dist.set_spmd_backend(saved_backend)
 
 
-@contextlib.contextmanager
-def _saved_metadata(md: Any) -> Iterator[None]:
-    """The manager's dataloader check reads the checkpoint's metadata by path; give it the plan's."""
-    import ucp_dcp.torchtitan.loader_policy as policy
-
-    real = policy.read_metadata
-    policy.read_metadata = lambda _checkpoint_id: md
-    try:
-        yield
-    finally:
-        policy.read_metadata = real
-
-
 def _init_optimizer_state(optimizers: Any) -> None:
     """torchtitan's zero-gradient, zero-lr ``init_optim_state`` step, with the for-loop kernels
     (fused and foreach kernels refuse meta tensors); the groups' own settings are put back, so the
@@ -326,8 +313,9 @@ class TitanTarget:
 
         manager = types.SimpleNamespace(ucp=self._base().checkpoint)  # all the policy reads of its manager
         try:
-            with _saved_metadata(metadata):
-                kept = self._manager_cls()._apply_dataloader_policy(manager, {DATALOADER: self._loader(0)}, "")
+            kept = self._manager_cls()._apply_dataloader_policy(
+                manager, {DATALOADER: self._loader(0)}, lambda: metadata
+            )
         except UCPError as e:
             self._preflight.append(e)
             self._loader_dropped = True  # the ranks are planned without it: the error is the answer
@@ -436,8 +424,8 @@ class TitanTarget:
         if DATALOADER in states and self._loader_dropped:
             states = {k: v for k, v in states.items() if k != DATALOADER}
         elif DATALOADER in states and self._metadata is not None:
-            with _saved_metadata(self._metadata):
-                states = manager._apply_dataloader_policy(states, "")
+            md = self._metadata
+            states = manager._apply_dataloader_policy(states, lambda: md)
         rules = manager._call_rules(states)
         self._options[rank] = manager._load_planner(rules).options
         # what dcp.load does before planning: every Stateful becomes its state dict

@@ -35,7 +35,7 @@ from ..planning.save_planner import UCPSavePlanner
 from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 
-__all__ = ["OVERRIDDEN", "check_dcp_paths", "dcp_calls_outside", "ucp_dcp_load", "ucp_dcp_save"]
+__all__ = ["OVERRIDDEN", "check_dcp_paths", "dcp_calls_outside", "ucp_dcp_load", "ucp_dcp_save", "ucp_reader"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,20 @@ def ucp_dcp_save(
 
 
 @torch.no_grad()
-def ucp_dcp_load(manager: Any, state_dict: dict[str, Any], checkpoint_id: str, planner: UCPLoadPlanner) -> None:
-    """torchtitan 0.3.0's ``dcp_load`` (not from Hugging Face) with ``planner`` and, for a local folder, our
-    reader; the model is reloaded from the flattened state afterwards, as torchtitan does."""
-    reader = UCPFileSystemReader(checkpoint_id) if _local(checkpoint_id) else None
+def ucp_reader(checkpoint_id: Any) -> UCPFileSystemReader | None:
+    """Our reader for a local folder (None: DCP picks its reader for the URL)."""
+    return UCPFileSystemReader(checkpoint_id) if _local(checkpoint_id) else None
+
+
+def ucp_dcp_load(
+    manager: Any,
+    state_dict: dict[str, Any],
+    checkpoint_id: str,
+    planner: UCPLoadPlanner,
+    reader: UCPFileSystemReader | None,
+) -> None:
+    """torchtitan 0.3.0's ``dcp_load`` (not from Hugging Face) with ``planner`` and ``reader``
+    (:func:`ucp_reader`); the model is reloaded from the flattened state afterwards, as torchtitan does."""
     dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
     if MODEL in manager.states:
         manager.states[MODEL].load_state_dict(state_dict)
