@@ -38,7 +38,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
+.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -129,6 +129,11 @@ faults: $(STAMP)
 # one rank fails at each step of a load (read_once on/off, 2 and 4 ranks): every rank ends, with the cause
 chaos: $(STAMP)
 	$(PY) recipes/chaos.py
+
+# the 3 -> 2 FSDP load, 50 fresh torchrun jobs in a row with a normal teardown: no run may end by a signal
+# (issue 32's intermittent SIGABRT); last line SOAK OK / SOAK FAILED (~10 min)
+soak: $(STAMP)
+	$(PY) recipes/soak.py --runs $(or $(RUNS),50)
 
 # a real torchtitan Trainer (CPU, torchrun) resumes at new layouts: dp4->dp2, pp2xdp2->dp2, tp2->dp2
 titan-demo: $(STAMP)
