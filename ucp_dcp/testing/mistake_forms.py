@@ -34,7 +34,7 @@ from ucp_dcp.api import load as ucp_load
 from ucp_dcp.api import save as ucp_save
 from ucp_dcp.layout.patterns import Tied
 from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.mistake_runs import _classify_exc
+from ucp_dcp.testing.mistake_runs import agree, attempt
 
 WORLD = 2
 
@@ -241,25 +241,13 @@ SCENARIOS: dict[str, Scenario] = {
 """Every form mistake, by the name the summary prints."""
 
 
-def _agree(mine):
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return next((x for x in everyone if x is not None), None)
-
-
 def form_worker(rank: int, world: int, root: str, names: list[str]) -> list[dict] | None:
     """Every rank: run the scenarios ``names`` (one folder each); rank 0 returns the harness's result dicts."""
     results = []
     for name in names:
         sc = SCENARIOS[name]
-        failure, expected, loaded = None, None, None
-        try:
-            expected, loaded = sc.run(os.path.join(root, name))
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            failure = {"phase": "run", **_classify_exc(e)}
-        failure = _agree(failure)
+        failure, expected, loaded = attempt(sc.run, os.path.join(root, name))
+        failure = agree(failure)
         dist.barrier()
         if failure is not None:
             res = dict(failure)

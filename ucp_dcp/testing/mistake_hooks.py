@@ -28,7 +28,7 @@ from ucp_dcp.storage.reader import UCPFileSystemReader
 from ucp_dcp.storage.writer import UCPFileSystemWriter
 from ucp_dcp.testing.checks import state_diffs
 from ucp_dcp.testing.mistake_forms import WORLD, _flat, _job
-from ucp_dcp.testing.mistake_runs import _classify_exc
+from ucp_dcp.testing.mistake_runs import agree, attempt
 
 __all__ = ["HOOK_SCENARIOS", "hooks_worker"]
 
@@ -264,32 +264,21 @@ HOOK_SCENARIOS: dict[str, HookScenario] = {
 """Every subclass-hook pattern, by the name the summary prints."""
 
 
-def _agree(mine: Any) -> Any:
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return next((x for x in everyone if x is not None), None)
-
-
 def hooks_worker(rank: int, world: int, root: str, names: list[str]) -> list[dict] | None:
     """Every rank: run the scenarios ``names`` (one folder each); rank 0 returns the harness's result dicts."""
     results = []
     for name in names:
         sc = HOOK_SCENARIOS[name]
-        failure, expected, loaded = None, None, None
-        try:
-            expected, loaded = sc.run(os.path.join(root, name))
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            failure = {"phase": "run", **_classify_exc(e)}
+        failure, expected, loaded = attempt(sc.run, os.path.join(root, name))
+        if failure is not None:
             hooks = sc.hook.split()[1].split("+")
             if failure["outcome"] == "unclear" and any(h in failure["error"] for h in hooks):
                 # a refused hook has no atom to name: naming the hook (and the fix, the hint) is clear
                 failure["outcome"] = "refused" if failure.get("hint") else "unclear"
                 failure.pop("mentions", None)
-        failure = _agree(failure)
+        failure = agree(failure)
         diffs = [] if failure is not None or sc.must_refuse else state_diffs(expected, loaded)
-        diffs = _agree(diffs or None) or []
+        diffs = agree(diffs or None) or []
         dist.barrier()
         if failure is not None:
             res = dict(failure)

@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -178,11 +180,24 @@ def _classify_exc(e: BaseException) -> dict:
     }
 
 
-def _agree(job, mine: dict | None) -> dict | None:
-    """Every member's phase result -> the first failure (or None): the members go on or stop together."""
-    everyone: list = [None] * dist.get_world_size(job.group)
-    dist.all_gather_object(everyone, mine, group=job.group)
+def agree(mine: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Every member's result -> the first one that is not None (collective): the members go on or stop
+    together, and all report the same failure."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     return next((x for x in everyone if x is not None), None)
+
+
+def attempt(run: Callable[[str], tuple[Any, Any]], folder: str) -> tuple[dict | None, Any, Any]:
+    """``run(folder)`` -> ``(expected, loaded)`` as ``(None, expected, loaded)``, or its failure classified
+    (:func:`_classify_exc`) as ``(failure, None, None)``."""
+    try:
+        expected, loaded = run(folder)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return {"phase": "run", **_classify_exc(e)}, None, None
+    return None, expected, loaded
 
 
 def _save(cfg, tr, job, variant, folder) -> dict | None:
@@ -270,7 +285,7 @@ def _load(trainers: dict, cfg, job, variant, folder) -> tuple[dict | None, dict 
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         failure = {"phase": "load", **_classify_exc(e)}
-    failure = _agree(job, failure)
+    failure = agree(failure, job.group)
     return failure, (None if failure else logical_state(tr))
 
 
@@ -313,7 +328,7 @@ def transition_worker(rank: int, world: int, root: str, save: str, load: str, na
         variants.setdefault(m.save_variant, []).append(m)
     for i, (sv, runs) in enumerate(variants.items()):
         folder = os.path.join(root, f"ckpt{i}")
-        saved = _agree(s_job, _save(cfg, tr, s_job, sv, folder)) if s_job.member else None
+        saved = agree(_save(cfg, tr, s_job, sv, folder), s_job.group) if s_job.member else None
         dist.barrier()
         saved = _bcast(saved)
         for m in runs:
