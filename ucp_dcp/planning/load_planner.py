@@ -33,7 +33,7 @@ from .declarations import (
     with_raw_note,
 )
 from .device import needs_staging, split_reads, staging_forced
-from .entries import GroupTarget, raw_optimizers, set_value
+from .entries import raw_optimizers, set_value
 from .forgotten_maps import check_forgotten_maps, map_reads
 from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
 from .load_steps import (
@@ -41,7 +41,6 @@ from .load_steps import (
     combine_problems,
     decode_value,
     entry_reads,
-    group_atom,
     group_reads,
     itemsize,
     missing_error,
@@ -51,7 +50,7 @@ from .opened import integrity_of, raise_if_unopened
 from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
 from .planner_hooks import LoadHooks
 from .resolve import Resolved, Resolver
-from .stock_groups import StockGroups
+from .stock_groups import split_stock_groups
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -215,7 +214,6 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         self._untouched: set[str] = set()  # keys whose every read an override dropped
         self._scratch: dict[int, tuple[int, torch.Tensor, str]] = {}
         self.missing_atoms = []
-        self._stock_reads: list[ReadItem] = []
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
@@ -251,7 +249,11 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
                 self._sinks[r.entry.key] = raw_params_sink(r, self._raw) or (
                     lambda v, path=r.entry.path: set_value(self.original_state_dict, path, v)
                 )
-        for g in self._stock_groups(saved, problems):
+        rest, stock = split_stock_groups(self._groups, saved, self._resolver, self.name_rules)
+        for found in stock:  # a stock-DCP checkpoint's groups, keyed by position, matched by membership
+            self._sinks.update(found.sinks)
+            self.missing_atoms += found.missing()
+        for g in rest:
             try:
                 group, sinks, missing = group_reads(g, saved, self._resolver)
             except UCPError as err:
@@ -260,7 +262,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             reads += group
             self._sinks.update(sinks)
             self.missing_atoms += missing
-        reads += self._stock_reads
+        reads += [r for found in stock for r in found.reads]  # after the per-parameter groups, as always
         if self.missing_atoms and not self.allow_partial_load:
             problems.insert(0, missing_error(self.missing_atoms, saved, keys))
         elif self.missing_atoms:
@@ -292,29 +294,6 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         payload = LoadPlanPayload(usage, self.read_once, keeps_items=keeps, meshes=meshes, map_reads=mapped)
         self._payload = payload
         return LoadPlan(reads, planner_data=payload)
-
-    def _stock_groups(self, saved: SavedIndex, problems: list[UCPError]) -> list[GroupTarget]:
-        """Plan the optimizers whose groups a stock-DCP checkpoint keys by position (matched by
-        membership, :class:`StockGroups`); returns the target groups left to the per-parameter path."""
-        rest: list[GroupTarget] = []
-        by_prefix: dict[str, list[GroupTarget]] = {}
-        for g in self._groups:
-            by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
-        for prefix, groups in by_prefix.items():
-            per_param = any(
-                saved.lookup(group_atom(self._resolver, g, p, hp))
-                for g in groups
-                for p in g.params[:1]
-                for hp in g.hyperparams[:1]
-            )
-            stock = None if per_param else StockGroups.find(prefix, groups, saved.by_atom, self.name_rules)
-            if stock is None:
-                rest.extend(groups)
-                continue
-            self._stock_reads += stock.reads
-            self._sinks.update(stock.sinks)
-            self.missing_atoms += stock.missing()
-        return rest
 
     def _read_catalog(self, metadata: Metadata) -> Catalog | None:
         """The checkpoint's catalog, parsed and checked (the dry run parses it once for all simulated ranks)."""

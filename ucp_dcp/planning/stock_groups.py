@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..errors import ParamGroupError
 from ..layout.naming import NameRules
 from .entries import GroupTarget
-from .load_steps import GROUP_SINK, bytes_read, same_value
+from .load_steps import GROUP_SINK, SavedIndex, bytes_read, group_atom, same_value
+from .resolve import Resolver
 
-__all__ = ["StockGroups"]
+__all__ = ["StockGroups", "split_stock_groups"]
 
 
 class StockGroups:
@@ -131,3 +132,28 @@ class StockGroups:
                     hint="group the target optimizer's parameters the way they were grouped at save",
                 )
             g.group[hp] = vals[0]
+
+
+def split_stock_groups(
+    groups: list[GroupTarget], saved: SavedIndex, resolver: Resolver, rules: NameRules
+) -> tuple[list[GroupTarget], list[StockGroups]]:
+    """The optimizers whose groups a stock-DCP checkpoint keys by position, matched by membership
+    (:class:`StockGroups`), and the target groups left to the per-parameter path."""
+    rest: list[GroupTarget] = []
+    found: list[StockGroups] = []
+    by_prefix: dict[str, list[GroupTarget]] = {}
+    for g in groups:
+        by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
+    for prefix, members in by_prefix.items():
+        per_param = any(
+            saved.lookup(group_atom(resolver, g, p, hp))
+            for g in members
+            for p in g.params[:1]
+            for hp in g.hyperparams[:1]
+        )
+        stock = None if per_param else StockGroups.find(prefix, members, saved.by_atom, rules)
+        if stock is None:
+            rest.extend(members)
+        else:
+            found.append(stock)
+    return rest, found
