@@ -138,4 +138,4 @@ def test_a_process_crash_restarts_on_the_same_hosts_from_their_own_memory():
     root, disk, out = saved(fault="complete")
     got = resume(root, None, out["oracles"][1], FOUR_HOSTS, "dp=2,tp=2")
     assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
-    assert all(received == 0 for _, received in got["bytes"])
+    assert all(read > 0 for read, _ in got["bytes"])  # every rank reads its own host's memory

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import InvalidArgumentError, UCPError
+from ..errors import InvalidArgumentError, UCPError, ucp_errors
 from ..planning.collectives import peer_timeout
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
@@ -144,12 +144,13 @@ class MemoryTier:
         self.next_gen += 1
         t0 = time.perf_counter()
         writer = _Writer(gen_dir(self.root, host_name(), gen), self.fault)
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner if planner is not None else UCPSavePlanner(replica_digests="writer"),
-            process_group=self.group,
-        )
+        with ucp_errors():
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner if planner is not None else UCPSavePlanner(replica_digests="writer"),
+                process_group=self.group,
+            )
         self.blocked_s = time.perf_counter() - t0
         self._idle.clear()
         self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step))
