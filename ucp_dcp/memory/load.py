@@ -45,5 +45,5 @@ def load(
             planner=planner if planner is not None else UCPLoadPlanner(),
             process_group=process_group,
         )
-    src.stats = reader.stats  # type: ignore[attr-defined]
+    src.stats = reader.stats
     return src

@@ -17,11 +17,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.sidecar import metadata_hash
 from .drain import durable_dir, durable_generations
 from .hosts import HostMap, gather_hosts
 from .marker import file_hash, read_marker
 from .store import HostHolding, data_files, gen_dir, generations, host_name, read_commit
-from ..storage.sidecar import metadata_hash
 
 __all__ = ["Tier", "Source", "inspect_host", "choose", "locate"]
 
@@ -126,8 +126,8 @@ def choose(holdings: list[HostHolding], durable: list[int]) -> tuple[Tier, int, 
         mine = [h for h in holdings if h.gen == gen]
         done = [h for h in mine if h.complete]
         if not done:
-            why = sorted({h.problem or "" for h in mine})
-            notes.append(f"gen {gen} (memory): incomplete on every host that holds it: {'; '.join(why)}")
+            problems = sorted({h.problem or "" for h in mine})
+            notes.append(f"gen {gen} (memory): incomplete on every host that holds it: {'; '.join(problems)}")
             continue
         wanted = done[0].wanted
         holders: dict[str, list[str]] = {n: [] for n in wanted}
@@ -158,9 +158,7 @@ def choose(holdings: list[HostHolding], durable: list[int]) -> tuple[Tier, int, 
     )
 
 
-def locate(
-    root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = True
-) -> Source:
+def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = True) -> Source:
     """Collective over ``group``: every host's holdings gathered, the freshest complete generation chosen,
     and, for the memory tier, its commit sent to every rank."""
     hosts = gather_hosts(group)

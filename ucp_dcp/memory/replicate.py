@@ -115,10 +115,10 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
                 counts[dst] = k + 1
                 size, digest = own[name]
                 header = torch.tensor([size, *_halves(digest)], dtype=torch.int64)
-                dist.isend(header, dst, group=group, tag=2 * k).wait()
+                _wait(dist.isend(header, dst, group=group, tag=2 * k))
                 if size:
                     data = torch.from_file(os.path.join(here, name), shared=False, size=size, dtype=torch.uint8)
-                    dist.isend(data, dst, group=group, tag=2 * k + 1).wait()
+                    _wait(dist.isend(data, dst, group=group, tag=2 * k + 1))
         except BaseException as e:  # noqa: BLE001 (surfaced on the calling thread)
             failure.append(e)
 
@@ -130,12 +130,12 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
         k = counts.get(src, 0)
         counts[src] = k + 1
         header = torch.empty(3, dtype=torch.int64)
-        dist.irecv(header, src, group=group, tag=2 * k).wait()
+        _wait(dist.irecv(header, src, group=group, tag=2 * k))
         size = int(header[0])
         buf = torch.empty(size, dtype=torch.uint8)
         if size:
-            dist.irecv(buf, src, group=group, tag=2 * k + 1).wait()
-        got = xxhash.xxh3_128_hexdigest(buf.numpy()) if size else xxhash.xxh3_128_hexdigest(b"")
+            _wait(dist.irecv(buf, src, group=group, tag=2 * k + 1))
+        got = xxhash.xxh3_128_hexdigest(buf.numpy().data) if size else xxhash.xxh3_128_hexdigest(b"")
         if size != g.files[name] or _halves(got) != [int(header[1]), int(header[2])]:
             bad.append(name)  # matched anyway, so the sender is not left waiting
             continue
@@ -156,6 +156,11 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
     return own
 
 
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:  # None only for a rank outside the group, which the plan never addresses
+        work.wait()
+
+
 def _halves(hexdigest: str) -> list[int]:
     """A 128-bit hex digest as two signed int64 (gloo carries int64 headers)."""
     v = int(hexdigest, 16)
@@ -173,7 +178,7 @@ def mark_complete(g: Generation, group: dist.ProcessGroup, ok: bool, own: dict[s
         g.hashes.update(files)
     ring = replica_hosts(g.hosts.names, g.replicas)
     holders = {n: [g.hosts.host_of(writer_rank(n, g.hosts))] for n in g.files}
-    for n, hs in holders.items():
+    for hs in holders.values():
         hs.extend(ring[hs[0]])
     marker = Marker(g.gen, metadata_hash(g.md), dict(g.hashes), holders, len(next(iter(ring.values()), [])), g.step)
     me = dist.get_rank()

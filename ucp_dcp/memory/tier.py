@@ -187,7 +187,9 @@ class MemoryTier:
             except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
                 status.error = e
                 if not isinstance(e, MemoryFault):
-                    warnings.warn(f"memory generation {g.gen}: {type(e).__name__}: {e}", MemoryTierWarning, stacklevel=1)
+                    warnings.warn(
+                        f"memory generation {g.gen}: {type(e).__name__}: {e}", MemoryTierWarning, stacklevel=1
+                    )
             status.seconds = time.perf_counter() - t0
             self.statuses.append(status)
             self._idle.set()

@@ -64,7 +64,12 @@ def save_job(
             s = tier.wait()
             assert s is not None
             statuses.append(
-                {"gen": s.gen, "complete": s.complete, "drained": s.drained, "error": repr(s.error) if s.error else None}
+                {
+                    "gen": s.gen,
+                    "complete": s.complete,
+                    "drained": s.drained,
+                    "error": repr(s.error) if s.error else None,
+                }
             )
     finally:
         tier.close()
@@ -84,7 +89,9 @@ def resume_job(topo: str, root: str, durable: str | None, oracle: dict | None) -
     job = build_job(Topology.parse(topo))
     tr = build_trainer(cfg, job, seed=1)  # every value must come from the checkpoint
     sd = tr.state_dict()
-    src = memory_load(sd, root, durable=durable, planner=UCPLoadPlanner(**trainer_options(cfg, tr)), process_group=job.group)
+    src = memory_load(
+        sd, root, durable=durable, planner=UCPLoadPlanner(**trainer_options(cfg, tr)), process_group=job.group
+    )
     tr.load_state_dict(sd)
     loaded = logical_state(tr)
     stats = src.stats
