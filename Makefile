@@ -38,7 +38,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
+.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -146,6 +146,9 @@ moe-demo: $(STAMP)
 
 # will a checkpoint load at a layout? `ucp_dcp plan` on the recipe's checkpoint, up to 4096 ranks, one CPU process
 # each, incl. a shape change it must name; last line PLAN OK / PLAN MISMATCH (docs/plan.md)
+memory-demo: $(STAMP)
+	$(PY) recipes/memory_demo.py
+
 plan-demo: $(STAMP)
 	$(PY) recipes/plan_demo.py
 

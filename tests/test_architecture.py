@@ -9,6 +9,7 @@ also inside functions):
     layout    ucp_dcp/layout/ (names, placements, fragments, patterns, ...), ucp_dcp.options, ucp_dcp._probes
     planning  ucp_dcp/planning/ (the two planners and their steps)
     storage   ucp_dcp/storage/ (format, commit, reader, writer, ...), ucp_dcp.api (save/load: planners + storage)
+    memory    ucp_dcp/memory/ (the host-memory checkpoint tier: generations, replicas, drain, loads from peers)
     sources   ucp_dcp/sources/ (Hugging Face, other frameworks' checkpoints)
     torchtitan  ucp_dcp/torchtitan/ (the integration)
     tools     ucp_dcp/tools/ (the command line), ucp_dcp.__main__
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "ucp_dcp"
-LAYERS = ("base", "layout", "planning", "storage", "sources", "torchtitan", "tools")
+LAYERS = ("base", "layout", "planning", "storage", "memory", "sources", "torchtitan", "tools")
 TOP_LEVEL = {
     "ucp_dcp.errors": "base",
     "ucp_dcp._compat": "base",

@@ -59,3 +59,17 @@ def test_moe_demo_resumes_at_ep4_and_catches_swapped_experts(tmp_path):
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("MOE OK: ep4: "), out.stdout[-3000:] + out.stderr[-3000:]
     assert "swapped experts caught" in last, last
+
+
+def test_memory_demo_kills_a_host_and_resumes_at_a_smaller_layout_from_memory(tmp_path):
+    """``make memory-demo``: a host SIGKILLed, its memory gone, the durable copy hidden; the resume at tp=2
+    must come from the memory tier, bitwise."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "memory_demo.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0 and last.startswith("MEMORY OK: "), out.stdout[-3000:] + out.stderr[-3000:]
+    assert "from memory generation 3" in last and "bitwise" in last, last

@@ -1,0 +1,141 @@
+"""The memory tier on simulated hosts (gloo ranks grouped by ``UCP_DCP_HOST``, each host with its own
+store): the job dies at each step of a save, hosts are lost, and a job at another layout resumes from the
+freshest complete tier, bitwise, or is refused. A stock ``dcp.load`` cannot do any of this: the pieces are
+spread over host folders that no single checkpoint folder holds.
+
+Save job: 4 ranks on 4 hosts (``node0..3``) at ``dp=2,tp=2``, k = 1 (node i's pieces on node i+1), a
+durable folder; 2 generations, the second with the fault under test.
+"""
+
+import os
+
+import dist as D
+import pytest
+
+from ucp_dcp.errors import CheckpointNotFoundError
+from ucp_dcp.memory.store import gen_dir
+from ucp_dcp.testing.memory_jobs import lose_hosts, resume_job, save_job, simulate_hosts
+
+pytestmark = pytest.mark.slow
+FOUR_HOSTS = "0,1,2,3"
+
+
+def _save(rank, world, hosts, root, durable, topo, fault, saves):
+    simulate_hosts(hosts)
+    return save_job(topo, root, durable, fault=fault, saves=saves)
+
+
+def _resume(rank, world, hosts, root, durable, topo, oracle):
+    simulate_hosts(hosts)
+    try:
+        return resume_job(topo, root, durable, oracle)
+    except CheckpointNotFoundError as e:
+        return {"refused": str(e)}
+
+
+def saved(fault=None, saves=2, durable=True, hosts=FOUR_HOSTS, topo="dp=2,tp=2"):
+    root, disk = D.tmpdir(), (D.tmpdir() if durable else None)
+    out = D.run(_save, len(hosts.split(",")), hosts, root, disk, topo, fault, saves)[0]
+    return root, disk, out
+
+
+def resume(root, disk, oracle, hosts, topo):
+    return D.run(_resume, len(hosts.split(",")), hosts, root, disk, topo, oracle)[0]
+
+
+def test_a_lost_host_at_fewer_ranks_loads_the_last_generation_from_memory_with_peers_serving():
+    root, disk, out = saved()
+    assert [s["complete"] for s in out["statuses"]] == [True, True]
+    lose_hosts(root, ["node1"])  # node1's pieces survive as node2's replica
+    os.rename(disk, disk + ".gone")  # no durable read can happen
+    got = resume(root, disk, out["oracles"][1], "0,2", "tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+    assert all(received > 0 for _, received in got["bytes"])  # each rank got fragments its host lacks
+
+
+def test_no_complete_generation_anywhere_is_refused():
+    root, disk, out = saved(fault="replicate", saves=1, durable=False)
+    got = resume(root, disk, None, "0,1", "tp=2")
+    assert "no complete checkpoint generation" in got["refused"] and "replication did not finish" in got["refused"]
+
+
+def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_loaded():
+    root, disk, out = saved()
+    lose_hosts(root, ["node1"])
+    folder = gen_dir(root, "node2", 2)
+    replica = next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))
+    with open(os.path.join(folder, replica), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = resume(root, disk, out["oracles"][1], "0,2", "tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
+    assert any("node2's copy of " + replica in n and "damaged" in n for n in got["notes"])
+
+
+# -- the rest of the matrix: make test-full ---------------------------------------------------------------
+
+FULL = pytest.mark.full
+
+
+@FULL
+@pytest.mark.parametrize(
+    "fault, gen",
+    [
+        ("copy", 1),  # died during the host copy: gen 2 has data files but no commit
+        ("replicate", 1),  # died during replication: gen 2 has no completion marker
+        ("complete", 2),  # died right after the marker: gen 2 complete in memory, not drained
+        ("drain", 2),  # died during the drain: memory gen 2 complete, its durable copy uncommitted
+    ],
+)
+def test_the_job_dies_at_a_step_a_host_is_lost_and_another_tp_split_resumes_bitwise(fault, gen):
+    root, disk, out = saved(fault=fault)
+    lose_hosts(root, ["node3"])
+    got = resume(root, disk, out["oracles"][gen - 1], "0,1,2,0", "tp=4")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", gen, [])
+    if gen == 1:
+        assert any("gen 2" in n for n in got["notes"])
+
+
+@FULL
+def test_two_lost_hosts_with_one_replica_fall_back_to_the_durable_copy():
+    root, disk, out = saved()
+    lose_hosts(root, ["node1", "node2"])  # node1's pieces were only on node1 and node2
+    got = resume(root, disk, out["oracles"][1], "0,3", "dp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
+
+
+@FULL
+def test_two_lost_hosts_in_the_drain_fault_fall_back_to_the_last_drained_generation():
+    root, disk, out = saved(fault="drain")
+    lose_hosts(root, ["node1", "node2"])
+    got = resume(root, disk, out["oracles"][0], "0,3", "dp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 1, [])
+
+
+@FULL
+def test_a_missing_replica_is_caught():
+    root, disk, out = saved()
+    lose_hosts(root, ["node1"])
+    folder = gen_dir(root, "node2", 2)
+    os.remove(os.path.join(folder, next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))))
+    got = resume(root, disk, out["oracles"][1], "0,2", "tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
+
+
+@FULL
+def test_more_ranks_on_a_new_empty_host_get_every_fragment_from_peers():
+    root, disk, out = saved(hosts="0,1", topo="tp=2")
+    lose_hosts(root, ["node1"])
+    got = resume(root, None, out["oracles"][1], "0,0,5,5", "dp=2,tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+    assert got["bytes"][2][0] == 0 and got["bytes"][2][1] > 0  # node5 holds nothing: it read nothing
+
+
+@FULL
+def test_a_process_crash_restarts_on_the_same_hosts_from_their_own_memory():
+    root, disk, out = saved(fault="complete")
+    got = resume(root, None, out["oracles"][1], FOUR_HOSTS, "dp=2,tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+    assert all(read > 0 for read, _ in got["bytes"])  # every rank reads its own host's memory

@@ -1,0 +1,188 @@
+"""``MemoryReader``: a load from a memory generation spread over hosts, at any layout.
+
+A ``UCPFileSystemReader`` on this host's folder of the generation: the fragments in files this host
+holds (its own pieces and the replicas it keeps) are read from host memory with the same ranged,
+checksummed reads as from disk; the fragments in files it lacks are read, verified, by a rank of a
+host that holds them (:mod:`ucp_dcp.memory.serving`) and sent over the process group with the
+read-once exchange (:mod:`ucp_dcp.storage.exchange`: bounded waits, a failing server's error sent in
+place of the bytes). Nothing is read from durable storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ..errors import CorruptCheckpointError, UCPError
+from ..planning.collectives import p2p_group
+from ..storage.commit import Integrity
+from ..storage.exchange import drain_only, exchange, size_error
+from ..storage.liveness import Liveness, peer_timeout
+from ..storage.read_job import ReadJob, ReadStats
+from ..storage.reader import UCPFileSystemReader
+from ..storage.sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, sidecar_name
+from ..storage.staging import BUFFERS_PER_THREAD
+from ..storage.transport import Incoming, as_bytes_tensor
+from .locate import Source
+from .serving import ScratchPlanner, ServePlan, ServeRequest, assign_servers
+from .store import gen_dir, host_name
+
+__all__ = ["MemoryReader"]
+
+
+class MemoryReader(UCPFileSystemReader):
+    """Reads a memory generation that :func:`ucp_dcp.memory.locate.locate` chose (tier ``memory``).
+
+    Args:
+        source: the located generation (its commit, and which hosts hold each file intact).
+        root: the memory tier's root.
+        verify_checksums: verify every block read, as ``UCPFileSystemReader`` does.
+    """
+
+    def __init__(self, source: Source, root: str, *, verify_checksums: bool = True, **kwargs: Any) -> None:
+        if source.tier != "memory":
+            raise UCPError(f"MemoryReader reads a memory generation, got the {source.tier} tier")
+        self.host = host_name()
+        super().__init__(
+            gen_dir(root, self.host, source.generation), verify_checksums=verify_checksums, read_once="off", **kwargs
+        )
+        self.source = source
+        self.local_files = {f for f, hs in source.holders.items() if self.host in hs}
+        """Data files this host holds intact (read here); the others are served by peers."""
+        self.served_bytes = 0
+        """Bytes this rank read for other ranks during the last load."""
+
+    def _open(self) -> tuple[Metadata, Integrity]:
+        md_bytes, sidecar = self.source.md, self.source.sidecar
+        h = metadata_hash(md_bytes)
+        body = decode_sidecar(sidecar, sidecar_name(h))
+        if body["metadata"] != {"xxh3_128": h, "bytes": len(md_bytes)}:
+            raise CorruptCheckpointError(
+                f"memory generation {self.source.generation}: its sidecar describes another .metadata",
+                hint="the host copy is damaged; load the durable copy",
+            )
+        md = metadata_from_sidecar(body, md_bytes, self.trust)
+        files = {k: int(v) for k, v in body["files"].items()}
+        io = body.get("io") or {}
+        return md, Integrity("verified" if io.get("algo") else "none", sidecar_name(h), io.get("algo"), files, [])
+
+    # -- planning: who serves what ---------------------------------------------------------------------
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        out = super().prepare_local_plan(plan)  # read-once off: the summary is only this rank's id
+        req = ServeRequest(int(out.storage_data.rank))
+        for i, item in enumerate(plan.items):
+            name = self.storage_data[item.storage_index].relative_path
+            if name in self.local_files:
+                continue
+            req.items.append(item)
+            req.positions.append(i)
+            req.files.append(name)
+            req.sizes.append(self._item_nbytes(item))
+        return dataclasses.replace(out, storage_data=req)
+
+    def _item_nbytes(self, item: Any) -> int:
+        if item.type == LoadItemType.BYTE_IO:
+            return int(self.storage_data[item.storage_index].length)
+        dtype, _ = self._chunk_meta[item.storage_index]
+        n = 1
+        for x in item.lengths:
+            n *= int(x)
+        return n * dtype.itemsize
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        assert self.source.hosts is not None
+        requests = [p.storage_data if isinstance(p.storage_data, ServeRequest) else ServeRequest(-1) for p in plans]
+        if any(r.rank < 0 for r in requests):
+            raise UCPError("MemoryReader needs every rank's plan to pass through its prepare_local_plan")
+        rank_hosts = dict(zip(self.source.hosts.ranks, self.source.hosts.hosts))
+        served = assign_servers(requests, self.source.holders, rank_hosts, uuid.uuid4().hex)
+        return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, served)]
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        kept = self._kept_items
+        if kept is not None and len(plan.items) != kept:
+            raise UCPError(
+                f"{type(planner).__name__}: its plan said it puts its {kept} read item(s) back in finish_plan, "
+                f"but read_data got {len(plan.items)}"
+            )
+        self.stats = ReadStats()
+        self._serve_and_read(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _job(self, plan: LoadPlan, planner: Any, send: set[int], stats: ReadStats) -> ReadJob:
+        return ReadJob(
+            plan,
+            planner,
+            send,
+            chunk_meta=self._chunk_meta,
+            storage_data=self.storage_data,
+            forced=self._forced,
+            stage_bytes=self.stage_bytes,
+            buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
+            stats=stats,
+        )
+
+    def _serve_and_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read what this host holds (own fragments, and those this rank serves), exchange, raise the
+        true cause of any failure (as the read-once protocol does)."""
+        t0 = time.perf_counter()
+        sp = plan.storage_data if isinstance(plan.storage_data, ServePlan) else ServePlan()
+        flat = [it for dst in sorted(sp.serve) for msg in sp.serve[dst] for it in msg]
+        error: BaseException | None = None
+        job: ReadJob | None = None
+        serve_job: ReadJob | None = None
+        with Liveness(sp.token, sp.members) as live:
+            try:
+                recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
+                job = self._job(plan, planner, set(), self.stats)
+                if flat:
+                    serve_job = self._job(
+                        LoadPlan(flat), ScratchPlanner(self._chunk_meta), set(range(len(flat))), self.stats
+                    )
+                    self._read_local(serve_job, set())
+                self._read_local(job, recv_pos)
+            except Exception as e:  # sent to every rank waiting for this one's bytes
+                error = e
+            sends: dict[int, list[torch.Tensor | None]] = {}
+            at = 0
+            for dst in sorted(sp.serve):
+                sends[dst] = []
+                for msg in sp.serve[dst]:
+                    ok = error is None and serve_job is not None
+                    sends[dst].append(
+                        as_bytes_tensor([serve_job.keep[at + j] for j in range(len(msg))]) if ok else None  # type: ignore[union-attr]
+                    )
+                    at += len(msg)
+            self.served_bytes = sum(int(t.numel()) for ts in sends.values() for t in ts if t is not None)
+            incoming: dict[int, list[Incoming]] = {
+                src: [job.incoming(m) if job is not None and error is None else drain_only() for m in msgs]
+                for src, msgs in sp.recv.items()
+            }
+            group = p2p_group(sp.members) if len(sp.members) > 1 else None
+            out = exchange(sends, incoming, error, group, live, peer_timeout())
+            try:
+                live.done()
+            except UCPError as e:
+                out.peers.append(e)  # type: ignore[arg-type]
+        for j in (job, serve_job):
+            if j is not None and j.pool is not None:
+                j.pool.drain()
+        self.stats.seconds = time.perf_counter() - t0
+        if error is not None or out.error is not None:
+            raise error or out.error  # type: ignore[misc]
+        if out.peers:
+            raise out.peers[0]
+        if out.bad_size:
+            raise size_error(out.bad_size)

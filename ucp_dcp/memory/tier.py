@@ -1,0 +1,221 @@
+"""``MemoryTier``: save into host memory, replicate to other hosts and drain to disk in the background.
+
+``tier.save(state_dict)`` is a collective ``dcp.save`` with ``UCPSavePlanner`` and
+``UCPFileSystemWriter`` into this host's memory folder (:mod:`ucp_dcp.memory.store`): training is
+blocked for the copy into host memory (plus DCP's planning), and the generation is committed there
+with the same integrity sidecar and ``.metadata`` rename as on disk. Then a background thread, on the
+tier's own gloo group, publishes the commit to every host, copies every host's pieces to ``replicas``
+other hosts (:mod:`ucp_dcp.memory.replicate`), writes the completion marker, and drains every
+``drain_every``-th complete generation to ``durable`` (:mod:`ucp_dcp.memory.drain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..errors import InvalidArgumentError, UCPError, ucp_errors
+from ..planning.collectives import peer_timeout
+from ..planning.save_planner import UCPSavePlanner
+from ..storage.writer import UCPFileSystemWriter
+from .drain import commit_drain, drain_files, durable_generations
+from .hosts import HostMap, gather_hosts, replica_hosts
+from .replicate import Generation, mark_complete, publish_commit, replicate
+from .store import default_root, gen_dir, generations, host_name
+
+__all__ = ["MemoryTier", "GenerationStatus", "FaultStep", "MemoryTierWarning", "MemoryFault"]
+
+FaultStep = Literal["copy", "replicate", "complete", "drain"]
+"""Where a test makes the job die (every rank stops there): during the host copy (data written, not
+committed), during replication (replicas sent, no marker), right after the completion marker (not
+drained), during the drain (durable files copied, not committed)."""
+
+
+class MemoryTierWarning(UserWarning):
+    """A memory generation could not be completed or drained (training goes on; the last complete one stays)."""
+
+
+class MemoryFault(UCPError):
+    """The stop a test asked for (``fault=``): the job 'dies' at that step."""
+
+
+@dataclasses.dataclass
+class GenerationStatus:
+    """How the background work of one memory save ended (on this rank)."""
+
+    gen: int
+    """Generation number."""
+    complete: bool = False
+    """Every piece has its replicas and every host its completion marker."""
+    drained: bool = False
+    """The durable copy is committed."""
+    error: BaseException | None = None
+    """Why it is not complete / not drained."""
+    seconds: float = 0.0
+    """Background time (publish, replicate, mark, drain)."""
+
+
+class _Writer(UCPFileSystemWriter):
+    """The memory writer: tmpfs needs no fsync; ``fault="copy"`` dies before the commit."""
+
+    def __init__(self, path: str, fault: str | None) -> None:
+        super().__init__(path, sync_files=False)
+        self.fault = fault
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.fault == "copy":
+            raise MemoryFault("fault injected during the host copy (data files written, nothing committed)")
+        super().finish(metadata, results)
+
+
+class MemoryTier:
+    """A checkpoint tier in host memory that survives process crashes and, with ``replicas >= 1``,
+    the loss of any ``replicas`` hosts; loads reshard from it at any layout (:func:`ucp_dcp.memory.load`).
+
+    Collective to create (over ``process_group``: it gathers the hosts and creates its own gloo group).
+
+    Args:
+        root: the memory store (default ``$UCP_DCP_SHM_ROOT`` or ``/dev/shm/ucp_dcp``); each host keeps
+            its own folder under it.
+        durable: folder the complete generations are drained to (``<durable>/gen-<n>``); None: none.
+        replicas: k, copies of each host's pieces on other hosts (cut to the other hosts there are).
+        drain_every: drain every n-th generation (1: each).
+        keep_durable: durable generations kept (the newest).
+        process_group: the job's group (None: the default group).
+        fault: testing only: the step at which every rank stops (:data:`FaultStep`).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        *,
+        durable: str | os.PathLike | None = None,
+        replicas: int = 1,
+        drain_every: int = 1,
+        keep_durable: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+        fault: FaultStep | None = None,
+    ) -> None:
+        if drain_every < 1 or keep_durable < 1:
+            raise InvalidArgumentError(f"drain_every and keep_durable must be >= 1, got {drain_every}, {keep_durable}")
+        self.root = str(root) if root is not None else default_root()
+        self.durable = str(durable) if durable is not None else None
+        self.group = process_group
+        self.hosts: HostMap = gather_hosts(process_group)
+        self.replicas = len(next(iter(replica_hosts(self.hosts.names, replicas).values())))
+        self.drain_every = drain_every
+        self.keep_durable = keep_durable
+        self.fault = fault
+        self._bg = dist.new_group(
+            ranks=self.hosts.ranks, backend="gloo", timeout=timedelta(seconds=max(60.0, peer_timeout()))
+        )
+        # numbering continues after whatever generation any host or the durable folder holds
+        mine = max([0, *generations(self.root, host_name()), *durable_generations(self.durable)])
+        got: list = [None] * len(self.hosts.ranks)
+        dist.all_gather_object(got, mine, group=process_group)
+        self.next_gen = max(got) + 1
+        self.blocked_s = 0.0
+        """Seconds the last :meth:`save` blocked the caller."""
+        self.statuses: list[GenerationStatus] = []
+        """The background outcome of every save, in order."""
+        self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._work, name="ucp-memory-tier", daemon=True)
+        self._thread.start()
+
+    # -- foreground ------------------------------------------------------------------------------------
+
+    def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None) -> int:
+        """Copy ``state_dict`` into host memory and commit it there (collective); replication and the
+        drain follow in the background. Waits for the previous save's background work first. Returns the
+        generation number."""
+        self.wait()
+        gen = self.next_gen
+        self.next_gen += 1
+        t0 = time.perf_counter()
+        writer = _Writer(gen_dir(self.root, host_name(), gen), self.fault)
+        with ucp_errors():
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner if planner is not None else UCPSavePlanner(replica_digests="writer"),
+                process_group=self.group,
+            )
+        self.blocked_s = time.perf_counter() - t0
+        self._idle.clear()
+        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step))
+        return gen
+
+    def wait(self) -> GenerationStatus | None:
+        """Wait for the background work of the last save; its status (None before any save)."""
+        self._idle.wait()
+        return self.statuses[-1] if self.statuses else None
+
+    def close(self) -> None:
+        """Finish the background work and stop the thread (the memory generations stay)."""
+        self.wait()
+        self._queue.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> MemoryTier:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- background ------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            g = self._queue.get()
+            if g is None:
+                return
+            status = GenerationStatus(g.gen)
+            t0 = time.perf_counter()
+            try:
+                self._complete(g, status)
+            except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
+                status.error = e
+                if not isinstance(e, MemoryFault):
+                    warnings.warn(
+                        f"memory generation {g.gen}: {type(e).__name__}: {e}", MemoryTierWarning, stacklevel=1
+                    )
+            status.seconds = time.perf_counter() - t0
+            self.statuses.append(status)
+            self._idle.set()
+
+    def _complete(self, g: Generation, status: GenerationStatus) -> None:
+        publish_commit(g, self._bg)
+        own: dict = {}
+        ok = True
+        try:
+            own = replicate(g, self._bg)
+        except UCPError as e:
+            ok, status.error = False, e
+        if self.fault == "replicate":
+            raise MemoryFault("fault injected during replication (replicas sent, no completion marker)")
+        status.complete = mark_complete(g, self._bg, ok, own)
+        if not status.complete:
+            if status.error is None:
+                status.error = UCPError(f"memory generation {g.gen}: another rank's replication failed")
+            warnings.warn(f"memory generation {g.gen} is incomplete: {status.error}", MemoryTierWarning, stacklevel=1)
+            return
+        if self.fault == "complete":
+            raise MemoryFault("fault injected after the completion marker (not drained)")
+        if self.durable is None or g.gen % self.drain_every:
+            return
+        drain_files(g, self.durable)
+        if self.fault == "drain":
+            raise MemoryFault("fault injected during the drain (durable files copied, not committed)")
+        commit_drain(g, self.durable, self._bg, self.keep_durable)
+        status.drained = True
