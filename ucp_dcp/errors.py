@@ -35,6 +35,7 @@ __all__ = [
     "CorruptCheckpointError",
     "TruncatedFileError",
     "UnsafeCheckpointError",
+    "StorageAccessError",
     "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
     "UntestedTorchWarning",
@@ -181,6 +182,12 @@ class ChecksumError(CorruptCheckpointError):
 
 class TruncatedFileError(CorruptCheckpointError):
     """A checkpoint file is shorter (or longer) than the data written into it."""
+
+
+class StorageAccessError(UCPError, OSError):
+    """The storage refused or failed a request: a bucket that does not exist, missing or rejected
+    credentials, a denied write, a request still throttled after retries with backoff. Also an
+    ``OSError``, what file and fsspec code raises for such failures."""
 
 
 class UnsafeCheckpointError(UCPError):
