@@ -109,7 +109,8 @@ class ObjectStore:
         url: the prefix, as given to the writer or reader.
         storage_options: passed to fsspec's ``url_to_fs`` (endpoint, credentials, ...); without them
             the client's usual configuration applies (``AWS_*`` environment variables, config files).
-        retries: attempts of a throttled request; ``backoff_s``: the first wait, doubled each time.
+        retries: attempts of a throttled request (None: :data:`RETRIES`); ``backoff_s``: the first
+            wait, doubled each time (None: :data:`BACKOFF_S`).
     """
 
     def __init__(
@@ -117,16 +118,16 @@ class ObjectStore:
         url: str | os.PathLike,
         storage_options: dict[str, Any] | None = None,
         *,
-        retries: int = RETRIES,
-        backoff_s: float = BACKOFF_S,
+        retries: int | None = None,
+        backoff_s: float | None = None,
     ) -> None:
         from fsspec.core import url_to_fs
 
         self.url = str(url).rstrip("/")
         self.protocol = object_protocol(self.url) or ""
         self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
-        self.retries = max(1, retries)
-        self.backoff_s = backoff_s
+        self.retries = max(1, RETRIES if retries is None else retries)
+        self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
         self.is_s3 = type(self.fs).__module__.startswith("s3fs")
 
     def join(self, name: str) -> str:
@@ -216,6 +217,12 @@ class ObjectStore:
         bucket = self.root.split("/", 1)[0]
 
         def probe() -> bool:
+            if self.is_s3:  # HEAD bucket: raises what is wrong (no credentials, denied)
+                try:
+                    self.s3_call("head_bucket", Bucket=bucket)
+                except FileNotFoundError:
+                    return False
+                return True
             self.fs.invalidate_cache(bucket)
             return bool(self.fs.exists(bucket))
 
@@ -227,11 +234,11 @@ class ObjectStore:
     def open_read(self, path: str, size: int | None = None) -> RangedObjectFile:
         return RangedObjectFile(self, path, size)
 
-    def open_write(self, path: str, part_bytes: int = PART_BYTES, in_flight: int = 4) -> Any:
+    def open_write(self, path: str, part_bytes: int | None = None, in_flight: int = 4) -> Any:
         """A write-only stream for one object: multipart upload with parts in flight on S3, fsspec's
         file elsewhere (the object appears when the stream closes)."""
         if self.is_s3:
-            return MultipartObjectWriter(self, path, part_bytes, in_flight)
+            return MultipartObjectWriter(self, path, PART_BYTES if part_bytes is None else part_bytes, in_flight)
         return self.call("OPEN", path, lambda: self.fs.open(path, "wb"))
 
     def abort_uploads(self, keep: set[str]) -> list[str]:
@@ -250,7 +257,7 @@ class ObjectStore:
             self.call(
                 "DELETE",
                 f"s3://{bucket}/{key}",
-                lambda: self.s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"]),
+                lambda k=key, u=up["UploadId"]: self.s3_call("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=u),
             )
             aborted.append(key)
         return aborted
@@ -380,7 +387,9 @@ class MultipartObjectWriter(io.RawIOBase):
         s = self.store
         if self.upload_id is None:
             self._pool = ThreadPoolExecutor(self.in_flight)
-            out = s.call("PUT", self.path, lambda: s.s3_call("create_multipart_upload", Bucket=self.bucket, Key=self.key))
+            out = s.call(
+                "PUT", self.path, lambda: s.s3_call("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            )
             self.upload_id = out["UploadId"]
         self.parts += 1
         number = self.parts
@@ -390,7 +399,12 @@ class MultipartObjectWriter(io.RawIOBase):
                 "PUT",
                 f"{self.path} (part {number})",
                 lambda: s.s3_call(
-                    "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=data
+                    "upload_part",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=number,
+                    Body=data,
                 ),
             )
             return {"PartNumber": number, "ETag": r["ETag"]}
@@ -442,8 +456,13 @@ class MultipartObjectWriter(io.RawIOBase):
             return
         for f in self._parts:
             f.cancel()
+        s = self.store
         try:
-            self.store.s3_call("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+            s.call(
+                "DELETE",
+                self.path,
+                lambda: s.s3_call("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id),
+            )
         except Exception:
             pass  # the next save's cleanup aborts what is left (ObjectStore.abort_uploads)
 

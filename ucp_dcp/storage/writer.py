@@ -51,9 +51,9 @@ from ..planning.digests import tensor_bytes
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from .commit import METADATA, commit, new_token
+from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
 from .object_commit import commit_objects
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
-from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
 from .sidecar import encode_sidecar
 from .staging import HostCopies
 from .threads import reading_threads
