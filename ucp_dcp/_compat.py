@@ -64,6 +64,7 @@ except ImportError:
 __all__ = [
     "default_group",
     "fsspec_filesystem",
+    "fsspec_storage",
     "narrow_tensor_by_index",
     "ShardedTensor",
     "flatten_state_dict",
@@ -128,6 +129,17 @@ def fsspec_filesystem() -> type:
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     return FileSystem
+
+
+def fsspec_storage() -> tuple[type, type]:
+    """DCP's ``FsspecWriter`` and ``FsspecReader`` (the comparison in tests and ``recipes/bench_s3.py``);
+    public in ``checkpoint.fsspec_filesystem`` from 2.15, before only in ``_fsspec_filesystem``."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:  # torch <= 2.14
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
 
 
 def fake_store() -> torch.distributed.Store:

@@ -51,7 +51,7 @@ class Faults:
     requests: Counter = field(default_factory=Counter)
     """Requests served, by ``"METHOD kind"`` (kind: ``object``, ``bucket``)."""
     bytes_out: Counter = field(default_factory=Counter)
-    """Object bytes sent, by method (``GET``: what reads fetched)."""
+    """Object bytes sent: ``GET`` (all reads), ``GET data`` (of ``.distcp`` objects), ``GET other``."""
     refused: Counter = field(default_factory=Counter)
     """Requests answered by a fault, by ``"403"`` / ``"503"``."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -105,6 +105,7 @@ class _Middleware:
         if method == "GET" and key:
             with f.lock:
                 f.bytes_out["GET"] += len(body)
+                f.bytes_out["GET data" if key.endswith(".distcp") else "GET other"] += len(body)
         start_response(captured["status"], headers)
         return [body]
 
