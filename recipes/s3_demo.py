@@ -23,30 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(bucket: str) -> tuple[subprocess.Popen, str]:
-    """The S3 server in a process of its own (its request handling stays off the ranks' cores' GIL)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ucp_dcp.testing.s3_server", "--bucket", bucket],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise SystemExit(f"S3 FAILED: the server did not start ({line!r})")
-    return proc, line.split()[1]
-
-
-def client_env(endpoint: str) -> dict[str, str]:
-    from ucp_dcp.testing.s3_server import S3Server
-
-    env = S3Server().env()
-    env["AWS_ENDPOINT_URL"] = endpoint
-    return env
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--save-topology", default="dp=4")
@@ -54,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs/s3_demo")
     a = ap.parse_args(argv)
-    proc, endpoint = start_server("ucp-demo")
+    from ucp_dcp.testing.s3_server import spawn_server
+
+    proc, aws = spawn_server("ucp-demo")
     url = "s3://ucp-demo/run"
     try:
-        env = {**os.environ, **client_env(endpoint), "PYTHONPATH": str(ROOT)}
-        print(f"S3 server (moto) at {endpoint}; checkpoint {url}", flush=True)
+        env = {**os.environ, **aws, "PYTHONPATH": str(ROOT)}
+        print(f"S3 server (moto) at {aws['AWS_ENDPOINT_URL']}; checkpoint {url}", flush=True)
         t0 = time.time()
         run = subprocess.run(
             [
@@ -85,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             print(run.stderr[-3000:], file=sys.stderr)
             print(f"S3 FAILED: the resume from {url} did not pass ({last or run.returncode})")
             return 1
-        ver = subprocess.run(
-            [sys.executable, "-m", "ucp_dcp", "verify", url], env=env, capture_output=True, text=True
-        )
+        ver = subprocess.run([sys.executable, "-m", "ucp_dcp", "verify", url], env=env, capture_output=True, text=True)
         print(ver.stdout, end="")
         if ver.returncode != 0:
             print(f"S3 FAILED: verify of {url} exited {ver.returncode}")

@@ -5,6 +5,9 @@ coordinator and raises a ``CheckpointException`` (a ``BaseException``) whose ``f
 rank -> (exception, traceback). Every error here therefore survives a pickle round trip with its
 structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors` turn the wrapper
 back into a plain ``UCPError`` for callers who prefer one.
+
+Kept in one module (just over 400 lines): every public error class in one place, the module users import
+them from.
 """
 
 from __future__ import annotations

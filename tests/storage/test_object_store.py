@@ -83,6 +83,7 @@ def _kill_walk(s3, monkeypatch, sample: bool) -> None:
     is detected (stray objects ``inspect`` reports, or multipart uploads left open); the next clean save
     removes the strays and aborts those uploads."""
     monkeypatch.setattr(OS, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(OS, "SINGLE_PUT_BYTES", 5 << 20)
     path = s3.prefix
     _save(_state(0, BIG), path)
     clean: list[str] = []

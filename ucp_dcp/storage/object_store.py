@@ -17,6 +17,9 @@ miss an object written a moment ago; a commit that trusted one could drop or ski
 Failures come back as :class:`~ucp_dcp.errors.StorageAccessError` naming the request: a bucket that
 does not exist, missing credentials, a denied request; a throttled request (``SlowDown``, HTTP 503)
 is retried with exponential backoff first (after the client's own retries).
+
+Kept in one module (about 470 lines once formatted): the store and its two streams share one request
+wrapper (:meth:`ObjectStore.call`: retries and error translation) and the part and range sizes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from .._compat import cat_ranges_concurrently, s3_call
 from ..errors import StorageAccessError
 
 __all__ = [
@@ -47,6 +51,9 @@ OBJECT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "
 """fsspec protocols whose single-object writes are atomic (the commit point needs nothing else)."""
 PART_BYTES = 8 << 20
 """Size of a multipart upload's parts (S3's minimum is 5 MiB, except the last part)."""
+SINGLE_PUT_BYTES = 64 << 20
+"""An object up to this size is one PUT (a multipart upload costs three requests more and the store's
+reassembly); a larger one becomes a multipart upload as soon as it passes this size."""
 RANGE_BYTES = 8 << 20
 """A read larger than this is cut into ranged GETs of this size, fetched concurrently."""
 RETRIES = 4
@@ -254,19 +261,17 @@ class ObjectStore:
             key = up["Key"]
             if key.rsplit("/", 1)[-1] in keep:
                 continue
-            self.call(
-                "DELETE",
-                f"s3://{bucket}/{key}",
-                lambda k=key, u=up["UploadId"]: self.s3_call("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=u),
-            )
+            self.call("DELETE", f"s3://{bucket}/{key}", _abort(self, bucket, key, up["UploadId"]))
             aborted.append(key)
         return aborted
 
     def s3_call(self, method: str, **kwargs: Any) -> Any:
         """One S3 API call through s3fs's client (its session, retries and error translation)."""
-        from fsspec.asyn import sync
+        return s3_call(self.fs, method, **kwargs)
 
-        return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
+
+def _abort(store: ObjectStore, bucket: str, key: str, upload_id: str) -> Callable[[], Any]:
+    return lambda: store.s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
 
 
 class RangedObjectFile(io.RawIOBase):
@@ -303,7 +308,7 @@ class RangedObjectFile(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def readinto(self, out: Any) -> int:  # type: ignore[override]
+    def readinto(self, out: Any) -> int:
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0:
@@ -328,15 +333,9 @@ class RangedObjectFile(io.RawIOBase):
 
     def _fetch(self, pieces: list[tuple[int, int]]) -> list[bytes]:
         fs = self.store.fs
-        if len(pieces) > 1 and hasattr(fs, "_cat_file") and getattr(fs, "loop", None) is not None:
-            import asyncio
-
-            from fsspec.asyn import sync
-
-            async def gather() -> list[bytes]:
-                return list(await asyncio.gather(*(fs._cat_file(self.path, start=s, end=e) for s, e in pieces)))
-
-            return sync(fs.loop, gather)
+        got = cat_ranges_concurrently(fs, self.path, pieces) if len(pieces) > 1 else None
+        if got is not None:
+            return got
         try:
             return [fs.cat_file(self.path, start=s, end=e) for s, e in pieces]
         except OSError as e:
@@ -344,7 +343,7 @@ class RangedObjectFile(io.RawIOBase):
                 return [b""]  # reading at or past the end
             raise
 
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+    def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
             n = max(0, self.size - self.pos)
         buf = bytearray(n)
@@ -355,7 +354,7 @@ class RangedObjectFile(io.RawIOBase):
 class MultipartObjectWriter(io.RawIOBase):
     """A write-only stream uploaded to S3 as one multipart upload: every :data:`PART_BYTES` of
     written bytes become a part sent while the next are written, at most ``in_flight`` at once. An
-    object smaller than one part is a single PUT. ``close`` completes the upload (the object
+    object of at most :data:`SINGLE_PUT_BYTES` is a single PUT. ``close`` completes the upload (the object
     appears then, whole); an error aborts it, so a failed write never leaves a partial object."""
 
     def __init__(self, store: ObjectStore, path: str, part_bytes: int, in_flight: int) -> None:
@@ -372,9 +371,11 @@ class MultipartObjectWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b: Any) -> int:  # type: ignore[override]
+    def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self._buf += mv
+        if self.upload_id is None and len(self._buf) <= SINGLE_PUT_BYTES:
+            return len(mv)  # may still be one PUT at close
         while len(self._buf) >= self.part_bytes:
             self._send(bytes(self._buf[: self.part_bytes]))
             del self._buf[: self.part_bytes]

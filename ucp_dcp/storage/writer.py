@@ -12,7 +12,7 @@ Data files get names no earlier save used, and the save commits by renaming ``.m
 place after its integrity sidecar (:mod:`ucp_dcp.storage.commit`): a save that dies never costs the
 checkpoint it was replacing.
 
-Kept in one module (just over 400 lines once formatted): one writer class whose save steps (prepare, write
+Kept in one module (about 470 lines once formatted): one writer class whose save steps (prepare, write
 with checksums and tile sums, replica comparison, commit) share its per-save state.
 """
 

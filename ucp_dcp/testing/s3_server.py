@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Faults", "S3Server", "main"]
+__all__ = ["Faults", "S3Server", "create_bucket", "spawn_server", "main"]
 
 _DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
@@ -179,6 +179,26 @@ def create_bucket(endpoint: str, name: str) -> None:
     req = urllib.request.Request(f"{endpoint}/{name}", method="PUT")
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
+
+
+def spawn_server(*buckets: str) -> tuple[Any, dict[str, str]]:
+    """An :class:`S3Server` in a process of its own with ``buckets`` created (its request handling stays
+    off the GIL of the process that drives the job): the process and the AWS environment that reaches it."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ucp_dcp.testing.s3_server", *(x for b in buckets for x in ("--bucket", b))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"the S3 server did not start ({line!r})")
+    env = S3Server().env()
+    env["AWS_ENDPOINT_URL"] = line.split()[1]
+    return proc, env
 
 
 def main(argv: list[str] | None = None) -> int:
