@@ -46,6 +46,7 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
+from .object_store import RangedObjectFile
 from .read_job import ReadJob, ReadStats
 from .tiled_read import plan_tiled, read_tiled
 from .tiles import saved_tile_grid
@@ -161,7 +162,7 @@ class ChunkReads:
         total = sum(g.nbytes for g in grids.values())
         starts = np.concatenate([st for st, _ in runs.values()])
         lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs.values()])
-        if fd is None and any(g.nruns > 1 for g in grids.values()):
+        if isinstance(f, RangedObjectFile) and any(g.nruns > 1 for g in grids.values()):
             # a remote file: one request per run costs a round trip each; runs close together are one range
             merged = merge_intervals(starts, lens)
             self._read_union(f, rel, c, runs, coalesce(merged, REMOTE_GAP), base, record, crcs, job)
@@ -400,7 +401,7 @@ class ChunkReads:
         self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview, index: MetadataIndex
     ) -> None:
         """Read equal-length runs at ``base + starts`` into consecutive parts of ``out``."""
-        if len(starts) == 1 or regular_fd(f) is None:
+        if len(starts) == 1 or not hasattr(f, "fileno") or isinstance(f, RangedObjectFile):
             for k, s0 in enumerate(starts.tolist()):
                 self._pread_into(f, base + s0, out[k * run : (k + 1) * run], index)
             return
