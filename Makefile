@@ -38,7 +38,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo bench bench-quick bench-gpu bench-trust setup clean
+.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -161,6 +161,16 @@ hf-demo: $(STAMP)
 # at dp2·tp2 inside dcp.load, bitwise equal to the libraries' own views; last line FOREIGN OK / MISMATCH (docs/migrating.md)
 foreign-demo: $(STAMP)
 	$(PY) recipes/foreign_demo.py
+
+# a job saved at dp4 to s3:// on a local S3 server (moto, 127.0.0.1) resumes at dp2 x tp2 bitwise, every object
+# re-hashed by verify; last line S3 OK / S3 FAILED (docs/storage.md)
+s3-demo: $(STAMP)
+	$(PY) recipes/s3_demo.py
+
+# ucp_dcp's object-store writer/reader against DCP's FsspecWriter/Reader on the same local S3 server, one run:
+# ratios of a save and of a resharding load (docs/performance.md)
+bench-s3: $(STAMP)
+	$(PY) recipes/bench_s3.py
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

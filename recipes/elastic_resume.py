@@ -57,6 +57,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all",
         help="run one phase in the current process group (torchrun), or both in spawned processes",
     )
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="where the checkpoint goes: a folder or an object-store URL (s3://bucket/run; default OUT/ckpt)",
+    )
     ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)  # test hook: flip one loaded element
     a = ap.parse_args(argv)
     a.save_topo, a.load_topo = Topology.parse(a.save_topology), Topology.parse(a.load_topology)
@@ -77,12 +82,12 @@ def _phase(a: argparse.Namespace, phase: str) -> None:
     job = build_job(topo)
     out, lead = Path(a.out), dist.get_rank(job.group) == 0
     if phase == "save":
-        oracle, losses = save_phase(job, a.out, a.steps, a.storage)
+        oracle, losses = save_phase(job, a.out, a.steps, a.storage, checkpoint=a.checkpoint)
         if lead:
             torch.save(oracle, out / "oracle.pt")
             (out / "save.json").write_text(json.dumps({"topology": str(job.topo), "losses": losses}))
         return
-    r = load_phase(job, a.out, a.steps, a.storage, corrupt=a.corrupt)
+    r = load_phase(job, a.out, a.steps, a.storage, corrupt=a.corrupt, checkpoint=a.checkpoint)
     if lead:
         diffs = state_diffs(torch.load(out / "oracle.pt", weights_only=False), r["loaded"])
         figures = {"losses": r["resumed"], "state_diffs": diffs, "entries": len(r["loaded"]), "io": r["io"]}

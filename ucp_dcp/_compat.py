@@ -64,6 +64,9 @@ except ImportError:
 __all__ = [
     "default_group",
     "fsspec_filesystem",
+    "fsspec_storage",
+    "s3_call",
+    "cat_ranges_concurrently",
     "narrow_tensor_by_index",
     "ShardedTensor",
     "flatten_state_dict",
@@ -128,6 +131,40 @@ def fsspec_filesystem() -> type:
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     return FileSystem
+
+
+def fsspec_storage() -> tuple[type, type]:
+    """DCP's ``FsspecWriter`` and ``FsspecReader`` (the comparison in tests and ``recipes/bench_s3.py``);
+    public in ``checkpoint.fsspec_filesystem`` from 2.15, before only in ``_fsspec_filesystem``."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:  # torch <= 2.14
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
+
+
+def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call (``create_multipart_upload``, ...) through an ``s3fs`` file system's own client, session,
+    retries and error translation (``S3FileSystem._call_s3``: s3fs has no public form of it)."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, fs._call_s3, method, **kwargs)
+
+
+def cat_ranges_concurrently(fs: Any, path: str, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+    """The byte ranges ``[start, end)`` of one object fetched concurrently on an async fsspec file system's
+    loop (its coroutine ``_cat_file``); None when ``fs`` is not async."""
+    if not hasattr(fs, "_cat_file") or getattr(fs, "loop", None) is None:
+        return None
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    async def gather() -> list[bytes]:
+        return list(await asyncio.gather(*(fs._cat_file(path, start=s, end=e) for s, e in ranges)))
+
+    return sync(fs.loop, gather)
 
 
 def fake_store() -> torch.distributed.Store:

@@ -5,6 +5,9 @@ coordinator and raises a ``CheckpointException`` (a ``BaseException``) whose ``f
 rank -> (exception, traceback). Every error here therefore survives a pickle round trip with its
 structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors` turn the wrapper
 back into a plain ``UCPError`` for callers who prefer one.
+
+Kept in one module (just over 400 lines): every public error class in one place, the module users import
+them from.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "CorruptCheckpointError",
     "TruncatedFileError",
     "UnsafeCheckpointError",
+    "StorageAccessError",
     "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
     "UntestedTorchWarning",
@@ -181,6 +185,12 @@ class ChecksumError(CorruptCheckpointError):
 
 class TruncatedFileError(CorruptCheckpointError):
     """A checkpoint file is shorter (or longer) than the data written into it."""
+
+
+class StorageAccessError(UCPError, OSError):
+    """The storage refused or failed a request: a bucket that does not exist, missing or rejected
+    credentials, a denied write, a request still throttled after retries with backoff. Also an
+    ``OSError``, what file and fsspec code raises for such failures."""
 
 
 class UnsafeCheckpointError(UCPError):

@@ -46,6 +46,7 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
+from .object_store import RangedObjectFile
 from .read_job import ReadJob, ReadStats
 from .tiled_read import plan_tiled, read_tiled
 from .tiles import saved_tile_grid
@@ -103,7 +104,7 @@ class ChunkReads:
         cs.sort(key=lambda c: self.storage_data[c.index].offset)
         atoms = sorted({c.index.fqn for c in cs})
         try:
-            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+            with self._open_file(rel) as f:
                 self._check_size(f, rel, atoms)
                 for c in cs:
                     if c.info is None:
@@ -119,6 +120,10 @@ class ChunkReads:
                 saved=rel,
                 hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
             ) from None
+
+    def _open_file(self, rel: str) -> Any:
+        """A read stream of the checkpoint file ``rel`` (the reader opens object-store files its own way)."""
+        return self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
 
     def _read_object(self, f: Any, rel: str, c: _Chunk, job: ReadJob) -> None:
         info = self.storage_data[c.index]
@@ -157,6 +162,11 @@ class ChunkReads:
         total = sum(g.nbytes for g in grids.values())
         starts = np.concatenate([st for st, _ in runs.values()])
         lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs.values()])
+        if isinstance(f, RangedObjectFile) and any(g.nruns > 1 for g in grids.values()):
+            # a remote file: one request per run costs a round trip each; runs close together are one range
+            merged = merge_intervals(starts, lens)
+            self._read_union(f, rel, c, runs, coalesce(merged, REMOTE_GAP), base, record, crcs, job)
+            return
         intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
         disjoint = intervals is None or sum(n for _, n in intervals) == total
         if disjoint and (not crcs or all(len(runs[id(it)][0]) == 1 for it in c.items)):
@@ -391,7 +401,7 @@ class ChunkReads:
         self, f: Any, base: int, starts: np.ndarray, run: int, out: memoryview, index: MetadataIndex
     ) -> None:
         """Read equal-length runs at ``base + starts`` into consecutive parts of ``out``."""
-        if len(starts) == 1 or not hasattr(f, "fileno"):
+        if len(starts) == 1 or not hasattr(f, "fileno") or isinstance(f, RangedObjectFile):
             for k, s0 in enumerate(starts.tolist()):
                 self._pread_into(f, base + s0, out[k * run : (k + 1) * run], index)
             return
@@ -435,6 +445,22 @@ class ChunkReads:
             self.stats.bytes_read += int(nbytes)
             self.stats.ranges += 1
             self.stats.items.append(item_key(index))
+
+
+REMOTE_GAP = 64 << 10
+"""Byte runs of a remote (object-store) file closer than this are fetched as one range: a request
+costs a round trip, and 64 KiB travel in about the time of one."""
+
+
+def coalesce(intervals: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """``(start, length)`` intervals in order, neighbours less than ``gap`` bytes apart joined."""
+    out: list[tuple[int, int]] = []
+    for s, n in intervals:
+        if out and s - (out[-1][0] + out[-1][1]) < gap:
+            out[-1] = (out[-1][0], s + n - out[-1][0])
+        else:
+            out.append((s, n))
+    return out
 
 
 def _names(atoms: list[str]) -> str:

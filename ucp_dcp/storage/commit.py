@@ -32,6 +32,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Incomplete
 from ..planning.catalog import CATALOG_KEY
 from ..planning.opened import IntegrityStatus
 from .format import IO_KEY
+from .object_store import refused
 from .sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, safe_unpickle, sidecar_name
 
 __all__ = ["METADATA", "new_token", "commit", "Integrity", "open_checkpoint", "scan", "DirState", "signs_of_a_record"]
@@ -115,10 +116,17 @@ class DirState:
 
 
 def scan(fs: Any, path: Any) -> DirState | None:
-    """Classify the files of a checkpoint folder (None when the folder does not exist)."""
+    """Classify the files of a checkpoint folder (None when the folder does not exist). On an object
+    store this is a listing, which may miss objects written a moment ago: it only ever serves
+    diagnostics and strays, never to find the checkpoint's own ``.metadata`` or sidecar."""
+    inner = getattr(fs, "fs", None)  # DCP's fsspec FileSystem wraps an fsspec file system
     try:
+        if inner is not None:
+            inner.invalidate_cache(str(path))
         names = [os.path.basename(str(p).rstrip("/")) for p in fs.ls(path)]
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError) as e:
+        if inner is not None and "bucket" in str(e).lower():
+            raise refused("LIST", str(path), e) from None
         return None
     st = DirState()
     for n in sorted(names):
@@ -174,15 +182,36 @@ def _read(fs: Any, path: Any) -> bytes:
         return f.read()
 
 
+def _read_if_there(fs: Any, path: Any) -> bytes | None:
+    """A file's bytes, None when it does not exist. On an object store one GET of that object,
+    never an answer from a listing (or a client cache of one) that may not show it yet."""
+    inner = getattr(fs, "fs", None)
+    try:
+        if inner is None:
+            return _read(fs, path)
+        return bytes(inner.cat_file(str(path)))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        if inner is not None and "bucket" in str(e).lower():
+            raise refused("GET", str(path), e) from None
+        return None
+    except OSError as e:
+        if inner is None:
+            raise
+        raise refused("GET", str(path), e) from None
+
+
 def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadata, Integrity]:
     """Metadata of the checkpoint at ``path`` and how far it can be verified. Never unpickles a
     checkpoint that has a sidecar; a stock one only through the safe unpickler (unless ``trust``)."""
+    # .metadata and its sidecar are opened by name; the listing only names what else the folder holds
+    md_bytes = _read_if_there(fs, fs.concat_path(path, METADATA))
     st = scan(fs, path)
-    if st is None:
+    if st is None and md_bytes is None:
         raise CheckpointNotFoundError(
             f"no checkpoint at {path}: the folder does not exist", hint="check the path (and that the save finished)"
         )
-    if not st.has_metadata:
+    st = st or DirState()
+    if md_bytes is None:
         if st.data_files or st.sidecars or st.tmp_files:
             pieces = st.data_files + st.sidecars + st.tmp_files
             raise IncompleteCheckpointError(
@@ -197,11 +226,11 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
             f"no checkpoint at {path}: the folder holds no .metadata",
             hint="check the path (and that the save finished)",
         )
-    md_bytes = _read(fs, fs.concat_path(path, METADATA))
     h = metadata_hash(md_bytes)
     side = sidecar_name(h)
-    if side in st.sidecars:
-        body = decode_sidecar(_read(fs, fs.concat_path(path, side)), side)
+    side_bytes = _read_if_there(fs, fs.concat_path(path, side))
+    if side_bytes is not None:
+        body = decode_sidecar(side_bytes, side)
         if body["metadata"] != {"xxh3_128": h, "bytes": len(md_bytes)}:
             raise CorruptCheckpointError(
                 f"{side} describes another .metadata than the one in {path}",

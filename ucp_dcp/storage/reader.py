@@ -39,8 +39,9 @@ from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
+from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .read_job import ReadJob, ReadStats
-from .threads import reading_threads, split_work
+from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
 from .transport import READ_ONCE_MODES, local_summary, plan_transport
 
 __all__ = ["UCPFileSystemReader", "ReadStats"]
@@ -75,6 +76,11 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             source you trust whose metadata holds other types).
         staging: ``"auto"``: stage only non-CPU targets through host buffers; ``"always"``: CPU
             targets too (exercises the device path without a GPU). None: ``$UCP_DCP_STAGING``.
+        storage_options: for an URL, fsspec's options (endpoint, credentials); None: the client's own
+            configuration (``AWS_*`` environment variables, ...). On an object store every read is a
+            ranged GET of exactly the bytes needed, a large one cut into pieces fetched concurrently,
+            and the default ``thread_count`` is :data:`~ucp_dcp.storage.threads.STORE_REQUESTS_PER_THREAD`
+            times the local one (a request waits on a round trip, not on a core).
         read_once: who receives saved bytes several ranks need, read by one rank the coordinator
             picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
             cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
@@ -92,14 +98,19 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         trust: bool = False,
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(path, _extension_registry)
+        self.storage_options = storage_options
+        self.store: ObjectStore | None = None
+        """The object store the checkpoint is read from (None: a local folder or another fsspec file system)."""
         if "://" in str(path):
-            self.fs = fsspec_filesystem()()
-            self.path = self.fs.init_path(path)
+            self._use_url(str(path))
         if thread_count is not None and (not isinstance(thread_count, int) or isinstance(thread_count, bool)):
             raise InvalidArgumentError(f"thread_count must be an int or None, got {thread_count!r}")
-        self.thread_count = reading_threads() if thread_count is None else max(1, thread_count)
+        if thread_count is None:  # a request to a store waits on a round trip: several per core
+            thread_count = reading_threads() * (STORE_REQUESTS_PER_THREAD if self.store is not None else 1)
+        self.thread_count = max(1, thread_count)
         self.verify_checksums = verify_checksums
         self.trust = trust
         if read_once is not None and read_once not in READ_ONCE_MODES:
@@ -115,6 +126,26 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
         self._opened: tuple[str, Metadata] | None = None
         """``(path, metadata)`` opened by :meth:`metadata_for_load` for the next ``read_metadata``."""
+
+    def _use_url(self, url: str) -> None:
+        self.fs = fsspec_filesystem()()
+        self.path = self.fs.init_path(url, **(self.storage_options or {}))
+        if object_protocol(url) in OBJECT_PROTOCOLS:
+            self.store = ObjectStore(url, self.storage_options)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(None)
+        if checkpoint_id and "://" in str(checkpoint_id):
+            self._use_url(str(checkpoint_id))
+        elif checkpoint_id:
+            self.store = None
+            super().reset(checkpoint_id)
+
+    def _open_file(self, rel: str) -> Any:
+        if self.store is None:
+            return super()._open_file(rel)
+        # exact ranged GETs, no read-ahead; the caller checks the object's size (a HEAD) against the record
+        return self.store.open_read(self.store.join(rel))
 
     def _open(self) -> tuple[Metadata, Integrity]:
         """The checkpoint's metadata and how far it can be verified (readers of other formats

@@ -13,12 +13,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-__all__ = ["MAX_THREADS", "MIN_THREADS", "reading_threads", "split_work"]
+__all__ = ["MAX_THREADS", "MIN_THREADS", "STORE_REQUESTS_PER_THREAD", "reading_threads", "split_work"]
 
 MAX_THREADS = 16
 """Most reading threads per rank (16 saturated the H100 machine's page cache -> device pipeline)."""
 MIN_THREADS = 2
 """Fewest reading threads per rank (one waits on storage while another copies)."""
+
+STORE_REQUESTS_PER_THREAD = 4
+"""Reading threads per local one when the checkpoint is on an object store: each waits on a request's
+round trip rather than on a core, so a rank keeps several ranged GETs in flight per core it may use."""
 
 T = TypeVar("T")
 

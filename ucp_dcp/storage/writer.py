@@ -12,7 +12,7 @@ Data files get names no earlier save used, and the save commits by renaming ``.m
 place after its integrity sidecar (:mod:`ucp_dcp.storage.commit`): a save that dies never costs the
 checkpoint it was replacing.
 
-Kept in one module (just over 400 lines once formatted): one writer class whose save steps (prepare, write
+Kept in one module (about 470 lines once formatted): one writer class whose save steps (prepare, write
 with checksums and tile sums, replica comparison, commit) share its per-save state.
 """
 
@@ -44,16 +44,19 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, metadata_path
+from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, fsspec_filesystem, metadata_path
 from ..errors import ReplicaMismatchError, UCPError
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
-from .commit import commit, new_token
+from .commit import METADATA, commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
+from .object_commit import commit_objects
+from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .sidecar import encode_sidecar
 from .staging import HostCopies
+from .threads import reading_threads
 from .tiles import tile_entry
 
 __all__ = ["UCPFileSystemWriter"]
@@ -159,7 +162,8 @@ def check_replica_copies(copies: list[tuple[int, WriteResult]], table: dict[str,
 
 
 class UCPFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` with checksums of every byte and an atomic commit (local folders).
+    """``FileSystemWriter`` with checksums of every byte and an atomic commit, on a local folder or an
+    object store (``s3://``, ``gs://``, ``az://``, ``memory://``: :mod:`ucp_dcp.storage.object_commit`).
 
     The positional parameters are ``FileSystemWriter``'s, in its order and with its meaning (a
     drop-in); ucp_dcp's own options are keyword-only after them.
@@ -170,8 +174,9 @@ class UCPFileSystemWriter(FileSystemWriter):
     planner it compares this rank's copies of replicated pieces with the written ones before the commit.
 
     Args:
-        path: checkpoint folder. It may hold a checkpoint already: that one stays loadable until
-            this save commits, and its files are removed after.
+        path: checkpoint folder, or an object-store URL (``s3://bucket/run``; the bucket must exist).
+            It may hold a checkpoint already: that one stays loadable until this save commits, and
+            its files are removed after.
         single_file_per_rank: as in DCP: one file per rank and writer thread; ``False``: one file
             per item.
         per_thread_copy_ahead: DCP's bound on device bytes copied ahead of the writes (DCP uses it
@@ -196,6 +201,9 @@ class UCPFileSystemWriter(FileSystemWriter):
             ``torch.load`` never checks the zip CRC, which costs ~0.17 s of CPU per GiB. torch's
             switch is process-wide, so while a save writes, other ``torch.save`` calls of the
             process skip it too (their files still load; only ``unzip -t`` would complain).
+        storage_options: for an object-store URL, fsspec's options (``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``, ...); None: the client's own configuration
+            (``AWS_*`` environment variables, config files, instance roles).
     """
 
     def __init__(
@@ -213,11 +221,17 @@ class UCPFileSystemWriter(FileSystemWriter):
         checksums: bool = True,
         zip_crc32: bool | None = None,
         staging: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if "://" in str(path):
+        proto = object_protocol(path)
+        if proto == "file":  # a local folder written as an URL: the local commit (rename, fsync) applies
+            path = str(path).split("://", 1)[1]
+        elif proto is not None and proto not in OBJECT_PROTOCOLS:
             raise UCPError(
-                f"UCPFileSystemWriter writes local folders, got {path}",
-                hint="save to a local folder and copy it (with its .ucp.*.json sidecar)",
+                f"UCPFileSystemWriter commits on local folders (rename) and on object stores (one atomic object "
+                f"write: {', '.join(sorted(OBJECT_PROTOCOLS))}); {proto}:// promises neither",
+                wanted=str(path),
+                hint="save to a local folder and copy it (with its .ucp.*.json sidecar), or to an object store",
             )
         if _extensions:
             raise UCPError(
@@ -244,15 +258,40 @@ class UCPFileSystemWriter(FileSystemWriter):
             _extensions,
             serialization_format,
         )
+        self.storage_options = storage_options
+        self.store: ObjectStore | None = None
+        """The object store the checkpoint goes to (None: a local folder)."""
+        if proto is not None and proto != "file":
+            self._use_store(str(path))
         self.checksums = checksums
         self._forced = staging_forced(staging)
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
+        self.parts_in_flight = max(2, reading_threads())
+        """Parts of a multipart upload in flight at once, per writing thread (object stores)."""
         self.removed: list[str] = []
         """Files the last commit removed (the replaced checkpoint's and stray ones)."""
 
+    def _use_store(self, url: str) -> None:
+        self.store = ObjectStore(url, self.storage_options)
+        self.fs = fsspec_filesystem()()
+        self.path = self.fs.init_path(url, **(self.storage_options or {}))
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(None)
+        if checkpoint_id:
+            if self.store is not None or object_protocol(checkpoint_id) in OBJECT_PROTOCOLS:
+                self._use_store(str(checkpoint_id))
+            else:
+                self.path = self.fs.init_path(checkpoint_id)
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.fs.mkdir(self.path)
-        if not self.overwrite and self.fs.exists(metadata_path(self)):
+        if self.store is not None:
+            self.store.check_bucket()  # a wrong bucket is one clear error, not a failed upload per rank
+            exists = self.store.size(self.store.join(METADATA)) is not None
+        else:
+            self.fs.mkdir(self.path)
+            exists = self.fs.exists(metadata_path(self))
+        if not self.overwrite and exists:
             raise UCPError(
                 f"a checkpoint exists in {self.path} and overwrite=False",
                 hint="save into another folder, or pass overwrite=True",
@@ -275,7 +314,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         token = new_token()
         for i, bucket in enumerate(b for b in buckets if b):
             name = f"{storage_plan.prefix}{token}_{i}{DEFAULT_SUFFIX}"
-            work.put((self.fs.concat_path(self.path, name), name, bucket))
+            where = self.store.join(name) if self.store is not None else self.fs.concat_path(self.path, name)
+            work.put((where, name, bucket))
         results: list[WriteResult] = []
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -325,7 +365,8 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def _write_file(self, path: Any, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
         results = []
-        with self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
+        opened = self.store.open_write(path, in_flight=self.parts_in_flight) if self.store else None
+        with opened or self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
             out = _Tracked(stream)
             # bytes first, like DCP
             for item in (it for it in items if it.type == WriteItemType.BYTE_IO):
@@ -347,7 +388,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra))
                 )
-            if self.sync_files:
+            if self.sync_files and self.store is None:
                 stream.flush()
                 try:
                     os.fsync(stream.fileno())
@@ -415,6 +456,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         md_bytes = pickle.dumps(metadata)
-        self.removed = commit(
-            str(self.path), md_bytes, encode_sidecar(metadata, md_bytes, files), set(files), sync=self.sync_files
-        )
+        sidecar = encode_sidecar(metadata, md_bytes, files)
+        if self.store is not None:
+            self.removed = commit_objects(self.store, md_bytes, sidecar, files)
+        else:
+            self.removed = commit(str(self.path), md_bytes, sidecar, set(files), sync=self.sync_files)

@@ -56,16 +56,18 @@ def _reader(storage: str, path: str):
     return UCPFileSystemReader(path) if storage == "ucp" else dcp.FileSystemReader(path)
 
 
-def save_phase(job: Job, folder: str, steps: int, storage: str = "ucp") -> tuple[dict, list[float]]:
-    """Every member of ``job``: train ``steps`` steps (seed 0), save to ``folder/ckpt`` (ucp_dcp's planner;
-    ``storage`` ``"ucp"``: its writer, ``"dcp"``: DCP's), take the oracle, train ``steps`` more. Returns the
-    oracle and the 2 x ``steps`` reference losses."""
+def save_phase(
+    job: Job, folder: str, steps: int, storage: str = "ucp", checkpoint: str | None = None
+) -> tuple[dict, list[float]]:
+    """Every member of ``job``: train ``steps`` steps (seed 0), save to ``folder/ckpt`` or ``checkpoint`` (a
+    folder or an object-store URL; ucp_dcp's planner; ``storage`` ``"ucp"``: its writer, ``"dcp"``: DCP's),
+    take the oracle, train ``steps`` more. Returns the oracle and the 2 x ``steps`` reference losses."""
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=0)
     losses = [train_step(tr) for _ in range(steps)]
     dcp.save(
         tr.state_dict(),
-        storage_writer=_writer(storage, f"{folder}/ckpt"),
+        storage_writer=_writer(storage, checkpoint or f"{folder}/ckpt"),
         process_group=job.group,
         planner=UCPSavePlanner(**trainer_options(cfg, tr)),
     )
@@ -74,15 +76,18 @@ def save_phase(job: Job, folder: str, steps: int, storage: str = "ucp") -> tuple
     return oracle, losses
 
 
-def load_phase(job: Job, folder: str, steps: int, storage: str = "ucp", corrupt: bool = False) -> dict[str, Any]:
-    """Every member of ``job``: a trainer from another seed loads ``folder/ckpt`` and trains ``steps`` steps.
+def load_phase(
+    job: Job, folder: str, steps: int, storage: str = "ucp", corrupt: bool = False, checkpoint: str | None = None
+) -> dict[str, Any]:
+    """Every member of ``job``: a trainer from another seed loads ``folder/ckpt`` (or ``checkpoint``) and trains
+    ``steps`` steps.
     Returns ``loaded`` (its logical state), ``resumed`` (losses), ``io`` (:func:`io_stats`) and
     ``load_stats`` (every rank's :func:`rank_stats`, or None with DCP's reader). ``corrupt`` flips one
     loaded element on the job's first rank (the recipe's test hook: the oracle must catch it)."""
     cfg = ModelConfig()
     tr = build_trainer(cfg, job, seed=1)  # different init: every value must come from the checkpoint
     sd = tr.state_dict()
-    reader = _reader(storage, f"{folder}/ckpt")
+    reader = _reader(storage, checkpoint or f"{folder}/ckpt")
     dcp.load(sd, storage_reader=reader, process_group=job.group, planner=UCPLoadPlanner(**trainer_options(cfg, tr)))
     tr.load_state_dict(sd)
     out: dict[str, Any] = {"io": io_stats(reader, job)}

@@ -22,6 +22,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Incomplete
 from ..planning.catalog import load_catalog
 from ..planning.ties import catalog_aliases
 from ..storage.format import HASHES, IO_KEY, block_hash, item_key
+from ..storage.object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from ..storage.tiles import saved_tile_grid, tile_checksums
 
 __all__ = ["Problem", "VerifyReport", "verify", "format_report"]
@@ -97,8 +98,32 @@ def _box(item: _Item, lo: int, hi: int) -> str:
 def _check_file(
     folder: str, rel: str, size: int | None, items: list[_Item], algo: str, block: int
 ) -> tuple[int, int, list[Problem]]:
-    path = os.path.join(folder, rel)
     atoms = sorted({it.index.fqn for it in items})
+    if object_protocol(folder) in OBJECT_PROTOCOLS:  # every byte is hashed: the whole object, one GET
+        data = ObjectStore(folder).get(f"{folder.rstrip('/')}/{rel}")
+        if data is None:
+            return (
+                0,
+                0,
+                [Problem(rel, atoms[0] if atoms else None, None, f"object is missing (holds {len(atoms)} atom(s))")],
+            )
+        want = size if size is not None else max((it.offset + it.length for it in items), default=0)
+        if len(data) != want:
+            what = "truncated" if len(data) < want else "too long"
+            return (
+                0,
+                0,
+                [
+                    Problem(
+                        rel,
+                        atoms[0] if atoms else None,
+                        None,
+                        f"object has {len(data)} bytes, {want} were written ({what})",
+                    )
+                ],
+            )
+        return _check_items(data, rel, len(data), items, algo, block)
+    path = os.path.join(folder, rel)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -133,7 +158,7 @@ def _check_file(
 
 
 def _check_items(
-    mm: mmap.mmap, rel: str, size: int, items: list[_Item], algo: str, block: int
+    mm: mmap.mmap | bytes, rel: str, size: int, items: list[_Item], algo: str, block: int
 ) -> tuple[int, int, list[Problem]]:
     """Hash every item of one mapped file (every view of the mapping dies with this frame)."""
     problems: list[Problem] = []
@@ -263,7 +288,7 @@ _OPEN_FAILURES = (
 
 
 def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool = False) -> VerifyReport:
-    """Check every byte of the checkpoint at ``path`` (local folder) against its checksums."""
+    """Check every byte of the checkpoint at ``path`` (local folder or object-store URL) against its checksums."""
     from ..storage.opening import open_path
 
     folder = str(path)
