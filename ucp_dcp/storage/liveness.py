@@ -34,13 +34,6 @@ FAIL_FAST_S = 5.0
 """The default group's timeout after a rank is lost (DCP's next collective then fails, not hangs)."""
 
 
-FINE_POLL_S = 0.5
-"""How long a wait polls with pauses of at most :data:`FINE_PAUSE_S` before they grow to 0.1 s."""
-FINE_PAUSE_S = 0.01
-"""Longest pause between polls in the first :data:`FINE_POLL_S` of a wait (a blocking ``store.wait`` would
-hold the GIL and starve this rank's heartbeat thread: peers would take it for lost)."""
-
-
 def _beat_s() -> float:
     return float(os.environ.get("UCP_DCP_BEAT_S") or 0.5)
 
@@ -133,8 +126,7 @@ class Liveness:
         if not self.active:
             return
         missing = [r for r in ranks if r != self.rank]
-        pause, looked = 0.001, time.monotonic()
-        fine_until = looked + FINE_POLL_S
+        pause, looked = 0.005, time.monotonic()
         while missing:
             try:
                 if self.store.check([f"{self.prefix}{step}/{r}" for r in missing]):  # all there
@@ -148,9 +140,7 @@ class Liveness:
                 r = min(missing, key=lambda m: self._seen.get(m, (b"", time.monotonic()))[1])
                 raise self.lost(r, f"it had not finished when the job's store stopped answering ({e})") from e
             time.sleep(pause)
-            # short pauses while the ranks are about even (a load's ranks end within milliseconds of each
-            # other: a 0.1 s pause was ~20 ms of slack on a 0.1 s load), longer ones for a long wait
-            pause = min(pause * 2, FINE_PAUSE_S if time.monotonic() < fine_until else 0.1)
+            pause = min(pause * 2, 0.1)
 
     def done(self) -> None:
         """Announce this rank's exchange is over and wait for every member's (a rank that died
