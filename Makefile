@@ -38,7 +38,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust setup clean
+.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust gpu-check setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -198,6 +198,19 @@ bench-gpu: $(STAMP)
 		$(PY) recipes/bench_single.py --device cuda --mib 4096 --json runs/bench_gpu/single.json --plot runs/bench_gpu/single.png && \
 		$(PY) recipes/bench_device.py --device cuda --json runs/bench_gpu/device.json; \
 	else echo "bench-gpu: SKIPPED, no CUDA GPU on this machine (torch.cuda.is_available() is False)"; fi
+
+# the whole GPU proof in one command (issue 33): the GPU tier, bench-gpu's one-GPU and shared-GPU cases, the async
+# save of 2 GiB, the CPU quick tier on the machine's torch; one JSON, one SVG plot and a summary line of the goals
+# met in $(GPU_CHECK_OUT) within GPU_CHECK_BUDGET seconds. Needs no venv and no wheels: the interpreter's torch, numpy,
+# xxhash, pytest and hypothesis (the GPU machine's image has them; .novenv/site is used when there). Without CUDA:
+# one SKIPPED line. GPU_CHECK_ARGS=--rehearse runs it on the CPU at tiny sizes (CPU stand-in figures)
+GPU_CHECK_OUT ?= runs/gpu_check
+GPU_CHECK_BUDGET ?= 480
+GPU_CHECK_ARGS ?=
+GPU_PY = $(if $(NOVENV),$(PYTHON),$(if $(wildcard $(VENV)/bin/python),$(PIP),$(PYTHON)))
+gpu-check:
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR)$(if $(wildcard .novenv/site),:$(CURDIR)/.novenv/site) $(GPU_PY) \
+		recipes/gpu_check.py --out $(GPU_CHECK_OUT) --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
 bench-quick: $(STAMP)
 	$(PY) recipes/benchmark.py --quick --json runs/benchmark-quick.json

@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
             # select (and initialize) the device before any mesh exists: DeviceMesh then leaves it be
             torch.cuda.set_device(rank % torch.cuda.device_count())
             torch.zeros(1, device="cuda")
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+        dist.init_process_group(cfg["backend"], rank=rank, world_size=world, timeout=timedelta(seconds=1800))
         out = _bench(rank, world, cfg)
         dist.barrier()
         dist.destroy_process_group()
@@ -267,6 +267,7 @@ def measure_async(
     checkpointer: str = "thread",
     order: str = "pairs",
     out: str | None = None,
+    backend: str = "gloo",
 ) -> dict:
     """Blocked and total time of ``dcp.async_save``, DCP's default against ucp_dcp, in one run.
 
@@ -294,6 +295,7 @@ def measure_async(
         "stager": stager,
         "checkpointer": checkpointer,
         "order": order,
+        "backend": backend,
     }
     try:
         ranks = _run(world, cfg)
@@ -329,6 +331,7 @@ def measure_async(
         "checkpointer": checkpointer,
         "order": order,
         "repeats": repeats,
+        "backend": backend,
     }
     met = ratio["blocked"] <= GOAL
     summary = (
@@ -336,7 +339,7 @@ def measure_async(
         f"blocked ucp {median['ucp']['blocked']:.3f} s dcp {median['dcp']['blocked']:.3f} s; "
         f"total ucp/dcp = {ratio['total']:.2f}x (ucp {median['ucp']['total']:.3f} s dcp "
         f"{median['dcp']['total']:.3f} s); {world} ranks, {total_bytes / (1 << 20):.0f} MiB, {device}, "
-        f"{stager} stager, {checkpointer}, {order}, median of {repeats}"
+        f"{stager} stager, {checkpointer}, {order}, {backend}, median of {repeats}"
     )
     return {
         "config": config,
@@ -389,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         help="pairs: count the second of two saves in a row per system (default); alternate: "
         "one save per system and repetition",
     )
+    ap.add_argument(
+        "--backend",
+        default="gloo",
+        help="the default group's backend, as users init it (gloo; cpu:gloo,cuda:nccl on a GPU); the saves run on "
+        "a gloo group of their own either way",
+    )
     ap.add_argument("--out", default="runs/bench_async", help="scratch folder (removed after)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
@@ -400,7 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     res = measure_async(
-        a.world, a.mib << 20, a.device, a.reps, stager=a.stager, checkpointer=a.checkpointer, order=a.order, out=a.out
+        a.world,
+        a.mib << 20,
+        a.device,
+        a.reps,
+        stager=a.stager,
+        checkpointer=a.checkpointer,
+        order=a.order,
+        out=a.out,
+        backend=a.backend,
     )
     print(format_table(res))
     if res["verify"] != "ok":

@@ -4,9 +4,12 @@
     python recipes/benchmark.py --device cuda ...          (the same)
 
 Ranks share the machine's GPU (gloo carries the planning and read-once bytes). The state is
-``--tensors`` fp32 tensors, saved ``Shard(0)`` on all ranks twice: by ucp_dcp (``ucp_dcp.save``) and
-by DCP's default planner and ``FileSystemWriter``. Each case loads it at another layout into
-device targets, warm page cache, median of ``--reps`` interleaved runs:
+``--tensors`` fp32 tensors, saved ``Shard(0)`` twice, by ucp_dcp (``ucp_dcp.save``) and by DCP's
+default planner and ``FileSystemWriter``, on all ranks and on rank 0 alone. The cases (``CASES``):
+same layout, a TP dim change (``Shard(1)``), HSDP (``[Replicate(), Shard(0)]`` on 2 x N/2; also
+loaded with read-once off and with ``read_once="ranks"``), 1->N and N->1. Each loads into device
+targets with ucp_dcp's defaults (``UCPLoadPlanner()``, ``UCPFileSystemReader`` verifying checksums)
+and with DCP's, warm page cache, median of ``--reps`` interleaved runs:
 
 * **GB/s**: bytes the targets need (all ranks) / wall time of the load (slowest rank);
 * **fraction of raw**: that rate over a raw host-to-device rate of the same bytes from the page
@@ -36,8 +39,18 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# (name, load placement): saved Shard(0) on all ranks
-CASES = [("tp-dim S0->S1", "S1"), ("hsdp RS0 2xN/2", "RS0"), ("same layout S0->S0", "S0")]
+# (name, saving ranks, load placement, loading ranks): "all" ranks or rank 0 alone ("one")
+CASES = [
+    ("same layout S0->S0", "all", "S0", "all"),
+    ("tp-dim S0->S1", "all", "S1", "all"),
+    ("hsdp RS0 2xN/2", "all", "RS0", "all"),
+    ("1->N S0", "one", "S0", "all"),
+    ("N->1 S0", "all", "S0", "one"),
+]
+# the HSDP case also loads with read-once off (every replica read from storage by its own rank) and with
+# read_once="ranks" (each saved byte read by one rank, sent to the other replica): the default must not be
+# slower than reading the replicas independently
+HSDP_EXTRA = {"ucp_off": "off", "ucp_ranks": "ranks"}
 STAGE = 16 << 20
 
 
@@ -57,6 +70,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),  # as torchrun sets it: the reader shares the host's cores among the ranks
         OMP_NUM_THREADS="1",
     )
     if cfg["staging"]:
@@ -85,7 +99,7 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -95,17 +109,23 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
     cuda = dev.type == "cuda"
     root, reps = cfg["out"], cfg["reps"]
     shape = (cfg["rows"], cfg["cols"])
+    ranks = {"all": world, "one": 1}
+    groups = {"all": dist.group.WORLD, "one": dist.new_group([0])}
     meshes = {
-        "S0": init_device_mesh(dev.type, (world,)),
-        "S1": init_device_mesh(dev.type, (world,)),
-        "RS0": init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("r", "s")),
+        ("S0", "all"): DeviceMesh(dev.type, torch.arange(world)),
+        ("S0", "one"): DeviceMesh(dev.type, torch.arange(1)),
+        ("S1", "all"): DeviceMesh(dev.type, torch.arange(world)),
+        ("RS0", "all"): DeviceMesh(dev.type, torch.arange(world).reshape(2, world // 2), mesh_dim_names=("r", "s")),
     }
     places = {"S0": [Shard(0)], "S1": [Shard(1)], "RS0": [Replicate(), Shard(0)]}
 
-    def state(pl: str, fill: bool) -> dict:
+    def state(pl: str, who: str, fill: bool) -> dict | None:
+        if rank >= ranks[who]:
+            return None
+        mesh = meshes[(pl, who)]
         out = {}
         for i in range(cfg["tensors"]):
-            lshape, off = compute_local_shape_and_global_offset(shape, meshes[pl], places[pl])
+            lshape, off = compute_local_shape_and_global_offset(shape, mesh, places[pl])
             if fill:
                 g = torch.Generator().manual_seed(i)
                 full = torch.randn(shape, generator=g)
@@ -113,16 +133,17 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
             else:
                 local = torch.zeros(lshape)
             out[f"w{i}"] = DTensor.from_local(
-                local.to(dev), meshes[pl], places[pl], run_check=False, shape=shape, stride=(shape[1], 1)
+                local.to(dev), mesh, places[pl], run_check=False, shape=shape, stride=(shape[1], 1)
             )
         return out
 
-    def slowest(fn) -> float:
+    def slowest(fn, who: str = "all") -> float:
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        if rank < ranks[who]:
+            fn()
         if cuda:
             torch.cuda.synchronize()
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -139,23 +160,30 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    src = state("S0", True)
-    ucp_dcp.save(src, f"{root}/ucp")
-    dcp.save(src, storage_writer=dcp.FileSystemWriter(f"{root}/dcp"))
-    del src
+    for who in sorted({c[1] for c in CASES}):
+        src = state("S0", who, True)
+        if src is not None:
+            ucp_dcp.save(src, f"{root}/ucp_{who}", process_group=groups[who])
+            dcp.save(src, storage_writer=dcp.FileSystemWriter(f"{root}/dcp_{who}"), process_group=groups[who])
+        del src
+        dist.barrier()
     res: dict = {}
-    for name, pl in CASES:
-        tgt = state(pl, False)
-        target_bytes = sum(v.to_local().nbytes for v in tgt.values())
+    for name, saved, pl, loads in CASES:
+        tgt = state(pl, loads, False)
+        target_bytes = sum(v.to_local().nbytes for v in tgt.values()) if tgt is not None else 0
         needed = total(target_bytes)
         stats: dict = {}
+        systems = ["ucp", "dcp", *(HSDP_EXTRA if pl == "RS0" else ())]
 
         def load(system: str) -> None:
-            if system == "ucp":
-                r = stats["ucp"] = ucp_dcp.UCPFileSystemReader(f"{root}/ucp")
-                dcp.load(tgt, storage_reader=r, planner=ucp_dcp.UCPLoadPlanner(read_once="ranks"))
+            group = groups[loads]
+            if system.startswith("ucp"):
+                # the default planner (its read_once choice) and reader: what a user gets
+                kw = {"read_once": HSDP_EXTRA[system]} if system in HSDP_EXTRA else {}
+                r = stats[system] = ucp_dcp.UCPFileSystemReader(f"{root}/ucp_{saved}")
+                dcp.load(tgt, storage_reader=r, planner=ucp_dcp.UCPLoadPlanner(**kw), process_group=group)
             else:
-                r = stats["dcp"] = dcp.FileSystemReader(f"{root}/dcp")
+                r = stats["dcp"] = dcp.FileSystemReader(f"{root}/dcp_{saved}")
                 stats["dcp_read"] = 0
                 orig = r.read_data
 
@@ -164,25 +192,30 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
                     return orig(plan, planner)
 
                 r.read_data = counted
-                dcp.load(tgt, storage_reader=r)
+                dcp.load(tgt, storage_reader=r, process_group=group)
 
-        times: dict[str, list[float]] = {"ucp": [], "dcp": []}
-        for system in ("ucp", "dcp"):  # warm the page cache
-            load(system)
+        times: dict[str, list[float]] = {s: [] for s in systems}
+        for system in systems:  # warm the page cache
+            slowest(lambda: load(system), loads)
         mem: dict[str, tuple[float, float]] = {}
         for rep in range(reps):
-            for system in ("ucp", "dcp") if rep % 2 == 0 else ("dcp", "ucp"):
+            for system in systems if rep % 2 == 0 else systems[::-1]:
                 _reset_hwm()
                 base_host = _hwm_kib()
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 base_dev = torch.cuda.memory_allocated() if cuda else 0
-                times[system].append(slowest(lambda: load(system)))
+                times[system].append(slowest(lambda: load(system), loads))
                 extra_dev = (torch.cuda.max_memory_allocated() - base_dev) if cuda else 0
                 mem[system] = (peak((_hwm_kib() - base_host) * 1024), peak(extra_dev))
-        read_ucp = total(stats["ucp"].stats.bytes_read + stats["ucp"].stats.bytes_received)
-        read_dcp = total(stats["dcp_read"])
-        raw = _raw_rate(rank, world, root, target_bytes, dev, slowest, reps)
+        loading = rank < ranks[loads]
+        over = {
+            s: total(stats[s].stats.bytes_read + stats[s].stats.bytes_received if loading else 0) / needed
+            for s in systems
+            if s != "dcp"
+        }
+        over["dcp"] = total(stats["dcp_read"] if loading else 0) / needed
+        raw = _raw_rate(rank, world, f"{root}/ucp_{saved}", target_bytes, dev, slowest, reps)
         med = {s: statistics.median(v) for s, v in times.items()}
         res[name] = {
             "needed_bytes": needed,
@@ -190,49 +223,53 @@ def _bench(rank: int, world: int, cfg: dict) -> dict:
             "runs": times,
             "gbps": {s: needed / med[s] / 1e9 for s in med},
             "raw_gbps": needed / raw / 1e9,
-            "bytes_over_needed": {"ucp": read_ucp / needed, "dcp": read_dcp / needed},
+            "bytes_over_needed": over,
             "peak_host_added_bytes": {s: m[0] for s, m in mem.items()},
             "peak_device_added_bytes": {s: m[1] for s, m in mem.items()},
             "target_bytes_per_rank": target_bytes,
-            "staging_buffers": peak(stats["ucp"].stats.staging_buffers),
+            "staging_buffers": peak(stats["ucp"].stats.staging_buffers if loading else 0),
+            "staged_bytes": total(stats["ucp"].stats.staged_bytes if loading else 0),
         }
         tgt = None  # the next case's target replaces it; its memory goes now
     return res
 
 
-def _raw_rate(rank: int, world: int, root: str, nbytes: int, dev, slowest, reps: int) -> float:
+def _raw_rate(rank: int, world: int, ckpt: str, nbytes: int, dev, slowest, reps: int) -> float:
     """Seconds for every rank to read ``nbytes`` of checkpoint file bytes (warm) into pinned
     buffers and copy them to ``dev``, double-buffered: the rate a load could reach at best."""
     import torch
 
-    files = sorted(str(p) for p in Path(f"{root}/ucp").glob("*.distcp"))
+    files = sorted(str(p) for p in Path(ckpt).glob("*.distcp"))
     cuda = dev.type == "cuda"
     bufs = [torch.empty(STAGE, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     events = [None, None]
 
+    sizes = [os.path.getsize(p) for p in files]
+
     def run() -> None:
         done, k, fi, off = 0, 0, rank % len(files), 0
-        fds = {}
-        while done < nbytes:
-            n = min(STAGE, nbytes - done)
-            if events[k] is not None:
-                events[k].synchronize()
-            path = files[fi]
-            fd = fds.setdefault(path, os.open(path, os.O_RDONLY))
-            got = os.preadv(fd, [memoryview(bufs[k].numpy())[:n]], off)
-            if got < n:  # next file
-                fi, off = (fi + 1) % len(files), 0
-                continue
-            off += n
-            dst[done : done + n].copy_(bufs[k][:n], non_blocking=cuda)
-            if cuda:
-                events[k] = torch.cuda.Event()
-                events[k].record()
-            done += n
-            k ^= 1
-        for fd in fds.values():
-            os.close(fd)
+        fds = {p: os.open(p, os.O_RDONLY) for p in files}
+        try:
+            while done < nbytes:
+                n = min(STAGE, nbytes - done, sizes[fi] - off)
+                if n <= 0:  # this file is done: the next one (round robin)
+                    fi, off = (fi + 1) % len(files), 0
+                    continue
+                if events[k] is not None:
+                    events[k].synchronize()
+                got = os.preadv(fds[files[fi]], [memoryview(bufs[k].numpy())[:n]], off)
+                assert got == n, (files[fi], off, n, got)
+                off += n
+                dst[done : done + n].copy_(bufs[k][:n], non_blocking=cuda)
+                if cuda:
+                    events[k] = torch.cuda.Event()
+                    events[k].record()
+                done += n
+                k ^= 1
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     run()  # warm
     return statistics.median(slowest(run) for _ in range(reps))
@@ -316,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['peak_host_added_bytes']['dcp'] / 2**20:7.0f} {r['peak_device_added_bytes']['ucp'] / 2**20:10.0f} "
             f"{r['peak_device_added_bytes']['dcp'] / 2**20:7.0f}"
         )
+        for extra, mode in HSDP_EXTRA.items():
+            if extra in r["time_s"]:
+                print(
+                    f"{'':22} read_once={mode}: {g[extra]:.2f} GB/s, default/this time "
+                    f"{r['time_s']['ucp'] / r['time_s'][extra]:.2f}, read/need {r['bytes_over_needed'][extra]:.3f}"
+                )
     out = {"device": name, "ranks": a.ranks, "backend": a.backend, "mib": a.mib, "loads": res}
     if a.async_save:
         sys.path.insert(0, str(Path(__file__).resolve().parent))

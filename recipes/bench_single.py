@@ -14,6 +14,11 @@ directly); the best n is the raw rate.
 fsync. Every figure is a median of ``--reps`` interleaved runs; ratios are printed and written as
 JSON records ``{"case", "metric", "value", "note"}``. ucp_dcp's reader runs with its own thread
 choice (``thread_count=None``) and, for comparison, with one thread (the reader before it chose).
+``--staging always`` sends CPU targets through the device path's host staging buffers (a rehearsal
+of the CUDA run on a machine without a GPU: ``recipes/gpu_check.py --rehearse``). On CUDA,
+``raw gds`` reads the raw file into the device with torch's cuFile bindings (``torch.cuda.gds``,
+``O_DIRECT``: never from the page cache), when they work on the machine: whether a GDS reader
+would beat the pinned pipeline; a failure is reported with its error, not raised.
 """
 
 from __future__ import annotations
@@ -105,6 +110,17 @@ def raw_save(path: Path, state: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+def gds_load(path: Path, flat: torch.Tensor) -> None:
+    """The raw file into ``flat`` (a CUDA uint8 tensor) through cuFile, one call."""
+    from torch.cuda import gds
+
+    f = gds.GdsFile(str(path), os.O_RDONLY)
+    try:
+        f.load_storage(flat.untyped_storage(), 0)
+    finally:
+        del f
+
+
 def _plot(rate: dict[str, float], title: str, out: Path) -> None:
     import matplotlib
 
@@ -132,6 +148,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="a PNG of the rates (needs matplotlib)")
+    ap.add_argument("--staging", default=None, choices=["auto", "always"], help="the reader's staging mode")
+    ap.add_argument("--gds", action=argparse.BooleanOptionalAction, default=True, help="CUDA: try raw cuFile reads")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -170,7 +188,7 @@ def main() -> int:
             for name, threads in ((f"ucp T{auto}", None), ("ucp T1", 1)):
                 if cold:
                     evict(root)
-                reader = UCPFileSystemReader(ucp, thread_count=threads)
+                reader = UCPFileSystemReader(ucp, thread_count=threads, staging=a.staging)
                 rec(
                     f"load {tag} {name}",
                     _timed(lambda r=reader: dcp.load(state, storage_reader=r, planner=UCPLoadPlanner()), dev),
@@ -178,10 +196,17 @@ def main() -> int:
             if cold:
                 evict(root)
             rec(f"load {tag} dcp", _timed(lambda: dcp.load(state, checkpoint_id=ref), dev))
+    gds_error = None
     if dev == "cuda":
         pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         for _ in range(a.reps):
             rec("raw H2D", _timed(lambda: flat.copy_(pinned, non_blocking=True), dev))
+        for _ in range(a.reps if a.gds else 0):
+            try:
+                rec("load cold raw gds", _timed(lambda: gds_load(raw, flat), dev))
+            except Exception as e:  # no GDS driver / filesystem: reported, the rest stands
+                gds_error = f"{type(e).__name__}: {e}"
+                break
 
     med = {k: statistics.median(v) for k, v in times.items()}
     rate = {k: total / t / 1e9 for k, t in med.items()}
@@ -193,11 +218,14 @@ def main() -> int:
         print(f"  {k:<22} {rate[k]:7.2f} GB/s  ({med[k]:.3f} s)")
         records.append({"case": k, "metric": "GB/s", "value": rate[k], "note": f"{med[k]:.3f} s median"})
     for tag in ("warm", "cold"):
-        best = max((k for k in rate if k.startswith(f"load {tag} raw")), key=rate.get)
+        best = max((k for k in rate if k.startswith(f"load {tag} raw T")), key=rate.get)
         ours = rate[f"load {tag} ucp T{auto}"]
         for what, val in (("of raw", ours / rate[best]), ("x DCP", ours / rate[f"load {tag} dcp"])):
             print(f"load {tag}: ucp {what} {val:.2f} (raw best {best.split()[-1]})")
             records.append({"case": f"load {tag}", "metric": what, "value": val, "note": best})
+    if gds_error is not None:
+        print(f"raw gds: not measured ({gds_error})")
+        records.append({"case": "load cold raw gds", "metric": "error", "value": None, "note": gds_error})
     save = rate["save ucp"] / rate["save raw"]
     print(f"save: ucp of raw {save:.2f}, x DCP {rate['save ucp'] / rate['save dcp']:.2f}")
     records.append({"case": "save", "metric": "of raw", "value": save, "note": ""})
