@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "UCPError",
@@ -63,6 +63,9 @@ class UCPError(Exception):
     ``atom`` names the logical tensor involved (when there is one); ``saved``/``wanted`` describe
     what the checkpoint holds and what the caller asked for; ``hint`` says what to do.
     """
+
+    checkpoint_exception: BaseException | None = None
+    """The DCP ``CheckpointException`` this error came out of (set by :func:`ucp_errors`), else None."""
 
     collective: bool = False
     """Raised by the coordinator's global plan: a finding about every rank's plans, which every
@@ -248,7 +251,7 @@ def raise_first_ucp_error(exc: BaseException) -> None:
     err = first_ucp_error(exc)
     if err is None:
         raise exc
-    raise err from exc
+    raise_alone(err, exc)
 
 
 @contextlib.contextmanager
@@ -265,7 +268,17 @@ def ucp_errors() -> Iterator[None]:
             err = lost_peer(exc)
         if err is None:
             raise
-        raise err from exc
+        raise_alone(err, exc)
+
+
+def raise_alone(err: UCPError, wrapper: BaseException) -> NoReturn:
+    """Raise ``err`` without DCP's wrapper chained to it: the wrapper's text holds every rank's traceback,
+    so chaining printed each rank's error three times on every rank. The wrapper stays on
+    ``err.checkpoint_exception`` for a caller who wants it. An error raised directly keeps its traceback."""
+    if err is wrapper:
+        raise err
+    err.checkpoint_exception = wrapper
+    raise err.with_traceback(None) from None
 
 
 # -- errors about other ranks ----------------------------------------------------------------------------------
