@@ -48,6 +48,7 @@ __all__ = [
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",
+    "ucp_error_of",
 ]
 
 
@@ -269,6 +270,19 @@ def ucp_errors() -> Iterator[None]:
         if err is None:
             raise
         raise_alone(err, exc)
+
+
+def ucp_error_of(exc: BaseException) -> BaseException:
+    """What :func:`ucp_errors` would raise for ``exc`` (a future's failure): its ``UCPError`` without the
+    wrapper chained, else ``exc`` itself."""
+    err = first_ucp_error(exc)
+    if err is None:
+        err = lost_peer(exc)
+    if err is None or err is exc:
+        return exc
+    err.checkpoint_exception = exc
+    err.__cause__, err.__suppress_context__ = None, True
+    return err.with_traceback(None)
 
 
 def raise_alone(err: UCPError, wrapper: BaseException) -> NoReturn:
