@@ -7,7 +7,7 @@ structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors`
 back into a plain ``UCPError`` for callers who prefer one.
 
 Kept in one module (just over 400 lines): every public error class in one place, the module users import
-them from.
+them from; the peer errors are rebuilt after pickling by looking their cause class up in it (:func:`_lookup`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 __all__ = [
     "UCPError",
@@ -249,10 +249,8 @@ def first_ucp_error(exc: BaseException) -> UCPError | None:
 
 def raise_first_ucp_error(exc: BaseException) -> None:
     """Re-raise the first ``UCPError`` inside ``exc`` as a plain exception; else re-raise ``exc``."""
-    err = first_ucp_error(exc)
-    if err is None:
-        raise exc
-    raise_alone(err, exc)
+    err = ucp_error_of(exc)
+    raise err if err is exc else err from None
 
 
 @contextlib.contextmanager
@@ -264,35 +262,22 @@ def ucp_errors() -> Iterator[None]:
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
-        err = first_ucp_error(exc)
-        if err is None:  # e.g. DCP's collective failed after this load saw a rank die: name that rank
-            err = lost_peer(exc)
-        if err is None:
+        err = ucp_error_of(exc)
+        if err is exc:
             raise
-        raise_alone(err, exc)
+        raise err from None
 
 
 def ucp_error_of(exc: BaseException) -> BaseException:
-    """What :func:`ucp_errors` would raise for ``exc`` (a future's failure): its ``UCPError`` without the
-    wrapper chained, else ``exc`` itself."""
-    err = first_ucp_error(exc)
-    if err is None:
-        err = lost_peer(exc)
+    """The ``UCPError`` to raise for ``exc`` (else ``exc``), without DCP's wrapper chained to it: the wrapper's
+    text holds every rank's traceback, so chaining printed each rank's error three times on every rank. The
+    wrapper stays on ``err.checkpoint_exception``. When DCP's collective failed after this load saw a rank die
+    (no ``UCPError`` inside), the error naming that rank."""
+    err = first_ucp_error(exc) or lost_peer(exc)
     if err is None or err is exc:
         return exc
     err.checkpoint_exception = exc
-    err.__cause__, err.__suppress_context__ = None, True
     return err.with_traceback(None)
-
-
-def raise_alone(err: UCPError, wrapper: BaseException) -> NoReturn:
-    """Raise ``err`` without DCP's wrapper chained to it: the wrapper's text holds every rank's traceback,
-    so chaining printed each rank's error three times on every rank. The wrapper stays on
-    ``err.checkpoint_exception`` for a caller who wants it. An error raised directly keeps its traceback."""
-    if err is wrapper:
-        raise err
-    err.checkpoint_exception = wrapper
-    raise err.with_traceback(None) from None
 
 
 # -- errors about other ranks ----------------------------------------------------------------------------------

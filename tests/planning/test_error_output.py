@@ -32,7 +32,11 @@ def _load_worker(rank, world, root, how):
         ucp_dcp.load(target, root)
     except ucp_dcp.UCPError as e:
         text = _printed(e)
-        return {"error": type(e).__name__, "text": text, "wrapped": isinstance(e.checkpoint_exception, CheckpointException)}
+        return {
+            "error": type(e).__name__,
+            "text": text,
+            "wrapped": isinstance(e.checkpoint_exception, CheckpointException),
+        }
     except BaseException as e:  # DCP's wrapper (what a stock load raises)
         return {"error": type(e).__name__, "text": _printed(e), "wrapped": False}
     return {"error": None}
@@ -51,6 +55,8 @@ def test_a_rank_that_fails_alone_prints_its_error_and_the_other_one_line_naming_
     assert res[1]["error"] == "MissingAtomsError" and res[1]["text"].count("Missing key") == 1, res[1]
     assert res[0]["error"] == "PeerMissingAtomsError", res[0]
     last = [ln for ln in res[0]["text"].splitlines() if not ln.startswith(" ")]
-    assert last[-1].startswith("ucp_dcp.errors.PeerMissingAtomsError: rank 1 failed: MissingAtomsError: Missing key"), last
+    assert last[-1].startswith("ucp_dcp.errors.PeerMissingAtomsError: rank 1 failed: MissingAtomsError: Missing key"), (
+        last
+    )
     assert "Traceback" not in res[0]["text"].split("PeerMissingAtomsError")[1], res[0]["text"]
     assert all(len(r["text"].splitlines()) <= MAX_LINES for r in res), res
