@@ -215,7 +215,9 @@ def _async_rank(rank: int, world: int, root: str, mib: int) -> dict:
     group = dist.new_group(backend="gloo")
     out = {}
     for system in SYSTEMS:
-        mgr = _tc_manager(sync=False, keys=("model",)) if system == "torch_checkpointing" else None  # its writer process starts here
+        mgr = (
+            _tc_manager(sync=False, keys=("model",)) if system == "torch_checkpointing" else None
+        )  # its writer process starts here
         for rep in range(2):  # the second save is reported: the first starts pools, processes and caches
             path = f"{root}/async-{system}-{rep}"
             dist.barrier()
