@@ -1,11 +1,17 @@
-# Quick start on a fresh machine (Python 3.11 only):  make demo   |   make test
+# Quick start on a fresh machine (Python 3.11: the Makefile reads pyproject.toml with tomllib; the library itself
+# runs on 3.10+):  make demo   |   make test
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 # The default venv gets the CPU build of torch 2.13.0 from this machine's disk, installed first: an unpinned
 # resolve could pull a multi-GB CUDA build. Any torch 2.11-2.15 works (docs/compatibility.md).
 DEFAULT_TORCH := 2.13.0
 TORCH  ?= $(DEFAULT_TORCH)
 VENV   ?= .venv
-EXTRAS ?= dev,torchtitan,foreign
+# the extras the test tiers, lint and the e2e recipes need (pyproject.toml); `make demo` installs DEMO_EXTRAS only
+EXTRAS ?= dev,torchtitan,foreign,hf
+DEMO_EXTRAS ?=
+comma := ,
+# one stamp per set of extras: `make demo` then `make test` installs the test extras into the same venv
+EXTRAS_TAG = $(if $(EXTRAS),$(subst $(comma),-,$(EXTRAS)),base)
 # SEED=N: the shuffled order of the test tiers (pytest-randomly); unset, a fresh seed each run, printed in the
 # header. CI passes the commit's depth, so its order reproduces.
 SEED   ?=
@@ -25,11 +31,11 @@ REQS = $(PIP) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))
 # PY runs the code (tests, recipes); PIP installs (never with PYTHONPATH: a checkout's egg-info would look installed)
 ifneq ($(NOVENV),)
 PIP    := $(PYTHON)
-STAMP  := .novenv/.ready
+STAMP  := .novenv/.ready-$(EXTRAS_TAG)
 PY     := PYTHONPATH=$(CURDIR):$(CURDIR)/.novenv/site $(PYTHON)
 else
 PIP    := $(VENV)/bin/python
-STAMP  := $(VENV)/.ucp-dcp-installed
+STAMP  := $(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG)
 ifeq ($(VENV),.venv)
 PY     := $(PIP)
 else
@@ -38,11 +44,11 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust gpu-check setup clean
+.PHONY: demo demo-run lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust gpu-check setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
-$(VENV)/.ucp-dcp-installed: pyproject.toml Makefile constraints.txt
+$(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG): pyproject.toml Makefile constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -m pip install -q --upgrade pip
 	$(PIP) -c "import torch, sys; sys.exit(not torch.__version__.startswith('$(TORCH)'))" 2>/dev/null || \
@@ -50,7 +56,7 @@ $(VENV)/.ucp-dcp-installed: pyproject.toml Makefile constraints.txt
 	$(PIP) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
 	$(if $(filter $(DEFAULT_TORCH),$(TORCH)),grep -v '^torch==' constraints.txt >> $(VENV)/constraints.txt,true)
 ifeq ($(VENV),.venv)
-	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -e '.[$(EXTRAS)]'
+	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 else
 	$(REQS) > $(VENV)/requirements.txt
 	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -r $(VENV)/requirements.txt
@@ -59,7 +65,7 @@ endif
 
 # no venv: what $(PYTHON) lacks of the requirements is resolved against what it has (a dry run, no index, only
 # $(WHEELS)) and installed without dependencies into .novenv/site, which PYTHONPATH puts after the checkout
-.novenv/.ready: pyproject.toml Makefile
+.novenv/.ready-$(EXTRAS_TAG): pyproject.toml Makefile
 	mkdir -p .novenv/site
 	$(REQS) > .novenv/requirements.txt
 	PIP_BREAK_SYSTEM_PACKAGES=1 $(PIP) -m pip install -q --dry-run --report .novenv/report.json --no-index \
@@ -74,7 +80,11 @@ endif
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+# the demo needs the library alone (torch, numpy, xxhash): its venv gets no extras; a later `make test` adds them
+demo:
+	$(MAKE) demo-run EXTRAS=$(DEMO_EXTRAS)
+
+demo-run: $(STAMP)
 	$(PY) recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
 # style and types, before any test (CI runs it first): ruff's rules and formatting over the code, tests, recipes and

@@ -5,7 +5,7 @@ cycles, the toy model apart from the library, and private torch / torchtitan nam
 Layers, lowest first (a module imports only its own layer and those below it, anywhere in the file,
 also inside functions):
 
-    base      ucp_dcp.errors, ucp_dcp._compat, ucp_dcp._version
+    base      ucp_dcp.errors, ucp_dcp._compat, ucp_dcp._version, ucp_dcp.progress
     layout    ucp_dcp/layout/ (names, placements, fragments, patterns, ...), ucp_dcp.options, ucp_dcp._probes
     planning  ucp_dcp/planning/ (the two planners and their steps)
     storage   ucp_dcp/storage/ (format, commit, reader, writer, ...), ucp_dcp.api (save/load: planners + storage)
@@ -34,6 +34,7 @@ TOP_LEVEL = {
     "ucp_dcp.errors": "base",
     "ucp_dcp._compat": "base",
     "ucp_dcp._version": "base",
+    "ucp_dcp.progress": "base",
     "ucp_dcp.options": "layout",
     "ucp_dcp._probes": "layout",
     "ucp_dcp.api": "storage",

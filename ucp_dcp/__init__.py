@@ -2,7 +2,7 @@
 
 Save, and load at any parallel layout, with checksums on every byte and an atomic commit::
 
-    ucp_dcp.save(state_dict, path)
+    ucp_dcp.save(state_dict, path)              # or fut = ucp_dcp.async_save(state_dict, path)
     ucp_dcp.load(state_dict, path)
 
 which is ``dcp.save``/``dcp.load`` with :class:`UCPSavePlanner`/:class:`UCPLoadPlanner` and
@@ -14,7 +14,7 @@ from ._version import __version__
 
 _check_torch()
 
-from .api import load, save  # noqa: E402
+from .api import async_save, load, save  # noqa: E402
 from .errors import (  # noqa: E402
     AmbiguousLayoutError,
     CatalogError,
@@ -59,6 +59,7 @@ from .storage.writer import UCPFileSystemWriter  # noqa: E402
 __all__ = [
     "__version__",
     "save",
+    "async_save",
     "load",
     "UCPSavePlanner",
     "UCPLoadPlanner",

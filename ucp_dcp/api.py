@@ -1,6 +1,6 @@
-"""``ucp_dcp.save`` / ``ucp_dcp.load``: the protected path in one call.
+"""``ucp_dcp.save`` / ``ucp_dcp.async_save`` / ``ucp_dcp.load``: the protected path in one call.
 
-Each is ``dcp.save`` / ``dcp.load`` with ucp_dcp's planners *and* storage, so a checkpoint gets
+Each is ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with ucp_dcp's planners *and* storage, so a checkpoint gets
 block checksums on every byte, an atomic commit and safe opening without the caller wiring four
 objects, and failures come out as a plain :class:`UCPError` instead of DCP's wrapper.
 """
@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Literal
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
-from .errors import UnexpectedArgumentError, ucp_errors
+from ._compat import group_has_cpu_backend
+from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors
 from .planning.load_planner import UCPLoadPlanner
 from .planning.save_planner import UCPSavePlanner
 from .storage.reader import ReadStats, UCPFileSystemReader
 from .storage.writer import UCPFileSystemWriter
 
-__all__ = ["save", "load"]
+__all__ = ["save", "async_save", "load"]
 
 
 def save(
@@ -47,6 +49,85 @@ def save(
         dcp.save(
             state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=process_group
         )
+
+
+def async_save(
+    state_dict: STATE_DICT_TYPE,
+    path: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    async_checkpointer_type: Literal["thread", "process"] | Any = "thread",
+    async_stager: Any = None,
+    checksums: bool = True,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    **planner_options: Any,
+) -> Any:
+    """:func:`save`, asynchronously, with ``dcp.async_save``'s semantics (collective).
+
+    Returns what ``dcp.async_save`` returns: a ``Future`` whose ``result()`` waits for the write and
+    commit, or, with an ``async_stager`` that stages asynchronously (DCP's ``DefaultStager`` with
+    ``use_async_staging=True``), an ``AsyncSaveResponse`` whose ``staging_completion`` says when the
+    state may change again and ``upload_completion`` when the checkpoint is committed. A failure comes
+    out of ``result()`` as the ``UCPError`` itself, not DCP's ``CheckpointException``.
+
+    ``async_checkpointer_type``: ``"thread"`` (a background thread of this process) or ``"process"``
+    (DCP's checkpoint process; pinned or shared-memory staging pair with it), or DCP's
+    ``AsyncCheckpointerType``. The save's collectives run in the background: give it a
+    ``process_group`` of its own with a CPU backend (gloo), as torchtitan does, so they do not
+    interleave with training's. ``async_stager`` is passed to DCP and stays the caller's to close.
+    """
+    _check_call("async_save", state_dict, path)
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    kind = async_checkpointer_type
+    if isinstance(kind, str):
+        if kind not in ("thread", "process"):
+            raise InvalidArgumentError(
+                f"ucp_dcp.async_save: async_checkpointer_type={kind!r}; expected 'thread' or 'process'",
+                saved=kind,
+                wanted="thread | process",
+            )
+        kind = AsyncCheckpointerType(kind)
+    if dist.is_available() and dist.is_initialized() and not group_has_cpu_backend(process_group):
+        raise InvalidArgumentError(
+            "ucp_dcp.async_save: its process group has no CPU backend; the background save copies and "
+            "exchanges host memory",
+            hint="pass process_group=dist.new_group(backend='gloo') (once, after init_process_group), or "
+            "init_process_group('cpu:gloo,cuda:nccl')",
+        )
+    writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
+    if checksums:
+        planner_options.setdefault("replica_digests", "writer")
+    extra = {"async_stager": async_stager} if async_stager is not None else {}
+    with ucp_errors():
+        ret = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            planner=UCPSavePlanner(**planner_options),
+            process_group=process_group,
+            async_checkpointer_type=kind,
+            **extra,
+        )
+    if isinstance(ret, Future):
+        return _plain_errors(ret)
+    ret.upload_completion = _plain_errors(ret.upload_completion)  # AsyncSaveResponse (a dataclass)
+    return ret
+
+
+def _plain_errors(fut: Future) -> Future:
+    """A future with ``fut``'s result, whose failure is the ``UCPError`` inside DCP's wrapper."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(ucp_error_of(exc))
+
+    fut.add_done_callback(done)
+    return out
 
 
 def load(

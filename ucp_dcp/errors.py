@@ -7,7 +7,7 @@ structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors`
 back into a plain ``UCPError`` for callers who prefer one.
 
 Kept in one module (just over 400 lines): every public error class in one place, the module users import
-them from.
+them from; the peer errors are rebuilt after pickling by looking their cause class up in it (:func:`_lookup`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",
+    "ucp_error_of",
 ]
 
 
@@ -63,6 +64,9 @@ class UCPError(Exception):
     ``atom`` names the logical tensor involved (when there is one); ``saved``/``wanted`` describe
     what the checkpoint holds and what the caller asked for; ``hint`` says what to do.
     """
+
+    checkpoint_exception: BaseException | None = None
+    """The DCP ``CheckpointException`` this error came out of (set by :func:`ucp_errors`), else None."""
 
     collective: bool = False
     """Raised by the coordinator's global plan: a finding about every rank's plans, which every
@@ -245,10 +249,8 @@ def first_ucp_error(exc: BaseException) -> UCPError | None:
 
 def raise_first_ucp_error(exc: BaseException) -> None:
     """Re-raise the first ``UCPError`` inside ``exc`` as a plain exception; else re-raise ``exc``."""
-    err = first_ucp_error(exc)
-    if err is None:
-        raise exc
-    raise err from exc
+    err = ucp_error_of(exc)
+    raise err if err is exc else err from None
 
 
 @contextlib.contextmanager
@@ -260,12 +262,22 @@ def ucp_errors() -> Iterator[None]:
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise
-        err = first_ucp_error(exc)
-        if err is None:  # e.g. DCP's collective failed after this load saw a rank die: name that rank
-            err = lost_peer(exc)
-        if err is None:
+        err = ucp_error_of(exc)
+        if err is exc:
             raise
-        raise err from exc
+        raise err from None
+
+
+def ucp_error_of(exc: BaseException) -> BaseException:
+    """The ``UCPError`` to raise for ``exc`` (else ``exc``), without DCP's wrapper chained to it: the wrapper's
+    text holds every rank's traceback, so chaining printed each rank's error three times on every rank. The
+    wrapper stays on ``err.checkpoint_exception``. When DCP's collective failed after this load saw a rank die
+    (no ``UCPError`` inside), the error naming that rank."""
+    err = first_ucp_error(exc) or lost_peer(exc)
+    if err is None or err is exc:
+        return exc
+    err.checkpoint_exception = exc
+    return err.with_traceback(None)
 
 
 # -- errors about other ranks ----------------------------------------------------------------------------------

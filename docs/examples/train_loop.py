@@ -226,8 +226,7 @@ def save(a: argparse.Namespace, tr: Trainer, path: Path):
         dcp.save(sd, checkpoint_id=path)
         return None
     if a.async_save:
-        return dcp.async_save(sd, storage_writer=ucp_dcp.UCPFileSystemWriter(path),
-                              planner=ucp_dcp.UCPSavePlanner(**ucp_options(tr)), process_group=a.ckpt_group)
+        return ucp_dcp.async_save(sd, path, process_group=a.ckpt_group, **ucp_options(tr))
     ucp_dcp.save(sd, path, **ucp_options(tr))
     return None
 
@@ -309,7 +308,7 @@ def save_phase(a: argparse.Namespace) -> None:
     if lead:
         torch.save(saved, out / "saved_state.pt")
         (out / "save.json").write_text(json.dumps({"layout": str(lay), "losses": losses}))
-        how = ("async_save + UCPSavePlanner" if a.async_save
+        how = ("ucp_dcp.async_save" if a.async_save
                else "dcp.save" if a.checkpointer == "dcp" else "ucp_dcp.save")
         print(f"save  {lay} ({lay.world} ranks): {a.steps} steps, {how} -> {out / 'ckpt'}; "
               f"layers.0.w1.weight placements {sd_view.placements}", flush=True)
@@ -404,7 +403,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="training steps before the save")
     ap.add_argument("--checkpointer", choices=["ucp", "dcp"], default="ucp",
                     help="ucp_dcp.save/load, or dcp.save/load with DCP's default planners and storage")
-    ap.add_argument("--async-save", action="store_true", help="save with dcp.async_save and ucp_dcp's planner/writer")
+    ap.add_argument("--async-save", action="store_true", help="save with ucp_dcp.async_save")
     ap.add_argument("--phase", choices=["save", "load", "all"], default="all",
                     help="under torchrun: one phase per launch; otherwise both, on spawned ranks")
     ap.add_argument("--out", default=None, help="output folder (default runs/guide/<save>_to_<load>)")

@@ -34,6 +34,7 @@ from ..planning.device import StagingMode, needs_staging, split_reads, staging_f
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode, ReadSummary
+from ..progress import BytesProgress
 from . import read_protocol
 from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
@@ -248,7 +249,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
                 "from finish_plan (UCPLoadPlanner does)",
             )
         self.stats = ReadStats()
-        read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
+        with BytesProgress("load", lambda: self.stats.bytes_read + self.stats.bytes_received):
+            read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

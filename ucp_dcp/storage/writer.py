@@ -50,6 +50,7 @@ from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
+from ..progress import BytesProgress
 from .commit import METADATA, commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
 from .object_commit import commit_objects
@@ -347,12 +348,15 @@ class UCPFileSystemWriter(FileSystemWriter):
             if hasher is not None
             else []
         )
-        with _zip_crc32(self.zip_crc32):
+        self._streams: list[_Tracked] = []  # every file's byte count, read by the progress printer
+        written = lambda: sum(t.pos for t in list(self._streams))  # noqa: E731
+        with _zip_crc32(self.zip_crc32), BytesProgress("save", written):
             for t in threads:
                 t.start()
             worker()
             for t in threads:
                 t.join()
+        self._streams = []  # the files are closed: nothing to keep (a writer may be pickled for the next save)
         for (index, _), sums in zip(copies, copy_sums):
             results.append(WriteResult(index=index, size_in_bytes=0, storage_data=ReplicaCopy(sums.result())))
         if hasher is not None:
@@ -368,6 +372,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         opened = self.store.open_write(path, in_flight=self.parts_in_flight) if self.store else None
         with opened or self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
             out = _Tracked(stream)
+            getattr(self, "_streams", []).append(out)
             # bytes first, like DCP
             for item in (it for it in items if it.type == WriteItemType.BYTE_IO):
                 offset = out.pos

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ...errors import UCPError
+from ...progress import RankProgress, set_enabled
 
 __all__ = ["add_parser", "run"]
 
@@ -62,6 +63,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="do not build one extra rank per class of ranks to check the rebinding",
     )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ranks planned so far on stderr, after 2 s (default: when stderr is a terminal; UCP_DCP_PROGRESS=0/1)",
+    )
     p.add_argument("--json", metavar="OUT", help="also write the full report (every rank) as JSON to OUT ('-': stdout)")
     return p
 
@@ -110,6 +117,14 @@ def _no_extra(extra: list[str]) -> None:
         raise UCPError(f"unrecognized arguments: {' '.join(extra)}")
 
 
+def _progress(option: bool | None) -> RankProgress | None:
+    """The plan's per-rank progress printer, or None when progress is off."""
+    if option is not None:
+        set_enabled(option)
+    printer = RankProgress("plan")
+    return printer if printer.on else None
+
+
 def run(a: argparse.Namespace, extra: list[str]) -> int:
     """0: loads; 1: a real load would fail (problems listed); 2: bad arguments or unreadable checkpoint."""
     from .report import Bandwidths, format_report, parse_rate, report_json
@@ -132,6 +147,7 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
         thread_count=a.threads,
         allow_partial_load=a.allow_partial_load,
         allow_lossy_dtype=a.allow_lossy_dtype,
+        progress=_progress(a.progress),
     )
     if a.json == "-":
         print(json.dumps(report_json(report, bw), indent=1, default=str))

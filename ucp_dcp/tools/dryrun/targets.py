@@ -10,6 +10,8 @@ to the others (:func:`ucp_dcp.tools.dryrun.world.rebind`), checking the claim on
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,13 +48,7 @@ def load_function(spec: str) -> Callable[..., Any]:
             f"--target {spec!r}: expected 'package.module:function'",
             hint="e.g. --target docs.examples.plan_fsdp2:target --world-size 8",
         )
-    try:
-        obj: Any = importlib.import_module(mod)
-    except ImportError as e:
-        raise UCPError(
-            f"--target {spec!r}: cannot import {mod!r} ({e})",
-            hint="run from the folder that holds the package, or install it",
-        ) from None
+    obj: Any = _import_target(spec, mod)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UCPError(f"--target {spec!r}: {mod!r} has no attribute {attr!r}")
@@ -60,6 +56,27 @@ def load_function(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise UCPError(f"--target {spec!r}: {attr!r} is not callable")
     return obj
+
+
+def _import_target(spec: str, mod: str) -> Any:
+    """Import ``mod`` as ``python -m ucp_dcp`` would: the current folder first on ``sys.path`` (the
+    ``ucp-dcp`` console script does not put it there), with a hint that says what was searched."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(mod)
+    except ImportError as e:
+        missing = getattr(e, "name", None) or ""
+        top = mod.split(".")[0]
+        if missing and missing != top and not mod.startswith(missing + ".") and missing != mod:
+            hint = f"{mod!r} was found, but a module it imports is not installed ({missing!r}): install it"
+        else:
+            hint = (
+                f"no {top!r} package or {top}.py in the current folder ({cwd}) nor on sys.path: run from the "
+                f"folder that holds {top!r}, add that folder to PYTHONPATH, or install the package"
+            )
+        raise UCPError(f"--target {spec!r}: cannot import {mod!r} ({e})", hint=hint) from None
 
 
 @dataclass
