@@ -49,6 +49,7 @@ from .layout.naming import NameRules  # noqa: E402
 from .layout.patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
 from .options import UCPOptions  # noqa: E402
 from .planning.catalog import CATALOG_KEY, read_catalog  # noqa: E402
+from .planning.control_group import controlled as control_group  # noqa: E402
 from .planning.load_planner import UCPLoadPlanner  # noqa: E402
 from .planning.save_planner import UCPSavePlanner  # noqa: E402
 from .sources.foreign import DeepSpeedReader, ForeignReader, MegatronReader  # noqa: E402
@@ -60,6 +61,7 @@ __all__ = [
     "__version__",
     "save",
     "async_save",
+    "control_group",
     "load",
     "UCPSavePlanner",
     "UCPLoadPlanner",

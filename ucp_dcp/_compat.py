@@ -63,6 +63,8 @@ except ImportError:
 
 __all__ = [
     "default_group",
+    "completed_work",
+    "group_timeout",
     "fsspec_filesystem",
     "fsspec_storage",
     "s3_call",
@@ -115,6 +117,25 @@ def group_registered(group: _c10d.ProcessGroup) -> bool:
 def default_store() -> Any:
     """The default group's store (the job's TCPStore, prefixed): keys every rank of the job can see."""
     return _c10d._get_default_store()
+
+
+def completed_work(result: Any) -> Any:
+    """A finished ``Work`` holding ``result`` (what a Python process group's collective returns once
+    it is done: ``torch._C._distributed_c10d._create_work_from_future``, every release 2.11-2.15)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+def group_timeout(group: _c10d.ProcessGroup) -> Any:
+    """The collective timeout (a ``timedelta``) ``group`` was created with, read from its CPU or CUDA
+    backend's options (gloo, NCCL: ``options._timeout``); None when no backend says."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or one without options
+            continue
+    return None
 
 
 def set_default_timeout(timeout: Any) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
 from ._compat import group_has_cpu_backend
 from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors
+from .planning.control_group import controlled, mark
 from .planning.load_planner import UCPLoadPlanner
 from .planning.save_planner import UCPSavePlanner
 from .storage.reader import ReadStats, UCPFileSystemReader
@@ -31,6 +32,7 @@ def save(
     path: str | os.PathLike,
     *,
     process_group: dist.ProcessGroup | None = None,
+    control_group: bool | None = None,
     checksums: bool = True,
     thread_count: int = 1,
     sync_files: bool = True,
@@ -40,15 +42,18 @@ def save(
 
     A checkpoint already in ``path`` stays loadable until this one commits. ``planner_options``
     go to :class:`UCPSavePlanner` (``patterns``, ``stage_map``, ``check_replicas``, ...).
+    ``control_group`` (default ``$UCP_DCP_CONTROL_GROUP``, on): DCP's collectives run through the
+    job's store, so a rank that dies ends every other rank with a ``PeerLostError`` within
+    ``UCP_DCP_PEER_TIMEOUT_S`` instead of the process group's timeout (``docs/reliability.md``).
     """
     _check_call("save", state_dict, path)
+    mark("save", "start")
     writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
     if checksums:  # replicas are compared from the block checksums the writer computes anyway
         planner_options.setdefault("replica_digests", "writer")
-    with ucp_errors():
-        dcp.save(
-            state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=process_group
-        )
+    with ucp_errors(), controlled(process_group, control_group) as group:
+        dcp.save(state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=group)
+    mark("save", "done")
 
 
 def async_save(
@@ -135,6 +140,7 @@ def load(
     path: str | os.PathLike,
     *,
     process_group: dist.ProcessGroup | None = None,
+    control_group: bool | None = None,
     trust: bool = False,
     verify_checksums: bool = True,
     thread_count: int | None = None,
@@ -144,17 +150,19 @@ def load(
 
     Every byte read is verified against the checksums written at save; the checkpoint's metadata
     and values are decoded without running code unless ``trust=True``. ``planner_options`` go to
-    :class:`UCPLoadPlanner`. Returns this rank's I/O figures.
+    :class:`UCPLoadPlanner`. Returns this rank's I/O figures. ``control_group``: as for :func:`save`.
     """
     _check_call("load", state_dict, path)
+    mark("load", "start")
     reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
-    with ucp_errors():
+    with ucp_errors(), controlled(process_group, control_group) as group:
         dcp.load(
             state_dict,
             storage_reader=reader,
             planner=UCPLoadPlanner(trust=trust, **planner_options),
-            process_group=process_group,
+            process_group=group,
         )
+    mark("load", "done")
     return reader.stats
 
 

@@ -364,12 +364,12 @@ def peer_error(rank: int, cause: BaseException) -> PeerFailedError:
     return _build(_peer_class(type(cause)), rank, text, fields)
 
 
-def peer_lost(rank: int, why: str) -> PeerLostError:
-    """Rank ``rank`` stopped answering (``why``: what was seen)."""
+def peer_lost(rank: int, why: str, during: str = "the load") -> PeerLostError:
+    """Rank ``rank`` stopped answering during ``during`` (``why``: what was seen)."""
     return _build(  # type: ignore[return-value]
         PeerLostError,
         rank,
-        f"rank {rank} stopped answering during the load: {why}",
+        f"rank {rank} stopped answering during {during}: {why}",
         {"hint": "that rank's process died or hangs (see its log); the job must be restarted"},
     )
 

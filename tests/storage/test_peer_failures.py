@@ -178,7 +178,7 @@ def test_destroy_and_init_process_group_then_load_again_in_the_same_process():
 @pytest.mark.e2e
 def test_make_chaos_sample_ends_every_case_with_the_cause():
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "chaos.py"
-    args = ["--worlds", "4", "--modes", "hosts", "--only", "checksum,dtype,raise@incoming,exit@read"]
+    args = ["--worlds", "4", "--modes", "hosts", "--only", "checksum,dtype,raise@incoming,exit@read,exit@written"]
     out = subprocess.run([sys.executable, str(recipe), *args], capture_output=True, text=True, timeout=600)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
-    assert out.returncode == 0 and last == "CHAOS OK: 4 cases, 0 hangs, 0 aborts", out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0 and last == "CHAOS OK: 5 cases, 0 hangs, 0 aborts", out.stdout + out.stderr[-3000:]

@@ -131,3 +131,38 @@ def test_two_managers_save_at_once_each_through_ucp_and_nothing_is_patched(tmp_p
         m.close()
         fresh.close()
     assert os.path.isdir(tmp_path / "run1" / "checkpoint")
+
+
+# -- the control group (issue 32): the manager's synchronous saves and loads give DCP the control group ---------
+
+
+def _manager_calls_worker(rank, world, root, choice):
+    from types import SimpleNamespace
+
+    import dist as D
+    from torchtitan.components.checkpointer import AsyncMode
+
+    from ucp_dcp.planning import control_group as cg
+    from ucp_dcp.planning.load_planner import UCPLoadPlanner
+    from ucp_dcp.planning.save_planner import UCPSavePlanner
+    from ucp_dcp.torchtitan.planner_dcp import ucp_dcp_load, ucp_dcp_save, ucp_reader
+
+    seen = []
+    for name in ("save", "load"):
+        real = getattr(dcp, name)
+        D.patch(dcp, name, lambda *a, _real=real, **k: seen.append(type(k["process_group"]).__name__) or _real(*a, **k))
+    manager = SimpleNamespace(ucp=SimpleNamespace(control_group=choice), states={})
+    state = {"w": torch.arange(6.0) + 1}
+    ucp_dcp_save(manager, state, root, AsyncMode.DISABLED, UCPSavePlanner(), False)
+    got = {"w": torch.zeros(6)}
+    ucp_dcp_load(manager, got, root, UCPLoadPlanner(), ucp_reader(root))
+    return seen, torch.equal(got["w"], state["w"]), len(cg._GROUPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", [True, False])
+def test_the_managers_sync_save_and_load_run_dcps_collectives_on_the_control_group(tmp_path, choice):
+    import dist as D
+
+    for seen, equal, groups in D.run(_manager_calls_worker, 2, str(tmp_path / "ckpt"), choice, timeout=90):
+        assert equal and seen == (["ControlGroup"] * 2 if choice else ["NoneType"] * 2) and groups == int(choice)

@@ -22,7 +22,9 @@ from ..options import UCPOptions, options_first, protocol_error, require_flat, s
 from .averaging import exchange_averages
 from .catalog import merge_raw_optimizers
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
+from .control_group import mark
 from .entries import raw_optimizers
+from .faults import fault_point
 from .hooks import check_state_dict, offered_items, plan_snapshot, snapshot, state_view
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
 from .planner_hooks import SaveHooks
@@ -154,6 +156,8 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
+        mark("save", "planning")
+        fault_point("save-plan")
         for stale in (
             "_resolved",
             "_local",

@@ -8,15 +8,14 @@ over). A rank waits for a peer's step as long as the peer's counter moves; a pee
 stands still for :func:`peer_timeout` seconds (or that never started) is *lost*, and the waiting
 rank raises :class:`~ucp_dcp.errors.PeerLostError` naming it.
 
-After a rank is lost, DCP's next collective (its final gather) would wait for it until the process
-group's timeout; the default group's timeout is cut to a few seconds first so that collective
-fails fast, and :func:`ucp_dcp.errors.ucp_errors` raises the lost rank's error instead of the
+After a rank is lost, DCP's next collective (its final gather) would wait for it: on the control
+group (:mod:`ucp_dcp.planning.control_group`, what ``ucp_dcp.load`` gives DCP) the loss is published
+so that gather raises at once; on a gloo group its timeout is cut to a few seconds first so it fails fast, and :func:`ucp_dcp.errors.ucp_errors` raises the lost rank's error instead of the
 backend's (the job cannot go on without that rank anyway).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -27,15 +26,12 @@ import torch.distributed as dist
 from .._compat import default_store, set_default_timeout
 from ..errors import PeerLostError, peer_lost, record_lost
 from ..planning.collectives import PEER_TIMEOUT_ENV, peer_timeout
+from ..planning.control_group import beat_s, publish_lost
 
 __all__ = ["PEER_TIMEOUT_ENV", "peer_timeout", "Liveness"]
 
 FAIL_FAST_S = 5.0
 """The default group's timeout after a rank is lost (DCP's next collective then fails, not hangs)."""
-
-
-def _beat_s() -> float:
-    return float(os.environ.get("UCP_DCP_BEAT_S") or 0.5)
 
 
 def _clients(store: Any) -> tuple[Any, Any]:
@@ -83,7 +79,7 @@ class Liveness:
 
     def _run(self) -> None:
         n = 1
-        while not self._stop.wait(_beat_s()):
+        while not self._stop.wait(beat_s()):
             try:
                 self._beat(n)
             except Exception:  # the store is gone (job torn down): nothing left to tell
@@ -113,6 +109,7 @@ class Liveness:
         """The error for a lost rank; DCP's next collective is made to fail fast (see the module doc)."""
         err = peer_lost(r, why)
         record_lost(err)
+        publish_lost(err)  # DCP's collectives on the control group end at once, not after another timeout
         try:
             set_default_timeout(timedelta(seconds=min(FAIL_FAST_S, self.timeout)))
         except Exception:  # a backend without a settable timeout: DCP's collective waits its own

@@ -10,22 +10,21 @@ line, an instance of the cause's class). A rank that died is found through the s
 
 ``UCP_DCP_FAULT`` (testing, ``recipes/chaos.py``): ``RANK:STEP[:ACTION]`` makes rank ``RANK``
 fail at ``STEP`` (one of :data:`STEPS`); ``ACTION`` is ``raise`` (default), ``exit`` (the process
-is SIGKILLed) or ``hang`` (it stops, without a heartbeat).
+is SIGKILLed) or ``hang`` (the process is SIGSTOPped, its heartbeat with it): :mod:`ucp_dcp.planning.faults`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ..errors import UCPError
 from ..planning.collectives import p2p_group
+from ..planning.faults import FAULT_ENV, FaultInjected, fault_point
 from ..planning.payloads import TransportPlan
 from .exchange import drain_only, exchange, size_error
 from .liveness import Liveness, peer_timeout
@@ -35,29 +34,8 @@ from .transport import Incoming, as_bytes_tensor
 
 __all__ = ["FAULT_ENV", "STEPS", "FaultInjected", "read_data", "fault_point"]
 
-FAULT_ENV = "UCP_DCP_FAULT"
 STEPS = ("job", "read", "pack", "incoming", "group", "deliver")
 """The steps of ``read_data`` a fault can be injected at (in order)."""
-
-
-class FaultInjected(UCPError):
-    """The failure ``UCP_DCP_FAULT`` asked for (testing only)."""
-
-
-def fault_point(step: str) -> None:
-    """Fail here if ``$UCP_DCP_FAULT`` names this rank and ``step`` (cheap when unset)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    rank, _, rest = spec.partition(":")
-    at, _, action = rest.partition(":")
-    if at != step or not dist.is_initialized() or int(rank) != dist.get_rank():
-        return
-    if action == "exit":
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: a killed rank
-    if action == "hang":
-        time.sleep(10**6)  # stuck in a step (the heartbeat thread is not started for this case)
-    raise FaultInjected(f"fault injected at step '{step}' ({FAULT_ENV}={spec})")
 
 
 def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -68,10 +46,7 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
     stats = reader.stats
     error: BaseException | None = None
     job: ReadJob | None = None
-    hang = os.environ.get(FAULT_ENV, "").endswith(":hang")
     with Liveness(transport.token, transport.members) as live:
-        if hang:  # a stuck rank beats no more
-            live.__exit__()
         try:
             recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
             send_items = {int(i) for pieces, _ in transport.send for i in pieces}

@@ -30,7 +30,9 @@ from torch.futures import Future
 from .._compat import fsspec_filesystem
 from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
+from ..planning.control_group import mark
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
+from ..planning.faults import fault_point
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode, ReadSummary
@@ -180,6 +182,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         return checked(md, self.integrity.status)  # its integrity is seen by UCPLoadPlanner
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        mark("load", "planning")  # DCP's local planning step starts here, before the planner's
+        fault_point("load-plan")
         raise_if_unopened(metadata)
         self._kept_items = None
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -249,6 +253,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
                 "from finish_plan (UCPLoadPlanner does)",
             )
         self.stats = ReadStats()
+        mark("load", "reading")
         with BytesProgress("load", lambda: self.stats.bytes_read + self.stats.bytes_received):
             read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
         fut: Future[None] = Future()

@@ -46,8 +46,10 @@ from torch.futures import Future
 
 from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, fsspec_filesystem, metadata_path
 from ..errors import ReplicaMismatchError, UCPError
+from ..planning.control_group import mark
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
+from ..planning.faults import fault_point
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from ..progress import BytesProgress
@@ -304,6 +306,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        mark("save", "writing")
+        fault_point("write")
         storage_plan: _StoragePrefix = plan.storage_data
         work: queue.Queue = queue.Queue()
         buckets = (
@@ -363,6 +367,8 @@ class UCPFileSystemWriter(FileSystemWriter):
             hasher.shutdown()
         if errors:
             raise errors[0]
+        mark("save", "written")
+        fault_point("written")  # its files are on disk; DCP gathers the write results for the commit next
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -435,6 +441,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         return [data_offset, sums if sums is not None else [], frame, tiles]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        mark("save", "commit")
         table: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         files: dict[str, int] = {}

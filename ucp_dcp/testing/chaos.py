@@ -1,14 +1,18 @@
-"""One-rank failures during a load, and what every rank must do about them (``recipes/chaos.py``).
+"""One-rank failures during a save or a load, and what every rank must do about them (``recipes/chaos.py``).
 
 A *case* is a fresh gloo job of 2 or 4 ranks on two simulated hosts (``UCP_DCP_HOST``): it saves a
 checkpoint (a sharded DTensor, two replicated 1.2 MiB tensors every rank needs, an object), breaks
-one thing on one rank, and loads with ``read_once`` on (``"hosts"``) or ``"off"``. The faults:
+one thing on one rank, and loads with ``read_once`` on (``"hosts"``) or ``"off"`` -- or, for a fault
+at a step of a save (:data:`SAVE_STEPS`), saves again over it with other values. The faults:
 
 * ``checksum``: a flipped byte in the file holding a replicated tensor (found by whichever rank reads it);
 * ``missing``: the file holding the other replicated tensor removed;
 * ``dtype``: the last rank's targets for both replicated tensors are fp16, and the saved values overflow;
-* ``raise@STEP``, ``exit@STEP``, ``hang@STEP``: the last rank raises, dies, or stops at a step of
-  ``read_data`` (:data:`ucp_dcp.storage.read_protocol.STEPS`, through ``UCP_DCP_FAULT``).
+* ``raise@STEP``, ``exit@STEP``, ``hang@STEP``: the last rank raises, dies (SIGKILL), or freezes
+  (SIGSTOP) at a step of ``read_data`` (:data:`ucp_dcp.storage.read_protocol.STEPS`) or outside it,
+  inside DCP's own collectives (:data:`ucp_dcp.planning.faults.CALL_STEPS`: a save's planning, the
+  start and end of its writes, a load's planning), through ``UCP_DCP_FAULT``. After a save that
+  failed, the folder must still load, bitwise, as the checkpoint saved before it (``previous``).
 
 A case passes when every rank that was not killed or stopped on purpose ends within the bound
 (``UCP_DCP_PEER_TIMEOUT_S`` plus the fail-fast timeout plus slack) with an error of the cause's class,
@@ -37,6 +41,8 @@ SLACK_S = 10.0
 _PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "ucp_dcp"]
 _CTX = None
 EXPECTED = {"checksum": "ChecksumError", "missing": "MissingFileError", "dtype": "DtypeConversionError"}
+SAVE_STEPS = ("save-plan", "write", "written")
+"""Steps of a save a fault can be injected at (the case saves twice; the second save fails)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,14 @@ class Case:
     @property
     def name(self) -> str:
         return f"{self.fault} world={self.world} read_once={self.read_once}"
+
+    @property
+    def step(self) -> str:
+        return self.fault.split("@")[1] if "@" in self.fault else ""
+
+    @property
+    def in_save(self) -> bool:
+        return self.step in SAVE_STEPS
 
     @property
     def faulty(self) -> int:
@@ -75,7 +89,8 @@ class Case:
 
 
 def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "off")) -> list[Case]:
-    """Every fault at every step it applies to, for each world size and read-once mode."""
+    """Every fault at every step it applies to, for each world size and read-once mode (faults
+    outside ``read_data`` once per world size: the read-once mode does not reach them)."""
     from ..storage.read_protocol import STEPS
 
     out = []
@@ -87,6 +102,9 @@ def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "
                 if mode == "off" and f.split("@")[-1] in ("deliver", "group"):
                     continue  # nothing is received, no group is made: the step does not happen
                 out.append(Case(world, f, mode))
+        outside = [f"{a}@{s}" for s in (*SAVE_STEPS, "load-plan") for a in ("raise", "exit")]
+        outside += ["hang@save-plan", "hang@load-plan"] if world == max(worlds) else []
+        out += [Case(world, f, modes[0]) for f in outside]
     return out
 
 
@@ -94,6 +112,9 @@ def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "
 class Outcome:
     case: Case
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    previous: str = ""
+    """For a failed save: what the folder loads as afterwards (``previous``: the checkpoint saved before,
+    bitwise; anything else is a problem)."""
     hangs: list[int] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -110,17 +131,42 @@ class Outcome:
 # -- one rank -----------------------------------------------------------------------------------------------
 
 
-def _state(rank: int, world: int, fp16: bool) -> dict[str, Any]:
-    """The saved state, or (``fp16``) a target whose replicated tensors cannot hold the saved values."""
+def _full(world: int, seed: int = 0) -> dict[str, Any]:
+    """The saved values, whole (``seed`` 1: the values of the second save of a save case)."""
     import torch
+
+    w = torch.randn(world * 64, 256, generator=torch.Generator().manual_seed(seed))
+    rep = torch.full((300_000,), 1e6 + seed)  # 1.2 MB >= SOLO: each a message of its own; overflows fp16
+    return {"w": w, "a": rep, "b": rep + 1, "step": 7 + seed}
+
+
+def _state(rank: int, world: int, fp16: bool, seed: int = 0) -> dict[str, Any]:
+    """The saved state, or (``fp16``) a target whose replicated tensors cannot hold the saved values."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    w = torch.randn(world * 64, 256, generator=torch.Generator().manual_seed(0))
-    rep = torch.full((300_000,), 1e6)  # 1.2 MB >= SOLO: each a message of its own; overflows fp16
+    full = _full(world, seed)
+    full["w"] = _shard(full["w"], mesh, rank, world)
     if fp16:
-        return {"w": _shard(w, mesh, rank, world), "a": rep.half(), "b": rep.half(), "step": 7}
-    return {"w": _shard(w, mesh, rank, world), "a": rep, "b": rep + 1, "step": 7}
+        full["a"], full["b"] = full["a"].half(), full["b"].half()
+    return full
+
+
+def previous(case: Case, root: str) -> str:
+    """What the folder of a failed save loads as, in this process (no process group): ``previous`` when
+    it is the checkpoint saved before, bitwise."""
+    import torch
+
+    from ..api import load
+
+    want = _full(case.world)
+    got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in want.items()}
+    try:
+        load(got, root)
+    except Exception as e:
+        return f"the folder does not load: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+    return "previous" if same else f"the folder loads other values (step {got['step']})"
 
 
 def _shard(w: Any, mesh: Any, rank: int, world: int) -> Any:
@@ -161,12 +207,15 @@ def one_rank(case: Case, rank: int, root: str) -> dict[str, Any]:
         _damage(root, case.fault)
     dist.barrier()
     if "@" in case.fault:
-        action, step = case.fault.split("@")
-        os.environ["UCP_DCP_FAULT"] = f"{case.faulty}:{step}:{action}"
-    sd = _state(rank, case.world, case.fault == "dtype" and rank == case.faulty)
+        os.environ["UCP_DCP_FAULT"] = f"{case.faulty}:{case.step}:{case.action}"
     t0 = time.monotonic()
     try:
-        load(sd, root, read_once=case.read_once)
+        if case.in_save:  # over the checkpoint just saved, with other values
+            save(_state(rank, case.world, False, seed=1), root)
+        else:
+            load(
+                _state(rank, case.world, case.fault == "dtype" and rank == case.faulty), root, read_once=case.read_once
+            )
         return {"error": None, "seconds": time.monotonic() - t0}
     except Exception as e:
         return {
@@ -246,7 +295,11 @@ def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
             if p.is_alive():
                 p.kill()
             p.join()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if case.in_save:
+                out.previous = previous(case, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     for r in sorted(want - set(out.results)):
         code = codes[r]
         if code is not None and code < 0:
@@ -257,9 +310,10 @@ def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
     return out
 
 
-def judge(case: Case, results: dict[int, dict[str, Any]]) -> list[str]:
-    """What is wrong with how the ranks of ``case`` ended (nothing: the case passes)."""
-    out = Outcome(case, results)
+def judge(case: Case, results: dict[int, dict[str, Any]], previous: str = "") -> list[str]:
+    """What is wrong with how the ranks of ``case`` ended (nothing: the case passes); ``previous``: for a
+    save case, what :func:`previous` found."""
+    out = Outcome(case, results, previous=previous)
     _judge(out)
     return out.problems
 
@@ -282,6 +336,10 @@ def _judge(out: Outcome) -> None:
             out.problems.append(f"rank {r}'s peer error does not name the rank: {rep['message']}")
         if r == case.faulty and "@" in case.fault and case.action == "raise" and peer:
             out.problems.append(f"the failing rank {r} raised a peer's error: {rep['message']}")
+        if case.action in ("exit", "hang") and rep["peer"] != case.faulty:
+            out.problems.append(f"rank {r} does not name the lost rank {case.faulty}: {rep['message']}")
+    if case.in_save and out.results and out.previous != "previous":
+        out.problems.append(f"after the failed save: {out.previous or 'not checked'}")
     own = [r for r, rep in out.results.items() if rep["error"] and "PeerFailedError" not in rep.get("classes", [])]
     if case.action == "raise" and out.results and not own:
         out.problems.append("no rank raised the cause as its own error")

@@ -96,6 +96,11 @@ class UCPCheckpointManager(CheckpointManager):
         """DCP save-plan caching (the cache also compares layouts)."""
         hf_max_shard_bytes: int = 5 * 1024**3
         """Most data bytes per safetensors file of a Hugging Face save (``last_save_in_hf``)."""
+        control_group: bool = True
+        """Synchronous saves and loads run DCP's collectives through the job's store
+        (:mod:`ucp_dcp.planning.control_group`): a rank that dies ends the others with a
+        ``PeerLostError`` within ``UCP_DCP_PEER_TIMEOUT_S``, not the process group's timeout.
+        ``UCP_DCP_CONTROL_GROUP=off`` turns it off too. Async saves keep the manager's gloo group."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()

@@ -30,6 +30,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.utils import GarbageCollection
 
 from ..errors import UCPError
+from ..planning.control_group import controlled, enabled
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.reader import UCPFileSystemReader
@@ -67,7 +68,8 @@ def ucp_dcp_save(
             **common,
         )
     else:
-        ret = dcp.save(state_dict, **common)
+        with controlled(None, _choice(manager)) as group:
+            ret = dcp.save(state_dict, process_group=group, **common)
     if gc:
         GarbageCollection.collect("GC collection invoked by checkpointer.")
     return ret
@@ -88,9 +90,17 @@ def ucp_dcp_load(
 ) -> None:
     """torchtitan 0.3.0's ``dcp_load`` (not from Hugging Face) with ``planner`` and ``reader``
     (:func:`ucp_reader`); the model is reloaded from the flattened state afterwards, as torchtitan does."""
-    dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
+    with controlled(None, _choice(manager)) as group:
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner, process_group=group)
     if MODEL in manager.states:
         manager.states[MODEL].load_state_dict(state_dict)
+
+
+def _choice(manager: Any) -> bool:
+    """Whether a synchronous save or load runs DCP's collectives on the control group over the world:
+    unless ``checkpoint.control_group`` or ``$UCP_DCP_CONTROL_GROUP`` turns it off (then DCP's default)."""
+    config = getattr(manager, "ucp", None)
+    return enabled(getattr(config, "control_group", None)) and enabled()
 
 
 def dcp_calls_outside(cls: type, allowed: tuple[str, ...] = OVERRIDDEN, library: str = "torchtitan") -> list[str]:
