@@ -50,6 +50,8 @@ class Source:
     """The loading job's ranks and hosts."""
     stats: Any = None
     """After :func:`ucp_dcp.memory.load`: this rank's reader ``ReadStats``."""
+    step: int | None = None
+    """Tier ``memory``: the training step the generation was saved at, when its saver said."""
 
     def serving(self) -> dict[int, str]:
         """Per loading rank, which tier serves it and from where."""
@@ -99,6 +101,7 @@ def inspect_host(root: str, host: str, verify: bool = True) -> list[HostHolding]
             h.problem = "its completion marker belongs to another commit"
             continue
         h.complete = True
+        h.step = marker.step
         h.wanted = {n: s for n, (s, _) in marker.files.items()}
         for name, size in data_files(folder).items():
             want = marker.files.get(name)
@@ -172,6 +175,7 @@ def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = Non
     holdings = [h for hs, _ in got for h in hs]
     tier, gen, holders, notes = choose(holdings, got[0][1])
     src = Source(tier, gen, holders=holders, notes=notes, hosts=hosts)
+    src.step = next((h.step for h in holdings if h.gen == gen and h.complete), None) if tier == "memory" else None
     if tier == "durable":
         assert durable is not None
         src.path = durable_dir(durable, gen)
