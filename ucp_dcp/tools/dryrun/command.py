@@ -154,6 +154,8 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
     except UCPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if view.tier == "memory":
+        a.read_once = "off"  # as MemoryReader loads: a host's missing fragments come from its peers instead
     with view:
         report = _plan(a, target, view.path)
     annotate(report, view, hosts)
