@@ -103,7 +103,7 @@ def test_a_copy_found_damaged_during_the_load_is_passed_over_for_another_hosts_c
     own = next(n for n in sorted(os.listdir(folder)) if n.startswith("__0_"))
     _damage(os.path.join(folder, own))  # node1 keeps the replica of node0's pieces
     os.rename(disk, disk + ".gone")  # no durable read can happen
-    got = resume(root, disk, out["oracles"][1], "0,1", "tp=2")
+    got = resume(root, disk, out["oracles"][1], FOUR_HOSTS, "tp=4")  # a process crash, another TP split
     assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
     assert "found damaged during the load" in got["notes"][0]
     assert any("node0's copy of " + own in n for n in got["notes"])
