@@ -2,10 +2,11 @@
 of which some surviving host holds intact, or else the durable copy.
 
 Before a load every host's leader checks what its host holds (:func:`inspect_host`: commit, marker,
-and each data file's size and XXH3-128 against the marker, so a corrupt or missing replica is found
-here), the ranks gather that, and every rank makes the same choice (:func:`choose`). Nothing
-incomplete is ever chosen: a generation without a valid marker, or with a piece no surviving host
-holds intact, is passed over, with the reason kept in :attr:`Source.notes`.
+and each data file's size against the marker, so a missing or cut replica is found here; with
+``verify``, each file's XXH3-128 too, as :func:`ucp_dcp.memory.load` asks after a copy was found
+damaged during a load), the ranks gather that, and every rank makes the same choice (:func:`choose`).
+Nothing incomplete is ever chosen: a generation without a valid marker, or with a piece no surviving
+host holds, is passed over, with the reason kept in :attr:`Source.notes`.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Source:
         return "\n".join([f"loading {head}", *(f"  passed over: {n}" for n in self.notes)])
 
 
-def inspect_host(root: str, host: str, verify: bool = True) -> list[HostHolding]:
+def inspect_host(root: str, host: str, verify: bool = False) -> list[HostHolding]:
     """What ``host`` holds of every generation in its store (``verify``: hash every data file)."""
     out = []
     for gen in generations(root, host):
@@ -161,7 +162,7 @@ def choose(holdings: list[HostHolding], durable: list[int]) -> tuple[Tier, int, 
     )
 
 
-def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = True) -> Source:
+def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = False) -> Source:
     """Collective over ``group``: every host's holdings gathered, the freshest complete generation chosen,
     and, for the memory tier, its commit sent to every rank."""
     hosts = gather_hosts(group)
