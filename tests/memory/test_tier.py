@@ -191,7 +191,7 @@ def test_a_lost_host_restarts_at_a_pipeline_split_from_memory():
     root, disk, out = saved()
     lose_hosts(root, ["node3"])
     os.rename(disk, disk + ".gone")
-    got = resume(root, disk, out["oracles"][1], "0,1", "pp=2")
+    got = resume(root, disk, out["oracles"][1], "0,2", "pp=2")  # node0: pieces of 0 and 3; node2: of 2 and 1
     assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
 
 
