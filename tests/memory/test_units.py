@@ -101,6 +101,11 @@ def test_every_fragment_is_served_by_a_rank_on_a_host_holding_its_file_least_loa
     assert plans[0].served_bytes == 150 and not plans[0].serve
 
 
+def test_a_load_whose_hosts_hold_everything_has_no_exchange():
+    plans = assign_servers([ServeRequest(0), ServeRequest(1)], {"f1": ["a"]}, {0: "a", 1: "a"}, "t")
+    assert all(not p.members and not p.token and not p.serve and not p.recv for p in plans)
+
+
 def test_a_drain_that_died_before_its_commit_is_cleaned_up_by_the_next_commit(tmp_path):
     from ucp_dcp.memory.drain import durable_dir, durable_folders, durable_generations, prune_durable
     from ucp_dcp.storage.commit import METADATA

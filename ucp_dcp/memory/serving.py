@@ -72,7 +72,10 @@ def assign_servers(
             server = min(cands, key=lambda r: (load[r], r))
             load[server] += size
             pairs.setdefault((server, req.rank), []).append((pos, item, size))
-    members = sorted(rank_hosts)
+    # no fragment crosses hosts (every rank's host holds what it needs): no exchange, so no heartbeat
+    # or exchange group either (a failing read reaches every rank through DCP's gather of the results)
+    members = sorted(rank_hosts) if pairs else []
+    token = token if pairs else ""
     serve: dict[int, dict[int, list[list[ReadItem]]]] = {}
     recv: dict[int, dict[int, list[list[int]]]] = {}
     got: dict[int, int] = {}
