@@ -49,8 +49,8 @@ def load(
     is passed over and the load retried from the next complete source. ``verify``: hash every memory
     data file against its completion marker before choosing (slower: a pass over every byte held; the
     choice then never meets a damaged copy). ``source``: what :func:`~ucp_dcp.memory.locate.locate` chose
-    just before, with the same arguments (a caller that looked first: saves locating twice). Returns the :class:`Source` (tier, generation, what was
-    passed over and why), with the reader's ``stats``."""
+    just before, with the same arguments (a caller that looked first does not locate twice). Returns the
+    :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``."""
     root = str(root) if root is not None else default_root()
     disk = str(durable) if durable is not None else None
     src = source if source is not None else locate(root, disk, process_group, verify)
