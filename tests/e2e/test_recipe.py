@@ -73,3 +73,25 @@ def test_memory_demo_kills_a_host_and_resumes_at_a_smaller_layout_from_memory(tm
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and last.startswith("MEMORY OK: "), out.stdout[-3000:] + out.stderr[-3000:]
     assert "from memory generation 3" in last and "bitwise" in last, last
+
+
+def test_memory_demo_a_host_sigkilled_while_replicating_leaves_the_previous_generation_to_resume(tmp_path):
+    """node1's ranks SIGKILLed in the middle of the last generation's replication: that generation never
+    completes, and the resume at tp=2 loads the one before it from memory, bitwise."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "memory_demo.py"),
+            "--out",
+            str(tmp_path),
+            "--kill-during",
+            "replication",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0 and last.startswith("MEMORY OK: "), out.stdout[-3000:] + out.stderr[-3000:]
+    assert "generation 3 incomplete after node1 died replicating it" in out.stdout, out.stdout
+    assert "from memory generation 2" in last and "bitwise" in last, last

@@ -13,7 +13,9 @@ import dist as D
 import pytest
 
 from ucp_dcp.errors import CheckpointNotFoundError
+from ucp_dcp.memory import replicate
 from ucp_dcp.memory.store import gen_dir
+from ucp_dcp.storage.commit import METADATA
 from ucp_dcp.testing.memory_jobs import lose_hosts, resume_job, save_job, simulate_hosts
 
 pytestmark = pytest.mark.slow
@@ -31,6 +33,30 @@ def _resume(rank, world, hosts, root, durable, topo, oracle):
         return resume_job(topo, root, durable, oracle)
     except CheckpointNotFoundError as e:
         return {"refused": str(e)}
+
+
+def _damage(path):
+    """Flip a byte every 4 KiB: bytes of the tensor records a load reads, not only headers it skips."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        for i in range(0, len(data), 4096):
+            data[i] ^= 0x10
+        f.seek(0)
+        f.write(data)
+
+
+def _save_damaged_in_transit(rank, world, hosts, root, topo):
+    simulate_hosts(hosts)
+    real = replicate._recv_file
+
+    def faulty_link(g, src, name, k, group):  # the second generation's replicas arrive with a flipped byte
+        header, buf = real(g, src, name, k, group)
+        if g.gen == 2 and buf.numel():
+            buf.numpy()[buf.numel() // 2] ^= 0x10
+        return header, buf
+
+    D.patch(replicate, "_recv_file", faulty_link)
+    return save_job(topo, root, None)
 
 
 def saved(fault=None, saves=2, durable=True, hosts=FOUR_HOSTS, topo="dp=2,tp=2"):
@@ -64,14 +90,33 @@ def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_
     lose_hosts(root, ["node1"])
     folder = gen_dir(root, "node2", 2)
     replica = next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))
-    with open(os.path.join(folder, replica), "r+b") as f:
-        f.seek(os.path.getsize(f.name) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    _damage(os.path.join(folder, replica))  # same size: only the block checksums of the load can tell
     got = resume(root, disk, out["oracles"][1], "0,2", "tp=2")
     assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
+    assert "found damaged during the load" in got["notes"][0]
     assert any("node2's copy of " + replica in n and "damaged" in n for n in got["notes"])
+
+
+def test_a_copy_found_damaged_during_the_load_is_passed_over_for_another_hosts_copy():
+    root, disk, out = saved()
+    folder = gen_dir(root, "node0", 2)
+    own = next(n for n in sorted(os.listdir(folder)) if n.startswith("__0_"))
+    _damage(os.path.join(folder, own))  # node1 keeps the replica of node0's pieces
+    os.rename(disk, disk + ".gone")  # no durable read can happen
+    got = resume(root, disk, out["oracles"][1], FOUR_HOSTS, "tp=4")  # a process crash, another TP split
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+    assert "found damaged during the load" in got["notes"][0]
+    assert any("node0's copy of " + own in n for n in got["notes"])
+
+
+def test_a_replica_damaged_in_transit_leaves_its_generation_incomplete_and_the_one_before_loads():
+    root = D.tmpdir()
+    out = D.run(_save_damaged_in_transit, 2, "0,1", root, "tp=2")[0]
+    assert [s["complete"] for s in out["statuses"]] == [True, False]
+    assert "arrived damaged" in out["statuses"][1]["error"]
+    got = resume(root, None, out["oracles"][0], "0,1", "tp=2")
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 1, [])
+    assert any("gen 2 (memory): incomplete" in n for n in got["notes"])
 
 
 # -- the rest of the matrix: make test-full ---------------------------------------------------------------
@@ -139,3 +184,22 @@ def test_a_process_crash_restarts_on_the_same_hosts_from_their_own_memory():
     got = resume(root, None, out["oracles"][1], FOUR_HOSTS, "dp=2,tp=2")
     assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
     assert all(read > 0 for read, _ in got["bytes"])  # every rank reads its own host's memory
+
+
+@FULL
+def test_a_lost_host_restarts_at_a_pipeline_split_from_memory():
+    root, disk, out = saved()
+    lose_hosts(root, ["node3"])
+    os.rename(disk, disk + ".gone")
+    got = resume(root, disk, out["oracles"][1], "0,2", "pp=2")  # node0: pieces of 0 and 3; node2: of 2 and 1
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+
+
+@FULL
+def test_a_drain_that_died_before_its_commit_is_removed_by_the_next_jobs_drain():
+    root, disk, out = saved(fault="drain")
+    assert sorted(os.listdir(disk)) == ["gen-00000001", "gen-00000002"]
+    assert not os.path.exists(os.path.join(disk, "gen-00000002", METADATA))
+    again = D.run(_save, 4, FOUR_HOSTS, root, disk, "dp=2,tp=2", None, 1)[0]
+    assert again["statuses"][0]["gen"] == 3 and again["statuses"][0]["drained"]
+    assert sorted(os.listdir(disk)) == ["gen-00000001", "gen-00000003"]

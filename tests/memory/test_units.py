@@ -1,6 +1,8 @@
 """The memory tier's pure parts: replica placement, the completion marker, the choice of a generation,
 and who serves which fragment (no process group)."""
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -97,3 +99,23 @@ def test_every_fragment_is_served_by_a_rank_on_a_host_holding_its_file_least_loa
     assert plans[0].recv == {1: [[3]], 2: [[5]]}  # the second fragment goes to the less loaded holder
     assert [it.storage_index.fqn for m in plans[1].serve[0] for it in m] == ["w"]
     assert plans[0].served_bytes == 150 and not plans[0].serve
+
+
+def test_a_load_whose_hosts_hold_everything_has_no_exchange():
+    plans = assign_servers([ServeRequest(0), ServeRequest(1)], {"f1": ["a"]}, {0: "a", 1: "a"}, "t")
+    assert all(not p.members and not p.token and not p.serve and not p.recv for p in plans)
+
+
+def test_a_drain_that_died_before_its_commit_is_cleaned_up_by_the_next_commit(tmp_path):
+    from ucp_dcp.memory.drain import durable_dir, durable_folders, durable_generations, prune_durable
+    from ucp_dcp.storage.commit import METADATA
+
+    for gen, committed in ((1, True), (2, True), (3, False), (4, True)):  # gen 3's drain died before its commit
+        os.makedirs(durable_dir(str(tmp_path), gen))
+        with open(os.path.join(durable_dir(str(tmp_path), gen), "__0_x_0.distcp"), "wb") as f:
+            f.write(b"x")
+        if committed:
+            open(os.path.join(durable_dir(str(tmp_path), gen), METADATA), "wb").close()
+    assert durable_generations(str(tmp_path)) == [1, 2, 4]
+    assert prune_durable(str(tmp_path), committed=4, keep=2) == [1, 3]
+    assert durable_folders(str(tmp_path)) == [2, 4]

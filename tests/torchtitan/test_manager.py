@@ -98,8 +98,14 @@ def _parts(seed: int):
 def _manager(folder, model, opt, sched, states=None, loader=None, **cfg):
     from ucp_dcp.torchtitan import UCPCheckpointManager
 
-    cfg = {"async_mode": "disabled", "last_save_model_only": False, "initial_load_model_only": False, **cfg}
-    config = UCPCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, **cfg)
+    cfg = {
+        "async_mode": "disabled",
+        "last_save_model_only": False,
+        "initial_load_model_only": False,
+        "interval": 1,
+        **cfg,
+    }
+    config = UCPCheckpointManager.Config(enable=True, folder="checkpoint", **cfg)
     return UCPCheckpointManager(
         config,
         dataloader=loader if loader is not None else EmptyLoader(),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..storage.commit import METADATA, commit
 from .replicate import Generation, writer_rank
 
-__all__ = ["durable_dir", "durable_generations", "drain_files", "commit_drain"]
+__all__ = ["durable_dir", "durable_generations", "drain_files", "commit_drain", "prune_durable"]
 
 _GEN = re.compile(r"^gen-(\d+)$")
 
@@ -27,17 +27,34 @@ def durable_dir(durable: str, gen: int) -> str:
     return os.path.join(durable, f"gen-{gen:08d}")
 
 
-def durable_generations(durable: str | None) -> list[int]:
-    """Generations with a committed durable copy (``.metadata`` in place), ascending."""
+def durable_folders(durable: str | None) -> list[int]:
+    """Generations with a durable folder, committed or not (a drain that died leaves one), ascending."""
     if not durable:
         return []
     try:
         names = os.listdir(durable)
     except FileNotFoundError:
         return []
-    return sorted(
-        int(m.group(1)) for n in names if (m := _GEN.match(n)) and os.path.exists(os.path.join(durable, n, METADATA))
-    )
+    return sorted(int(m.group(1)) for n in names if (m := _GEN.match(n)))
+
+
+def durable_generations(durable: str | None) -> list[int]:
+    """Generations with a committed durable copy (``.metadata`` in place), ascending."""
+    return [
+        g for g in durable_folders(durable) if os.path.exists(os.path.join(durable_dir(durable or "", g), METADATA))
+    ]
+
+
+def prune_durable(durable: str, committed: int, keep: int) -> list[int]:
+    """After generation ``committed`` was committed: drop committed generations beyond the newest ``keep``,
+    and every uncommitted folder older than ``committed`` (a drain that died before its commit: no
+    drain of it is running, only one is ever in flight). Returns the generations removed."""
+    done = durable_generations(durable)
+    kept = set(done[-keep:]) if keep > 0 else set(done)
+    gone = [g for g in durable_folders(durable) if g not in kept and (g in done or g < committed)]
+    for g in gone:
+        shutil.rmtree(durable_dir(durable, g), ignore_errors=True)
+    return gone
 
 
 def drain_files(g: Generation, durable: str) -> None:
@@ -58,10 +75,9 @@ def drain_files(g: Generation, durable: str) -> None:
 
 def commit_drain(g: Generation, durable: str, group: dist.ProcessGroup, keep: int) -> None:
     """After every rank copied its files: the coordinator commits the durable copy, then drops durable
-    generations beyond the newest ``keep``."""
+    generations beyond the newest ``keep`` and the leftovers of drains that died (:func:`prune_durable`)."""
     dist.barrier(group=group)
     if dist.get_rank() != g.hosts.ranks[0]:
         return
     commit(durable_dir(durable, g.gen), g.md, g.sidecar, set(g.files), sync=True)
-    for old in durable_generations(durable)[:-keep] if keep > 0 else []:
-        shutil.rmtree(durable_dir(durable, old), ignore_errors=True)
+    prune_durable(durable, g.gen, keep)

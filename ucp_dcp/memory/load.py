@@ -1,4 +1,12 @@
-"""``ucp_dcp.memory.load``: restart from the freshest complete tier, at any layout."""
+"""``ucp_dcp.memory.load``: restart from the freshest complete tier, at any layout.
+
+The source is chosen from the completion markers and the files' sizes (no pass over the bytes); the
+load's block checksums then verify every byte it uses. A memory copy found damaged mid-load (a block
+checksum that does not match, a file gone or cut short) does not fail the restart: every host hashes
+what it holds against the marker, the damaged copies are passed over, and the load starts again from
+the next complete source (another host's copy, else the durable generation), with the reason kept in
+:attr:`Source.notes`.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,18 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import ucp_errors
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UCPError, ucp_errors
 from ..planning.load_planner import UCPLoadPlanner
 from ..storage.reader import UCPFileSystemReader
+from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
 from .locate import Source, locate
 from .reader import MemoryReader
 from .store import default_root
 
 __all__ = ["load"]
+
+DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)
+"""A memory copy's bytes are not what its writer saved (a peer's such error is an instance too)."""
 
 
 def load(
@@ -25,25 +37,56 @@ def load(
     durable: str | os.PathLike | None = None,
     planner: Any = None,
     process_group: dist.ProcessGroup | None = None,
-    verify: bool = True,
+    verify: bool = False,
+    source: Source | None = None,
 ) -> Source:
     """Load ``state_dict`` in place (collective) from the freshest complete generation: the memory tier
-    when every piece of it is intact on some host of this job (each rank reads what its host holds and
-    gets the rest from peers), else the durable copy under ``durable``, with the same checks. Raises
+    when every piece of it is on some host of this job (each rank reads what its host holds and gets the
+    rest from peers), else the durable copy under ``durable``, with the same checks. Raises
     :class:`~ucp_dcp.errors.CheckpointNotFoundError` when neither holds a complete generation.
 
-    ``verify``: hash every memory data file against its completion marker first (a damaged replica is
-    then passed over for an intact copy instead of failing the load). Returns the :class:`Source`
-    (tier, generation, what was passed over and why), with the reader's ``stats``."""
+    Every byte loaded is verified by the block checksums; a memory copy found damaged during the load
+    is passed over and the load retried from the next complete source. ``verify``: hash every memory
+    data file against its completion marker before choosing (slower: a pass over every byte held; the
+    choice then never meets a damaged copy). ``source``: what :func:`~ucp_dcp.memory.locate.locate` chose
+    just before, with the same arguments (a caller that looked first does not locate twice). Returns the
+    :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``."""
     root = str(root) if root is not None else default_root()
-    src = locate(root, str(durable) if durable is not None else None, process_group, verify)
-    reader = MemoryReader(src, root) if src.tier == "memory" else UCPFileSystemReader(str(src.path))
-    with ucp_errors():
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=planner if planner is not None else UCPLoadPlanner(),
-            process_group=process_group,
-        )
-    src.stats = reader.stats
+    disk = str(durable) if durable is not None else None
+    src = source if source is not None else locate(root, disk, process_group, verify)
+    if src.tier == "memory" and not verify and not _block_checksums(src):
+        verify = True  # nothing would catch a damaged byte during the read: hash the files first
+        src = locate(root, disk, process_group, True)
+    the_planner = planner if planner is not None else UCPLoadPlanner()
+    while src.tier == "memory":
+        try:
+            src.stats = _load(state_dict, MemoryReader(src, root), the_planner, process_group)
+            return src
+        except DAMAGE as e:
+            if verify:  # the files hashed intact, yet a read failed: nothing better to choose
+                raise
+            why = e.message.splitlines()[0]
+        # every rank got a damage error (DCP gathers the read's failures; a peer's is an instance of
+        # its cause's class): all of them choose again, this time from hashed copies
+        verify = True
+        failed = src.generation
+        src = locate(root, disk, process_group, True)
+        src.notes.insert(0, f"gen {failed} (memory): a copy was found damaged during the load ({why}); retried")
+    assert src.path is not None
+    src.stats = _load(state_dict, UCPFileSystemReader(src.path), the_planner, process_group)
     return src
+
+
+def _load(state_dict: dict, reader: Any, planner: Any, group: dist.ProcessGroup | None) -> Any:
+    with ucp_errors():
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+    return reader.stats
+
+
+def _block_checksums(src: Source) -> bool:
+    """Does the generation's sidecar record block checksums for its data (the writer's default)?"""
+    try:
+        body = decode_sidecar(src.sidecar, sidecar_name(metadata_hash(src.md)))
+    except UCPError:
+        return False  # the reader refuses it with the reason
+    return bool((body.get("io") or {}).get("algo"))

@@ -2,10 +2,11 @@
 of which some surviving host holds intact, or else the durable copy.
 
 Before a load every host's leader checks what its host holds (:func:`inspect_host`: commit, marker,
-and each data file's size and XXH3-128 against the marker, so a corrupt or missing replica is found
-here), the ranks gather that, and every rank makes the same choice (:func:`choose`). Nothing
-incomplete is ever chosen: a generation without a valid marker, or with a piece no surviving host
-holds intact, is passed over, with the reason kept in :attr:`Source.notes`.
+and each data file's size against the marker, so a missing or cut replica is found here; with
+``verify``, each file's XXH3-128 too, as :func:`ucp_dcp.memory.load` asks after a copy was found
+damaged during a load), the ranks gather that, and every rank makes the same choice (:func:`choose`).
+Nothing incomplete is ever chosen: a generation without a valid marker, or with a piece no surviving
+host holds, is passed over, with the reason kept in :attr:`Source.notes`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Source:
     """The loading job's ranks and hosts."""
     stats: Any = None
     """After :func:`ucp_dcp.memory.load`: this rank's reader ``ReadStats``."""
+    step: int | None = None
+    """Tier ``memory``: the training step the generation was saved at, when its saver said."""
 
     def serving(self) -> dict[int, str]:
         """Per loading rank, which tier serves it and from where."""
@@ -75,7 +78,7 @@ class Source:
         return "\n".join([f"loading {head}", *(f"  passed over: {n}" for n in self.notes)])
 
 
-def inspect_host(root: str, host: str, verify: bool = True) -> list[HostHolding]:
+def inspect_host(root: str, host: str, verify: bool = False) -> list[HostHolding]:
     """What ``host`` holds of every generation in its store (``verify``: hash every data file)."""
     out = []
     for gen in generations(root, host):
@@ -99,6 +102,7 @@ def inspect_host(root: str, host: str, verify: bool = True) -> list[HostHolding]
             h.problem = "its completion marker belongs to another commit"
             continue
         h.complete = True
+        h.step = marker.step
         h.wanted = {n: s for n, (s, _) in marker.files.items()}
         for name, size in data_files(folder).items():
             want = marker.files.get(name)
@@ -158,7 +162,7 @@ def choose(holdings: list[HostHolding], durable: list[int]) -> tuple[Tier, int, 
     )
 
 
-def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = True) -> Source:
+def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = None, verify: bool = False) -> Source:
     """Collective over ``group``: every host's holdings gathered, the freshest complete generation chosen,
     and, for the memory tier, its commit sent to every rank."""
     hosts = gather_hosts(group)
@@ -172,6 +176,7 @@ def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = Non
     holdings = [h for hs, _ in got for h in hs]
     tier, gen, holders, notes = choose(holdings, got[0][1])
     src = Source(tier, gen, holders=holders, notes=notes, hosts=hosts)
+    src.step = next((h.step for h in holdings if h.gen == gen and h.complete), None) if tier == "memory" else None
     if tier == "durable":
         assert durable is not None
         src.path = durable_dir(durable, gen)

@@ -11,6 +11,7 @@ place of the bytes). Nothing is read from durable storage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from typing import Any
@@ -23,7 +24,7 @@ from torch.futures import Future
 from ..errors import CorruptCheckpointError, UCPError
 from ..planning.collectives import p2p_group
 from ..storage.commit import Integrity
-from ..storage.exchange import drain_only, exchange, size_error
+from ..storage.exchange import Payload, drain_only, exchange, size_error
 from ..storage.liveness import Liveness, peer_timeout
 from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
@@ -43,16 +44,16 @@ class MemoryReader(UCPFileSystemReader):
     Args:
         source: the located generation (its commit, and which hosts hold each file intact).
         root: the memory tier's root.
-        verify_checksums: verify every block read, as ``UCPFileSystemReader`` does.
+
+    Every block read is verified (``verify_checksums`` is not an option here: :func:`ucp_dcp.memory.load`
+    relies on the block checksums to find a damaged copy).
     """
 
-    def __init__(self, source: Source, root: str, *, verify_checksums: bool = True, **kwargs: Any) -> None:
+    def __init__(self, source: Source, root: str, **kwargs: Any) -> None:
         if source.tier != "memory":
             raise UCPError(f"MemoryReader reads a memory generation, got the {source.tier} tier")
         self.host = host_name()
-        super().__init__(
-            gen_dir(root, self.host, source.generation), verify_checksums=verify_checksums, read_once="off", **kwargs
-        )
+        super().__init__(gen_dir(root, self.host, source.generation), verify_checksums=True, read_once="off", **kwargs)
         self.source = source
         self.local_files = {f for f, hs in source.holders.items() if self.host in hs}
         """Data files this host holds intact (read here); the others are served by peers."""
@@ -135,48 +136,45 @@ class MemoryReader(UCPFileSystemReader):
         )
 
     def _serve_and_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read what this host holds (own fragments, and those this rank serves), exchange, raise the
-        true cause of any failure (as the read-once protocol does)."""
+        """Serve peers and read this rank's own fragments, pipelined: each message a peer needs is read
+        and sent in turn (gloo moves it while the next is read), then this rank reads its own fragments
+        while those transfers finish, then takes what peers send it. Raises the true cause of any
+        failure (as the read-once protocol does)."""
         t0 = time.perf_counter()
         sp = plan.storage_data if isinstance(plan.storage_data, ServePlan) else ServePlan()
-        flat = [it for dst in sorted(sp.serve) for msg in sp.serve[dst] for it in msg]
         error: BaseException | None = None
         job: ReadJob | None = None
-        serve_job: ReadJob | None = None
+        serving: list[ReadJob] = []
+        self.served_bytes = 0
         with Liveness(sp.token, sp.members) as live:
+            recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
+            incoming: dict[int, list[Incoming]] = {}
             try:
-                recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
                 job = self._job(plan, planner, set(), self.stats)
-                if flat:
-                    serve_job = self._job(
-                        LoadPlan(flat), ScratchPlanner(self._chunk_meta), set(range(len(flat))), self.stats
-                    )
-                    self._read_local(serve_job, set())
-                self._read_local(job, recv_pos)
+                incoming = {src: [job.incoming(m) for m in msgs] for src, msgs in sp.recv.items()}
             except Exception as e:  # sent to every rank waiting for this one's bytes
                 error = e
-            sends: dict[int, list[torch.Tensor | None]] = {}
-            at = 0
-            for dst in sorted(sp.serve):
-                sends[dst] = []
-                for msg in sp.serve[dst]:
-                    ok = error is None and serve_job is not None
-                    sends[dst].append(
-                        as_bytes_tensor([serve_job.keep[at + j] for j in range(len(msg))]) if ok else None  # type: ignore[union-attr]
-                    )
-                    at += len(msg)
-            self.served_bytes = sum(int(t.numel()) for ts in sends.values() for t in ts if t is not None)
-            incoming: dict[int, list[Incoming]] = {
-                src: [job.incoming(m) if job is not None and error is None else drain_only() for m in msgs]
-                for src, msgs in sp.recv.items()
+                incoming = {src: [drain_only() for _ in msgs] for src, msgs in sp.recv.items()}
+
+            def serve(msg: list) -> torch.Tensor:
+                sj = self._job(LoadPlan(msg), ScratchPlanner(self._chunk_meta), set(range(len(msg))), self.stats)
+                serving.append(sj)
+                self._read_local(sj, set())
+                out = as_bytes_tensor([sj.keep[j] for j in range(len(msg))])
+                self.served_bytes += int(out.numel())
+                return out
+
+            sends: dict[int, list[Payload]] = {
+                dst: [functools.partial(serve, msg) for msg in msgs] for dst, msgs in sorted(sp.serve.items())
             }
+            own = functools.partial(self._read_local, job, recv_pos) if job is not None else None
             group = p2p_group(sp.members) if len(sp.members) > 1 else None
-            out = exchange(sends, incoming, error, group, live, peer_timeout())
+            out = exchange(sends, incoming, error, group, live, peer_timeout(), meanwhile=own)
             try:
                 live.done()
             except UCPError as e:
                 out.peers.append(e)  # type: ignore[arg-type]
-        for j in (job, serve_job):
+        for j in (job, *serving):
             if j is not None and j.pool is not None:
                 j.pool.drain()
         self.stats.seconds = time.perf_counter() - t0

@@ -129,12 +129,8 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
     for src, name in recvs:
         k = counts.get(src, 0)
         counts[src] = k + 1
-        header = torch.empty(3, dtype=torch.int64)
-        _wait(dist.irecv(header, src, group=group, tag=2 * k))
+        header, buf = _recv_file(g, src, name, k, group)
         size = int(header[0])
-        buf = torch.empty(size, dtype=torch.uint8)
-        if size:
-            _wait(dist.irecv(buf, src, group=group, tag=2 * k + 1))
         got = xxhash.xxh3_128_hexdigest(buf.numpy().data) if size else xxhash.xxh3_128_hexdigest(b"")
         if size != g.files[name] or _halves(got) != [int(header[1]), int(header[2])]:
             bad.append(name)  # matched anyway, so the sender is not left waiting
@@ -154,6 +150,19 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
             hint="the generation stays incomplete (never loaded); the previous complete one is kept",
         )
     return own
+
+
+def _recv_file(
+    g: Generation, src: int, name: str, k: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k``-th file ``src`` sends this rank: its header ``(size, hash halves)`` and its bytes, as they
+    arrived (unchecked; tests damage them here, as a faulty link would)."""
+    header = torch.empty(3, dtype=torch.int64)
+    _wait(dist.irecv(header, src, group=group, tag=2 * k))
+    buf = torch.empty(int(header[0]), dtype=torch.uint8)
+    if buf.numel():
+        _wait(dist.irecv(buf, src, group=group, tag=2 * k + 1))
+    return header, buf
 
 
 def _wait(work: dist.Work | None) -> None:

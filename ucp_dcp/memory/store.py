@@ -115,3 +115,5 @@ class HostHolding:
     """Data files present that do not match the marker: file -> why (a corrupt or short replica)."""
     problem: str | None = None
     """Why the generation is not usable from this host (no commit, no marker, damaged marker)."""
+    step: int | None = None
+    """The training step its saver gave, from the marker (None: not said, or no marker)."""

@@ -7,15 +7,22 @@ consumer raises the true cause, naming the sender. A consumer that fails while t
 (e.g. a dtype conversion that would overflow) keeps receiving the rest into scratch memory, so
 no sender is left blocked, and raises its own error afterwards.
 
-Waits: a consumer posts its receives from ``src`` once ``src`` announced (in the store) that its
-reads are over, and a sender waits for its sends once the consumer announced its receives are
-over; both ask :class:`~ucp_dcp.storage.liveness.Liveness` while waiting, so a slow rank is
-waited for and a dead one is named. The transfer itself is bounded by the peer timeout (gloo
-closes the pair on a timeout, so the other side fails at once too).
+Waits: a consumer posts its receives from ``src`` once ``src`` announced (in the store) that it is
+sending, and a sender waits for its sends once the consumer announced its receives are over; both
+ask :class:`~ucp_dcp.storage.liveness.Liveness` while waiting, so a slow rank is waited for and a
+dead one is named. The transfer itself is bounded by the peer timeout (gloo closes the pair on a
+timeout, so the other side fails at once too).
+
+Pipelining: a payload may be a function that reads it when its turn comes (the memory tier's
+servers read message ``k + 1`` while ``k`` is on the wire), and ``meanwhile`` runs after every send
+is posted and before the receives (a rank's own reads, overlapping its transfers). A lazily read
+message is announced before it is read, so its consumer's wait includes one message's read: far
+below the peer timeout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,7 +34,10 @@ from .liveness import Liveness
 from .peer_wire import from_wire, wire
 from .transport import Incoming
 
-__all__ = ["Outcome", "exchange", "drain_only"]
+__all__ = ["Outcome", "Payload", "exchange", "drain_only"]
+
+Payload = torch.Tensor | None | Callable[[], torch.Tensor]
+"""One message's bytes: a uint8 tensor, None (nothing: this rank failed), or a function reading them."""
 
 
 def drain_only() -> Incoming:
@@ -41,7 +51,8 @@ class Outcome:
     """How the exchange ended for this rank."""
 
     error: BaseException | None = None
-    """This rank's own failure while taking a message (delivery), if any."""
+    """This rank's own failure during the exchange (reading a lazy payload, ``meanwhile``, taking a
+    message), if any."""
     peers: list[PeerFailedError] = field(default_factory=list)
     """Failures of other ranks this rank learned of (their causes, or that they were lost)."""
     bad_size: tuple[int, int, int] | None = None
@@ -115,16 +126,19 @@ class _Exchange:
 
 
 def exchange(
-    sends: dict[int, list[torch.Tensor | None]],
+    sends: Mapping[int, Sequence[Payload]],
     recvs: dict[int, list[Incoming]],
     error: BaseException | None,
     group: dist.ProcessGroup | None,
     live: Liveness,
     timeout: float,
+    meanwhile: Callable[[], None] | None = None,
 ) -> Outcome:
     """Send every ``sends[dst]`` message and receive every ``recvs[src]`` message (global ranks, on
     ``group``; None: the default group), delivering each as it arrives. With ``error`` (this rank
-    failed before the exchange) every send carries that error instead of data."""
+    failed before the exchange) every send carries that error instead of data; a lazy payload that
+    fails carries its error, and so does every later one. ``meanwhile`` runs once the sends are
+    posted, before the receives; its failure (or a lazy payload's) is :attr:`Outcome.error`."""
     ex = _Exchange(group, live, timeout)
     cause = torch.frombuffer(bytearray(wire(error)), dtype=torch.uint8) if error is not None else None
     live.announce("ready")
@@ -133,15 +147,28 @@ def exchange(
     for dst in sorted(sends):
         try:
             for k, data in enumerate(sends[dst]):
+                if cause is None and callable(data):
+                    try:
+                        data = data()
+                    except Exception as e:  # sent in place of this message and the rest
+                        ex.out.error = e
+                        cause = torch.frombuffer(bytearray(wire(e)), dtype=torch.uint8)
                 payload = cause if cause is not None else data
+                assert payload is None or isinstance(payload, torch.Tensor)
                 n = payload.numel() if payload is not None else 0
                 header = torch.tensor([1 if cause is not None else 0, n], dtype=torch.int64)
                 keep.append(header)
                 posted.setdefault(dst, []).append(dist.isend(header, dst, group=group, tag=2 * k))
                 if payload is not None and n:
+                    keep.append(payload)
                     posted[dst].append(dist.isend(payload, dst, group=group, tag=2 * k + 1))
         except RuntimeError as e:  # the pair is already closed: the consumer died
             ex.lose(dst, e)
+    if meanwhile is not None and ex.out.error is None:
+        try:
+            meanwhile()
+        except Exception as e:  # raised after the exchange; what arrives is drained, not delivered
+            ex.out.error = e
     for src in sorted(recvs):
         ex.take(src, recvs[src])
     live.announce("received")

@@ -77,6 +77,12 @@ def flattened_model_states_sd(manager: Any) -> dict[str, Any]:
     return manager._flattened_model_states_sd()
 
 
+def find_load_step(manager: Any) -> int:
+    """The newest durable ``step-N`` a ``CheckpointManager`` would resume from, -1 for none (its
+    ``_find_load_step``)."""
+    return int(manager._find_load_step())
+
+
 def qkv_split_hook() -> Any:
     """``FusedQKVLinear``'s state-dict post-hook that splits ``wqkv`` into ``wq``/``wk``/``wv`` on save."""
     from torchtitan.models.common.attention import FusedQKVLinear

@@ -48,9 +48,11 @@ from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
 from ..storage.opening import read_metadata
+from ._compat import find_load_step, flattened_model_states_sd, states_to_load
 from .fused_qkv import FusedQKVModelWrapper, fused_qkv_rules, without_qkv_split_hooks
 from .loader_policy import DataloaderPolicy, apply_dataloader_policy
 from .manager_hf import load_hf, save_hf
+from .memory_tier import ManagerMemory, memory_root
 from .moe import moe_rules
 from .planner_dcp import check_dcp_paths, ucp_dcp_load, ucp_dcp_save, ucp_reader
 
@@ -101,6 +103,15 @@ class UCPCheckpointManager(CheckpointManager):
         (:mod:`ucp_dcp.planning.control_group`): a rank that dies ends the others with a
         ``PeerLostError`` within ``UCP_DCP_PEER_TIMEOUT_S``, not the process group's timeout.
         ``UCP_DCP_CONTROL_GROUP=off`` turns it off too. Async saves keep the manager's gloo group."""
+        memory_interval: int = 0
+        """Save into host memory (ucp_dcp's memory tier, docs/memory.md) every this many steps, beside
+        the durable saves on ``interval``; a resume (``load(step=-1)``) takes the fresher of the newest
+        complete memory generation and the newest durable step. 0: no memory tier."""
+        memory_replicas: int = 1
+        """Copies of each host's pieces of a memory save on other hosts (k: any k lost hosts lose none)."""
+        memory_root: str = ""
+        """The memory store; empty: ``$UCP_DCP_SHM_ROOT`` (default ``/dev/shm/ucp_dcp``) plus one folder per
+        checkpoint folder."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
@@ -113,6 +124,11 @@ class UCPCheckpointManager(CheckpointManager):
                     raise InvalidArgumentError(
                         f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}"
                     )
+            if self.memory_interval < 0 or self.memory_replicas < 0:
+                raise InvalidArgumentError(
+                    "checkpoint.memory_interval and checkpoint.memory_replicas must be >= 0, got "
+                    f"{self.memory_interval} and {self.memory_replicas}"
+                )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         check_dcp_paths(CheckpointManager)  # no torchtitan save/load path left to DCP's defaults
@@ -130,6 +146,11 @@ class UCPCheckpointManager(CheckpointManager):
         self._model_parts = model_parts
         dataloader = kwargs.get("dataloader")
         self._data_slot = getattr(dataloader, "dp_rank", None)
+        self._memory = (
+            ManagerMemory(config.memory_interval, memory_root(config.memory_root, self.folder), config.memory_replicas)
+            if config.memory_interval
+            else None
+        )
 
     def _build_rules(self, config: Config, model_parts: list[nn.Module]) -> list[Rule]:
         rules: list[Rule] = []
@@ -164,6 +185,35 @@ class UCPCheckpointManager(CheckpointManager):
 
     def _load_planner(self, rules: list[Rule]) -> UCPLoadPlanner:
         return UCPLoadPlanner(patterns=rules, strict=self.ucp.strict, data_slot=self._data_slot)
+
+    # the memory tier beside torchtitan's own saves and resume (ucp_dcp.torchtitan.memory_tier)
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = super()._save(curr_step, last_step)
+        memory = getattr(self, "_memory", None)
+        if memory is None or not memory.due(self.load_only, curr_step, last_step):
+            return saved
+        states = flattened_model_states_sd(self)
+        memory.save(states, self._save_planner(self._call_rules(states)), curr_step)
+        return True
+
+    def _load(self, step: int = -1) -> bool:
+        memory = getattr(self, "_memory", None)
+        durable = find_load_step(self) if memory is not None and step == -1 else -1
+        src = memory.fresher_than(durable) if memory is not None and step == -1 else None
+        if memory is not None and src is not None:
+            states = self._apply_dataloader_policy(states_to_load(self, model_only=False), memory.metadata(src))
+            if memory.load(states, self._load_planner(self._call_rules(states)), src, durable >= 0):
+                if MODEL in self.states:
+                    self.states[MODEL].load_state_dict(states)
+                return True
+        return super()._load(step)
+
+    def _close(self) -> None:
+        super()._close()
+        memory = getattr(self, "_memory", None)
+        if memory is not None:
+            memory.close()
+            self._memory = None
 
     # torchtitan saves and loads only through these two (check_dcp_paths refuses a release that does not):
     # each makes torchtitan's own DCP calls with our planner and storage, patching nothing global

@@ -29,7 +29,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         epilog=_TARGETS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("checkpoint", help="checkpoint folder")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint folder, or a memory-tier root (host-*/gen-* folders): then the generation a restart "
+        "would load is planned and each rank's serving tier reported",
+    )
+    p.add_argument(
+        "--hosts",
+        help="memory root: the target's host of each node, comma-separated (a name with no folder under the root is "
+        "a fresh, empty host); default: the root's hosts in name order",
+    )
+    p.add_argument("--durable", help="memory root: the tier's durable folder (drained generations)")
     p.add_argument("--target", required=True, help="recipe | titan | package.module:function (see below)")
     p.add_argument("--topology", help="recipe target: pp=..,dpr=..,dp=..,ep=..,tp=..,vpp=..")
     p.add_argument("--model", help="recipe target: ModelConfig overrides, e.g. ffn_dim=56,n_layers=6")
@@ -127,8 +137,8 @@ def _progress(option: bool | None) -> RankProgress | None:
 
 def run(a: argparse.Namespace, extra: list[str]) -> int:
     """0: loads; 1: a real load would fail (problems listed); 2: bad arguments or unreadable checkpoint."""
-    from .report import Bandwidths, format_report, parse_rate, report_json
-    from .simulate import plan_load
+    from .memory_source import annotate, is_memory_root, open_view
+    from .report import Bandwidths, parse_rate
 
     try:
         bw = Bandwidths(*(parse_rate(x) if x else None for x in (a.bandwidth, a.aggregate_bandwidth, a.network)))
@@ -136,8 +146,28 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
     except UCPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = plan_load(
-        a.checkpoint,
+    hosts = [h for h in (a.hosts or "").split(",") if h] or None
+    if not is_memory_root(a.checkpoint):
+        return _printed(_plan(a, target, a.checkpoint), a, bw)
+    try:  # a memory-tier root: the generation a restart on these hosts would load
+        view = open_view(a.checkpoint, a.durable, hosts)
+    except UCPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if view.tier == "memory":
+        a.read_once = "off"  # as MemoryReader loads: a host's missing fragments come from its peers instead
+    with view:
+        report = _plan(a, target, view.path)
+    annotate(report, view, hosts)
+    report.warnings += [f"memory root: passed over {n}" for n in view.notes]
+    return _printed(report, a, bw)
+
+
+def _plan(a: argparse.Namespace, target: Any, path: str) -> Any:
+    from .simulate import plan_load
+
+    return plan_load(
+        path,
         target,
         read_once=a.read_once,
         ranks_per_node=a.ranks_per_node,
@@ -149,6 +179,11 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
         allow_lossy_dtype=a.allow_lossy_dtype,
         progress=_progress(a.progress),
     )
+
+
+def _printed(report: Any, a: argparse.Namespace, bw: Any) -> int:
+    from .report import format_report, report_json
+
     if a.json == "-":
         print(json.dumps(report_json(report, bw), indent=1, default=str))
     else:

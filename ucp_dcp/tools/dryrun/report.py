@@ -130,6 +130,12 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
             f"{_mib(sum(r.bytes_received for r in rs))} sent between ranks, "
             f"{len({f for r in rs for f in r.files})} file(s)",
         ]
+        sources: dict[str, list[int]] = {}
+        for r in rs:
+            if r.source is not None:
+                sources.setdefault(r.source, []).append(r.rank)
+        for src, ranks in sorted(sources.items(), key=lambda kv: kv[1][0]):
+            lines.append(f"served by: ranks {rank_ranges(ranks)}: {src}")
         est = estimate(report, bw)
         if est is None:
             lines.append("estimated load time: give --bandwidth (per node, e.g. 2GB/s) for one")

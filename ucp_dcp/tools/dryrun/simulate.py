@@ -4,8 +4,7 @@ For each rank: its state dict (built, or rebound from its class's representative
 ``UCPLoadPlanner`` set-up, validation and local plan, and the reader's read-once summary; then the
 coordinator's global checks and read-once assignment over all ranks, and per rank what the reader
 would request from storage (:mod:`ucp_dcp.tools.dryrun.read_cost`). No tensor memory is allocated for
-targets, no byte of tensor data is read, and no process group talks to anyone.
-"""
+targets, no byte of tensor data is read, no process group talks to anyone."""
 
 from __future__ import annotations
 
@@ -64,6 +63,8 @@ class RankPlan:
     """Upper bound of the host memory the load needs besides the targets: staging buffers (device
     targets), the largest merged read buffer per reading thread, kept copies of bytes it sends,
     and the largest bundle it receives."""
+    source: str | None = None
+    """Planned on a memory-tier root: the tier serving this rank (:mod:`.memory_source`)."""
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""The memory tier in ``UCPCheckpointManager``: saves into host memory every ``memory_interval`` steps,
+beside torchtitan's durable saves on ``interval``, and a resume from the freshest complete tier.
+
+A memory save is :meth:`ucp_dcp.memory.MemoryTier.save` of the same flattened states and with the same
+save planner (rules, strict mode, data slot) as the manager's durable save: training waits for the copy
+into host memory, the replicas to other hosts follow in the background (docs/memory.md). The durable
+saves are torchtitan's own ``step-N`` folders on their own interval, unchanged.
+
+``load(step=-1)`` (torchtitan's resume) compares the freshest complete memory generation's step with
+the newest durable ``step-N`` and loads the fresher one (memory on a tie: it is the faster read), at
+any layout, with the manager's load planner and dataloader policy. An explicit ``load(step=N)`` and
+first loads (``initial_load_path``, Hugging Face) are torchtitan's, from storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import CheckpointNotFoundError, InvalidArgumentError
+from ..memory import MemoryTier, Source, locate
+from ..memory import load as memory_load
+from ..memory.reader import MemoryReader
+from ..memory.store import default_root
+
+__all__ = ["ManagerMemory", "memory_root"]
+
+logger = logging.getLogger(__name__)
+
+
+def memory_root(configured: str, folder: str) -> str:
+    """The manager's memory store: ``configured``, else one folder per checkpoint folder under the
+    default root (two jobs on a host with different checkpoint folders never share generations)."""
+    if configured:
+        return configured
+    return os.path.join(default_root(), "tt-" + xxhash.xxh3_64_hexdigest(os.path.abspath(folder).encode()))
+
+
+class ManagerMemory:
+    """A manager's memory tier (collective to create: every rank of the job).
+
+    Args:
+        interval: save into host memory every ``interval`` steps (>= 1).
+        root: the memory store (:func:`memory_root`).
+        replicas: k, copies of each host's pieces on other hosts.
+    """
+
+    def __init__(self, interval: int, root: str, replicas: int) -> None:
+        if interval < 1:
+            raise InvalidArgumentError(f"checkpoint.memory_interval must be >= 1 to use the tier, got {interval}")
+        self.interval = interval
+        self.root = root
+        self.tier = MemoryTier(root, replicas=replicas)
+        self.loaded: Source | None = None
+        """What the last resume from memory loaded (None: it was not from memory)."""
+
+    def due(self, load_only: bool, step: int, last_step: bool) -> bool:
+        """Is a memory save due at this step (not at the last step: the job ends there; not in a
+        load-only job)?"""
+        return not load_only and not last_step and step % self.interval == 0
+
+    def save(self, states: dict[str, Any], planner: Any, step: int) -> None:
+        """Copy ``states`` into host memory (collective); replicas follow in the background."""
+        gen = self.tier.save(states, planner=planner, step=step)
+        logger.info(f"UCP memory tier: step {step} is generation {gen} ({self.tier.blocked_s:.2f} s blocked)")
+
+    def fresher_than(self, durable_step: int) -> Source | None:
+        """The freshest complete memory generation when it is at least as fresh as ``durable_step`` (memory
+        wins a tie: the faster read); None when the durable copy should be loaded (collective)."""
+        self.tier.wait()  # a generation of this job still completing counts
+        try:
+            src = locate(self.root, None)
+        except CheckpointNotFoundError as e:
+            logger.info(f"UCP memory tier: nothing to resume from in memory ({e.message.splitlines()[0]})")
+            return None
+        if src.step is None or src.step < durable_step:
+            logger.info(f"UCP memory tier: memory step {src.step} is older than durable step {durable_step}")
+            return None
+        return src
+
+    def metadata(self, src: Source) -> Callable[[], Metadata]:
+        """The generation's metadata, for the manager's dataloader policy."""
+        return MemoryReader(src, self.root).metadata_for_load
+
+    def load(self, states: dict[str, Any], planner: Any, src: Source, durable: bool) -> bool:
+        """Load ``src`` into ``states`` (collective). False when every memory copy of a piece was found
+        damaged during the load and ``durable`` (a durable step exists: the manager loads it over the
+        partly loaded states); without one, the error is raised (a fresh start would keep them)."""
+        try:
+            self.loaded = memory_load(states, self.root, planner=planner, source=src)
+        except CheckpointNotFoundError as e:
+            if not durable:
+                raise
+            logger.warning(f"UCP memory tier: step {src.step} not loadable from memory: {e.message.splitlines()[0]}")
+            return False
+        logger.info(f"UCP memory tier: resumed step {src.step} from {self.loaded.describe()}")
+        return True
+
+    def close(self) -> None:
+        self.tier.close()
