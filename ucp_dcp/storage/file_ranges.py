@@ -1,5 +1,6 @@
 """Reading byte ranges of checkpoint files: preads that finish short reads, page-cache mappings of
-bounded windows, and gathering equal-length runs out of read intervals."""
+bounded windows, gathering equal-length runs out of read intervals, and joining the ranges of a remote
+file into fewer requests within a byte budget."""
 
 from __future__ import annotations
 
@@ -12,7 +13,33 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WINDOW", "gather_runs", "readinto", "regular_fd", "map_window"]
+__all__ = ["REMOTE_WASTE", "WINDOW", "coalesce_within", "gather_runs", "readinto", "regular_fd", "map_window"]
+
+REMOTE_WASTE = 0.05
+"""Bytes a remote (object-store) read may fetch beyond those it needs, as a share of them: ranges of one
+file are joined across their gaps, smallest gaps first, while the gaps fetched stay within this share.
+Fewer requests, each a round trip, at a bounded cost in bytes (the issue's bound: read / needed <= 1.05)."""
+
+
+def coalesce_within(intervals: list[tuple[int, int]], waste: float = REMOTE_WASTE) -> list[tuple[int, int]]:
+    """``(start, length)`` intervals, sorted and disjoint, with the smallest gaps between neighbours joined
+    while the joined gap bytes stay within ``waste`` times the intervals' bytes."""
+    if len(intervals) < 2:
+        return list(intervals)
+    arr = np.asarray(intervals, dtype=np.int64)
+    gaps = arr[1:, 0] - (arr[:-1, 0] + arr[:-1, 1])
+    budget = waste * float(arr[:, 1].sum())
+    order = np.argsort(gaps, kind="stable")
+    within = np.cumsum(gaps[order]) <= budget
+    join = np.zeros(len(gaps), dtype=bool)
+    join[order[within]] = True  # gap i joins interval i and i + 1
+    out: list[tuple[int, int]] = []
+    for k, (s, n) in enumerate(arr.tolist()):
+        if k and join[k - 1]:
+            out[-1] = (out[-1][0], s + n - out[-1][0])
+        else:
+            out.append((s, n))
+    return out
 
 
 def gather_runs(buffers: list[tuple[int, memoryview]], bstarts: list[int], starts: np.ndarray, run: int) -> memoryview:
