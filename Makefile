@@ -135,6 +135,7 @@ test-gpu: $(STAMP)
 # fault injection: 100 bit flips, 20 truncations, 20 kills mid-save, crafted pickles; last line is the summary
 faults: $(STAMP)
 	$(PY) recipes/faults.py
+	$(PY) recipes/faults.py --store s3
 
 # one rank fails at each step of a load (read_once on/off, 2 and 4 ranks): every rank ends, with the cause
 chaos: $(STAMP)

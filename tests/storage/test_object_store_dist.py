@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner
+from ucp_dcp.testing.elastic import rank_stats
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
@@ -44,8 +45,11 @@ def _load_worker(rank, world, env, path, dim, system, verify):
     mesh = DeviceMesh("cpu", torch.arange(world))
     tgt = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)], src_data_rank=None)
     sd = {"w": tgt, "b": torch.zeros(8), "step": -1}
+    stats = None
     if system == "ucp":
-        dcp.load(sd, storage_reader=UCPFileSystemReader(path, verify_checksums=verify), planner=UCPLoadPlanner())
+        reader = UCPFileSystemReader(path, verify_checksums=verify)
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        stats = rank_stats(reader)
     else:  # DCP's own fsspec reader and default planner, on the same checkpoint (ours is DCP's format)
         from ucp_dcp._compat import fsspec_storage
 
@@ -53,7 +57,14 @@ def _load_worker(rank, world, env, path, dim, system, verify):
         dcp.load(sd, storage_reader=FsspecReader(path))
     expect = distribute_tensor(_full(), mesh, [Shard(dim)], src_data_rank=None).to_local()
     ok = torch.equal(tgt.to_local(), expect) and torch.equal(sd["b"], torch.arange(8.0)) and sd["step"] == 5
-    return ok, tgt.to_local().numel() * 4
+    return ok, tgt.to_local().numel() * 4, stats
+
+
+def _target(rank, world, dim=1):
+    """The load's state dict for ``ucp_dcp plan`` (a function target: built under its fake process group)."""
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    w = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)], src_data_rank=None)
+    return {"w": w, "b": torch.zeros(8), "step": -1}
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +84,10 @@ def saved(s3, _saved_once):
 
 
 @pytest.mark.quick
-def test_a_2_rank_save_loads_on_3_ranks_fetching_only_the_needed_bytes(saved):
+def test_a_2_rank_save_loads_on_4_ranks_fetching_only_the_needed_bytes(saved):
     res = D.run(_load_worker, 4, saved.env(), saved.prefix, 0, "ucp", False, timeout=300)
-    assert all(ok for ok, _ in res)
-    needed = sum(n for _, n in res)
+    assert all(ok for ok, _, _ in res)
+    needed = sum(n for _, n, _ in res)
     fetched = saved.faults.bytes_out["GET data"]
     # the replicated "b" and the "step" object (bytes each rank reads whole) are the only bytes over "w"'s
     assert needed <= fetched <= 1.05 * needed, (fetched, needed)
@@ -85,15 +96,22 @@ def test_a_2_rank_save_loads_on_3_ranks_fetching_only_the_needed_bytes(saved):
 def test_dcps_fsspec_reader_fetches_several_times_the_needed_bytes(saved):
     """The comparison the test above stands on: the same load through DCP's FsspecReader."""
     res = D.run(_load_worker, 4, saved.env(), saved.prefix, 0, "dcp", False, timeout=300)
-    assert all(ok for ok, _ in res)
-    assert saved.faults.bytes_out["GET data"] >= 1.5 * sum(n for _, n in res)
+    assert all(ok for ok, _, _ in res)
+    assert saved.faults.bytes_out["GET data"] >= 1.5 * sum(n for _, n, _ in res)
 
 
 def test_a_tp_dim_change_loads_bitwise_with_checksums_verified_fetching_only_the_slices(saved):
     """Column slices of the saved rows: each rank fetches a quarter of every row. Verified by whole 1 MiB
     checksum blocks, that is every saved byte on every rank (4x); by the tiles, the slices' bytes."""
     res = D.run(_load_worker, 4, saved.env(), saved.prefix, 1, "ucp", True, timeout=300)
-    assert all(ok for ok, _ in res)
-    needed = sum(n for _, n in res)
+    assert all(ok for ok, _, _ in res)
+    needed = sum(n for _, n, _ in res)
     fetched = saved.faults.bytes_out["GET data"]
     assert needed <= fetched <= 1.05 * needed, (fetched, needed)
+    # ucp_dcp plan on the s3:// URL: every rank's bytes and requests are the load's (ReadStats)
+    from ucp_dcp.tools.dryrun import FunctionTarget, plan_load
+
+    report = plan_load(saved.prefix, FunctionTarget(_target, 4, "dim 1"), device="cpu")
+    assert report.loads, report.problems
+    planned = [(r.bytes_read, r.reads) for r in report.ranks]
+    assert planned == [(st["bytes_read"], st["reads"]) for _, _, st in res], planned

@@ -14,7 +14,7 @@ when its rows are narrow, and the bytes fetched are the slice's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ from .file_ranges import WINDOW, coalesce_within, map_window
 from .format import box_grid, gather_grid
 from .tiles import TileGrid, TileRegion, region_tile_sums, tile_region
 
-__all__ = ["TiledBox", "plan_tiled", "read_tiled", "read_tiled_remote"]
+__all__ = ["TiledBox", "plan_tiled", "read_tiled", "read_tiled_remote", "remote_windows"]
 
 
 @dataclass(frozen=True)
@@ -114,31 +114,25 @@ def read_tiled_remote(
     nb, band, row_bytes = r.b1 - r.b0, grid.band_bytes, grid.row_bytes
     run = nb * band  # the touched bands of one row: contiguous in the object
     per_band = grid.cols // grid.bands
-    step = max(1, WINDOW // (grid.rows_per_tile * run))  # tile rows per window
     r_first, r_end = box.offsets[0], box.offsets[0] + box.sizes[0]
     box_row = out.nbytes // box.sizes[0] if box.sizes[0] else 0
     fetched = requests = 0
-    for g in range(r.g0, r.g1, step):
-        part = TileRegion(g, min(r.g1, g + step), r.b0, r.b1)
+    for part, ranges in remote_windows(base, grid, box):
         w0, w1 = part.row_span(grid)
-        first = base + w0 * row_bytes + r.b0 * band
-        ranges = [(first + k * row_bytes, run) for k in range(w1 - w0)]  # whole rows: joined into one below
-        ranges = coalesce_within(ranges)
         rows = np.empty((w1 - w0, run), dtype=np.uint8)
         k = 0
         for (s, n), data in zip(ranges, fetch(ranges)):
             if len(data) != n:
                 raise TruncatedFileError(f"the object ended at {s + len(data)}, before {s + n}")
-            src = np.frombuffer(data, dtype=np.uint8)
             m = (n - run) // row_bytes + 1  # rows this range holds (a joined range spans their gaps)
+            src = np.frombuffer(data, dtype=np.uint8)
             rows[k : k + m] = np.lib.stride_tricks.as_strided(
                 src, shape=(m, run), strides=(row_bytes, 1), writeable=False
             )
             k += m
         fetched += sum(n for _, n in ranges)
         requests += len(ranges)
-        bands = rows.reshape(w1 - w0, nb, band)
-        for t, got in _band_tile_sums(bands, grid, part, w0, algo):
+        for t, got in _band_tile_sums(rows.reshape(w1 - w0, nb, band), grid, part, w0, algo):
             if t not in verified:
                 check(t, got)
                 verified.add(t)
@@ -149,6 +143,20 @@ def read_tiled_remote(
             sub = box_grid((w1 - w0, nb * per_band, *shape[2:]), itemsize, offs, sizes)
             gather_grid(rows.reshape(-1), 0, sub, out[(a - r_first) * box_row : (b - r_first) * box_row])
     return fetched, requests
+
+
+def remote_windows(base: int, grid: TileGrid, box: TiledBox) -> Iterator[tuple[TileRegion, list[tuple[int, int]]]]:
+    """The windows of tile rows :func:`read_tiled_remote` fetches in turn for ``box``, each with its ranges:
+    the touched bands of every row, joined within :data:`~ucp_dcp.storage.file_ranges.REMOTE_WASTE`
+    (``ucp_dcp plan`` counts these requests without fetching them)."""
+    r = box.region
+    run = (r.b1 - r.b0) * grid.band_bytes
+    step = max(1, WINDOW // (grid.rows_per_tile * run))  # tile rows per window
+    for g in range(r.g0, r.g1, step):
+        part = TileRegion(g, min(r.g1, g + step), r.b0, r.b1)
+        w0, w1 = part.row_span(grid)
+        first = base + w0 * grid.row_bytes + r.b0 * grid.band_bytes
+        yield part, coalesce_within([(first + k * grid.row_bytes, run) for k in range(w1 - w0)])
 
 
 def _band_tile_sums(
