@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp
 import ucp_dcp.storage.object_store as OS
+import ucp_dcp.storage.object_streams as streams
 from ucp_dcp import CheckpointNotFoundError, IncompleteCheckpointError, StorageAccessError, UCPFileSystemWriter
 from ucp_dcp.storage.commit import METADATA
 from ucp_dcp.storage.object_store import ObjectStore
@@ -82,8 +83,8 @@ def _kill_walk(s3, monkeypatch, sample: bool) -> None:
     (killed before the .metadata PUT) or the new one (after), bitwise; a killed save that wrote anything
     is detected (stray objects ``inspect`` reports, or multipart uploads left open); the next clean save
     removes the strays and aborts those uploads."""
-    monkeypatch.setattr(OS, "PART_BYTES", 5 << 20)
-    monkeypatch.setattr(OS, "SINGLE_PUT_BYTES", 5 << 20)
+    monkeypatch.setattr(streams, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(streams, "SINGLE_PUT_BYTES", 5 << 20)
     path = s3.prefix
     _save(_state(0, BIG), path)
     clean: list[str] = []

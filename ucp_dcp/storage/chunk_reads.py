@@ -46,7 +46,7 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
-from .object_store import RangedObjectFile
+from .object_streams import RangedObjectFile
 from .read_job import ReadJob, ReadStats
 from .tiled_read import plan_tiled, read_tiled, read_tiled_remote
 from .tiles import saved_tile_grid

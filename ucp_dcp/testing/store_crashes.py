@@ -75,8 +75,9 @@ def _state(rank: int, world: int, gen: int, target: bool = False) -> dict[str, A
 def _arm(kill_at: int | None) -> list[int]:
     """Count this process's store requests; SIGKILL it just before request ``kill_at`` (1-based)."""
     from ucp_dcp.storage import object_store as OS
+    from ucp_dcp.storage import object_streams as streams
 
-    OS.PART_BYTES = OS.SINGLE_PUT_BYTES = 5 << 20  # two parts per data object: kills between parts too
+    streams.PART_BYTES = streams.SINGLE_PUT_BYTES = 5 << 20  # two parts per data object: kills between parts too
     count = [0]
     lock = threading.Lock()
     real = OS.ObjectStore.call
@@ -96,21 +97,21 @@ def _arm(kill_at: int | None) -> list[int]:
 def _save_rank(rank: int, world: int, env: dict[str, str], url: str, gen: int, victim: int, kill_at: int) -> int:
     os.environ.update(env)
     warnings.simplefilter("ignore")
-    import ucp_dcp
+    from ucp_dcp.api import save
 
     count = _arm(kill_at if rank == victim else None)
-    ucp_dcp.save(_state(rank, world, gen), url)
+    save(_state(rank, world, gen), url)
     return count[0]
 
 
 def _load(url: str) -> dict[str, Any]:
     """The whole state in this process (a resharding load of every shard)."""
-    import ucp_dcp
+    from ucp_dcp.api import load
 
     sd = {"w": torch.zeros(WORLD * ROWS, COLS), "norm": torch.zeros(COLS), "train": {"step": -1, "tag": ""}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ucp_dcp.load(sd, url)
+        load(sd, url)
     return sd
 
 

@@ -50,7 +50,7 @@ from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
 from ..storage.opening import read_metadata
-from ._compat import find_load_step, flattened_model_states_sd, states_to_load
+from ._compat import find_load_step, flattened_model_states_sd, should_purge, states_to_load
 from .fused_qkv import FusedQKVModelWrapper, fused_qkv_rules, without_qkv_split_hooks
 from .loader_policy import DataloaderPolicy, apply_dataloader_policy
 from .manager_hf import load_hf, save_hf
@@ -200,6 +200,9 @@ class UCPCheckpointManager(CheckpointManager):
         return True
 
     def _load(self, step: int = -1) -> bool:
+        folders = step_folders(self.folder)
+        if folders is not None:
+            folders.forget_listings()  # torchtitan's exists/isdir checks share the fsspec client's cache
         memory = getattr(self, "_memory", None)
         durable = find_load_step(self) if memory is not None and step == -1 else -1
         src = memory.fresher_than(durable) if memory is not None and step == -1 else None
@@ -235,13 +238,8 @@ class UCPCheckpointManager(CheckpointManager):
         return ucp_dcp_load(self, state_dict, checkpoint_id, self._load_planner(self._call_rules(state_dict)), reader)
 
     # step folders (torchtitan 0.3's hooks): discovery and keep_latest_k by commit point, fresh listings on a
-    # store (ucp_dcp.torchtitan.step_folders); a protocol ucp_dcp does not write to keeps torchtitan's own
-    def _load(self, step: int = -1) -> bool:
-        folders = step_folders(self.folder)
-        if folders is not None:
-            folders.forget_listings()  # torchtitan's exists/isdir checks share the fsspec client's cache
-        return super()._load(step)
-
+    # store (ucp_dcp.torchtitan.step_folders, also forgotten at _load); a protocol ucp_dcp does not write to
+    # keeps torchtitan's own
     def _find_load_step(self, folder: str = "") -> int:
         folders = step_folders(folder or self.folder)
         return super()._find_load_step(folder) if folders is None else folders.latest()
@@ -251,7 +249,7 @@ class UCPCheckpointManager(CheckpointManager):
         if folders is None:
             return super()._purge_stale_checkpoints()
         folders.forget_listings()
-        if not self._should_purge():
+        if not should_purge(self):
             return
         for name in folders.stale(self.keep_latest_k):
             folders.decommit(name)  # not a checkpoint from here on; the purge thread deletes the rest
