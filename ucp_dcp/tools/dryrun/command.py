@@ -70,7 +70,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--request-rate",
         type=float,
-        help="object stores: ranged GETs per second one node gets answered, e.g. 3500 (S3's documented rate per "
+        help="object stores: ranged GETs per second one node gets answered, e.g. 5500 (S3's documented GET rate per "
         "prefix): a node's reads then take at least its requests / this rate (default: bytes only)",
     )
     p.add_argument("--allow-partial-load", action="store_true", help="as UCPLoadPlanner(allow_partial_load=True)")
