@@ -241,3 +241,20 @@ def test_verify_and_inspect_on_s3(s3, capsys):
     assert main(["verify", s3.prefix]) == 1
     assert "CORRUPT" in capsys.readouterr().out
     _raises(lambda: _load(s3.prefix), ucp_dcp.ChecksumError)
+
+
+def _plan_target(rank, world_size):
+    """``ucp_dcp plan``'s function target: the state one process loads."""
+    return {"w": torch.zeros(ROWS, 1024), "b": torch.zeros(16), "step": -1, "tag": ""}
+
+
+def test_plan_on_s3_reads_the_store_and_bounds_time_by_requests(s3, capsys):
+    from ucp_dcp.tools.cli import main
+
+    _save(_state(0), s3.prefix)
+    s3.faults.clear()
+    args = ["plan", s3.prefix, "--target", "test_object_store:_plan_target", "--world-size", "1"]
+    assert main([*args, "--bandwidth", "1GB/s", "--request-rate", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "LOADS" in out and "integrity: verified" in out and "bound by the busiest node's requests" in out, out
+    assert s3.faults.bytes_out["GET data"] == 0, "planning reads metadata, not data"
