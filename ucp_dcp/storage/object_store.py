@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from .._compat import s3_call
 from ..errors import StorageAccessError
-from .object_streams import MultipartObjectWriter, RangedObjectFile
+from .object_streams import MultipartObjectWriter, ObjectSizes, RangedObjectFile
 
 __all__ = ["OBJECT_PROTOCOLS", "object_protocol", "refused", "ObjectStore"]
 
@@ -160,8 +160,9 @@ class ObjectStore:
         """The object's size from a HEAD request, None when it does not exist."""
 
         def head() -> int:
-            if self.is_s3:
-                return int(self.fs.info(path, refresh=True)["size"])
+            if self.is_s3:  # HEAD object only (s3fs's info() also lists the key as a folder when it is absent)
+                bucket, key, _ = self.fs.split_path(path)
+                return int(self.s3_call("head_object", Bucket=bucket, Key=key)["ContentLength"])
             self.fs.invalidate_cache(path)
             return int(self.fs.info(path)["size"])
 
@@ -217,8 +218,10 @@ class ObjectStore:
 
     # -- streams --------------------------------------------------------------------------------------
 
-    def open_read(self, path: str, size: int | None = None) -> RangedObjectFile:
-        return RangedObjectFile(self, path, size)
+    def open_read(self, path: str, size: int | None = None, known: ObjectSizes | None = None) -> RangedObjectFile:
+        """A read stream of one object; ``known``: sizes asked for, shared between openings (one HEAD per
+        object, on first need)."""
+        return RangedObjectFile(self, path, size, known)
 
     def open_write(self, path: str, part_bytes: int | None = None, in_flight: int = 4) -> Any:
         """A write-only stream for one object: multipart upload with parts in flight on S3, fsspec's

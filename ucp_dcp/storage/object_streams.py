@@ -16,13 +16,14 @@ throttled request, errors translated to :class:`~ucp_dcp.errors.StorageAccessErr
 from __future__ import annotations
 
 import io
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._compat import cat_ranges_concurrently
 
-__all__ = ["PART_BYTES", "RANGE_BYTES", "SINGLE_PUT_BYTES", "RangedObjectFile", "MultipartObjectWriter"]
+__all__ = ["PART_BYTES", "RANGE_BYTES", "SINGLE_PUT_BYTES", "ObjectSizes", "RangedObjectFile", "MultipartObjectWriter"]
 
 PART_BYTES = 8 << 20
 """Size of a multipart upload's parts (S3's minimum is 5 MiB, except the last part)."""
@@ -33,13 +34,36 @@ RANGE_BYTES = 8 << 20
 """A read larger than this is cut into ranged GETs of this size, fetched concurrently."""
 
 
+class ObjectSizes:
+    """Sizes of objects, each asked for once (one HEAD, however many streams of a load open the object at
+    once: the reader's tasks split a rank's reads of one object)."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def size(self, store: Any, path: str) -> int:
+        """The size of object ``path`` of ``store`` (a HEAD the first time); FileNotFoundError when absent."""
+        with self._lock:
+            lock = self._locks.setdefault(path, threading.Lock())
+        with lock:
+            if path not in self._sizes:
+                got = store.size(path)
+                if got is None:
+                    raise FileNotFoundError(path)
+                self._sizes[path] = got
+            return self._sizes[path]
+
+
 class RangedObjectFile(io.RawIOBase):
     """Read-only, seekable view of one object. Every read is a ranged GET of exactly the bytes asked
     for (no read-ahead, no block cache); a read larger than :data:`RANGE_BYTES` is cut into pieces
     fetched concurrently. ``fetched`` counts the bytes the store sent."""
 
-    def __init__(self, store: Any, path: str, size: int | None = None) -> None:
+    def __init__(self, store: Any, path: str, size: int | None = None, known: ObjectSizes | None = None) -> None:
         self.store, self.path = store, path
+        self._known = known if known is not None else ObjectSizes()
         self._size = size
         self.pos = 0
         self.fetched = 0
@@ -54,10 +78,7 @@ class RangedObjectFile(io.RawIOBase):
     def size(self) -> int:
         """The object's size (one HEAD request, on first use)."""
         if self._size is None:
-            got = self.store.size(self.path)
-            if got is None:
-                raise FileNotFoundError(self.path)
-            self._size = got
+            self._size = self._known.size(self.store, self.path)
         return self._size
 
     def seek(self, pos: int, whence: int = 0) -> int:

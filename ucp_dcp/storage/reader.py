@@ -43,6 +43,7 @@ from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
+from .object_streams import ObjectSizes
 from .read_job import ReadJob, ReadStats
 from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
 from .transport import READ_ONCE_MODES, local_summary, plan_transport
@@ -127,6 +128,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         """Read items a planner that keeps them (:class:`ReadOnceRequest`) planned on this rank."""
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
+        self._object_sizes = ObjectSizes()
+        """Sizes of the objects this reader asked the store for (one HEAD each per load)."""
         self._opened: tuple[str, Metadata] | None = None
         """``(path, metadata)`` opened by :meth:`metadata_for_load` for the next ``read_metadata``."""
 
@@ -138,6 +141,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(None)
+        self._object_sizes = ObjectSizes()
         if checkpoint_id and "://" in str(checkpoint_id):
             self._use_url(str(checkpoint_id))
         elif checkpoint_id:
@@ -147,13 +151,15 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     def _open_file(self, rel: str) -> Any:
         if self.store is None:
             return super()._open_file(rel)
-        # exact ranged GETs, no read-ahead; the caller checks the object's size (a HEAD) against the record
-        return self.store.open_read(self.store.join(rel))
+        # exact ranged GETs, no read-ahead; the caller checks the object's size against the record: one HEAD
+        # per object and load, however many of the rank's read tasks open it
+        return self.store.open_read(self.store.join(rel), known=self._object_sizes)
 
     def _open(self) -> tuple[Metadata, Integrity]:
         """The checkpoint's metadata and how far it can be verified (readers of other formats
         override this and inherit the error handling of :meth:`read_metadata`)."""
-        return open_checkpoint(self.fs, self.path, trust=self.trust)
+        # on a store, no listing per rank: strays are inspect's business (one LIST request saved per rank)
+        return open_checkpoint(self.fs, self.path, trust=self.trust, list_strays=self.store is None)
 
     def metadata_for_load(self) -> Metadata:
         """Open the checkpoint now for the load about to run: the next :meth:`read_metadata` (DCP's, in
