@@ -181,9 +181,9 @@ def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy
 
 def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
     """``--checkpoint.folder s3://bucket/run`` on a local S3 server (moto, its own process): saved at dp=2
-    every step with keep_latest_k=2, resumed by a Trainer at tp=2 that finds step 3 in the store itself,
-    bitwise. The folders left are the two newest committed steps, each written by ucp_dcp's writer
-    (verified sidecar on the store), the purged one gone."""
+    every step with keep_latest_k=1, resumed by a Trainer at tp=2 that finds step 3 in the store itself,
+    bitwise. Step 1 was purged (when step 2 committed); steps 2-4 are committed, written by ucp_dcp's
+    writer (verified sidecar on the store)."""
     pytest.importorskip("s3fs")
     import s3fs
 
@@ -202,7 +202,11 @@ def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
             monkeypatch.setenv(k, v)
         s3fs.S3FileSystem.clear_instance_cache()
         folders = StepFolders(url)
-        assert {n: folders.committed(n) for n in folders.steps().values()} == {"step-3": True, "step-4": True}
+        assert {n: folders.committed(n) for n in folders.steps().values()} == {
+            "step-2": True,
+            "step-3": True,
+            "step-4": True,
+        }
         assert open_path(f"{url}/step-3")[1].status == "verified"
     finally:
         s3fs.S3FileSystem.clear_instance_cache()

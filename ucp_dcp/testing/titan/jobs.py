@@ -268,9 +268,10 @@ def store_resume(
 ) -> tuple[bool, str]:
     """A resume through an object store, torchtitan's way: both jobs run with ``--checkpoint.folder url``
     (``s3://bucket/run``; ``aws``: the client configuration reaching the store). The save job (3 steps at
-    ``save_topo``) checkpoints every step keeping 2 (``keep_latest_k``), its last step a full checkpoint; the
-    resume job at ``load_topo`` finds the newest committed step in the folder itself and loads it, then trains
-    a step and saves. The state right after the load must equal the state saved at step 3 bitwise.
+    ``save_topo``) checkpoints every step keeping 1 (``keep_latest_k``: step 1 is purged when step 2 commits;
+    torchtitan does not purge at the last step), its last step a full checkpoint; the resume job at
+    ``load_topo`` finds the newest committed step in the folder itself and loads it, then trains a step and
+    saves step 4. The state right after the load must equal the state saved at step 3 bitwise.
     ``(ok, verdict line)``."""
     save, load = root / "save", root / "resume"
     for d in (save, load):
@@ -282,7 +283,7 @@ def store_resume(
         "--checkpoint.interval",
         "1",
         "--checkpoint.keep_latest_k",
-        "2",
+        "1",
         "--checkpoint.no-last_save_model_only",
     ]
     run_job(
