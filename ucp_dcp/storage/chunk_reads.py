@@ -8,7 +8,7 @@ or by ranged reads; widened to whole checksum blocks when verifying; objects who
 their checksum. What cannot be read by ranges falls back to DCP's whole-item path. A mixin: the reader
 holds the state (``storage_data``, ``fs``, checksums, stats) these methods use.
 
-Kept in one module (just over 400 lines once formatted): one mixin whose methods hand a chunk to each
+Kept in one module (about 490 lines once formatted): one mixin whose methods hand a chunk to each
 other (direct, union, mapped, fallback reads) and share the reader's verification state.
 """
 
@@ -46,6 +46,7 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
+from .object_prefetch import prefetch_batches
 from .object_streams import RangedObjectFile
 from .read_job import ReadJob, ReadStats
 from .tiled_read import plan_tiled, read_tiled, read_tiled_remote
@@ -106,7 +107,14 @@ class ChunkReads:
         try:
             with self._open_file(rel) as f:
                 self._check_size(f, rel, atoms)
+                # an object on a store: the small items' bytes in a few requests (ucp_dcp.storage.object_prefetch)
+                remote = isinstance(f, RangedObjectFile)
+                batches, of = prefetch_batches(cs, lambda c: self._whole_span(f, c)) if remote else ([], {})
+                held = -1
                 for c in cs:
+                    if of.get(id(c), held) != held:
+                        held = of[id(c)]
+                        f.prefetch(batches[held])
                     if c.info is None:
                         self._read_object(f, rel, c, job)
                     else:
@@ -120,6 +128,21 @@ class ChunkReads:
                 saved=rel,
                 hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
             ) from None
+
+    def _whole_span(self, f: Any, c: _Chunk) -> tuple[int, int] | None:
+        """The bytes chunk ``c`` needs when they are one span known without reading: an object's record, or
+        a tensor whose every item takes it whole (its data offset from the I/O table). None otherwise."""
+        info = self.storage_data[c.index]
+        if c.info is None:
+            return int(info.offset), int(info.length)
+        entry = self._io.get("items", {}).get(item_key(c.index))
+        if info.transform_descriptors or entry is None or entry[0] < 0 or c.index not in self._chunk_meta:
+            return None
+        sizes = list(self._chunk_meta[c.index][1])
+        if not all(not any(it.storage_offsets) and list(it.lengths) == sizes for it in c.items):
+            return None
+        record = self._record(f, c.index, info)  # from the I/O table: no read
+        return (int(info.offset + record.data_offset), int(record.nbytes)) if record is not None else None
 
     def _open_file(self, rel: str) -> Any:
         """A read stream of the checkpoint file ``rel`` (the reader opens object-store files its own way)."""

@@ -15,6 +15,7 @@ throttled request, errors translated to :class:`~ucp_dcp.errors.StorageAccessErr
 
 from __future__ import annotations
 
+import bisect
 import io
 import threading
 from collections import deque
@@ -67,6 +68,8 @@ class RangedObjectFile(io.RawIOBase):
         self._size = size
         self.pos = 0
         self.fetched = 0
+        self._held: list[tuple[int, bytes]] = []
+        self._held_starts: list[int] = []
 
     def readable(self) -> bool:
         return True
@@ -88,12 +91,32 @@ class RangedObjectFile(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch ``(start, length)`` ranges now, all in flight at once; reads inside one of them are then
+        served from it (replacing what an earlier prefetch held)."""
+        datas = self.read_ranges(ranges)
+        self._held = [(s, d) for (s, _), d in zip(ranges, datas)]
+        self._held_starts = [s for s, _ in self._held]
+
+    def _from_held(self, start: int, mv: memoryview) -> bool:
+        k = bisect.bisect_right(self._held_starts, start) - 1
+        if k < 0:
+            return False
+        s, data = self._held[k]
+        if start + len(mv) > s + len(data):
+            return False
+        mv[:] = data[start - s : start - s + len(mv)]
+        return True
+
     def readinto(self, out: Any) -> int:
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0:
             return 0
         start = self.pos
+        if self._held and self._from_held(start, mv):
+            self.pos += n
+            return n
         if self._size is not None:
             n = max(0, min(n, self._size - start))
             if n == 0:
