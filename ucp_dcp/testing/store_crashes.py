@@ -171,7 +171,7 @@ def store_crash_trials(env: dict[str, str], url: str, limit: int | None = None) 
     for i, (victim, n) in enumerate(points):
         gen = current + 1 + i
         try:
-            run_ranks(_save_rank, WORLD, env, url, gen, victim, n)
+            run_ranks(_save_rank, WORLD, env, url, gen, victim, n, timeout=300)
             out.notes.append(f"rank {victim} request {n}: the save finished (the kill point was not reached)")
         except RanksFailed:
             pass
@@ -193,7 +193,7 @@ def store_crash_trials(env: dict[str, str], url: str, limit: int | None = None) 
             out.notes.append(f"rank {victim} killed before request {n}: not reported as strays: {missed[:4]}")
         out.uploads_left += bool(_uploads(url))
     final = current + len(points) + 1
-    run_ranks(_save_rank, WORLD, env, url, final, -1, 0)
+    run_ranks(_save_rank, WORLD, env, url, final, -1, 0, timeout=300)
     try:
         ok = _generation(_load(url), (final,)) == final
     except Exception as e:  # noqa: BLE001
