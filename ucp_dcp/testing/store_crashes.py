@@ -162,8 +162,8 @@ def store_crash_trials(env: dict[str, str], url: str, limit: int | None = None) 
     out = StoreCrashes()
     for k, v in env.items():
         os.environ[k] = v
-    run_ranks(_save_rank, WORLD, env, url, 0, -1, 0)  # the checkpoint every kill saves over
-    counts = run_ranks(_save_rank, WORLD, env, url, 1, -1, 0)  # a clean save over it: its requests per rank
+    run_ranks(_save_rank, WORLD, env, url, 0, -1, 0, timeout=300)  # the checkpoint every kill saves over
+    counts = run_ranks(_save_rank, WORLD, env, url, 1, -1, 0, timeout=300)  # a clean save over it: requests per rank
     current = 1
     points = kill_points(counts)
     if limit is not None and limit < len(points):
