@@ -172,7 +172,7 @@ def _fetcher(data: bytes, log: list[tuple[int, int]]):
 
 @settings(max_examples=150, deadline=None)
 @given(chunks())
-def test_a_box_from_a_store_is_its_bytes_verified_by_its_tiles_fetching_at_most_5_percent_more(case):
+def test_a_box_from_a_store_is_its_bytes_verified_by_its_tiles_fetching_at_most_2_percent_more(case):
     shape, itemsize, tile, offsets, sizes = case
     grid = _grid(shape, itemsize, tile)
     arr = np.random.default_rng(0).integers(0, 256, size=(*shape[:-1], shape[-1] * itemsize), dtype=np.uint8)
@@ -193,7 +193,7 @@ def test_a_box_from_a_store_is_its_bytes_verified_by_its_tiles_fetching_at_most_
     r = box.region
     assert verified == {g * grid.bands + b for g in range(r.g0, r.g1) for b in range(r.b0, r.b1)}
     assert requests == len(log) and fetched == sum(n for _, n in log)
-    assert fetched <= 1.05 * r.nbytes(grid), "the touched tiles' bytes, gaps joined within 5%"
+    assert fetched <= 1.02 * r.nbytes(grid), "the touched tiles' bytes, gaps joined within 2%"
 
 
 @pytest.mark.parametrize("degree", [2, 4])
@@ -212,9 +212,9 @@ def test_column_slices_from_a_store_fetch_their_bytes_once(degree):
             _fetcher(arr.tobytes(), log), 0, shape, 4, grid, box, out, set(), lambda t, s: _check(sums, t, s), H
         )[0]
         assert out.tobytes() == _box_bytes(arr, offs, sizes)
-    assert arr.nbytes <= total <= 1.05 * arr.nbytes  # each slice's bytes, and gaps joined within the 5% budget
+    assert arr.nbytes <= total <= 1.02 * arr.nbytes  # each slice's bytes, and gaps joined within the 2% budget
     # narrow rows: about one request per row (the store's price of exact bytes: it serves one range a request)
-    assert 0.9 * degree * shape[0] <= len(log) <= degree * shape[0]
+    assert 0.95 * degree * shape[0] <= len(log) <= degree * shape[0]
 
 
 @settings(max_examples=200, deadline=None)
