@@ -181,9 +181,9 @@ def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy
 
 def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
     """``--checkpoint.folder s3://bucket/run`` on a local S3 server (moto, its own process): saved at dp=2
-    every step with keep_latest_k=1, resumed by a Trainer at tp=2 that finds step 3 in the store itself,
-    bitwise. Step 1 was purged (when step 2 committed); steps 2-4 are committed, written by ucp_dcp's
-    writer (verified sidecar on the store)."""
+    every step with keep_latest_k=2, resumed by a Trainer at tp=2 that finds step 3 in the store itself,
+    bitwise, and trains to step 5. Steps 1 and 2 were purged when step 4 committed; steps 3-5 are left,
+    committed, written by ucp_dcp's writer (verified sidecar on the store)."""
     pytest.importorskip("s3fs")
     import s3fs
 
@@ -203,9 +203,9 @@ def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()
         folders = StepFolders(url)
         assert {n: folders.committed(n) for n in folders.steps().values()} == {
-            "step-2": True,
             "step-3": True,
             "step-4": True,
+            "step-5": True,
         }
         assert open_path(f"{url}/step-3")[1].status == "verified"
     finally:

@@ -267,12 +267,12 @@ def store_resume(
     root: Path, assets: Path, url: str, aws: dict[str, str], save_topo: dict[str, int], load_topo: dict[str, int]
 ) -> tuple[bool, str]:
     """A resume through an object store, torchtitan's way: both jobs run with ``--checkpoint.folder url``
-    (``s3://bucket/run``; ``aws``: the client configuration reaching the store). The save job (3 steps at
-    ``save_topo``) checkpoints every step keeping 1 (``keep_latest_k``: step 1 is purged when step 2 commits;
-    torchtitan does not purge at the last step), its last step a full checkpoint; the resume job at
-    ``load_topo`` finds the newest committed step in the folder itself and loads it, then trains a step and
-    saves step 4. The state right after the load must equal the state saved at step 3 bitwise.
-    ``(ok, verdict line)``."""
+    (``s3://bucket/run``; ``aws``: the client configuration reaching the store) checkpointing every step
+    and keeping 2 (``keep_latest_k``, torchtitan's least; it does not purge at a last step). The save job
+    (3 steps at ``save_topo``, its last step a full checkpoint) leaves steps 1-3; the resume job at
+    ``load_topo`` finds the newest committed step in the folder itself, loads it, and trains to step 5,
+    purging steps 1 and 2 when step 4 commits. The state right after the load must equal the state saved at
+    step 3 bitwise. ``(ok, verdict line)``."""
     save, load = root / "save", root / "resume"
     for d in (save, load):
         shutil.rmtree(d, ignore_errors=True)
@@ -283,7 +283,7 @@ def store_resume(
         "--checkpoint.interval",
         "1",
         "--checkpoint.keep_latest_k",
-        "1",
+        "2",
         "--checkpoint.no-last_save_model_only",
     ]
     run_job(
@@ -294,7 +294,7 @@ def store_resume(
         flags,
         {**aws, "UCP_TITAN_STATE": str(save / "oracle.pt"), "UCP_TITAN_STATE_STEP": "3"},
     )
-    run_job(load_topo, load, assets, 4, flags, {**aws, "UCP_TITAN_STATE": str(load / "loaded.pt")})
+    run_job(load_topo, load, assets, 5, flags, {**aws, "UCP_TITAN_STATE": str(load / "loaded.pt")})
     oracle = torch.load(save / "oracle.pt", weights_only=False)
     loaded = torch.load(load / "loaded.pt", weights_only=False)
     problems = state_problem(state_diffs(oracle, loaded), len(oracle))
