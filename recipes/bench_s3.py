@@ -7,7 +7,7 @@ An S3 server (moto's, ``ucp_dcp.testing.s3_server``) runs in its own process on 
 ``--save-ranks`` gloo ranks to ``s3://bench/<system>`` and loaded by ``--load-ranks`` ranks sharded by rows
 (a resharding load; ``--load-dim 1``: by columns, a tensor-parallel dim change), by each system in turn,
 ``--repeats`` times; a phase's time is the slowest rank's, and the median over the repeats is reported
-(with the spread). The server runs in Python on the same cores as the ranks, so it is often the
+(with the spread); each rank's S3 client is made before the clock starts. The server runs in Python on the same cores as the ranks, so it is often the
 bottleneck: its CPU seconds per phase are reported too (from ``/proc``), with the requests it served by
 kind and the object bytes it sent (its counters, :func:`~ucp_dcp.testing.s3_server.server_stats`). ucp_dcp: ``UCPFileSystemWriter`` (multipart uploads, parts in flight, checksums,
 commit by one PUT) and ``UCPFileSystemReader`` (ranged GETs of the bytes each rank needs, several in
@@ -60,6 +60,11 @@ def _phase(rank: int, world: int, env: dict, system: str, phase: str, url: str, 
     if rank < used:
         sd = _state(rank, used, rows, target=phase == "load", dim=dim if phase == "load" else 0)
         FsspecWriter, FsspecReader = fsspec_storage()
+        # the client (s3fs and its botocore session, the same cached instance both systems use) is made and
+        # its connection opened before the clock starts: about a second per fresh process here, for either
+        from fsspec.core import url_to_fs
+
+        url_to_fs(url)[0].exists(url.split("://", 1)[1].split("/", 1)[0])
         dist.barrier(group)
         t0 = time.perf_counter()
         if phase == "save" and system == "ucp":
