@@ -1,6 +1,7 @@
 """ucp_dcp on an S3-compatible store against DCP's FsspecWriter/FsspecReader, same server, state and run.
 
     python recipes/bench_s3.py [--mib 128] [--save-ranks 2] [--load-ranks 4] [--repeats 3] [--load-dim 0]
+                               [--store-ranges exact|few]
 
 An S3 server (moto's, ``ucp_dcp.testing.s3_server``) runs in its own process on 127.0.0.1. A state of
 ``--mib`` MiB (one fp32 matrix sharded by rows, plus a replicated vector and a counter) is saved by
@@ -45,7 +46,9 @@ def _full(rows: int) -> torch.Tensor:
     return torch.randn(rows, 1024, generator=torch.Generator().manual_seed(0))
 
 
-def _phase(rank: int, world: int, env: dict, system: str, phase: str, url: str, rows: int, used: int, dim: int) -> dict:
+def _phase(
+    rank: int, world: int, env: dict, system: str, phase: str, url: str, rows: int, used: int, dim: int, ranges: str
+) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -77,7 +80,7 @@ def _phase(rank: int, world: int, env: dict, system: str, phase: str, url: str, 
         elif phase == "save":
             dcp.save(sd, storage_writer=FsspecWriter(url), process_group=group)
         elif system == "ucp":
-            reader = ucp_dcp.UCPFileSystemReader(url)
+            reader = ucp_dcp.UCPFileSystemReader(url, store_ranges=ranges)
             dcp.load(sd, storage_reader=reader, planner=ucp_dcp.UCPLoadPlanner(), process_group=group)
             out["bytes_read"] = reader.stats.bytes_read
         else:
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-ranks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load-dim", type=int, choices=(0, 1), default=0, help="the load's shard dim (1: by columns)")
+    ap.add_argument("--store-ranges", choices=("exact", "few"), default="exact", help="ucp_dcp reader's store_ranges")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from ucp_dcp.testing.processes import run_ranks
@@ -126,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 for phase, used in (("save", a.save_ranks), ("load", a.load_ranks)):
                     server_stats(endpoint, reset=True)
                     c0 = _cpu_seconds(proc.pid)
-                    res = [r for r in run_ranks(_phase, world, env, system, phase, url, rows, used, a.load_dim) if r]
+                    res = [
+                        r
+                        for r in run_ranks(
+                            _phase, world, env, system, phase, url, rows, used, a.load_dim, a.store_ranges
+                        )
+                        if r
+                    ]
                     cpu.setdefault((system, phase), []).append(_cpu_seconds(proc.pid) - c0)
                     served[(system, phase)] = server_stats(endpoint, reset=True)
                     t = max(r["seconds"] for r in res)
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     save_ratio = med[("dcp", "save")] / med[("ucp", "save")]
     load_ratio = med[("dcp", "load")] / med[("ucp", "load")]
     mb = a.mib * 2**20 / 1e6
-    how = "by rows" if a.load_dim == 0 else "by columns"
+    how = ("by rows" if a.load_dim == 0 else "by columns") + f", store_ranges={a.store_ranges}"
     print(
         f"\nS3 (moto on 127.0.0.1), {a.mib} MiB, save on {a.save_ranks} ranks, load on {a.load_ranks} ranks ({how}); "
         f"medians of {a.repeats} repeats [min-max]"

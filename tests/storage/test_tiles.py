@@ -229,3 +229,21 @@ def test_joined_ranges_cover_every_range_within_the_waste_budget(raw):
     assert sum(n for _, n in out) <= need * 1.05 + 1e-9
     assert all(any(a <= s and s + n <= a + m for a, m in out) for s, n in ivs)
     assert all(out[k][0] + out[k][1] < out[k + 1][0] for k in range(len(out) - 1)) or len(out) < 2
+
+
+def test_few_store_ranges_read_a_column_slice_as_whole_rows_in_one_request_per_window():
+    from ucp_dcp.storage.file_ranges import REMOTE_GAP
+
+    shape = (1000, 2048)
+    arr = np.random.default_rng(4).standard_normal(shape, dtype=np.float32)
+    grid = tile_grid(shape, 4)
+    sums = tile_checksums(arr.view(np.uint8).reshape(-1), grid, H)
+    (box,) = plan_tiled(grid, shape, [((0, 512), (1000, 512))])
+    log: list[tuple[int, int]] = []
+    out = np.empty(1000 * 512 * 4, dtype=np.uint8)
+    fetched, requests = read_tiled_remote(
+        _fetcher(arr.tobytes(), log), 0, shape, 4, grid, box, out, set(), lambda t, s: _check(sums, t, s), H, REMOTE_GAP
+    )
+    assert out.tobytes() == _box_bytes(arr, (0, 512), (1000, 512))
+    assert requests == len(log) <= 2  # the rows' spans joined (an 8 MiB window of tile rows each)
+    assert fetched < arr.nbytes  # from the slice's first byte to its last: not the rows' other bands

@@ -84,6 +84,7 @@ class ChunkReads:
     _chunk_meta: Any
     _block: int
     _algo: str | None
+    store_gap: int
 
     def _by_file(self, items: list[ReadItem]) -> dict[str, list[_Chunk]]:
         """Items grouped by saved chunk (a chunk feeding several boxes is one read), by file."""
@@ -192,7 +193,7 @@ class ChunkReads:
             if crcs and self._read_tiles(f, rel, c, base, record, job):
                 return
             merged = merge_intervals(starts, lens)
-            self._read_union(f, rel, c, runs, coalesce_within(merged), base, record, crcs, job)
+            self._read_union(f, rel, c, runs, coalesce_within(merged, gap=self.store_gap), base, record, crcs, job)
             return
         intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
         disjoint = intervals is None or sum(n for _, n in intervals) == total
@@ -356,7 +357,17 @@ class ChunkReads:
             out = np.frombuffer(mv, dtype=np.uint8) if n else np.empty(0, dtype=np.uint8)
             if isinstance(src, RangedObjectFile):
                 got, reqs = read_tiled_remote(
-                    src.read_ranges, base, record.shape, record.itemsize, grid, box, out, verified, check, algo
+                    src.read_ranges,
+                    base,
+                    record.shape,
+                    record.itemsize,
+                    grid,
+                    box,
+                    out,
+                    verified,
+                    check,
+                    algo,
+                    self.store_gap,
                 )
                 nbytes, requests = nbytes + got, requests + reqs
             else:

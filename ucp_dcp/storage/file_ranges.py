@@ -9,11 +9,21 @@ import io
 import mmap
 import os
 import stat
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["REMOTE_WASTE", "WINDOW", "coalesce_within", "gather_runs", "readinto", "regular_fd", "map_window"]
+__all__ = [
+    "REMOTE_GAP",
+    "REMOTE_WASTE",
+    "StoreRanges",
+    "WINDOW",
+    "coalesce_within",
+    "gather_runs",
+    "readinto",
+    "regular_fd",
+    "map_window",
+]
 
 REMOTE_WASTE = 0.02
 """Bytes a remote (object-store) read may fetch beyond those it needs, as a share of them: ranges of one
@@ -22,9 +32,23 @@ Fewer requests, each a round trip, at a bounded cost in bytes: 2 %, leaving room
 bytes read / needed for the records' framing around small items read whole."""
 
 
-def coalesce_within(intervals: list[tuple[int, int]], waste: float = REMOTE_WASTE) -> list[tuple[int, int]]:
-    """``(start, length)`` intervals, sorted and disjoint, with the smallest gaps between neighbours joined
-    while the joined gap bytes stay within ``waste`` times the intervals' bytes."""
+REMOTE_GAP = 1 << 20
+"""``store_ranges="few"``: gaps up to this size are fetched too (on a store a request costs a round trip and
+a share of the prefix's request rate, worth about this many bytes of transfer)."""
+
+StoreRanges = Literal["exact", "few"]
+"""How a reader on an object store cuts strided reads into ranged GETs: ``"exact"``, the bytes needed (gaps
+joined within :data:`REMOTE_WASTE`: a request per run otherwise, e.g. one per row of a column slice);
+``"few"``, gaps under :data:`REMOTE_GAP` fetched too (a column slice of narrow rows reads whole rows: a few
+requests, up to the whole rows' bytes)."""
+
+
+def coalesce_within(
+    intervals: list[tuple[int, int]], waste: float = REMOTE_WASTE, gap: int = 0
+) -> list[tuple[int, int]]:
+    """``(start, length)`` intervals, sorted and disjoint, with every gap of at most ``gap`` bytes joined,
+    and the smallest of the others while the joined gap bytes stay within ``waste`` times the intervals'
+    bytes."""
     if len(intervals) < 2:
         return list(intervals)
     arr = np.asarray(intervals, dtype=np.int64)
@@ -32,7 +56,7 @@ def coalesce_within(intervals: list[tuple[int, int]], waste: float = REMOTE_WAST
     budget = waste * float(arr[:, 1].sum())
     order = np.argsort(gaps, kind="stable")
     within = np.cumsum(gaps[order]) <= budget
-    join = np.zeros(len(gaps), dtype=bool)
+    join = gaps <= gap
     join[order[within]] = True  # gap i joins interval i and i + 1
     out: list[tuple[int, int]] = []
     for k, (s, n) in enumerate(arr.tolist()):

@@ -20,7 +20,7 @@ import threading
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, get_args
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -41,6 +41,7 @@ from . import read_protocol
 from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
+from .file_ranges import REMOTE_GAP, StoreRanges
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .object_streams import ObjectSizes
@@ -85,6 +86,11 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             ranged GET of exactly the bytes needed, a large one cut into pieces fetched concurrently,
             and the default ``thread_count`` is :data:`~ucp_dcp.storage.threads.STORE_REQUESTS_PER_THREAD`
             times the local one (a request waits on a round trip, not on a core).
+        store_ranges: on an object store, how strided reads (a column slice of row-sharded chunks: a
+            tensor-parallel dim change) become ranged GETs. ``"exact"``: the bytes needed (verified by tile
+            sums), a request per saved row when rows are narrow; ``"few"``: gaps under 1 MiB fetched too, so
+            such a slice reads whole rows in a few requests (up to 1/slice-fraction the bytes). A store's
+            price is per request as much as per byte (``ucp_dcp plan --request-rate`` counts both).
         read_once: who receives saved bytes several ranks need, read by one rank the coordinator
             picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
             cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
@@ -103,8 +109,14 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
         storage_options: dict[str, Any] | None = None,
+        store_ranges: StoreRanges = "exact",
     ) -> None:
         super().__init__(path, _extension_registry)
+        if store_ranges not in get_args(StoreRanges):
+            raise InvalidArgumentError(f"store_ranges={store_ranges!r}: expected one of {get_args(StoreRanges)}")
+        self.store_ranges = store_ranges
+        self.store_gap = REMOTE_GAP if store_ranges == "few" else 0
+        """Gaps a strided read on a store fetches too (0: only the bytes needed, within 2 %)."""
         self.storage_options = storage_options
         self.store: ObjectStore | None = None
         """The object store the checkpoint is read from (None: a local folder or another fsspec file system)."""

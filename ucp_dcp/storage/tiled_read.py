@@ -106,10 +106,11 @@ def read_tiled_remote(
     verified: set[int],
     check: Callable[[int, int], None],
     algo: Callable[[], object],
+    gap: int = 0,
 ) -> tuple[int, int]:
     """:func:`read_tiled` for an object on a store: ``fetch(ranges)`` returns the bytes of ``(start, length)``
-    ranges of the object (fetched concurrently). Only the bands of the box's tiles are fetched, row by row.
-    Returns ``(bytes fetched, requests)``."""
+    ranges of the object (fetched concurrently). Only the bands of the box's tiles are fetched, row by row
+    (``gap``: gaps up to this size between rows fetched too). Returns ``(bytes fetched, requests)``."""
     r = box.region
     nb, band, row_bytes = r.b1 - r.b0, grid.band_bytes, grid.row_bytes
     run = nb * band  # the touched bands of one row: contiguous in the object
@@ -117,7 +118,7 @@ def read_tiled_remote(
     r_first, r_end = box.offsets[0], box.offsets[0] + box.sizes[0]
     box_row = out.nbytes // box.sizes[0] if box.sizes[0] else 0
     fetched = requests = 0
-    for part, ranges in remote_windows(base, grid, box):
+    for part, ranges in remote_windows(base, grid, box, gap):
         w0, w1 = part.row_span(grid)
         rows = np.empty((w1 - w0, run), dtype=np.uint8)
         k = 0
@@ -145,9 +146,12 @@ def read_tiled_remote(
     return fetched, requests
 
 
-def remote_windows(base: int, grid: TileGrid, box: TiledBox) -> Iterator[tuple[TileRegion, list[tuple[int, int]]]]:
+def remote_windows(
+    base: int, grid: TileGrid, box: TiledBox, gap: int = 0
+) -> Iterator[tuple[TileRegion, list[tuple[int, int]]]]:
     """The windows of tile rows :func:`read_tiled_remote` fetches in turn for ``box``, each with its ranges:
-    the touched bands of every row, joined within :data:`~ucp_dcp.storage.file_ranges.REMOTE_WASTE`
+    the touched bands of every row, joined across gaps up to ``gap`` and within
+    :data:`~ucp_dcp.storage.file_ranges.REMOTE_WASTE`
     (``ucp_dcp plan`` counts these requests without fetching them)."""
     r = box.region
     run = (r.b1 - r.b0) * grid.band_bytes
@@ -156,7 +160,7 @@ def remote_windows(base: int, grid: TileGrid, box: TiledBox) -> Iterator[tuple[T
         part = TileRegion(g, min(r.g1, g + step), r.b0, r.b1)
         w0, w1 = part.row_span(grid)
         first = base + w0 * grid.row_bytes + r.b0 * grid.band_bytes
-        yield part, coalesce_within([(first + k * grid.row_bytes, run) for k in range(w1 - w0)])
+        yield part, coalesce_within([(first + k * grid.row_bytes, run) for k in range(w1 - w0)], gap=gap)
 
 
 def _band_tile_sums(

@@ -73,6 +73,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="object stores: ranged GETs per second one node gets answered, e.g. 5500 (S3's documented GET rate per "
         "prefix): a node's reads then take at least its requests / this rate (default: bytes only)",
     )
+    p.add_argument(
+        "--store-ranges",
+        choices=("exact", "few"),
+        default="exact",
+        help="object stores: the reader's store_ranges (exact: the bytes needed, a request per saved row of a "
+        "column slice; few: gaps under 1 MiB fetched too)",
+    )
     p.add_argument("--allow-partial-load", action="store_true", help="as UCPLoadPlanner(allow_partial_load=True)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="as UCPLoadPlanner(allow_lossy_dtype=True)")
     p.add_argument("--trust", action="store_true", help="open the checkpoint's metadata without the allow-list")
@@ -190,6 +197,7 @@ def _plan(a: argparse.Namespace, target: Any, path: str) -> Any:
         allow_partial_load=a.allow_partial_load,
         allow_lossy_dtype=a.allow_lossy_dtype,
         progress=_progress(a.progress),
+        store_ranges=a.store_ranges,
     )
 
 

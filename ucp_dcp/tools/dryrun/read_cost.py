@@ -79,15 +79,22 @@ class CostModel:
             data offset is in the item's zip directory); None: such chunks count as fallbacks.
         verify: the reader verifies checksums (its default).
         local_files: the checkpoint is on a local file system (the reader maps strided windows).
+        store_gap: on a store, the gaps the reader fetches too (its ``store_gap``: 0 for ``store_ranges="exact"``).
     """
 
     def __init__(
-        self, md: Metadata, path: str | os.PathLike | None, verify: bool = True, local_files: bool = True
+        self,
+        md: Metadata,
+        path: str | os.PathLike | None,
+        verify: bool = True,
+        local_files: bool = True,
+        store_gap: int = 0,
     ) -> None:
         self.md = md
         self.storage = md.storage_data or {}
         self.path = path
         self.local_files = local_files
+        self.store_gap = store_gap
         iot = self.storage.get(MetadataIndex(IO_KEY)) or {}
         self.io_items = iot.get("items", {})
         algo = iot.get("algo")
@@ -166,7 +173,7 @@ class CostModel:
         if not self.local_files and any(g.nruns > 1 for g in grids):  # an object: the reader's store path
             if crcs and self._tiled_remote(out, index, record, items):
                 return
-            remote = coalesce_within(merge_intervals(starts, lens))
+            remote = coalesce_within(merge_intervals(starts, lens), gap=self.store_gap)
             if crcs:
                 remote = blocks_touching(remote, record.nbytes, self.block)
             for _, n in remote:
@@ -227,7 +234,7 @@ class CostModel:
         if boxes is None or len(boxes) != len(items):
             return False
         for box in boxes:
-            for _, ranges in remote_windows(0, grid, box):
+            for _, ranges in remote_windows(0, grid, box, self.store_gap):
                 self._count(out, index, sum(n for _, n in ranges), ranges=len(ranges))
         return True
 
