@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-ranks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load-dim", type=int, choices=(0, 1), default=0, help="the load's shard dim (1: by columns)")
-    ap.add_argument("--store-ranges", choices=("exact", "few"), default="exact", help="ucp_dcp reader's store_ranges")
+    ap.add_argument("--store-ranges", choices=("few", "exact"), default="few", help="ucp_dcp reader's store_ranges")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from ucp_dcp.testing.processes import run_ranks

@@ -36,11 +36,11 @@ REMOTE_GAP = 1 << 20
 """``store_ranges="few"``: gaps up to this size are fetched too (on a store a request costs a round trip and
 a share of the prefix's request rate, worth about this many bytes of transfer)."""
 
-StoreRanges = Literal["exact", "few"]
-"""How a reader on an object store cuts strided reads into ranged GETs: ``"exact"``, the bytes needed (gaps
-joined within :data:`REMOTE_WASTE`: a request per run otherwise, e.g. one per row of a column slice);
-``"few"``, gaps under :data:`REMOTE_GAP` fetched too (a column slice of narrow rows reads whole rows: a few
-requests, up to the whole rows' bytes)."""
+StoreRanges = Literal["few", "exact"]
+"""How a reader on an object store cuts strided reads into ranged GETs: ``"few"``, gaps under
+:data:`REMOTE_GAP` fetched too (a column slice of narrow rows reads whole rows: a few requests, up to the
+whole rows' bytes); ``"exact"``, the bytes needed (gaps joined within :data:`REMOTE_WASTE`: a request per
+run otherwise, e.g. one per saved row of a column slice)."""
 
 
 def coalesce_within(

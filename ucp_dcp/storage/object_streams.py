@@ -44,6 +44,9 @@ class ObjectSizes:
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (ObjectSizes, ())  # a reader pickled (async saves, DCP's process staging) asks again
+
     def size(self, store: Any, path: str) -> int:
         """The size of object ``path`` of ``store`` (a HEAD the first time); FileNotFoundError when absent."""
         with self._lock:

@@ -87,10 +87,11 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             and the default ``thread_count`` is :data:`~ucp_dcp.storage.threads.STORE_REQUESTS_PER_THREAD`
             times the local one (a request waits on a round trip, not on a core).
         store_ranges: on an object store, how strided reads (a column slice of row-sharded chunks: a
-            tensor-parallel dim change) become ranged GETs. ``"exact"``: the bytes needed (verified by tile
-            sums), a request per saved row when rows are narrow; ``"few"``: gaps under 1 MiB fetched too, so
-            such a slice reads whole rows in a few requests (up to 1/slice-fraction the bytes). A store's
-            price is per request as much as per byte (``ucp_dcp plan --request-rate`` counts both).
+            tensor-parallel dim change) become ranged GETs. ``"few"`` (the default): gaps under 1 MiB are
+            fetched too, a request being worth about that many bytes on a store, so a slice of narrow rows
+            reads whole rows in a few requests (up to 1/slice-fraction of the bytes); ``"exact"``: the bytes
+            needed (verified by tile sums), a request per saved row when rows are narrow. ``ucp_dcp plan
+            --request-rate`` counts both.
         read_once: who receives saved bytes several ranks need, read by one rank the coordinator
             picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
             cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
@@ -109,14 +110,14 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
         storage_options: dict[str, Any] | None = None,
-        store_ranges: StoreRanges = "exact",
+        store_ranges: StoreRanges = "few",
     ) -> None:
         super().__init__(path, _extension_registry)
         if store_ranges not in get_args(StoreRanges):
             raise InvalidArgumentError(f"store_ranges={store_ranges!r}: expected one of {get_args(StoreRanges)}")
         self.store_ranges = store_ranges
         self.store_gap = REMOTE_GAP if store_ranges == "few" else 0
-        """Gaps a strided read on a store fetches too (0: only the bytes needed, within 2 %)."""
+        """Gaps a strided read on a store fetches too (0, ``"exact"``: only the bytes needed, within 2 %)."""
         self.storage_options = storage_options
         self.store: ObjectStore | None = None
         """The object store the checkpoint is read from (None: a local folder or another fsspec file system)."""

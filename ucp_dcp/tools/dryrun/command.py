@@ -75,10 +75,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--store-ranges",
-        choices=("exact", "few"),
-        default="exact",
-        help="object stores: the reader's store_ranges (exact: the bytes needed, a request per saved row of a "
-        "column slice; few: gaps under 1 MiB fetched too)",
+        choices=("few", "exact"),
+        default="few",
+        help="object stores: the reader's store_ranges (few, its default: gaps under 1 MiB fetched too; exact: "
+        "the bytes needed, a request per saved row of a column slice)",
     )
     p.add_argument("--allow-partial-load", action="store_true", help="as UCPLoadPlanner(allow_partial_load=True)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="as UCPLoadPlanner(allow_lossy_dtype=True)")

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..._compat import _create_file_view
-from ...storage.file_ranges import WINDOW, coalesce_within
+from ...storage.file_ranges import REMOTE_GAP, WINDOW, coalesce_within
 from ...storage.format import (
     HASHES,
     IO_KEY,
@@ -79,7 +79,8 @@ class CostModel:
             data offset is in the item's zip directory); None: such chunks count as fallbacks.
         verify: the reader verifies checksums (its default).
         local_files: the checkpoint is on a local file system (the reader maps strided windows).
-        store_gap: on a store, the gaps the reader fetches too (its ``store_gap``: 0 for ``store_ranges="exact"``).
+        store_gap: on a store, the gaps the reader fetches too (its ``store_gap``: 0 for ``store_ranges="exact"``,
+            :data:`~ucp_dcp.storage.file_ranges.REMOTE_GAP` for its default ``"few"``).
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class CostModel:
         path: str | os.PathLike | None,
         verify: bool = True,
         local_files: bool = True,
-        store_gap: int = 0,
+        store_gap: int = REMOTE_GAP,
     ) -> None:
         self.md = md
         self.storage = md.storage_data or {}

@@ -168,7 +168,7 @@ def plan_load(
     allow_lossy_dtype: bool = False,
     keep_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    store_ranges: StoreRanges = "exact",
+    store_ranges: StoreRanges = "few",
 ) -> PlanReport:
     """Plan the load of ``checkpoint`` into every rank of ``target`` (see the module docstring).
 
@@ -221,7 +221,7 @@ def _plan(
     allow_lossy_dtype: bool,
     keep_items: bool,
     progress: Callable[[int, int], None] | None,
-    store_gap: int = 0,
+    store_gap: int = REMOTE_GAP,
 ) -> None:
     try:
         md, integrity = open_path(checkpoint, trust=trust)
