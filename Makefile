@@ -135,6 +135,7 @@ test-gpu: $(STAMP)
 # fault injection: 100 bit flips, 20 truncations, 20 kills mid-save, crafted pickles; last line is the summary
 faults: $(STAMP)
 	$(PY) recipes/faults.py
+	$(PY) recipes/faults.py --store s3
 
 # one rank fails at each step of a load (read_once on/off, 2 and 4 ranks): every rank ends, with the cause
 chaos: $(STAMP)
@@ -180,7 +181,7 @@ s3-demo: $(STAMP)
 # ucp_dcp's object-store writer/reader against DCP's FsspecWriter/Reader on the same local S3 server, one run:
 # ratios of a save and of a resharding load (docs/performance.md)
 bench-s3: $(STAMP)
-	$(PY) recipes/bench_s3.py
+	$(PY) recipes/bench_s3.py --mib 64 --repeats 3
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

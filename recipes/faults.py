@@ -1,6 +1,7 @@
 """Fault injection: does a checkpoint survive bit flips, truncations, crashes mid-save and crafted pickles?
 
     python recipes/faults.py [--flips 100] [--truncations 20] [--crashes 20] [--only KIND] [--seed 0]
+    python recipes/faults.py --store s3 [--crashes N]
 
 * **flips**: a random bit of a random byte, spread round-robin over every file of a 2-rank
   checkpoint (data files, ``.metadata``, the sidecar). Caught when ``verify`` reports it *and* a
@@ -13,6 +14,12 @@
 * **code-exec**: crafted ``.metadata`` pickles (``inspect``, ``verify``, load), a crafted object
   value written by a hostile writer with valid checksums, and a crafted tensor record in a stock
   checkpoint. Each payload would create a marker file; counted when it does.
+
+With ``--store s3`` the crashes run against an S3-compatible server started on 127.0.0.1 (moto's, its own
+process): 4 ranks save over the checkpoint on ``s3://``, and one rank SIGKILLs itself just before each store
+request of the save in turn (every request of the coordinator and of one other rank, or ``--crashes`` of
+them spread over the walk): *lost* as above, and every object an uncommitted save left must be reported by
+``inspect`` as a stray (:mod:`ucp_dcp.testing.store_crashes`).
 
 The last line is the summary, e.g. ``FAULTS OK: flips 100/100 caught, truncations 20/20, crashes 0/20
 lost, code-exec 0/5``; ``FAULTS FAILED: ...`` (exit 1) otherwise.
@@ -421,7 +428,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flips", type=int, default=100)
     ap.add_argument("--truncations", type=int, default=20)
-    ap.add_argument("--crashes", type=int, default=20)
+    ap.add_argument("--crashes", type=int, default=None, help="crash trials (default 20; --store s3: every request)")
     ap.add_argument("--only", choices=["flips", "truncations", "crashes", "code-exec"], default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -430,8 +437,17 @@ def main() -> int:
         default="ucp",
         help="crashes only: 'dcp' runs the same kills against DCP's default planner and storage",
     )
+    ap.add_argument(
+        "--store",
+        choices=["local", "s3"],
+        default="local",
+        help="crashes only: 's3' kills a rank at each store request of a save on a local S3 server",
+    )
     a = ap.parse_args()
     warnings.simplefilter("ignore")
+    if a.store == "s3":
+        return store_main(a.crashes)
+    a.crashes = 20 if a.crashes is None else a.crashes
     rng = random.Random(a.seed)
     work = tempfile.mkdtemp(prefix="ucp-faults-")
     run = lambda k: a.only in (None, k)
@@ -476,6 +492,29 @@ def main() -> int:
     for n in notes:
         print(f"  - {n}")
     print(f"FAULTS {'FAILED' if bad else 'OK'}: {', '.join(parts)}")
+    return 1 if bad else 0
+
+
+def store_main(crashes: int | None) -> int:
+    """``--store s3``: the kill walk of :mod:`ucp_dcp.testing.store_crashes` on a local S3 server."""
+    from ucp_dcp.testing.s3_server import spawn_server
+    from ucp_dcp.testing.store_crashes import store_crash_trials
+
+    proc, env = spawn_server("faults")
+    t = time.perf_counter()
+    try:
+        out = store_crash_trials(env, "s3://faults/crash", limit=crashes)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for n in out.notes:
+        print(f"  - {n}")
+    bad = out.lost > 0 or out.undetected > 0
+    print(f"store crashes: {out.trials} kills in {time.perf_counter() - t:.1f} s", flush=True)
+    print(
+        f"FAULTS {'FAILED' if bad else 'OK'}: store crashes {out.lost}/{out.trials} lost, "
+        f"{out.undetected}/{out.trials} undetected"
+    )
     return 1 if bad else 0
 
 

@@ -1,5 +1,6 @@
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,37 @@ def reconfig_runs():
         return done[(save, load)]
 
     return run
+
+
+# -- the S3-compatible server the object-store tests use (tests/storage, tests/torchtitan, tests/tools) --------
+
+S3_BUCKET = "ucp-tests"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A running :class:`~ucp_dcp.testing.s3_server.S3Server` with bucket :data:`S3_BUCKET`; this process's
+    AWS settings point at it for the session (the pool's workers get them per task: ``D.setenv`` of ``server.env()``)."""
+    from ucp_dcp.testing.s3_server import S3Server
+
+    server = S3Server().start()
+    server.create_bucket(S3_BUCKET)
+    server.bucket = S3_BUCKET
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server):
+    """The server with its faults off and counters reset, and a prefix of its own for this test."""
+    s3_server.faults.clear()
+    s3_server.prefix = f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
+    yield s3_server
+    s3_server.faults.clear()

@@ -173,9 +173,9 @@ def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     return sync(fs.loop, fs._call_s3, method, **kwargs)
 
 
-def cat_ranges_concurrently(fs: Any, path: str, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+def cat_ranges_concurrently(fs: Any, path: str, ranges: list[tuple[int, int]], limit: int = 32) -> list[bytes] | None:
     """The byte ranges ``[start, end)`` of one object fetched concurrently on an async fsspec file system's
-    loop (its coroutine ``_cat_file``); None when ``fs`` is not async."""
+    loop (its coroutine ``_cat_file``), at most ``limit`` in flight; None when ``fs`` is not async."""
     if not hasattr(fs, "_cat_file") or getattr(fs, "loop", None) is None:
         return None
     import asyncio
@@ -183,7 +183,13 @@ def cat_ranges_concurrently(fs: Any, path: str, ranges: list[tuple[int, int]]) -
     from fsspec.asyn import sync
 
     async def gather() -> list[bytes]:
-        return list(await asyncio.gather(*(fs._cat_file(path, start=s, end=e) for s, e in ranges)))
+        gate = asyncio.Semaphore(limit)
+
+        async def one(s: int, e: int) -> bytes:
+            async with gate:
+                return await fs._cat_file(path, start=s, end=e)
+
+        return list(await asyncio.gather(*(one(s, e) for s, e in ranges)))
 
     return sync(fs.loop, gather)
 

@@ -177,3 +177,42 @@ def test_stock_checkpoint_resumes_with_the_one_flag_switch_and_dataloader_policy
         {"dp": 1}, tmp_path / "restart", assets, 3, flags, {}, config=tr.STOCK_CONFIG, overrides=[restart, loader]
     )
     assert ok.returncode == 0 and "dataloader_policy='restart'" in ok.stdout + ok.stderr
+
+
+def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
+    """``--checkpoint.folder s3://bucket/run`` on a local S3 server (moto, its own process): saved at dp=2
+    every step with keep_latest_k=2, resumed by a Trainer at tp=2 that finds step 3 in the store itself,
+    bitwise, and trains to step 5. Steps 1 and 2 were purged when step 4 committed; steps 3-5 are left,
+    committed, written by ucp_dcp's writer (verified sidecar on the store)."""
+    pytest.importorskip("s3fs")
+    import s3fs
+
+    from ucp_dcp.storage.opening import open_path
+    from ucp_dcp.testing.s3_server import spawn_server
+    from ucp_dcp.torchtitan.step_folders import StepFolders
+
+    assets = make_assets(tmp_path / "assets")
+    proc, aws = spawn_server("titan")
+    url = "s3://titan/run/checkpoint"
+    try:
+        ok, line = tr.store_resume(tmp_path, assets, url, aws, {"dp": 2}, {"tp": 2})
+        assert ok, line
+        assert f"Loading the checkpoint from {url}/step-3" in _log_at(tmp_path / "resume")
+        for k, v in aws.items():
+            monkeypatch.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        folders = StepFolders(url)
+        assert {n: folders.committed(n) for n in folders.steps().values()} == {
+            "step-3": True,
+            "step-4": True,
+            "step-5": True,
+        }
+        assert open_path(f"{url}/step-3")[1].status == "verified"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _log_at(folder):
+    return (folder / "log.txt").read_text()

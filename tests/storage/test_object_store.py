@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp
 import ucp_dcp.storage.object_store as OS
+import ucp_dcp.storage.object_streams as streams
 from ucp_dcp import CheckpointNotFoundError, IncompleteCheckpointError, StorageAccessError, UCPFileSystemWriter
 from ucp_dcp.storage.commit import METADATA
 from ucp_dcp.storage.object_store import ObjectStore
@@ -82,8 +83,8 @@ def _kill_walk(s3, monkeypatch, sample: bool) -> None:
     (killed before the .metadata PUT) or the new one (after), bitwise; a killed save that wrote anything
     is detected (stray objects ``inspect`` reports, or multipart uploads left open); the next clean save
     removes the strays and aborts those uploads."""
-    monkeypatch.setattr(OS, "PART_BYTES", 5 << 20)
-    monkeypatch.setattr(OS, "SINGLE_PUT_BYTES", 5 << 20)
+    monkeypatch.setattr(streams, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(streams, "SINGLE_PUT_BYTES", 5 << 20)
     path = s3.prefix
     _save(_state(0, BIG), path)
     clean: list[str] = []
@@ -240,3 +241,36 @@ def test_verify_and_inspect_on_s3(s3, capsys):
     assert main(["verify", s3.prefix]) == 1
     assert "CORRUPT" in capsys.readouterr().out
     _raises(lambda: _load(s3.prefix), ucp_dcp.ChecksumError)
+
+
+def _plan_target(rank, world_size):
+    """``ucp_dcp plan``'s function target: the state one process loads."""
+    return {"w": torch.zeros(ROWS, 1024), "b": torch.zeros(16), "step": -1, "tag": ""}
+
+
+def test_plan_on_s3_reads_the_store_and_bounds_time_by_requests(s3, capsys):
+    from ucp_dcp.tools.cli import main
+
+    _save(_state(0), s3.prefix)
+    s3.faults.clear()
+    args = ["plan", s3.prefix, "--target", "test_object_store:_plan_target", "--world-size", "1"]
+    assert main([*args, "--bandwidth", "1GB/s", "--request-rate", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "LOADS" in out and "integrity: verified" in out and "bound by the busiest node's requests" in out, out
+    assert s3.faults.bytes_out["GET data"] == 0, "planning reads metadata, not data"
+
+
+def test_many_small_items_are_fetched_in_a_few_requests(s3):
+    """A model's norms and biases: 100 tensors of 4 KiB beside a 4 MiB matrix. Each read on its own is a GET
+    (100+); the reader fetches the small items' bytes together, joined across their records' framing, and
+    the bytes the server sends stay within 5 % of the state's."""
+    sd = {f"n{i}": torch.randn(1024, generator=torch.Generator().manual_seed(i)) for i in range(100)}
+    sd["w"] = torch.randn(1024, 1024)
+    ucp_dcp.save(sd, s3.prefix)
+    s3.faults.clear()
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ucp_dcp.load(got, s3.prefix)
+    assert tensors_equal(got, sd)
+    needed = sum(v.numel() * 4 for v in sd.values())
+    assert s3.faults.requests["GET object"] <= 2 + 8, dict(s3.faults.requests)  # .metadata, sidecar, data
+    assert s3.faults.bytes_out["GET data"] <= 1.05 * needed

@@ -1,23 +1,27 @@
-"""A job saved on 2 gloo ranks to s3:// (moto's server on 127.0.0.1) resumes on 3 ranks at another layout,
-bitwise, fetching exactly the bytes it needs from the store, where DCP's FsspecReader fetches several times
-that; a tensor-parallel dim change (column slices of the saved rows) loads bitwise with checksums verified."""
+"""A job saved on 2 gloo ranks to s3:// (moto's server on 127.0.0.1) resumes on 4 ranks at another layout,
+bitwise, fetching exactly the bytes it needs from the store (counted at the server), where DCP's
+FsspecReader fetches several times that; a tensor-parallel dim change (column slices of the saved rows)
+loads bitwise with checksums verified, fetching the slices' bytes only (tile sums), not the whole 1 MiB
+checksum blocks the rows fall in. The pool's usual world sizes (2 and 4)."""
 
 from __future__ import annotations
+
+import uuid
 
 import dist as D
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner
+from ucp_dcp.testing.elastic import rank_stats
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
-ROWS, COLS = 1024, 1024  # 4 MiB of fp32: 2 MiB per saved rank
+ROWS, COLS = 256, 1024  # 1 MiB of fp32: 512 KiB per saved rank, 4 KiB rows (8 tile bands of 512 B)
 
 
 def _full() -> torch.Tensor:
@@ -31,21 +35,21 @@ def _env(env: dict) -> None:
 
 def _save_worker(rank, world, env, path):
     _env(env)
-    group = dist.new_group([0, 1])
-    if rank < 2:
-        mesh = DeviceMesh("cpu", torch.arange(2))
-        w = distribute_tensor(_full(), mesh, [Shard(0)], src_data_rank=None)
-        ucp_dcp.save({"w": w, "b": torch.arange(8.0), "step": 5}, path, process_group=group)
-    dist.barrier()
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    w = distribute_tensor(_full(), mesh, [Shard(0)], src_data_rank=None)
+    ucp_dcp.save({"w": w, "b": torch.arange(8.0), "step": 5}, path)
 
 
-def _load_worker(rank, world, env, path, dim, system, verify):
+def _load_worker(rank, world, env, path, dim, system, verify, ranges="exact"):
     _env(env)
     mesh = DeviceMesh("cpu", torch.arange(world))
     tgt = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)], src_data_rank=None)
     sd = {"w": tgt, "b": torch.zeros(8), "step": -1}
+    stats = None
     if system == "ucp":
-        dcp.load(sd, storage_reader=UCPFileSystemReader(path, verify_checksums=verify), planner=UCPLoadPlanner())
+        reader = UCPFileSystemReader(path, verify_checksums=verify, store_ranges=ranges)
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        stats = rank_stats(reader)
     else:  # DCP's own fsspec reader and default planner, on the same checkpoint (ours is DCP's format)
         from ucp_dcp._compat import fsspec_storage
 
@@ -53,21 +57,37 @@ def _load_worker(rank, world, env, path, dim, system, verify):
         dcp.load(sd, storage_reader=FsspecReader(path))
     expect = distribute_tensor(_full(), mesh, [Shard(dim)], src_data_rank=None).to_local()
     ok = torch.equal(tgt.to_local(), expect) and torch.equal(sd["b"], torch.arange(8.0)) and sd["step"] == 5
-    return ok, tgt.to_local().numel() * 4
+    return ok, tgt.to_local().numel() * 4, stats
+
+
+def _target(rank, world, dim=1):
+    """The load's state dict for ``ucp_dcp plan`` (a function target: built under its fake process group)."""
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    w = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)], src_data_rank=None)
+    return {"w": w, "b": torch.zeros(8), "step": -1}
+
+
+@pytest.fixture(scope="module")
+def _saved_once(s3_server):
+    """One 2-rank save for the module's loads (each load only reads it)."""
+    prefix = f"s3://{s3_server.bucket}/dist-{uuid.uuid4().hex[:8]}"
+    D.run(_save_worker, 2, s3_server.env(), prefix, timeout=300)
+    return prefix
 
 
 @pytest.fixture
-def saved(s3):
-    D.run(_save_worker, 3, s3.env(), s3.prefix, timeout=300)
+def saved(s3, _saved_once):
+    """The server with its counters reset and ``prefix`` the saved checkpoint."""
     s3.faults.clear()
+    s3.prefix = _saved_once
     return s3
 
 
 @pytest.mark.quick
-def test_a_2_rank_save_loads_on_3_ranks_fetching_only_the_needed_bytes(saved):
-    res = D.run(_load_worker, 3, saved.env(), saved.prefix, 0, "ucp", False, timeout=300)
-    assert all(ok for ok, _ in res)
-    needed = sum(n for _, n in res)
+def test_a_2_rank_save_loads_on_4_ranks_fetching_only_the_needed_bytes(saved):
+    res = D.run(_load_worker, 4, saved.env(), saved.prefix, 0, "ucp", False, timeout=300)
+    assert all(ok for ok, _, _ in res)
+    needed = sum(n for _, n, _ in res)
     fetched = saved.faults.bytes_out["GET data"]
     # the replicated "b" and the "step" object (bytes each rank reads whole) are the only bytes over "w"'s
     assert needed <= fetched <= 1.05 * needed, (fetched, needed)
@@ -75,11 +95,36 @@ def test_a_2_rank_save_loads_on_3_ranks_fetching_only_the_needed_bytes(saved):
 
 def test_dcps_fsspec_reader_fetches_several_times_the_needed_bytes(saved):
     """The comparison the test above stands on: the same load through DCP's FsspecReader."""
-    res = D.run(_load_worker, 3, saved.env(), saved.prefix, 0, "dcp", False, timeout=300)
-    assert all(ok for ok, _ in res)
-    assert saved.faults.bytes_out["GET data"] >= 1.5 * sum(n for _, n in res)
+    res = D.run(_load_worker, 4, saved.env(), saved.prefix, 0, "dcp", False, timeout=300)
+    assert all(ok for ok, _, _ in res)
+    assert saved.faults.bytes_out["GET data"] >= 1.5 * sum(n for _, n, _ in res)
 
 
-def test_a_tp_dim_change_loads_bitwise_with_checksums_verified(saved):
-    res = D.run(_load_worker, 3, saved.env(), saved.prefix, 1, "ucp", True, timeout=300)
-    assert all(ok for ok, _ in res)
+def test_a_tp_dim_change_loads_bitwise_with_checksums_verified_fetching_only_the_slices(saved):
+    """``store_ranges="exact"``: column slices of the saved rows, each rank fetching a quarter of every row.
+    Verified by whole 1 MiB checksum blocks, that is every saved byte on every rank (4x); by the tiles, the
+    slices' bytes."""
+    res = D.run(_load_worker, 4, saved.env(), saved.prefix, 1, "ucp", True, "exact", timeout=300)
+    assert all(ok for ok, _, _ in res)
+    needed = sum(n for _, n, _ in res)
+    fetched = saved.faults.bytes_out["GET data"]
+    assert needed <= fetched <= 1.05 * needed, (fetched, needed)
+    # ucp_dcp plan on the s3:// URL: every rank's bytes and requests are the load's (ReadStats)
+    from ucp_dcp.tools.dryrun import FunctionTarget, plan_load
+
+    report = plan_load(saved.prefix, FunctionTarget(_target, 4, "dim 1"), device="cpu", store_ranges="exact")
+    assert report.loads, report.problems
+    planned = [(r.bytes_read, r.reads) for r in report.ranks]
+    assert planned == [(st["bytes_read"], st["reads"]) for _, _, st in res], planned
+
+
+def test_few_store_ranges_read_a_tp_dim_change_in_a_few_requests_as_planned(saved):
+    """``store_ranges="few"``: the same column slices fetched as whole rows (gaps under 1 MiB joined), a few
+    requests per rank instead of one per row; ``ucp_dcp plan --store-ranges few`` counts the same."""
+    res = D.run(_load_worker, 4, saved.env(), saved.prefix, 1, "ucp", True, "few", timeout=300)
+    assert all(ok for ok, _, _ in res)
+    assert all(st["reads"] <= 8 for _, _, st in res), [st["reads"] for _, _, st in res]
+    from ucp_dcp.tools.dryrun import FunctionTarget, plan_load
+
+    report = plan_load(saved.prefix, FunctionTarget(_target, 4, "dim 1"), device="cpu", store_ranges="few")
+    assert [(r.bytes_read, r.reads) for r in report.ranks] == [(st["bytes_read"], st["reads"]) for _, _, st in res]

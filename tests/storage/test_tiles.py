@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ucp_dcp.errors import CorruptCheckpointError
-from ucp_dcp.storage.tiled_read import plan_tiled, read_tiled
+from ucp_dcp.storage.tiled_read import plan_tiled, read_tiled, read_tiled_remote
 from ucp_dcp.storage.tiles import TileGrid, region_tile_sums, saved_tile_grid, tile_checksums, tile_grid, tile_region
 
 H = xxhash.xxh3_64
@@ -157,3 +157,93 @@ def test_a_flipped_byte_in_a_read_tile_is_caught_and_one_outside_is_not_read(tmp
 def _check(sums, t, s):
     if sums[t] != s:
         raise ValueError(f"tile {t}")
+
+
+# -- the same boxes from an object on a store: ranged requests of the touched bands of each row ------------
+
+
+def _fetcher(data: bytes, log: list[tuple[int, int]]):
+    def fetch(ranges):
+        log.extend(ranges)
+        return [data[s : s + n] for s, n in ranges]
+
+    return fetch
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunks())
+def test_a_box_from_a_store_is_its_bytes_verified_by_its_tiles_fetching_at_most_2_percent_more(case):
+    shape, itemsize, tile, offsets, sizes = case
+    grid = _grid(shape, itemsize, tile)
+    arr = np.random.default_rng(0).integers(0, 256, size=(*shape[:-1], shape[-1] * itemsize), dtype=np.uint8)
+    sums = tile_checksums(arr.reshape(-1), grid, H)
+    (box,) = plan_tiled(grid, shape, [(offsets, sizes)]) or [None]
+    if box is None:
+        return
+    log: list[tuple[int, int]] = []
+    out = np.empty(math.prod(sizes) * itemsize, dtype=np.uint8)
+    verified: set[int] = set()
+    fetched, requests = read_tiled_remote(
+        _fetcher(b"\0" * 7 + arr.tobytes(), log), 7, shape, itemsize, grid, box, out, verified,
+        lambda t, s: _check(sums, t, s), H,
+    )  # fmt: skip
+    byte_sizes = (*sizes[:-1], sizes[-1] * itemsize)
+    byte_offsets = (*offsets[:-1], offsets[-1] * itemsize)
+    assert out.tobytes() == _box_bytes(arr, byte_offsets, byte_sizes)
+    r = box.region
+    assert verified == {g * grid.bands + b for g in range(r.g0, r.g1) for b in range(r.b0, r.b1)}
+    assert requests == len(log) and fetched == sum(n for _, n in log)
+    assert fetched <= 1.02 * r.nbytes(grid), "the touched tiles' bytes, gaps joined within 2%"
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_column_slices_from_a_store_fetch_their_bytes_once(degree):
+    shape = (1000, 2048)  # as the local test: 16 bands of 512 B, a short last tile row
+    arr = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+    grid = tile_grid(shape, 4)
+    sums = tile_checksums(arr.view(np.uint8).reshape(-1), grid, H)
+    per = shape[1] // degree
+    boxes = [((0, k * per), (shape[0], per)) for k in range(degree)]
+    log: list[tuple[int, int]] = []
+    total = 0
+    for (offs, sizes), box in zip(boxes, plan_tiled(grid, shape, boxes)):
+        out = np.empty(math.prod(sizes) * 4, dtype=np.uint8)
+        total += read_tiled_remote(
+            _fetcher(arr.tobytes(), log), 0, shape, 4, grid, box, out, set(), lambda t, s: _check(sums, t, s), H
+        )[0]
+        assert out.tobytes() == _box_bytes(arr, offs, sizes)
+    assert arr.nbytes <= total <= 1.02 * arr.nbytes  # each slice's bytes, and gaps joined within the 2% budget
+    # narrow rows: about one request per row (the store's price of exact bytes: it serves one range a request)
+    assert 0.95 * degree * shape[0] <= len(log) <= degree * shape[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=0, max_size=30))
+def test_joined_ranges_cover_every_range_within_the_waste_budget(raw):
+    from ucp_dcp.storage.file_ranges import coalesce_within
+    from ucp_dcp.storage.format import merge_intervals
+
+    ivs = merge_intervals(np.array([s for s, _ in raw], dtype=np.int64), np.array([n for _, n in raw], dtype=np.int64))
+    out = coalesce_within(ivs, 0.05)
+    need = sum(n for _, n in ivs)
+    assert sum(n for _, n in out) <= need * 1.05 + 1e-9
+    assert all(any(a <= s and s + n <= a + m for a, m in out) for s, n in ivs)
+    assert all(out[k][0] + out[k][1] < out[k + 1][0] for k in range(len(out) - 1)) or len(out) < 2
+
+
+def test_few_store_ranges_read_a_column_slice_as_whole_rows_in_one_request_per_window():
+    from ucp_dcp.storage.file_ranges import REMOTE_GAP
+
+    shape = (1000, 2048)
+    arr = np.random.default_rng(4).standard_normal(shape, dtype=np.float32)
+    grid = tile_grid(shape, 4)
+    sums = tile_checksums(arr.view(np.uint8).reshape(-1), grid, H)
+    (box,) = plan_tiled(grid, shape, [((0, 512), (1000, 512))])
+    log: list[tuple[int, int]] = []
+    out = np.empty(1000 * 512 * 4, dtype=np.uint8)
+    fetched, requests = read_tiled_remote(
+        _fetcher(arr.tobytes(), log), 0, shape, 4, grid, box, out, set(), lambda t, s: _check(sums, t, s), H, REMOTE_GAP
+    )
+    assert out.tobytes() == _box_bytes(arr, (0, 512), (1000, 512))
+    assert requests == len(log) <= 2  # the rows' spans joined (an 8 MiB window of tile rows each)
+    assert fetched < arr.nbytes  # from the slice's first byte to its last: not the rows' other bands

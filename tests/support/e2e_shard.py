@@ -37,7 +37,7 @@ CORE = {
     "one-rank failures end every rank with the cause (a killed rank included)": "tests/storage/test_peer_failures.py::test_make_chaos_sample_ends_every_case_with_the_cause",
 }
 """The e2e items every CI run takes, one per capability (items marked ``e2e_core`` are core too)."""
-SHARDS = 5
+SHARDS = 6
 """How many shards the non-core items are split into; each should fit :data:`SHARD_BUDGET_S`."""
 SHARD_BUDGET_S = 660.0
 """The most one shard may take by the recorded durations (the README's e2e budget is core + one shard)."""

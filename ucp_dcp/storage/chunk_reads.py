@@ -8,7 +8,7 @@ or by ranged reads; widened to whole checksum blocks when verifying; objects who
 their checksum. What cannot be read by ranges falls back to DCP's whole-item path. A mixin: the reader
 holds the state (``storage_data``, ``fs``, checksums, stats) these methods use.
 
-Kept in one module (just over 400 lines once formatted): one mixin whose methods hand a chunk to each
+Kept in one module (about 490 lines once formatted): one mixin whose methods hand a chunk to each
 other (direct, union, mapped, fallback reads) and share the reader's verification state.
 """
 
@@ -32,7 +32,7 @@ from .._compat import _create_file_view, narrow_tensor_by_index
 from ..errors import CorruptCheckpointError, MissingFileError, TruncatedFileError, UCPError, UnsafeCheckpointError
 from .checksums import BlockChecker
 from .commit import Integrity
-from .file_ranges import WINDOW, gather_runs, map_window, readinto, regular_fd
+from .file_ranges import WINDOW, coalesce_within, gather_runs, map_window, readinto, regular_fd
 from .format import (
     HASHES,
     BoxGrid,
@@ -46,9 +46,10 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
-from .object_store import RangedObjectFile
+from .object_prefetch import prefetch_batches
+from .object_streams import RangedObjectFile
 from .read_job import ReadJob, ReadStats
-from .tiled_read import plan_tiled, read_tiled
+from .tiled_read import plan_tiled, read_tiled, read_tiled_remote
 from .tiles import saved_tile_grid
 
 __all__ = ["ChunkReads"]
@@ -83,6 +84,7 @@ class ChunkReads:
     _chunk_meta: Any
     _block: int
     _algo: str | None
+    store_gap: int
 
     def _by_file(self, items: list[ReadItem]) -> dict[str, list[_Chunk]]:
         """Items grouped by saved chunk (a chunk feeding several boxes is one read), by file."""
@@ -106,7 +108,14 @@ class ChunkReads:
         try:
             with self._open_file(rel) as f:
                 self._check_size(f, rel, atoms)
+                # an object on a store: the small items' bytes in a few requests (ucp_dcp.storage.object_prefetch)
+                remote = isinstance(f, RangedObjectFile)
+                batches, of = prefetch_batches(cs, lambda c: self._whole_span(f, c)) if remote else ([], {})
+                held = -1
                 for c in cs:
+                    if of.get(id(c), held) != held:
+                        held = of[id(c)]
+                        f.prefetch(batches[held])
                     if c.info is None:
                         self._read_object(f, rel, c, job)
                     else:
@@ -120,6 +129,21 @@ class ChunkReads:
                 saved=rel,
                 hint="the checkpoint is incomplete (a partial copy?); copy the whole folder again",
             ) from None
+
+    def _whole_span(self, f: Any, c: _Chunk) -> tuple[int, int] | None:
+        """The bytes chunk ``c`` needs when they are one span known without reading: an object's record, or
+        a tensor whose every item takes it whole (its data offset from the I/O table). None otherwise."""
+        info = self.storage_data[c.index]
+        if c.info is None:
+            return int(info.offset), int(info.length)
+        entry = self._io.get("items", {}).get(item_key(c.index))
+        if info.transform_descriptors or entry is None or entry[0] < 0 or c.index not in self._chunk_meta:
+            return None
+        sizes = list(self._chunk_meta[c.index][1])
+        if not all(not any(it.storage_offsets) and list(it.lengths) == sizes for it in c.items):
+            return None
+        record = self._record(f, c.index, info)  # from the I/O table: no read
+        return (int(info.offset + record.data_offset), int(record.nbytes)) if record is not None else None
 
     def _open_file(self, rel: str) -> Any:
         """A read stream of the checkpoint file ``rel`` (the reader opens object-store files its own way)."""
@@ -163,9 +187,13 @@ class ChunkReads:
         starts = np.concatenate([st for st, _ in runs.values()])
         lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs.values()])
         if isinstance(f, RangedObjectFile) and any(g.nruns > 1 for g in grids.values()):
-            # a remote file: one request per run costs a round trip each; runs close together are one range
+            # a remote file: a request per run costs a round trip each; runs are joined across their smallest
+            # gaps within REMOTE_WASTE of the bytes needed. Boxes taking whole dims >= 2 of a chunk with tile
+            # sums are verified by their tiles (exact bytes), others by whole checksum blocks.
+            if crcs and self._read_tiles(f, rel, c, base, record, job):
+                return
             merged = merge_intervals(starts, lens)
-            self._read_union(f, rel, c, runs, coalesce(merged, REMOTE_GAP), base, record, crcs, job)
+            self._read_union(f, rel, c, runs, coalesce_within(merged, gap=self.store_gap), base, record, crcs, job)
             return
         intervals = merge_intervals(starts, lens) if len(c.items) > 1 or crcs else None
         disjoint = intervals is None or sum(n for _, n in intervals) == total
@@ -220,8 +248,19 @@ class ChunkReads:
         if crcs:
             intervals = blocks_touching(intervals, record.nbytes, self._block)
         buffers = []
-        for start, length in intervals:
-            buf = self._pread(f, base + start, length, c.index)
+        fetched = None
+        if isinstance(f, RangedObjectFile) and len(intervals) > 1:  # all in flight at once: a round trip, not n
+            fetched = f.read_ranges([(base + s, n) for s, n in intervals])
+            for (_, n), data in zip(intervals, fetched):
+                if len(data) != n:
+                    raise TruncatedFileError(
+                        f"checkpoint file {rel} ended early reading '{c.index.fqn}': the file is truncated",
+                        atom=c.index.fqn,
+                        hint="restore the file from a good copy",
+                    )
+                self._note(c.index, n)
+        for k, (start, length) in enumerate(intervals):
+            buf = memoryview(fetched[k]) if fetched is not None else self._pread(f, base + start, length, c.index)
             if crcs:
                 self._checker.verify(buf, start, crcs, rel, c.index)
             buffers.append((start, buf))
@@ -293,9 +332,10 @@ class ChunkReads:
             self.stats.ranges += 1
             self.stats.items.append(item_key(c.index))
 
-    def _read_tiles(self, fd: int, rel: str, c: _Chunk, base: int, record: TensorRecord, job: ReadJob) -> bool:
+    def _read_tiles(self, src: Any, rel: str, c: _Chunk, base: int, record: TensorRecord, job: ReadJob) -> bool:
         """Strided boxes verified by the chunk's tile sums (reading the tiles they touch, not whole
-        checksum blocks); False when the chunk has none or a box does not take whole dims >= 2."""
+        checksum blocks), from a local file's descriptor or an object (:class:`RangedObjectFile`);
+        False when the chunk has none or a box does not take whole dims >= 2."""
         entry = self._crc.get(item_key(c.index))
         tiles = entry[3] if entry is not None and len(entry) > 3 else None
         if not tiles:
@@ -304,8 +344,9 @@ class ChunkReads:
         boxes = plan_tiled(grid, record.shape, [(it.storage_offsets, it.lengths) for it in c.items])
         if boxes is None:
             return False
-        sums, nbytes = tiles[2], 0
+        sums, nbytes, requests = tiles[2], 0, 0
         verified: set[int] = set()
+        algo = HASHES[self._algo or ""]
 
         def check(t: int, got: int) -> None:
             self._checker.check_tile(t, got, sums, rel, c.index)
@@ -314,13 +355,28 @@ class ChunkReads:
             n = math.prod(box.sizes) * record.itemsize
             target, mv = job.destination(item, record, n)
             out = np.frombuffer(mv, dtype=np.uint8) if n else np.empty(0, dtype=np.uint8)
-            nbytes += read_tiled(
-                fd, base, record.shape, record.itemsize, grid, box, out, verified, check, HASHES[self._algo or ""]
-            )
+            if isinstance(src, RangedObjectFile):
+                got, reqs = read_tiled_remote(
+                    src.read_ranges,
+                    base,
+                    record.shape,
+                    record.itemsize,
+                    grid,
+                    box,
+                    out,
+                    verified,
+                    check,
+                    algo,
+                    self.store_gap,
+                )
+                nbytes, requests = nbytes + got, requests + reqs
+            else:
+                nbytes += read_tiled(src, base, record.shape, record.itemsize, grid, box, out, verified, check, algo)
+                requests += 1
             job.finish(item, target, mv, record)
         with self._lock:
             self.stats.bytes_read += nbytes
-            self.stats.ranges += 1
+            self.stats.ranges += requests
             self.stats.items.append(item_key(c.index))
         return True
 
@@ -445,22 +501,6 @@ class ChunkReads:
             self.stats.bytes_read += int(nbytes)
             self.stats.ranges += 1
             self.stats.items.append(item_key(index))
-
-
-REMOTE_GAP = 64 << 10
-"""Byte runs of a remote (object-store) file closer than this are fetched as one range: a request
-costs a round trip, and 64 KiB travel in about the time of one."""
-
-
-def coalesce(intervals: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
-    """``(start, length)`` intervals in order, neighbours less than ``gap`` bytes apart joined."""
-    out: list[tuple[int, int]] = []
-    for s, n in intervals:
-        if out and s - (out[-1][0] + out[-1][1]) < gap:
-            out[-1] = (out[-1][0], s + n - out[-1][0])
-        else:
-            out.append((s, n))
-    return out
 
 
 def _names(atoms: list[str]) -> str:

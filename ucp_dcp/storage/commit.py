@@ -200,12 +200,15 @@ def _read_if_there(fs: Any, path: Any) -> bytes | None:
         raise refused("GET", str(path), e) from None
 
 
-def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadata, Integrity]:
+def open_checkpoint(fs: Any, path: Any, *, trust: bool = False, list_strays: bool = True) -> tuple[Metadata, Integrity]:
     """Metadata of the checkpoint at ``path`` and how far it can be verified. Never unpickles a
-    checkpoint that has a sidecar; a stock one only through the safe unpickler (unless ``trust``)."""
+    checkpoint that has a sidecar; a stock one only through the safe unpickler (unless ``trust``).
+    ``list_strays=False``: no listing when ``.metadata`` and its sidecar open by name (``Integrity.strays``
+    is then empty): a load on an object store skips a LIST request per rank that only diagnostics use."""
     # .metadata and its sidecar are opened by name; the listing only names what else the folder holds
     md_bytes = _read_if_there(fs, fs.concat_path(path, METADATA))
-    st = scan(fs, path)
+    listed = list_strays or md_bytes is None
+    st = scan(fs, path) if listed else DirState(has_metadata=True)
     if st is None and md_bytes is None:
         raise CheckpointNotFoundError(
             f"no checkpoint at {path}: the folder does not exist", hint="check the path (and that the save finished)"
@@ -229,6 +232,8 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False) -> tuple[Metadat
     h = metadata_hash(md_bytes)
     side = sidecar_name(h)
     side_bytes = _read_if_there(fs, fs.concat_path(path, side))
+    if side_bytes is None and not listed:  # what else the folder holds decides how it opens
+        st = scan(fs, path) or DirState()
     if side_bytes is not None:
         body = decode_sidecar(side_bytes, side)
         if body["metadata"] != {"xxh3_128": h, "bytes": len(md_bytes)}:

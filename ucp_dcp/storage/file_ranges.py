@@ -1,5 +1,6 @@
 """Reading byte ranges of checkpoint files: preads that finish short reads, page-cache mappings of
-bounded windows, and gathering equal-length runs out of read intervals."""
+bounded windows, gathering equal-length runs out of read intervals, and joining the ranges of a remote
+file into fewer requests within a byte budget."""
 
 from __future__ import annotations
 
@@ -8,11 +9,62 @@ import io
 import mmap
 import os
 import stat
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["WINDOW", "gather_runs", "readinto", "regular_fd", "map_window"]
+__all__ = [
+    "REMOTE_GAP",
+    "REMOTE_WASTE",
+    "StoreRanges",
+    "WINDOW",
+    "coalesce_within",
+    "gather_runs",
+    "readinto",
+    "regular_fd",
+    "map_window",
+]
+
+REMOTE_WASTE = 0.02
+"""Bytes a remote (object-store) read may fetch beyond those it needs, as a share of them: ranges of one
+file are joined across their gaps, smallest gaps first, while the gaps fetched stay within this share.
+Fewer requests, each a round trip, at a bounded cost in bytes: 2 %, leaving room under the 1.05 bound on
+bytes read / needed for the records' framing around small items read whole."""
+
+
+REMOTE_GAP = 1 << 20
+"""``store_ranges="few"``: gaps up to this size are fetched too (on a store a request costs a round trip and
+a share of the prefix's request rate, worth about this many bytes of transfer)."""
+
+StoreRanges = Literal["few", "exact"]
+"""How a reader on an object store cuts strided reads into ranged GETs: ``"few"``, gaps under
+:data:`REMOTE_GAP` fetched too (a column slice of narrow rows reads whole rows: a few requests, up to the
+whole rows' bytes); ``"exact"``, the bytes needed (gaps joined within :data:`REMOTE_WASTE`: a request per
+run otherwise, e.g. one per saved row of a column slice)."""
+
+
+def coalesce_within(
+    intervals: list[tuple[int, int]], waste: float = REMOTE_WASTE, gap: int = 0
+) -> list[tuple[int, int]]:
+    """``(start, length)`` intervals, sorted and disjoint, with every gap of at most ``gap`` bytes joined,
+    and the smallest of the others while the joined gap bytes stay within ``waste`` times the intervals'
+    bytes."""
+    if len(intervals) < 2:
+        return list(intervals)
+    arr = np.asarray(intervals, dtype=np.int64)
+    gaps = arr[1:, 0] - (arr[:-1, 0] + arr[:-1, 1])
+    budget = waste * float(arr[:, 1].sum())
+    order = np.argsort(gaps, kind="stable")
+    within = np.cumsum(gaps[order]) <= budget
+    join = gaps <= gap
+    join[order[within]] = True  # gap i joins interval i and i + 1
+    out: list[tuple[int, int]] = []
+    for k, (s, n) in enumerate(arr.tolist()):
+        if k and join[k - 1]:
+            out[-1] = (out[-1][0], s + n - out[-1][0])
+        else:
+            out.append((s, n))
+    return out
 
 
 def gather_runs(buffers: list[tuple[int, memoryview]], bstarts: list[int], starts: np.ndarray, run: int) -> memoryview:

@@ -9,53 +9,32 @@ miss an object written a moment ago; a commit that trusted one could drop or ski
 
 * ``get`` / ``size`` / ``put`` / ``remove`` of one object, ``names`` (a listing: used only to find stale
   objects to remove, where missing a fresh one only leaves it for the next save);
-* :class:`RangedObjectFile`: reads of exactly the bytes asked for, a large read cut into pieces of
-  :data:`RANGE_BYTES` fetched concurrently (several ranged GETs in flight);
-* :class:`MultipartObjectWriter` (``s3fs``): a streamed object uploaded as a multipart upload of
-  :data:`PART_BYTES` parts, several in flight; other stores write through fsspec's own file.
+* streams of one object (:mod:`ucp_dcp.storage.object_streams`): ranged reads of exactly the bytes asked
+  for, and multipart uploads with parts in flight.
 
 Failures come back as :class:`~ucp_dcp.errors.StorageAccessError` naming the request: a bucket that
 does not exist, missing credentials, a denied request; a throttled request (``SlowDown``, HTTP 503)
 is retried with exponential backoff first (after the client's own retries).
 
-Kept in one module (about 470 lines once formatted): the store and its two streams share one request
-wrapper (:meth:`ObjectStore.call`: retries and error translation) and the part and range sizes.
+Every request, the streams' included, goes through :meth:`ObjectStore.call` (retries and error translation).
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import os
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .._compat import cat_ranges_concurrently, s3_call
+from .._compat import s3_call
 from ..errors import StorageAccessError
+from .object_streams import MultipartObjectWriter, ObjectSizes, RangedObjectFile
 
-__all__ = [
-    "OBJECT_PROTOCOLS",
-    "PART_BYTES",
-    "RANGE_BYTES",
-    "object_protocol",
-    "refused",
-    "ObjectStore",
-    "RangedObjectFile",
-    "MultipartObjectWriter",
-]
+__all__ = ["OBJECT_PROTOCOLS", "object_protocol", "refused", "ObjectStore"]
 
 OBJECT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 """fsspec protocols whose single-object writes are atomic (the commit point needs nothing else)."""
-PART_BYTES = 8 << 20
-"""Size of a multipart upload's parts (S3's minimum is 5 MiB, except the last part)."""
-SINGLE_PUT_BYTES = 64 << 20
-"""An object up to this size is one PUT (a multipart upload costs three requests more and the store's
-reassembly); a larger one becomes a multipart upload as soon as it passes this size."""
-RANGE_BYTES = 8 << 20
-"""A read larger than this is cut into ranged GETs of this size, fetched concurrently."""
 RETRIES = 4
 """Attempts of a throttled request (after the client's own retries) before it is an error."""
 BACKOFF_S = 0.25
@@ -181,8 +160,9 @@ class ObjectStore:
         """The object's size from a HEAD request, None when it does not exist."""
 
         def head() -> int:
-            if self.is_s3:
-                return int(self.fs.info(path, refresh=True)["size"])
+            if self.is_s3:  # HEAD object only (s3fs's info() also lists the key as a folder when it is absent)
+                bucket, key, _ = self.fs.split_path(path)
+                return int(self.s3_call("head_object", Bucket=bucket, Key=key)["ContentLength"])
             self.fs.invalidate_cache(path)
             return int(self.fs.info(path)["size"])
 
@@ -238,14 +218,16 @@ class ObjectStore:
 
     # -- streams --------------------------------------------------------------------------------------
 
-    def open_read(self, path: str, size: int | None = None) -> RangedObjectFile:
-        return RangedObjectFile(self, path, size)
+    def open_read(self, path: str, size: int | None = None, known: ObjectSizes | None = None) -> RangedObjectFile:
+        """A read stream of one object; ``known``: sizes asked for, shared between openings (one HEAD per
+        object, on first need)."""
+        return RangedObjectFile(self, path, size, known)
 
     def open_write(self, path: str, part_bytes: int | None = None, in_flight: int = 4) -> Any:
         """A write-only stream for one object: multipart upload with parts in flight on S3, fsspec's
         file elsewhere (the object appears when the stream closes)."""
         if self.is_s3:
-            return MultipartObjectWriter(self, path, PART_BYTES if part_bytes is None else part_bytes, in_flight)
+            return MultipartObjectWriter(self, path, part_bytes, in_flight)
         return self.call("OPEN", path, lambda: self.fs.open(path, "wb"))
 
     def abort_uploads(self, keep: set[str]) -> list[str]:
@@ -272,206 +254,3 @@ class ObjectStore:
 
 def _abort(store: ObjectStore, bucket: str, key: str, upload_id: str) -> Callable[[], Any]:
     return lambda: store.s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-
-
-class RangedObjectFile(io.RawIOBase):
-    """Read-only, seekable view of one object. Every read is a ranged GET of exactly the bytes asked
-    for (no read-ahead, no block cache); a read larger than :data:`RANGE_BYTES` is cut into pieces
-    fetched concurrently. ``fetched`` counts the bytes the store sent."""
-
-    def __init__(self, store: ObjectStore, path: str, size: int | None = None) -> None:
-        self.store, self.path = store, path
-        self._size = size
-        self.pos = 0
-        self.fetched = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    @property
-    def size(self) -> int:
-        """The object's size (one HEAD request, on first use)."""
-        if self._size is None:
-            got = self.store.size(self.path)
-            if got is None:
-                raise FileNotFoundError(self.path)
-            self._size = got
-        return self._size
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, out: Any) -> int:
-        mv = memoryview(out).cast("B")
-        n = len(mv)
-        if n == 0:
-            return 0
-        start = self.pos
-        if self._size is not None:
-            n = max(0, min(n, self._size - start))
-            if n == 0:
-                return 0
-        pieces = [(s, min(s + RANGE_BYTES, start + n)) for s in range(start, start + n, RANGE_BYTES)]
-        datas = self.store.call("GET", self.path, lambda: self._fetch(pieces))
-        got = 0
-        for (s, _), data in zip(pieces, datas):
-            k = len(data)
-            mv[s - start : s - start + k] = data
-            got += k
-            if k < RANGE_BYTES:
-                break  # the object ended
-        self.pos += got
-        self.fetched += got
-        return got
-
-    def _fetch(self, pieces: list[tuple[int, int]]) -> list[bytes]:
-        fs = self.store.fs
-        got = cat_ranges_concurrently(fs, self.path, pieces) if len(pieces) > 1 else None
-        if got is not None:
-            return got
-        try:
-            return [fs.cat_file(self.path, start=s, end=e) for s, e in pieces]
-        except OSError as e:
-            if "InvalidRange" in str(e) or "416" in str(e):
-                return [b""]  # reading at or past the end
-            raise
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = max(0, self.size - self.pos)
-        buf = bytearray(n)
-        got = self.readinto(buf)
-        return bytes(buf[:got])
-
-
-class MultipartObjectWriter(io.RawIOBase):
-    """A write-only stream uploaded to S3 as one multipart upload: every :data:`PART_BYTES` of
-    written bytes become a part sent while the next are written, at most ``in_flight`` at once. An
-    object of at most :data:`SINGLE_PUT_BYTES` is a single PUT. ``close`` completes the upload (the object
-    appears then, whole); an error aborts it, so a failed write never leaves a partial object."""
-
-    def __init__(self, store: ObjectStore, path: str, part_bytes: int, in_flight: int) -> None:
-        self.store, self.path = store, path
-        self.bucket, self.key, _ = store.fs.split_path(path)
-        self.part_bytes, self.in_flight = max(5 << 20, part_bytes), max(1, in_flight)
-        self._buf = bytearray()
-        self._parts: deque[Future[dict[str, Any]]] = deque()
-        self._done: list[dict[str, Any]] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self.upload_id: str | None = None
-        self.parts = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        self._buf += mv
-        if self.upload_id is None and len(self._buf) <= SINGLE_PUT_BYTES:
-            return len(mv)  # may still be one PUT at close
-        while len(self._buf) >= self.part_bytes:
-            self._send(bytes(self._buf[: self.part_bytes]))
-            del self._buf[: self.part_bytes]
-        return len(mv)
-
-    def flush(self) -> None:  # parts go out when full; the object exists only after close
-        pass
-
-    def _send(self, data: bytes) -> None:
-        s = self.store
-        if self.upload_id is None:
-            self._pool = ThreadPoolExecutor(self.in_flight)
-            out = s.call(
-                "PUT", self.path, lambda: s.s3_call("create_multipart_upload", Bucket=self.bucket, Key=self.key)
-            )
-            self.upload_id = out["UploadId"]
-        self.parts += 1
-        number = self.parts
-
-        def upload() -> dict[str, Any]:
-            r = s.call(
-                "PUT",
-                f"{self.path} (part {number})",
-                lambda: s.s3_call(
-                    "upload_part",
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    UploadId=self.upload_id,
-                    PartNumber=number,
-                    Body=data,
-                ),
-            )
-            return {"PartNumber": number, "ETag": r["ETag"]}
-
-        assert self._pool is not None
-        self._parts.append(self._pool.submit(upload))
-        while len(self._parts) >= self.in_flight:  # bounded memory: wait for the oldest part
-            self._done.append(self._parts.popleft().result())
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._finish()
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            super().close()
-
-    def _finish(self) -> None:
-        s = self.store
-        if self.upload_id is None:
-            s.put(self.path, bytes(self._buf))
-            return
-        if self._buf:
-            self._send(bytes(self._buf))
-            self._buf = bytearray()
-        while self._parts:
-            self._done.append(self._parts.popleft().result())
-        parts = sorted(self._done, key=lambda p: p["PartNumber"])
-        s.call(
-            "PUT",
-            self.path,
-            lambda: s.s3_call(
-                "complete_multipart_upload",
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": parts},
-            ),
-        )
-
-    def abort(self) -> None:
-        """Abort the upload (its parts are dropped by the store); errors here are not the first one."""
-        if self.upload_id is None:
-            return
-        for f in self._parts:
-            f.cancel()
-        s = self.store
-        try:
-            s.call(
-                "DELETE",
-                self.path,
-                lambda: s.s3_call("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id),
-            )
-        except Exception:
-            pass  # the next save's cleanup aborts what is left (ObjectStore.abort_uploads)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.abort()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            io.RawIOBase.close(self)
-            return
-        self.close()

@@ -20,7 +20,7 @@ import threading
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, get_args
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -41,8 +41,10 @@ from . import read_protocol
 from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
+from .file_ranges import REMOTE_GAP, StoreRanges
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
+from .object_streams import ObjectSizes
 from .read_job import ReadJob, ReadStats
 from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
 from .transport import READ_ONCE_MODES, local_summary, plan_transport
@@ -84,6 +86,12 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             ranged GET of exactly the bytes needed, a large one cut into pieces fetched concurrently,
             and the default ``thread_count`` is :data:`~ucp_dcp.storage.threads.STORE_REQUESTS_PER_THREAD`
             times the local one (a request waits on a round trip, not on a core).
+        store_ranges: on an object store, how strided reads (a column slice of row-sharded chunks: a
+            tensor-parallel dim change) become ranged GETs. ``"few"`` (the default): gaps under 1 MiB are
+            fetched too, a request being worth about that many bytes on a store, so a slice of narrow rows
+            reads whole rows in a few requests (up to 1/slice-fraction of the bytes); ``"exact"``: the bytes
+            needed (verified by tile sums), a request per saved row when rows are narrow. ``ucp_dcp plan
+            --request-rate`` counts both.
         read_once: who receives saved bytes several ranks need, read by one rank the coordinator
             picks: ``"hosts"`` (only ranks on other hosts than the reader: the reader's host's page
             cache serves its neighbours), ``"ranks"`` (every other rank), ``"off"`` (every rank
@@ -102,8 +110,14 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         staging: StagingMode | None = None,
         read_once: ReadOnceMode | None = None,
         storage_options: dict[str, Any] | None = None,
+        store_ranges: StoreRanges = "few",
     ) -> None:
         super().__init__(path, _extension_registry)
+        if store_ranges not in get_args(StoreRanges):
+            raise InvalidArgumentError(f"store_ranges={store_ranges!r}: expected one of {get_args(StoreRanges)}")
+        self.store_ranges = store_ranges
+        self.store_gap = REMOTE_GAP if store_ranges == "few" else 0
+        """Gaps a strided read on a store fetches too (0, ``"exact"``: only the bytes needed, within 2 %)."""
         self.storage_options = storage_options
         self.store: ObjectStore | None = None
         """The object store the checkpoint is read from (None: a local folder or another fsspec file system)."""
@@ -127,6 +141,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         """Read items a planner that keeps them (:class:`ReadOnceRequest`) planned on this rank."""
         self.integrity: Integrity | None = None
         """How far the opened checkpoint can be verified (set by ``read_metadata``)."""
+        self._object_sizes = ObjectSizes()
+        """Sizes of the objects this reader asked the store for (one HEAD each per load)."""
         self._opened: tuple[str, Metadata] | None = None
         """``(path, metadata)`` opened by :meth:`metadata_for_load` for the next ``read_metadata``."""
 
@@ -138,6 +154,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(None)
+        self._object_sizes = ObjectSizes()
         if checkpoint_id and "://" in str(checkpoint_id):
             self._use_url(str(checkpoint_id))
         elif checkpoint_id:
@@ -147,13 +164,15 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     def _open_file(self, rel: str) -> Any:
         if self.store is None:
             return super()._open_file(rel)
-        # exact ranged GETs, no read-ahead; the caller checks the object's size (a HEAD) against the record
-        return self.store.open_read(self.store.join(rel))
+        # exact ranged GETs, no read-ahead; the caller checks the object's size against the record: one HEAD
+        # per object and load, however many of the rank's read tasks open it
+        return self.store.open_read(self.store.join(rel), known=self._object_sizes)
 
     def _open(self) -> tuple[Metadata, Integrity]:
         """The checkpoint's metadata and how far it can be verified (readers of other formats
         override this and inherit the error handling of :meth:`read_metadata`)."""
-        return open_checkpoint(self.fs, self.path, trust=self.trust)
+        # on a store, no listing per rank: strays are inspect's business (one LIST request saved per rank)
+        return open_checkpoint(self.fs, self.path, trust=self.trust, list_strays=self.store is None)
 
     def metadata_for_load(self) -> Metadata:
         """Open the checkpoint now for the load about to run: the next :meth:`read_metadata` (DCP's, in

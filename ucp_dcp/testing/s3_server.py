@@ -10,7 +10,8 @@ throttles, and a listing that does not show objects written a moment ago. It als
 the object bytes served, so tests measure what a load fetched at the server, not what the client says.
 
 Run on its own (the benchmark keeps it out of the ranks' processes): ``python -m ucp_dcp.testing.s3_server
---bucket ucp`` prints ``READY <endpoint>`` and serves until killed.
+--bucket ucp`` prints ``READY <endpoint>`` and serves until killed; :func:`server_stats` reads its counters
+from another process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Faults", "S3Server", "create_bucket", "spawn_server", "main"]
+__all__ = ["Faults", "S3Server", "create_bucket", "server_stats", "spawn_server", "main"]
 
 _DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
@@ -33,6 +34,8 @@ _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+STATS_PATH = "/__ucp_server_stats__"
+"""Not a bucket name S3 allows: ``GET`` returns the counters as JSON, ``DELETE`` returns and resets them."""
 _CONTENTS = re.compile(rb"<Contents>.*?</Contents>", re.S)
 _KEY = re.compile(rb"<Key>(.*?)</Key>", re.S)
 
@@ -75,6 +78,8 @@ class _Middleware:
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         method = environ["REQUEST_METHOD"]
+        if environ.get("PATH_INFO") == STATS_PATH:  # the counters, for a driver in another process
+            return self._stats(method, start_response)
         parts = environ.get("PATH_INFO", "/").lstrip("/").split("/", 1)
         key = parts[1] if len(parts) > 1 else ""
         f = self.faults
@@ -107,6 +112,19 @@ class _Middleware:
                 f.bytes_out["GET"] += len(body)
                 f.bytes_out["GET data" if key.endswith(".distcp") else "GET other"] += len(body)
         start_response(captured["status"], headers)
+        return [body]
+
+    def _stats(self, method: str, start_response: Any) -> list[bytes]:
+        """``GET``: the request and byte counters as JSON (then reset them with ``DELETE``)."""
+        import json
+
+        f = self.faults
+        with f.lock:
+            body = json.dumps({"requests": dict(f.requests), "bytes_out": dict(f.bytes_out)}).encode()
+            if method == "DELETE":
+                f.requests.clear()
+                f.bytes_out.clear()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
         return [body]
 
     @staticmethod
@@ -179,6 +197,17 @@ def create_bucket(endpoint: str, name: str) -> None:
     req = urllib.request.Request(f"{endpoint}/{name}", method="PUT")
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
+
+
+def server_stats(endpoint: str, reset: bool = False) -> dict[str, dict[str, int]]:
+    """The request and byte counters of the server at ``endpoint`` (one in another process); ``reset``: zero
+    them after reading."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"{endpoint}{STATS_PATH}", method="DELETE" if reset else "GET")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def spawn_server(*buckets: str) -> tuple[Any, dict[str, str]]:

@@ -83,6 +83,12 @@ def find_load_step(manager: Any) -> int:
     return int(manager._find_load_step())
 
 
+def should_purge(manager: Any) -> bool:
+    """Whether this rank of a ``CheckpointManager`` purges stale step folders (its ``_should_purge``: rank 0,
+    ``keep_latest_k`` set, the folder there; subclasses add guards)."""
+    return bool(manager._should_purge())
+
+
 def qkv_split_hook() -> Any:
     """``FusedQKVLinear``'s state-dict post-hook that splits ``wqkv`` into ``wq``/``wk``/``wv`` on save."""
     from torchtitan.models.common.attention import FusedQKVLinear

@@ -1,13 +1,15 @@
 """``UCPCheckpointManager``: torchtitan's DCP checkpoint manager with ucp_dcp's planners.
 
 Every stock feature is kept (async modes, ``keep_latest_k``, ``load_step``, ``exclude_from_loading``,
-seed checkpoints, last-step model-only exports): the manager overrides torchtitan's ``dcp_save``/``dcp_load``,
+seed checkpoints, last-step model-only exports), on a local folder or an object store
+(``--checkpoint.folder s3://bucket/run``): the manager overrides torchtitan's ``dcp_save``/``dcp_load``,
 through which torchtitan makes every DCP call, with the same calls plus the UCP planners and storage.
 
 Hugging Face folders (``initial_load_in_hf``, ``last_save_in_hf``) go through ucp_dcp's HF path
 (:mod:`ucp_dcp.torchtitan.manager_hf`), not torchtitan's state-dict adapter. The other parts of the
 manager sit beside it: the fused-QKV atoms (:mod:`ucp_dcp.torchtitan.fused_qkv`), the planners and
-storage in the manager's DCP calls (:mod:`ucp_dcp.torchtitan.planner_dcp`) and the dataloader
+storage in the manager's DCP calls (:mod:`ucp_dcp.torchtitan.planner_dcp`), the step folders found and
+purged by their commit point (:mod:`ucp_dcp.torchtitan.step_folders`) and the dataloader
 policy (:mod:`ucp_dcp.torchtitan.loader_policy`); this module holds the class, its options and the rules
 each save or load declares.
 
@@ -48,13 +50,14 @@ from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
 from ..storage.opening import read_metadata
-from ._compat import find_load_step, flattened_model_states_sd, states_to_load
+from ._compat import find_load_step, flattened_model_states_sd, should_purge, states_to_load
 from .fused_qkv import FusedQKVModelWrapper, fused_qkv_rules, without_qkv_split_hooks
 from .loader_policy import DataloaderPolicy, apply_dataloader_policy
 from .manager_hf import load_hf, save_hf
 from .memory_tier import ManagerMemory, memory_root
 from .moe import moe_rules
 from .planner_dcp import check_dcp_paths, ucp_dcp_load, ucp_dcp_save, ucp_reader
+from .step_folders import step_folders
 
 __all__ = ["UCPCheckpointManager", "FusedQKVModelWrapper", "fused_qkv_rules", "rules_for_call"]
 
@@ -197,6 +200,9 @@ class UCPCheckpointManager(CheckpointManager):
         return True
 
     def _load(self, step: int = -1) -> bool:
+        folders = step_folders(self.folder)
+        if folders is not None:
+            folders.forget_listings()  # torchtitan's exists/isdir checks share the fsspec client's cache
         memory = getattr(self, "_memory", None)
         durable = find_load_step(self) if memory is not None and step == -1 else -1
         src = memory.fresher_than(durable) if memory is not None and step == -1 else None
@@ -230,6 +236,24 @@ class UCPCheckpointManager(CheckpointManager):
         opened = reader.metadata_for_load if reader is not None else functools.partial(read_metadata, checkpoint_id)
         state_dict = self._apply_dataloader_policy(state_dict, opened)
         return ucp_dcp_load(self, state_dict, checkpoint_id, self._load_planner(self._call_rules(state_dict)), reader)
+
+    # step folders (torchtitan 0.3's hooks): discovery and keep_latest_k by commit point, fresh listings on a
+    # store (ucp_dcp.torchtitan.step_folders, also forgotten at _load); a protocol ucp_dcp does not write to
+    # keeps torchtitan's own
+    def _find_load_step(self, folder: str = "") -> int:
+        folders = step_folders(folder or self.folder)
+        return super()._find_load_step(folder) if folders is None else folders.latest()
+
+    def _purge_stale_checkpoints(self) -> None:
+        folders = step_folders(self.folder)
+        if folders is None:
+            return super()._purge_stale_checkpoints()
+        folders.forget_listings()
+        if not should_purge(self):
+            return
+        for name in folders.stale(self.keep_latest_k):
+            folders.decommit(name)  # not a checkpoint from here on; the purge thread deletes the rest
+            self.purge_queue.put(folders.join(name))
 
     def _apply_dataloader_policy(self, state_dict: dict[str, Any], metadata: Callable[[], Metadata]) -> dict[str, Any]:
         """``state_dict`` checked against the checkpoint's dataloader state (:mod:`.loader_policy`)."""

@@ -3,8 +3,11 @@
 The manager overrides torchtitan's ``dcp_save``/``dcp_load`` (torchtitan 0.3.0 saves and loads only through
 them) and makes the same ``dcp.save``/``dcp.async_save``/``dcp.load`` calls they make -- the async modes, the
 manager's process group and stager, garbage collection, the model reload after a load -- adding the UCP
-planner and, for a local ``checkpoint_id``, the UCP storage writer or reader (checksums, atomic commit, safe
-opening). Nothing global is patched: two managers in one process (threads included) each make their own
+planner and the UCP storage writer or reader (checksums, atomic commit, safe
+opening). A ``checkpoint_id`` on an object store (``--checkpoint.folder s3://bucket/run``) gets them too: the
+writer's commit there is one single-object write (:mod:`ucp_dcp.storage.object_commit`), the reader's reads
+exact ranged GETs; other fsspec protocols, which promise no atomic write, are left to DCP's writer. Nothing
+global is patched: two managers in one process (threads included) each make their own
 calls.
 
 A torchtitan release that calls DCP from another method would save that path with DCP's defaults, silently
@@ -33,6 +36,7 @@ from ..errors import UCPError
 from ..planning.control_group import controlled, enabled
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import UCPSavePlanner
+from ..storage.object_store import OBJECT_PROTOCOLS, object_protocol
 from ..storage.reader import UCPFileSystemReader
 from ..storage.writer import UCPFileSystemWriter
 
@@ -45,17 +49,21 @@ OVERRIDDEN = ("dcp_save", "dcp_load")
 _DCP_CALLS = ("save", "async_save", "load")
 
 
-def _local(checkpoint_id: Any) -> bool:
-    return checkpoint_id is not None and "://" not in str(checkpoint_id)
+def _ours(checkpoint_id: Any) -> bool:
+    """A local folder or an object-store URL: where ``UCPFileSystemWriter`` commits atomically."""
+    if checkpoint_id is None:
+        return False
+    proto = object_protocol(checkpoint_id)
+    return proto is None or proto == "file" or proto in OBJECT_PROTOCOLS
 
 
 @torch.no_grad()
 def ucp_dcp_save(
     manager: Any, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, planner: UCPSavePlanner, gc: bool
 ) -> Any:
-    """torchtitan 0.3.0's ``dcp_save`` (not to Hugging Face) with ``planner`` and, for a local folder, our writer:
-    returns what its DCP call returns (None, a ``Future`` or an ``AsyncSaveResponse``)."""
-    writer = UCPFileSystemWriter(checkpoint_id) if _local(checkpoint_id) else None
+    """torchtitan 0.3.0's ``dcp_save`` (not to Hugging Face) with ``planner`` and, for a local folder or an object
+    store, our writer: returns what its DCP call returns (None, a ``Future`` or an ``AsyncSaveResponse``)."""
+    writer = UCPFileSystemWriter(checkpoint_id) if _ours(checkpoint_id) else None
     common: dict[str, Any] = {"storage_writer": writer, "checkpoint_id": checkpoint_id, "planner": planner}
     if async_mode == AsyncMode.ASYNC:
         ret = dcp.async_save(state_dict, process_group=manager.pg, **common)
@@ -77,8 +85,8 @@ def ucp_dcp_save(
 
 @torch.no_grad()
 def ucp_reader(checkpoint_id: Any) -> UCPFileSystemReader | None:
-    """Our reader for a local folder (None: DCP picks its reader for the URL)."""
-    return UCPFileSystemReader(checkpoint_id) if _local(checkpoint_id) else None
+    """Our reader for a local folder or an fsspec URL (object stores: exact ranged GETs)."""
+    return UCPFileSystemReader(checkpoint_id) if checkpoint_id is not None else None
 
 
 def ucp_dcp_load(

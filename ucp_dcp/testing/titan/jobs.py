@@ -263,6 +263,48 @@ def transition(name: str, root: Path, assets: Path, steps: int, k: int, show: bo
     return True, f"{name}: {len(oracle)} state entries bitwise equal, {loss_note(rels, k + 1, steps)}"
 
 
+def store_resume(
+    root: Path, assets: Path, url: str, aws: dict[str, str], save_topo: dict[str, int], load_topo: dict[str, int]
+) -> tuple[bool, str]:
+    """A resume through an object store, torchtitan's way: both jobs run with ``--checkpoint.folder url``
+    (``s3://bucket/run``; ``aws``: the client configuration reaching the store) checkpointing every step
+    and keeping 2 (``keep_latest_k``, torchtitan's least; it does not purge at a last step). The save job
+    (3 steps at ``save_topo``, its last step a full checkpoint) leaves steps 1-3; the resume job at
+    ``load_topo`` finds the newest committed step in the folder itself, loads it, and trains to step 5,
+    purging steps 1 and 2 when step 4 commits. The state right after the load must equal the state saved at
+    step 3 bitwise. ``(ok, verdict line)``."""
+    save, load = root / "save", root / "resume"
+    for d in (save, load):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    flags = [
+        "--checkpoint.folder",
+        url,
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--checkpoint.no-last_save_model_only",
+    ]
+    run_job(
+        save_topo,
+        save,
+        assets,
+        3,
+        flags,
+        {**aws, "UCP_TITAN_STATE": str(save / "oracle.pt"), "UCP_TITAN_STATE_STEP": "3"},
+    )
+    run_job(load_topo, load, assets, 5, flags, {**aws, "UCP_TITAN_STATE": str(load / "loaded.pt")})
+    oracle = torch.load(save / "oracle.pt", weights_only=False)
+    loaded = torch.load(load / "loaded.pt", weights_only=False)
+    problems = state_problem(state_diffs(oracle, loaded), len(oracle))
+    if loaded.get("train_state/step") != 3:
+        problems.append(f"resumed at step {loaded.get('train_state/step')}, not the newest committed step 3")
+    if problems:
+        return False, f"{save_topo} -> {load_topo} through {url}: " + "; ".join(problems)
+    return True, f"{save_topo} -> {load_topo} through {url}: step 3's {len(oracle)} state entries bitwise equal"
+
+
 def _table(title: str, ref: dict[int, float], res: dict[int, float], k: int, steps: int) -> None:
     nan = float("nan")
     print(f"\n{title}")

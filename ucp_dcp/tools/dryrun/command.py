@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -31,8 +32,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "checkpoint",
-        help="checkpoint folder, or a memory-tier root (host-*/gen-* folders): then the generation a restart "
-        "would load is planned and each rank's serving tier reported",
+        help="checkpoint folder, an fsspec URL (s3://bucket/run: AWS_* configuration), or a memory-tier root "
+        "(host-*/gen-* folders): then the generation a restart would load is planned and each rank's serving tier "
+        "reported",
     )
     p.add_argument(
         "--hosts",
@@ -65,6 +67,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--aggregate-bandwidth", help="storage bandwidth of all nodes together (default: nodes x --bandwidth)"
     )
     p.add_argument("--network", help="per-node network bandwidth for read-once transfers (default: not counted)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        help="object stores: ranged GETs per second one node gets answered, e.g. 5500 (S3's documented GET rate per "
+        "prefix): a node's reads then take at least its requests / this rate (default: bytes only)",
+    )
+    p.add_argument(
+        "--store-ranges",
+        choices=("few", "exact"),
+        default="few",
+        help="object stores: the reader's store_ranges (few, its default: gaps under 1 MiB fetched too; exact: "
+        "the bytes needed, a request per saved row of a column slice)",
+    )
     p.add_argument("--allow-partial-load", action="store_true", help="as UCPLoadPlanner(allow_partial_load=True)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="as UCPLoadPlanner(allow_lossy_dtype=True)")
     p.add_argument("--trust", action="store_true", help="open the checkpoint's metadata without the allow-list")
@@ -142,6 +157,10 @@ def run(a: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         bw = Bandwidths(*(parse_rate(x) if x else None for x in (a.bandwidth, a.aggregate_bandwidth, a.network)))
+        if a.request_rate is not None:
+            if a.request_rate <= 0:
+                raise UCPError(f"--request-rate {a.request_rate:g}: expected requests per second > 0")
+            bw = dataclasses.replace(bw, requests=a.request_rate)
         target = _target(a, extra)
     except UCPError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -178,6 +197,7 @@ def _plan(a: argparse.Namespace, target: Any, path: str) -> Any:
         allow_partial_load=a.allow_partial_load,
         allow_lossy_dtype=a.allow_lossy_dtype,
         progress=_progress(a.progress),
+        store_ranges=a.store_ranges,
     )
 
 

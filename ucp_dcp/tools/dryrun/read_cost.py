@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..._compat import _create_file_view
-from ...storage.file_ranges import WINDOW
+from ...storage.file_ranges import REMOTE_GAP, WINDOW, coalesce_within
 from ...storage.format import (
     HASHES,
     IO_KEY,
@@ -31,7 +31,7 @@ from ...storage.format import (
     parse_tensor_record,
     split_grid,
 )
-from ...storage.tiled_read import plan_tiled
+from ...storage.tiled_read import plan_tiled, remote_windows
 from ...storage.tiles import saved_tile_grid
 
 __all__ = ["ReadCost", "CostModel", "Piece", "pieces", "item_nbytes"]
@@ -79,15 +79,23 @@ class CostModel:
             data offset is in the item's zip directory); None: such chunks count as fallbacks.
         verify: the reader verifies checksums (its default).
         local_files: the checkpoint is on a local file system (the reader maps strided windows).
+        store_gap: on a store, the gaps the reader fetches too (its ``store_gap``: 0 for ``store_ranges="exact"``,
+            :data:`~ucp_dcp.storage.file_ranges.REMOTE_GAP` for its default ``"few"``).
     """
 
     def __init__(
-        self, md: Metadata, path: str | os.PathLike | None, verify: bool = True, local_files: bool = True
+        self,
+        md: Metadata,
+        path: str | os.PathLike | None,
+        verify: bool = True,
+        local_files: bool = True,
+        store_gap: int = REMOTE_GAP,
     ) -> None:
         self.md = md
         self.storage = md.storage_data or {}
         self.path = path
         self.local_files = local_files
+        self.store_gap = store_gap
         iot = self.storage.get(MetadataIndex(IO_KEY)) or {}
         self.io_items = iot.get("items", {})
         algo = iot.get("algo")
@@ -112,6 +120,12 @@ class CostModel:
     def _parse(self, index: MetadataIndex, info: Any) -> TensorRecord | None:
         if self.path is None:
             return None
+        if "://" in str(self.path):  # an object: ranged GETs of the item's zip directory, as the reader
+            from ...storage.object_store import ObjectStore
+
+            store = ObjectStore(str(self.path))
+            with store.open_read(store.join(info.relative_path)) as f:
+                return parse_tensor_record(_create_file_view(f, info.offset, info.length))
         with open(os.path.join(self.path, info.relative_path), "rb") as f:
             return parse_tensor_record(_create_file_view(f, info.offset, info.length))
 
@@ -157,6 +171,16 @@ class CostModel:
         total = sum(g.nbytes for g in grids)
         starts = np.concatenate([st for st, _ in runs])
         lens = np.concatenate([np.full(len(st), n, dtype=np.int64) for st, n in runs])
+        if not self.local_files and any(g.nruns > 1 for g in grids):  # an object: the reader's store path
+            if crcs and self._tiled_remote(out, index, record, items):
+                return
+            remote = coalesce_within(merge_intervals(starts, lens), gap=self.store_gap)
+            if crcs:
+                remote = blocks_touching(remote, record.nbytes, self.block)
+            for _, n in remote:
+                self._count(out, index, n)
+            out.largest_buffer = max(out.largest_buffer, sum(n for _, n in remote))
+            return
         intervals = merge_intervals(starts, lens) if len(items) > 1 or crcs else None
         disjoint = intervals is None or sum(n for _, n in intervals) == total
         if disjoint and (not crcs or all(len(st) == 1 for st, _ in runs)):
@@ -197,6 +221,23 @@ class CostModel:
             (min(grid.rows, (g + 1) * grid.rows_per_tile) - g * grid.rows_per_tile) * grid.band_bytes
             for g, _ in touched
         )
+
+    def _tiled_remote(self, out: ReadCost, index: MetadataIndex, record: TensorRecord, items: list[Piece]) -> bool:
+        """The ranged requests of boxes verified by tile sums from an object (each box's touched bands, row
+        by row, joined within the waste budget: :func:`~ucp_dcp.storage.tiled_read.remote_windows`);
+        False when the reader verifies them by blocks instead."""
+        entry = self.crc.get(item_key(index))
+        tiles = entry[3] if entry is not None and len(entry) > 3 else None
+        if not tiles:
+            return False
+        grid = saved_tile_grid(tiles, record.shape, record.itemsize, index)
+        boxes = plan_tiled(grid, record.shape, [(o, n) for _, o, n in items if o is not None and n is not None])
+        if boxes is None or len(boxes) != len(items):
+            return False
+        for box in boxes:
+            for _, ranges in remote_windows(0, grid, box, self.store_gap):
+                self._count(out, index, sum(n for _, n in ranges), ranges=len(ranges))
+        return True
 
     def _mapped_bytes(self, grids: list[Any], nbytes: int, crcs: list[int]) -> int:
         B = self.block

@@ -33,6 +33,10 @@ class Bandwidths:
     """Storage bandwidth shared by all nodes (``--aggregate-bandwidth``); None: nodes x ``node``."""
     network: float | None = None
     """Per-node network bandwidth for read-once transfers (``--network``); None: not counted."""
+    requests: float | None = None
+    """Requests per second one node's reads can get answered (``--request-rate``: an object store's
+    ranged GETs, each a round trip); a node's reads then take at least its requests over this rate.
+    None: reads cost only their bytes (a file system)."""
 
 
 def estimate(report: PlanReport, bw: Bandwidths) -> dict[str, Any] | None:
@@ -48,11 +52,17 @@ def estimate(report: PlanReport, bw: Bandwidths) -> dict[str, Any] | None:
     busiest = max(node_bytes, key=lambda n: (node_bytes[n], -n))
     total = sum(node_bytes.values())
     aggregate = bw.aggregate or bw.node * len(nodes)
-    t_node = node_bytes[busiest] / bw.node
+    node_reads = {n: sum(r.reads for r in rs) for n, rs in nodes.items()}
+    if bw.requests:  # a store: a node waits on its bytes or on its requests, whichever takes longer
+        t_nodes = {n: max(node_bytes[n] / bw.node, node_reads[n] / bw.requests) for n in nodes}
+        busiest = max(t_nodes, key=lambda n: (t_nodes[n], -n))
+    t_node = max(node_bytes[busiest] / bw.node, node_reads[busiest] / bw.requests if bw.requests else 0.0)
     t_agg = total / aggregate
     recv_node = max(node_recv, key=lambda n: (node_recv[n], -n))
     t_net = node_recv[recv_node] / bw.network if bw.network else 0.0
     bound = "busiest node" if t_node >= t_agg else "aggregate storage bandwidth"
+    if bw.requests and t_node >= t_agg and node_reads[busiest] / bw.requests > node_bytes[busiest] / bw.node:
+        bound = "busiest node's requests"
     return {
         "seconds": max(t_node, t_agg) + t_net,
         "storage_seconds": max(t_node, t_agg),
@@ -65,6 +75,8 @@ def estimate(report: PlanReport, bw: Bandwidths) -> dict[str, Any] | None:
         "aggregate_seconds": t_agg,
         "aggregate_bandwidth": aggregate,
         "node_bandwidth": bw.node,
+        "busiest_node_reads": node_reads[busiest],
+        "request_rate": bw.requests,
         "network_seconds": t_net,
         "network_bandwidth": bw.network,
         "most_received_node": recv_node,
@@ -140,6 +152,7 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
         if est is None:
             lines.append("estimated load time: give --bandwidth (per node, e.g. 2GB/s) for one")
         else:
+            rate = f" and {est['request_rate']:g} requests/s" if est["request_rate"] else ""
             net = (
                 f" + read-once transfers {_secs(est['network_seconds'])} (node {est['most_received_node']} "
                 f"receives {_mib(est['most_received_bytes'])})"
@@ -149,8 +162,9 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
             lines.append(
                 f"estimated load time: {_secs(est['seconds'])}, bound by the {est['bound_by']}: node "
                 f"{est['busiest_node']} (ranks {rank_ranges(est['busiest_node_ranks'])}) reads "
-                f"{_mib(est['busiest_node_bytes'])} = {_secs(est['busiest_node_seconds'])} at "
-                f"{est['node_bandwidth'] / 1e9:g} GB/s; all nodes {_mib(est['total_bytes'])} = "
+                f"{_mib(est['busiest_node_bytes'])} in {est['busiest_node_reads']} reads = "
+                f"{_secs(est['busiest_node_seconds'])} at {est['node_bandwidth'] / 1e9:g} GB/s"
+                f"{rate}; all nodes {_mib(est['total_bytes'])} = "
                 f"{_secs(est['aggregate_seconds'])} at {est['aggregate_bandwidth'] / 1e9:g} GB/s{net}"
             )
     lines.append(

@@ -23,6 +23,7 @@ from ...planning.device import STAGE_BYTES, staging_forced
 from ...planning.load_planner import UCPLoadPlanner
 from ...planning.opened import checked
 from ...planning.payloads import ReadOnceMode, ReadSummary
+from ...storage.file_ranges import REMOTE_GAP, StoreRanges
 from ...storage.format import check_tables
 from ...storage.opening import open_path
 from ...storage.staging import BUFFERS_PER_THREAD
@@ -167,11 +168,12 @@ def plan_load(
     allow_lossy_dtype: bool = False,
     keep_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    store_ranges: StoreRanges = "few",
 ) -> PlanReport:
     """Plan the load of ``checkpoint`` into every rank of ``target`` (see the module docstring).
 
-    ``read_once``, ``thread_count``, ``verify_checksums``, ``allow_*`` and ``trust`` are the load's
-    own settings (``UCPLoadPlanner`` / ``UCPFileSystemReader``); ``device`` is where the job's
+    ``read_once``, ``thread_count``, ``verify_checksums``, ``allow_*``, ``trust`` and ``store_ranges`` are the
+    load's own settings (``UCPLoadPlanner`` / ``UCPFileSystemReader``); ``device`` is where the job's
     state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place);
     ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default);
     ``thread_count`` None: the reader's own choice for ``ranks_per_node`` ranks on this machine's cores."""
@@ -199,6 +201,7 @@ def plan_load(
             allow_lossy_dtype,
             keep_items,
             progress,
+            REMOTE_GAP if store_ranges == "few" else 0,
         )
     finally:
         report.peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -218,6 +221,7 @@ def _plan(
     allow_lossy_dtype: bool,
     keep_items: bool,
     progress: Callable[[int, int], None] | None,
+    store_gap: int = REMOTE_GAP,
 ) -> None:
     try:
         md, integrity = open_path(checkpoint, trust=trust)
@@ -295,12 +299,7 @@ def _plan(
         report.problems.append(_problem(e, None, "global plan"))
         return
     transport = plan_transport(summaries)
-    model = CostModel(
-        md,
-        None if "://" in str(checkpoint) else str(checkpoint),
-        verify=verify,
-        local_files="://" not in str(checkpoint),
-    )
+    model = CostModel(md, str(checkpoint), verify=verify, local_files="://" not in str(checkpoint), store_gap=store_gap)
     touched: set[str] = set()
     for r in range(n):
         sizes = summaries[r].sizes if summaries[r] is not None else None
