@@ -97,6 +97,7 @@ def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_
     assert any("node2's copy of " + replica in n and "damaged" in n for n in got["notes"])
 
 
+@pytest.mark.full  # make test keeps the damaged replica caught (above); this is its other-host variant
 def test_a_copy_found_damaged_during_the_load_is_passed_over_for_another_hosts_copy():
     root, disk, out = saved()
     folder = gen_dir(root, "node0", 2)

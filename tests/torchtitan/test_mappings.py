@@ -53,7 +53,7 @@ def _spec(family: str, flavor: str = "debugmodel"):
 
 
 @torchtitan_forward
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=pytest.mark.full)])
 def test_transformers_folder_loads_and_exports_with_equal_logits(tmp_path, family):
     spec = _spec(family)
     mapping = hf_mapping(spec.model)
@@ -134,7 +134,9 @@ def _safetensors(folder):
 
 
 @torchtitan_forward
-@pytest.mark.parametrize("dense_layers", [(), (1,)], ids=["all-moe", "layer1-dense"])
+@pytest.mark.parametrize(
+    "dense_layers", [(), pytest.param((1,), marks=pytest.mark.full)], ids=["all-moe", "layer1-dense"]
+)
 def test_qwen3_moe_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, dense_layers):
     """A random transformers Qwen3-MoE (from the mapping's config.json) -> torchtitan qwen3 MoE: equal
     logits; a random load-balancing bias in the target is zeroed (HF routes without one: left as it
