@@ -75,6 +75,17 @@ def pytest_collection_modifyitems(config, items):
         reporter.write_line(line)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line on the worker pools this run started (tests/support/dist.py): their count and start-up time."""
+    dist = sys.modules.get("dist")
+    starts = getattr(dist, "STARTS", None)
+    if starts:
+        parts = ", ".join(f"{w} ranks {s:.1f} s ({why})" for w, s, why in starts)
+        terminalreporter.write_line(
+            f"worker pools started: {len(starts)}, {sum(s for _, s, _ in starts):.1f} s: {parts}"
+        )
+
+
 def pytest_ignore_collect(collection_path, config):
     # `make test` stays CPU-only: the GPU tier is collected only when asked for
     if collection_path.name == "gpu" and collection_path.parent == Path(__file__).parent:

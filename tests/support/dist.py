@@ -64,6 +64,10 @@ START_TIMEOUT = 180.0
 GRACE_S = 1.0
 """After a rank fails, how long to wait for the other ranks' reports before the pool is killed."""
 
+STARTS: list[tuple[int, float, str]] = []
+"""Every pool started this session: (world size, seconds to start, why): printed at the end of the run, since
+a pool restarted often (evicted by another world size, or torn down by a failure) is time ``make test`` loses."""
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp", "ucp_dcp"]
 _CTX = None
@@ -89,9 +93,10 @@ def _free_port() -> int:
 class _Pool:
     """``world_size`` workers with a gloo group; :meth:`run` runs one task on all of them."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, why: str = "first use") -> None:
         import torch.distributed as dist
 
+        t0 = time.monotonic()
         self.world_size = world_size
         self.task = 0
         self.dir = tempfile.mkdtemp(prefix=f"ucp-pool{world_size}-")
@@ -117,6 +122,7 @@ class _Pool:
         if not ok:
             self.close()
             raise AssertionError(f"the {world_size}-process pool did not start:\n{failures}")
+        STARTS.append((world_size, time.monotonic() - t0, why))
 
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)  # (closed: no processes)
@@ -237,13 +243,15 @@ _POOLS: dict[int, _Pool] = {}  # least recently used first
 def pool(world_size: int) -> _Pool:
     """The pool of ``world_size`` workers, started (or restarted after a failure) when needed."""
     p = _POOLS.pop(world_size, None)
+    why = "first use" if not any(w == world_size for w, _, _ in STARTS) else "evicted"
     if p is not None and not p.alive():
         p.close()
         p = None
+        why = "after a failure"
     if p is None:
         while _POOLS and sum(x.world_size for x in _POOLS.values()) + world_size > MAX_POOLED_PROCESSES:
             _POOLS.pop(next(iter(_POOLS))).close()
-        p = _Pool(world_size)
+        p = _Pool(world_size, why)
     _POOLS[world_size] = p
     return p
 
