@@ -2,6 +2,7 @@
 they pass on the installed torch, a torch that changed one is refused naming the probe (or, with
 the override, warned about), and an untested release whose probes pass imports with a warning."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,18 +14,37 @@ import torch
 import ucp_dcp
 from ucp_dcp import _compat, _probes
 
-
-def _start_import(patch: str, **env: str) -> subprocess.Popen:
-    """``import ucp_dcp`` in a fresh interpreter after running ``patch`` (which changes torch)."""
-    code = f"import torch, warnings\n{patch}\nimport ucp_dcp\nprint('IMPORTED')"
-    full = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_ENV}
-    return subprocess.Popen(
-        [sys.executable, "-W", "always", "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**full, **env},
-    )
+_DRIVER = """
+import json, os, sys, traceback, warnings
+import torch, torch.distributed.checkpoint, torch.distributed.tensor
+out_dir, scenarios = sys.argv[1], json.loads(sys.argv[2])
+children = {}
+for name, (patch, env) in scenarios.items():
+    pid = os.fork()
+    if pid == 0:  # the scenario: its own streams, environment and warning filters, then the import
+        for fd, ext in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(out_dir, name + "." + ext), os.O_WRONLY | os.O_CREAT, 0o644), fd)
+        os.environ.update(env)
+        warnings.simplefilter("always")
+        try:
+            exec(patch, {"torch": torch, "warnings": warnings})
+            import ucp_dcp
+            print("IMPORTED")
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    children[pid] = name
+for pid, name in children.items():
+    _, status = os.waitpid(pid, 0)
+    with open(os.path.join(out_dir, name + ".rc"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+"""
+"""Imports ``ucp_dcp`` once per scenario, each in a child forked from one interpreter that has imported torch
+(a fresh interpreter per scenario spent 2 s each importing torch: 13 s of ``make test``); the child applies the
+scenario's change to torch, then imports ``ucp_dcp`` as a fresh process would (it was never imported there)."""
 
 
 def test_every_probe_passes_on_the_installed_torch():
@@ -80,24 +100,23 @@ _SCENARIOS: dict[str, tuple[str, dict[str, str]]] = {
 
 
 @pytest.fixture(scope="module")
-def import_after() -> Iterator[Callable[[str], subprocess.CompletedProcess]]:
-    """The imports of every scenario, started together (each interpreter spends seconds importing
-    torch; one after another they cost ``make test`` 18 s) and awaited by the test that reads one."""
-    started = {name: _start_import(patch, **env) for name, (patch, env) in _SCENARIOS.items()}
-    done: dict[str, subprocess.CompletedProcess] = {}
+def import_after(tmp_path_factory) -> Iterator[Callable[[str], subprocess.CompletedProcess]]:
+    """The imports of every scenario, started together at the first test that reads one."""
+    out_dir = tmp_path_factory.mktemp("probes")
+    env = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_ENV}
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(out_dir), json.dumps(_SCENARIOS)], env=env)
 
     def result(name: str) -> subprocess.CompletedProcess:
-        if name not in done:
-            proc = started[name]
-            out, err = proc.communicate(timeout=300)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        return done[name]
+        if driver.poll() is None:
+            driver.wait(timeout=300)
+        assert driver.returncode == 0, f"the probe driver failed ({driver.returncode})"
+        read = lambda ext: (out_dir / f"{name}.{ext}").read_text()  # noqa: E731
+        return subprocess.CompletedProcess(name, int(read("rc")), read("out"), read("err"))
 
     yield result
-    for proc in started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait()
 
 
 def test_changed_storage_record_is_refused_naming_the_probe(import_after):
