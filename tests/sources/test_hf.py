@@ -298,10 +298,16 @@ def _import_worker(rank, world, topo_text, hf_path, tokens, export_to, steps, ki
 
 
 IMPORTS = {"dp2-tp2": "dp=2,tp=2", "dp4": "dp=4", "pp2": "pp=2", "tp2-pp2": "pp=2,tp=2"}
+QUICK_IMPORTS = {"dp2-tp2", "tp2-pp2"}
+"""``make test``'s layouts (FSDP x TP, and TP inside pipeline stages); the others run in ``make test-full``."""
+
+
+def _quick(names, quick):
+    return [pytest.param(n, marks=() if n in quick else pytest.mark.full) for n in names]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", IMPORTS)
+@pytest.mark.parametrize("name", _quick(IMPORTS, QUICK_IMPORTS))
 def test_hf_llama_loads_at_any_layout_with_transformers_logits(hf_dir, name):
     from ucp_dcp.toy import Topology
 
@@ -322,7 +328,7 @@ MOE = {"dp2-ep2": "dp=2,ep=2", "ep2-tp2": "ep=2,tp=2", "pp2-ep2": "pp=2,ep=2"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", _quick(MOE, {"ep2-tp2", "pp2-ep2"}))
 def test_hf_mixtral_experts_load_at_any_expert_layout(hf_mixtral_dir, name):
     """Per-expert HF tensors become slices of stacked [E, F, D] atoms (ep x tp DTensors) and the
     expert lists' local numbers: equal logits, each rank reading at most its own bytes."""
@@ -355,7 +361,7 @@ def test_bf16_hf_weights_convert_on_the_fly(hf_bf16_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topo", ["dp=2,tp=2", "pp=2"])
+@pytest.mark.parametrize("topo", _quick(["dp=2,tp=2", "pp=2"], {"dp=2,tp=2"}))
 def test_export_after_training_loads_in_transformers(hf_dir, tmp_path, topo):
     from ucp_dcp.toy import Topology
 

@@ -344,7 +344,8 @@ def _mutation_worker(rank, world, root, kind: str, stager: str):
         ("THREAD", "shard1"),
         ("THREAD", "replicate"),
         ("THREAD", "one_rank"),
-        ("PROCESS", "shard1"),
+        # make test keeps DCP's checkpoint process in the mutation test below and in test_async_api.py
+        pytest.param("PROCESS", "shard1", marks=pytest.mark.full),
     ],
 )
 def test_async_save_commits_verifies_and_loads_bitwise_at_another_layout(kind, layout):
