@@ -15,6 +15,10 @@ EXTRAS_TAG = $(if $(EXTRAS),$(subst $(comma),-,$(EXTRAS)),base)
 # SEED=N: the shuffled order of the test tiers (pytest-randomly); unset, a fresh seed each run, printed in the
 # header. CI passes the commit's depth, so its order reproduces.
 SEED   ?=
+# Bytecode caches are written (into git-ignored __pycache__ folders) even where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE=1 on these VMs): otherwise every process a test tier starts -- pool workers, torchrun
+# ranks, recipe subprocesses -- compiles ucp_dcp again and pytest rewrites every test module's asserts again.
+export PYTHONDONTWRITEBYTECODE :=
 RANDOM_ORDER = $(if $(SEED),--randomly-seed=$(SEED))
 # `make test-torch TORCH=2.15 [TIER=test-quick]`: one venv per release outside the checkout, reused
 TORCH_VENVS ?= $(HOME)/.cache/ucp-dcp/venvs

@@ -69,7 +69,18 @@ STARTS: list[tuple[int, float, str]] = []
 a pool restarted often (evicted by another world size, or torn down by a failure) is time ``make test`` loses."""
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp", "ucp_dcp"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "ucp_dcp",
+    # imported by most tasks: once in the forkserver, not once per worker (seven workers importing the toy,
+    # torchtitan and transformers side by side on two cores cost make test ~15 s); a missing extra is skipped
+    "ucp_dcp.toy",
+    "ucp_dcp.torchtitan",
+    "transformers",
+]
 _CTX = None
 
 
