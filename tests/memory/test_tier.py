@@ -8,6 +8,7 @@ durable folder; 2 generations, the second with the fault under test.
 """
 
 import os
+import shutil
 
 import dist as D
 import pytest
@@ -69,8 +70,23 @@ def resume(root, disk, oracle, hosts, topo):
     return D.run(_resume, len(hosts.split(",")), hosts, root, disk, topo, oracle)[0]
 
 
-def test_a_lost_host_at_fewer_ranks_loads_the_last_generation_from_memory_with_peers_serving():
-    root, disk, out = saved()
+@pytest.fixture(scope="module")
+def two_generations():
+    """The default save job's result, saved once for the tests that only damage or remove parts of it."""
+    return saved()
+
+
+def copy_of(job):
+    """A private copy of a saved job's memory root and durable folder (each test loses or damages its own)."""
+    root, disk, out = job
+    new_root, new_disk = D.tmpdir(), D.tmpdir()
+    shutil.copytree(root, new_root, dirs_exist_ok=True)
+    shutil.copytree(disk, new_disk, dirs_exist_ok=True)
+    return new_root, new_disk, out
+
+
+def test_a_lost_host_at_fewer_ranks_loads_the_last_generation_from_memory_with_peers_serving(two_generations):
+    root, disk, out = copy_of(two_generations)
     assert [s["complete"] for s in out["statuses"]] == [True, True]
     lose_hosts(root, ["node1"])  # node1's pieces survive as node2's replica
     os.rename(disk, disk + ".gone")  # no durable read can happen
@@ -85,8 +101,8 @@ def test_no_complete_generation_anywhere_is_refused():
     assert "no complete checkpoint generation" in got["refused"] and "replication did not finish" in got["refused"]
 
 
-def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_loaded():
-    root, disk, out = saved()
+def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_loaded(two_generations):
+    root, disk, out = copy_of(two_generations)
     lose_hosts(root, ["node1"])
     folder = gen_dir(root, "node2", 2)
     replica = next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))
@@ -98,8 +114,8 @@ def test_a_corrupt_replica_of_a_lost_hosts_piece_is_caught_and_the_durable_copy_
 
 
 @pytest.mark.full  # make test keeps the damaged replica caught (above); this is its other-host variant
-def test_a_copy_found_damaged_during_the_load_is_passed_over_for_another_hosts_copy():
-    root, disk, out = saved()
+def test_a_copy_found_damaged_during_the_load_is_passed_over_for_another_hosts_copy(two_generations):
+    root, disk, out = copy_of(two_generations)
     folder = gen_dir(root, "node0", 2)
     own = next(n for n in sorted(os.listdir(folder)) if n.startswith("__0_"))
     _damage(os.path.join(folder, own))  # node1 keeps the replica of node0's pieces
@@ -145,8 +161,8 @@ def test_the_job_dies_at_a_step_a_host_is_lost_and_another_tp_split_resumes_bitw
 
 
 @FULL
-def test_two_lost_hosts_with_one_replica_fall_back_to_the_durable_copy():
-    root, disk, out = saved()
+def test_two_lost_hosts_with_one_replica_fall_back_to_the_durable_copy(two_generations):
+    root, disk, out = copy_of(two_generations)
     lose_hosts(root, ["node1", "node2"])  # node1's pieces were only on node1 and node2
     got = resume(root, disk, out["oracles"][1], "0,3", "dp=2")
     assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
@@ -161,8 +177,8 @@ def test_two_lost_hosts_in_the_drain_fault_fall_back_to_the_last_drained_generat
 
 
 @FULL
-def test_a_missing_replica_is_caught():
-    root, disk, out = saved()
+def test_a_missing_replica_is_caught(two_generations):
+    root, disk, out = copy_of(two_generations)
     lose_hosts(root, ["node1"])
     folder = gen_dir(root, "node2", 2)
     os.remove(os.path.join(folder, next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))))
@@ -188,8 +204,8 @@ def test_a_process_crash_restarts_on_the_same_hosts_from_their_own_memory():
 
 
 @FULL
-def test_a_lost_host_restarts_at_a_pipeline_split_from_memory():
-    root, disk, out = saved()
+def test_a_lost_host_restarts_at_a_pipeline_split_from_memory(two_generations):
+    root, disk, out = copy_of(two_generations)
     lose_hosts(root, ["node3"])
     os.rename(disk, disk + ".gone")
     got = resume(root, disk, out["oracles"][1], "0,2", "pp=2")  # node0: pieces of 0 and 3; node2: of 2 and 1

@@ -75,14 +75,17 @@ def setenv(name: str, value: str | None) -> None:
 # == inside a worker: snapshot and restore ============================================================
 
 
+_CONTAINERS = (dict, list, set)
+
+
 def _container_copy(v: Any) -> Any:
+    if not isinstance(v, _CONTAINERS):  # (most globals: one check)
+        return None
     if isinstance(v, dict):
         return dict(v)
     if isinstance(v, list):
         return list(v)
-    if isinstance(v, set):
-        return set(v)
-    return None
+    return set(v)
 
 
 def _container_changed(v: Any, old: Any) -> bool:
@@ -105,7 +108,20 @@ def _restore_container(v: Any, old: Any) -> None:
         v.update(old)
 
 
+_TRACKED: dict[tuple[str, int], bool] = {}
+"""``_tracked``'s answers by module name and object: asked for every module twice a task, and a path lookup
+per module cost each task tens of milliseconds per rank."""
+
+
 def _tracked(name: str, mod: Any) -> bool:
+    key = (name, id(mod))
+    got = _TRACKED.get(key)
+    if got is None:
+        got = _TRACKED[key] = _is_tracked(name, mod)
+    return got
+
+
+def _is_tracked(name: str, mod: Any) -> bool:
     if mod is None or getattr(mod, "__name__", None) in (__name__, "dist"):  # not these: they run the task
         return False
     if name == "ucp_dcp" or name.startswith("ucp_dcp.") or name in _STATEFUL_TORCH_MODULES:
