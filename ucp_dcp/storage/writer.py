@@ -53,6 +53,7 @@ from ..planning.faults import fault_point
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from ..progress import BytesProgress
+from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
 from .object_commit import commit_objects
@@ -225,6 +226,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         zip_crc32: bool | None = None,
         staging: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        column_bands: ColumnBands = "store",
     ) -> None:
         proto = object_protocol(path)
         if proto == "file":  # a local folder written as an URL: the local commit (rename, fsync) applies
@@ -273,6 +275,9 @@ class UCPFileSystemWriter(FileSystemWriter):
         """Parts of a multipart upload in flight at once, per writing thread (object stores)."""
         self.removed: list[str] = []
         """Files the last commit removed (the replaced checkpoint's and stray ones)."""
+        if column_bands not in ("store", "always", "off"):
+            raise UCPError(f"column_bands={column_bands!r}", wanted="'store', 'always' or 'off'")
+        self.column_bands: ColumnBands = column_bands
 
     def _use_store(self, url: str) -> None:
         self.store = ObjectStore(url, self.storage_options)
@@ -344,6 +349,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         # copies of replicated pieces another rank writes: hashed while the writes run, compared in finish()
         copies = planner.replica_copies() if isinstance(planner, ReplicaCopySource) and self.checksums else []
         hasher = ThreadPoolExecutor(1) if copies else None
+        # a copy of a piece written as column bands is compared band by band
+        copies = [(i, p) for index, t in copies for i, p, _ in self._bands(index, t)]
         copy_sums = (
             [
                 hasher.submit(block_checksums, tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK, DEFAULT_HASH)
@@ -393,12 +400,12 @@ class UCPFileSystemWriter(FileSystemWriter):
             # device tensors reach the host through pinned copies issued ahead of the writes
             tensors = [it for it in items if it.type != WriteItemType.BYTE_IO]
             for item, data in HostCopies(tensors, planner.resolve_data, forced=self._forced):
-                offset = out.pos
-                extra = self._write_tensor(out, data, hash_pool)
-                info = _StorageInfo(name, offset, out.pos - offset)
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=out.pos - offset, storage_data=(info, extra))
-                )
+                for index, piece, origin in self._bands(item.index, data):
+                    offset = out.pos
+                    extra = self._write_tensor(out, piece, hash_pool)
+                    info = _StorageInfo(name, offset, out.pos - offset)
+                    storage = (info, extra) if origin is None else (info, extra, origin)
+                    results.append(WriteResult(index=index, size_in_bytes=out.pos - offset, storage_data=storage))
             if self.sync_files and self.store is None:
                 stream.flush()
                 try:
@@ -413,6 +420,26 @@ class UCPFileSystemWriter(FileSystemWriter):
                 if extra is not None and len(extra) > 3 and hasattr(extra[3], "result"):
                     extra[3] = extra[3].result()
         return results
+
+    def _bands(
+        self, index: MetadataIndex, t: torch.Tensor
+    ) -> list[tuple[MetadataIndex, torch.Tensor, tuple[tuple[int, ...], tuple[int, ...], int] | None]]:
+        """The records a chunk is written as: itself, or its column bands (:mod:`~ucp_dcp.storage.column_bands`),
+        each with its index and, for bands, the chunk's offsets, sizes and band count (``finish`` cuts the
+        metadata's chunk)."""
+        on = self.column_bands == "always" or (self.column_bands == "store" and self.store is not None)
+        bands = column_bands(tuple(t.shape), t.element_size()) if on and index.offset is not None else 1
+        if bands == 1:
+            return [(index, t, None)]
+        width = t.shape[1] // bands
+        return [
+            (
+                MetadataIndex(index.fqn, offs),
+                t.narrow(1, k * width, width),
+                (tuple(index.offset), tuple(t.shape), bands),
+            )
+            for k, (offs, _) in enumerate(band_boxes(index.offset, t.shape, bands))
+        ]
 
     def _write_tensor(self, out: _Tracked, tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
         """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
@@ -446,17 +473,24 @@ class UCPFileSystemWriter(FileSystemWriter):
         storage: dict[MetadataIndex, Any] = {}
         files: dict[str, int] = {}
         copies: list[tuple[int, WriteResult]] = []
+        banded: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], int]] = {}
         for rank, rank_results in enumerate(results):
             for wr in rank_results:
                 if isinstance(wr.storage_data, ReplicaCopy):
                     copies.append((rank, wr))
                     continue
-                info, extra = wr.storage_data if isinstance(wr.storage_data, tuple) else (wr.storage_data, None)
+                info, extra, *origin = (
+                    wr.storage_data if isinstance(wr.storage_data, tuple) else (wr.storage_data, None)
+                )
+                if origin:  # a column band: the metadata's chunk is cut below
+                    offsets, sizes, bands = origin[0]
+                    banded[(wr.index.fqn, offsets)] = (sizes, bands)
                 if extra is not None:
                     table[item_key(wr.index)] = extra
                 storage[wr.index] = info
                 files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
         check_replica_copies(copies, table)  # before the commit: a refused save leaves the last checkpoint
+        band_chunks(metadata, banded)  # before the aliases: a tied key gets its atom's band chunks
         add_alias_keys(metadata, storage, table)  # tied keys: bytes written once, every name readable
         storage[MetadataIndex(IO_KEY)] = {
             "version": IO_VERSION,
