@@ -28,6 +28,7 @@ from ...layout.coverage import exact_cover_problem
 from ...layout.fragments import Box
 from ...storage.reader import UCPFileSystemReader
 from .files import HFTensor, create_files, plan_files, write_box, write_index
+from .source import local_folder_only
 from .mapping import HFMapping
 
 __all__ = ["export_hf", "ExportStats"]
@@ -171,6 +172,7 @@ def export_hf(
     """
     t0 = time.perf_counter()
     out = os.fspath(out)
+    local_folder_only(out, "written")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if os.path.exists(out) and not overwrite:

@@ -36,6 +36,7 @@ from ...planning.opened import raise_if_unopened
 from ...planning.payloads import ReadOnceMode
 from ...storage.commit import Integrity
 from ...storage.format import TensorRecord, box_grid
+from ...storage.object_store import object_protocol
 from ...storage.reader import UCPFileSystemReader
 from .mapping import HFMapping, hf_rows
 from .safetensors import SafetensorsFile, read_header
@@ -65,9 +66,23 @@ def _plain_name(name: Any, where: str) -> str:
     return name
 
 
+def local_folder_only(path: str, verb: str) -> None:
+    """Refuse an URL (``s3://...``) for a Hugging Face folder: safetensors folders are read with mappings and
+    written with ``pwrite`` into files of a final size, which object stores do not offer (not "no checkpoint")."""
+    proto = object_protocol(path)
+    if proto not in (None, "file"):
+        raise UCPError(
+            f"Hugging Face folders are {verb} on local (or mounted) folders only, not {proto}:// ({path})",
+            wanted=path,
+            hint="copy the folder to local disk first (e.g. `aws s3 sync`), or from it after an export; "
+            "ucp_dcp's own checkpoints (ucp_dcp.save/load) go to s3:// directly",
+        )
+
+
 def scan_hf(path: str | os.PathLike) -> dict[str, tuple[str, SafetensorsFile]]:
     """Every tensor of the HF folder at ``path``: name -> (file, parsed header of that file)."""
     path = os.fspath(path)
+    local_folder_only(path, "read")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(
             f"no Hugging Face checkpoint at {path}: not a folder",
