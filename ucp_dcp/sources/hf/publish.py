@@ -28,8 +28,8 @@ from ...layout.coverage import exact_cover_problem
 from ...layout.fragments import Box
 from ...storage.reader import UCPFileSystemReader
 from .files import HFTensor, create_files, plan_files, write_box, write_index
-from .source import local_folder_only
 from .mapping import HFMapping
+from .source import local_folder_only
 
 __all__ = ["export_hf", "ExportStats"]
 
