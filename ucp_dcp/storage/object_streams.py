@@ -32,7 +32,15 @@ SINGLE_PUT_BYTES = 64 << 20
 """An object up to this size is one PUT (a multipart upload costs three requests more and the store's
 reassembly); a larger one becomes a multipart upload as soon as it passes this size."""
 RANGE_BYTES = 8 << 20
-"""A read larger than this is cut into ranged GETs of this size, fetched concurrently."""
+"""A read larger than this is cut into ranged GETs of about this size, fetched concurrently."""
+
+
+def cut_range(start: int, n: int) -> list[tuple[int, int]]:
+    """``[start, start + n)`` as ``(start, end)`` pieces of equal size, as many as ``n / RANGE_BYTES`` rounded
+    (each at most 1.5x :data:`RANGE_BYTES`): 8 MiB and a record frame stay one GET, not 8 MiB and 2 KiB."""
+    count = max(1, round(n / RANGE_BYTES))
+    bounds = [start + n * k // count for k in range(count + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class ObjectSizes:
@@ -124,14 +132,14 @@ class RangedObjectFile(io.RawIOBase):
             n = max(0, min(n, self._size - start))
             if n == 0:
                 return 0
-        pieces = [(s, min(s + RANGE_BYTES, start + n)) for s in range(start, start + n, RANGE_BYTES)]
+        pieces = cut_range(start, n)
         datas = self.store.call("GET", self.path, lambda: self._fetch(pieces))
         got = 0
-        for (s, _), data in zip(pieces, datas):
+        for (s, e), data in zip(pieces, datas):
             k = len(data)
             mv[s - start : s - start + k] = data
             got += k
-            if k < RANGE_BYTES:
+            if k < e - s:
                 break  # the object ended
         self.pos += got
         self.fetched += got
@@ -143,8 +151,8 @@ class RangedObjectFile(io.RawIOBase):
         pieces: list[tuple[int, int]] = []
         owner: list[int] = []
         for k, (s, n) in enumerate(ranges):
-            for a in range(s, s + n, RANGE_BYTES):
-                pieces.append((a, min(a + RANGE_BYTES, s + n)))
+            for piece in cut_range(s, n):
+                pieces.append(piece)
                 owner.append(k)
         datas = self.store.call("GET", self.path, lambda: self._fetch(pieces)) if pieces else []
         out: list[list[bytes]] = [[] for _ in ranges]
