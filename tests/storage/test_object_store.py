@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 from helpers import tensors_equal
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp
@@ -274,3 +276,14 @@ def test_many_small_items_are_fetched_in_a_few_requests(s3):
     needed = sum(v.numel() * 4 for v in sd.values())
     assert s3.faults.requests["GET object"] <= 2 + 8, dict(s3.faults.requests)  # .metadata, sidecar, data
     assert s3.faults.bytes_out["GET data"] <= 1.05 * needed
+
+
+@given(st.integers(0, 1 << 40), st.integers(1, 200 << 20))
+def test_a_read_is_cut_into_equal_pieces_near_the_range_size(start, n):
+    """8 MiB and a record frame stay one GET (the frame would otherwise be a request of its own)."""
+    pieces = streams.cut_range(start, n)
+    assert pieces[0][0] == start and pieces[-1][1] == start + n
+    assert all(a == b for (_, a), (b, _) in zip(pieces, pieces[1:]))
+    sizes = [e - s for s, e in pieces]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 1.5 * streams.RANGE_BYTES + 1
+    assert len(pieces) == max(1, round(n / streams.RANGE_BYTES))
