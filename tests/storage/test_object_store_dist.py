@@ -106,7 +106,6 @@ def _chunks(prefix: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata["w"].chunks]
 
 
-@pytest.mark.quick
 def test_a_tp_dim_change_reads_only_the_slices_in_a_few_requests_by_default(saved):
     """The reader's defaults on the writer's default layout: each rank's column slice is one saved band chunk
     per saved rank, so it fetches the slice's bytes (<= 1.05x, counted at the server) in about one request per

@@ -39,7 +39,7 @@ def _load_worker(rank, world, env, url):
     return torch.equal(target["w"], FULL) and int(target["step"]) == 7
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 16 s here, most of it DCP's checkpoint process starting; make test has the local case
 def test_an_async_save_in_dcps_checkpoint_process_to_s3_loads_bitwise(s3):
     """The writer (with its store client and ``storage_options``) is pickled into DCP's background process,
     which uploads and commits there; the prefix then holds our commit (sidecar + ``.metadata``)."""
