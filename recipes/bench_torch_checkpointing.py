@@ -31,39 +31,25 @@ import torch.distributed.checkpoint as dcp
 
 from ucp_dcp.testing.checks import state_diffs
 from ucp_dcp.testing.elastic import RECONFIG_SET
+from ucp_dcp.testing.peer_tc import tc_manager
 from ucp_dcp.testing.processes import run_ranks
 from ucp_dcp.toy import ModelConfig, Topology, build_job
 from ucp_dcp.toy.layouts import trainer_options
 from ucp_dcp.toy.parallel import build_trainer, logical_state, train_step
 
-SYSTEMS = ("ucp_dcp", "dcp", "torch_checkpointing")
+SYSTEMS = ("ucp_dcp", "dcp", "torch_checkpointing", "tc+ucp_dcp")
+UCP_ITEMS = ("model", "optim", "train_state")
+"""tc+ucp_dcp: torch_checkpointing's CheckpointManager with ucp_dcp's UCPResharder on every item."""
 
 
-def _cpu_gather(self, data, process_group=None):
-    """torch_checkpointing 0.1.1's metadata all-gather on gloo: its own puts the bytes on ``device="cuda"``
-    (``DefaultMetadataManager._all_gather_pickled_data``), so any save with a resharder fails on a CPU-only
-    machine with "Torch not compiled with CUDA enabled". The same exchange through ``all_gather_object``."""
-    out: list = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(out, data, group=process_group)
-    return dict(enumerate(out))
+def _tc_manager(sync: bool = True, keys: tuple[str, ...] = ("model", "optim"), resharder=None):
+    return tc_manager(resharder, sync=sync, keys=keys)
 
 
-def _tc_manager(sync: bool = True, keys: tuple[str, ...] = ("model", "optim")):
-    from torch_checkpointing import CheckpointManager, ItemSpec
-    from torch_checkpointing.default_resharder import DefaultResharder
-    from torch_checkpointing.metadata_manager import DefaultMetadataManager
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+def _ucp_resharder(cfg, tr):
+    from ucp_dcp.peers.torch_checkpointing import UCPResharder
 
-    if not torch.cuda.is_available():
-        DefaultMetadataManager._all_gather_pickled_data = _cpu_gather
-
-    items = {k: ItemSpec(resharder=DefaultResharder()) for k in keys}
-    cfg = CheckpointManager.Config.with_sync_save() if sync else CheckpointManager.Config.with_async_save()
-    cfg.items = items
-    # its default opens data files with O_DIRECT and writes unaligned buffers: on this VM's ext4 the open
-    # succeeds and the close fails (OSError EINVAL), so every save fails; buffered I/O, as DCP and ucp_dcp write
-    cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
-    return CheckpointManager(cfg)
+    return UCPResharder(**trainer_options(cfg, tr))
 
 
 def _slowest(dt: float, group) -> float:
@@ -110,7 +96,9 @@ def _save_rank(rank: int, world: int, topo: str, root: str, steps: int) -> dict:
             elif system == "dcp":
                 dcp.save(tr.state_dict(), checkpoint_id=path, process_group=job.group)
             else:
-                mgr = _tc_manager()
+                mgr = _tc_manager() if system == "torch_checkpointing" else _tc_manager(
+                    keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr)
+                )
                 mgr.save(path, tr.state_dict())
                 mgr.close()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -148,7 +136,9 @@ def _load_rank(rank: int, world: int, topo: str, root: str, saved: dict) -> dict
             elif system == "dcp":
                 dcp.load(sd, checkpoint_id=path, process_group=job.group)
             else:
-                mgr = _tc_manager()
+                mgr = _tc_manager() if system == "torch_checkpointing" else _tc_manager(
+                    keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr)
+                )
                 sd = dict(mgr.load(path, into=sd))
                 mgr.close()
             tr.load_state_dict(sd)
@@ -215,9 +205,13 @@ def _async_rank(rank: int, world: int, root: str, mib: int) -> dict:
     group = dist.new_group(backend="gloo")
     out = {}
     for system in SYSTEMS:
-        mgr = (
-            _tc_manager(sync=False, keys=("model",)) if system == "torch_checkpointing" else None
-        )  # its writer process starts here
+        mgr = None  # torch_checkpointing's writer process starts here
+        if system == "torch_checkpointing":
+            mgr = _tc_manager(sync=False, keys=("model",))
+        elif system == "tc+ucp_dcp":
+            from ucp_dcp.peers.torch_checkpointing import UCPResharder
+
+            mgr = _tc_manager(sync=False, keys=("model",), resharder=UCPResharder())
         for rep in range(2):  # the second save is reported: the first starts pools, processes and caches
             path = f"{root}/async-{system}-{rep}"
             dist.barrier()
@@ -227,6 +221,7 @@ def _async_rank(rank: int, world: int, root: str, mib: int) -> dict:
             elif system == "dcp":
                 fut = dcp.async_save(sd, checkpoint_id=path, process_group=group)
             else:
+                assert mgr is not None
                 fut = mgr.save(path, sd)
             blocked = time.perf_counter() - t0
             try:

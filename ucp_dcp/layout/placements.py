@@ -8,9 +8,10 @@ Values without placements (``ShardedTensor``, ``CheckpointableTensor``): :mod:`u
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import re
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,18 +167,38 @@ class Layout:
         return f"mesh({dims}) [{', '.join(self.encode_placements())}]"
 
 
+_MESH_CACHE: dict[tuple[int, str], tuple[Any, Any]] = {}
+"""(id of a mesh, what) -> (weak reference to the mesh, the value): what ucp_dcp works out once per mesh
+object. Not an attribute of the mesh: a mesh is pickled with every ``torch.save`` of a DTensor on it, and
+an attribute of ours in that pickle made the file unloadable with ``weights_only=True`` (torch's default)
+and anywhere ucp_dcp is not installed."""
+
+
+def _per_mesh(mesh: Any, what: str, compute: Callable[[], Any]) -> Any:
+    key = (id(mesh), what)
+    hit = _MESH_CACHE.get(key)
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    value = compute()
+    try:
+        ref = weakref.ref(mesh, lambda _r, k=key: _MESH_CACHE.pop(k, None))
+    except TypeError:  # not weakly referenceable: computed each time
+        return value
+    _MESH_CACHE[key] = (ref, value)
+    return value
+
+
 def mesh_info(t: DTensor) -> MeshInfo:
     mesh = t.device_mesh
-    info = getattr(mesh, "_ucp_dcp_mesh_info", None)
-    if info is None:
+
+    def compute() -> MeshInfo:
         names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
         ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
         position, siblings = _slice_position(mesh, ranks)
-        info = MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
-        # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
-        with contextlib.suppress(AttributeError):
-            mesh._ucp_dcp_mesh_info = info
-    return info
+        return MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
+
+    # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
+    return _per_mesh(mesh, "info", compute)
 
 
 _STAGE_DIMS = {"pp", "pipe", "pipeline", "stage", "stages"}
@@ -216,18 +237,17 @@ def _rank_coordinates(root: Any) -> dict[int, tuple[int, ...]]:
     """Every rank's coordinate in the root mesh ``root``, built once per root mesh and cached on it: a
     ``grid == r`` scan per rank made each slice O(slice x root), which ``plan`` pays for every simulated rank
     (4,096 ranks: 253 s became 1,170 s)."""
-    index = getattr(root, "_ucp_dcp_rank_coordinates", None)
-    if index is None:
+
+    def compute() -> dict[int, tuple[int, ...]]:
         grid = root.mesh
         flat = [int(r) for r in grid.flatten().tolist()]
         shape = tuple(int(s) for s in grid.shape)
         strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shape[d + 1]
-        index = {r: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, r in enumerate(flat)}
-        with contextlib.suppress(AttributeError):
-            root._ucp_dcp_rank_coordinates = index
-    return index
+        return {r: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, r in enumerate(flat)}
+
+    return _per_mesh(root, "coordinates", compute)
 
 
 def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:
