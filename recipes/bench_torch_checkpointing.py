@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ucp_dcp.progress import StepProgress
 from ucp_dcp.testing.checks import state_diffs
 from ucp_dcp.testing.elastic import RECONFIG_SET
 from ucp_dcp.testing.peer_tc import tc_manager
@@ -166,7 +167,9 @@ def _transitions(only: str) -> list[tuple[str, str]]:
 def matrix(a: argparse.Namespace) -> list[dict]:
     rows = []
     print(f"{'save -> load':<34}" + "".join(f"{s:>30}" for s in SYSTEMS), flush=True)
-    for save, load in _transitions(a.only):
+    todo = _transitions(a.only)
+    progress = StepProgress("bench_torch_checkpointing", len(todo), "transitions")  # stderr, on a terminal
+    for save, load in todo:
         with tempfile.TemporaryDirectory(prefix="ucp-tc-") as root:
             st, lt = Topology.parse(save), Topology.parse(load)
             saved = run_ranks(_save_rank, st.world, save, root, a.steps)[0]
@@ -180,6 +183,7 @@ def matrix(a: argparse.Namespace) -> list[dict]:
             t = f"{r['save_s']:.2f}/{r['load_s']:.2f}s" if r["load_s"] is not None else ""
             cells.append(f"{verdict} {t}".strip())
         print(f"{save + ' -> ' + load:<34}" + "".join(f"{c:>30}" for c in cells), flush=True)
+        progress(f"{save} -> {load}")
     for row in rows:
         for s in SYSTEMS:
             r = row["systems"][s]

@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 
+from ucp_dcp.progress import StepProgress
 from ucp_dcp.testing.chaos import Case, cases, run_case
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is None or any(part in c.fault for part in args.only.split(","))
     ]
     hangs = aborts = failed = 0
+    progress = StepProgress("chaos", len(todo), "cases")  # stderr, when it is a terminal
     for case in todo:
         t0 = time.monotonic()
         out = run_case(case)
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for p in out.problems + [f"rank {r} hung" for r in out.hangs] + [f"rank {r} aborted" for r in out.aborts]:
             print(f"       {p}", flush=True)
+        progress(case.name)
     summary = f"{len(todo)} cases, {hangs} hangs, {aborts} aborts"
     if failed or hangs or aborts:
         print(f"CHAOS FAILED: {summary}, {failed} failed")

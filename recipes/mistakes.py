@@ -23,6 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
+from ucp_dcp.progress import StepProgress
 from ucp_dcp.testing.elastic import RECONFIG_SET
 from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
 from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
@@ -86,6 +87,7 @@ def main() -> int:
     pick = lambda ts: [t for t in ts if a.only in f"{t[0]} -> {t[1]}"]
     jobs, skipped = plan(pick(RECONFIG_SET), same_layout=pick(SAME_LAYOUT))
     t0, results = time.perf_counter(), []
+    progress = StepProgress("mistakes", len(jobs), "transitions")  # stderr, when it is a terminal
     for save, load, names in jobs:
         t1 = time.perf_counter()
         rs = run_transition(save, load, names)
@@ -100,6 +102,7 @@ def main() -> int:
                 print(
                     f"#   {r['mistake']:<28} {r['outcome']:<14} {r.get('error', '') or r.get('first', '')}", flush=True
                 )
+        progress(f"{save} -> {load}")
     classes = [
         ("form", "state forms", form_worker, SCENARIOS),
         ("hooks", "subclass hooks", hooks_worker, HOOK_SCENARIOS),

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from ucp_dcp.progress import StepProgress
 from ucp_dcp.testing.elastic import RECONFIG_SET
 
 
@@ -23,10 +24,10 @@ def main() -> int:
     a = ap.parse_args()
     recipe = Path(__file__).resolve().parent / "elastic_resume.py"
     rows, failed = [], 0
-    for save, load in RECONFIG_SET:
+    todo = [(s, lo) for s, lo in RECONFIG_SET if a.only in f"{s} -> {lo}"]
+    progress = StepProgress("reconfig", len(todo), "transitions")  # stderr, when it is a terminal
+    for save, load in todo:
         label = f"{save} -> {load}"
-        if a.only not in label:
-            continue
         out = Path(a.out) / f"{save}_to_{load}".replace(",", "_").replace("=", "")
         t0 = time.perf_counter()
         proc = subprocess.run(
@@ -54,6 +55,7 @@ def main() -> int:
         print(f"{label:<36} {dt:6.1f}s  {verdict}", flush=True)
         if not ok:
             print(proc.stderr[-4000:], file=sys.stderr)
+        progress(label)
     print(f"\n{len(rows) - failed}/{len(rows)} transitions resumed OK")
     return 1 if failed else 0
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ucp_dcp.progress import StepProgress
+
 ROOT = Path(__file__).resolve().parent.parent
 _SIGNAL = re.compile(r"terminate called|Signal \d+|SIGABRT|SIGSEGV|exitcode\s*:\s*-\d+|core dumped")
 
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signals: list[int] = []
     failures: list[int] = []
+    progress = StepProgress("soak", a.runs, "runs")  # stderr, when it is a terminal
     for i in range(a.runs):
         t0 = time.monotonic()
         run = _torchrun(_world(a.load), "load", a)
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if signalled or run.returncode != 0:
             (a.out / f"run{i + 1}.log").write_text(text)
             print("\n".join("    " + line for line in text.strip().splitlines()[-12:]), flush=True)
+        progress()
     summary = f"{a.runs} runs of {a.save} -> {a.load}, {len(signals)} signals"
     if signals or failures:
         print(

@@ -69,3 +69,15 @@ def test_a_short_save_prints_nothing():
     with P.BytesProgress("save", lambda: 1, stream=out):
         pass
     assert out.getvalue() == ""
+
+
+def test_recipe_steps_print_one_whole_line_each_with_the_time_left_on_a_terminal_only():
+    out, log = _Tty(), io.StringIO()
+    sp, quiet = P.StepProgress("chaos", 3, "cases", stream=out, min_seconds=0.0), P.StepProgress("chaos", 3, stream=log)
+    for name in ("exit@read", "hang@load-plan", "dtype"):
+        sp(name)
+        quiet(name)
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["chaos: 1/3 cases", "chaos: 2/3 cases", "chaos: 3/3 cases"]
+    assert "left (exit@read)" in lines[0] and lines[2].endswith(" s (dtype)")  # no time left after the last
+    assert log.getvalue() == ""  # not a terminal: off

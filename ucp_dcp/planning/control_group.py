@@ -25,12 +25,14 @@ removed by its last reader, so the store does not grow per op.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import itertools
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +96,7 @@ class ControlGroup(dist.ProcessGroup):
         self._beat(beat_store)
         self._thread = threading.Thread(target=self._run, args=(beat_store,), name="ucp-dcp-control", daemon=True)
         self._thread.start()
+        _HEARTBEATS.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
@@ -341,6 +344,23 @@ def _create(opts: Any, _backend_options: Any = None) -> ControlGroup:
     at = f"ucp_dcp/ctl/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}/"
     store = dist.PrefixStore(f"{at}{(store.add(f'{at}joins', 1) - 1) // len(ranks)}/", store)
     return ControlGroup(store, opts.group_rank, opts.group_size, opts.timeout, ranks, str(opts.group_id))
+
+
+_HEARTBEATS: weakref.WeakSet[ControlGroup] = weakref.WeakSet()
+"""Every control group whose heartbeat thread may still run."""
+
+
+@atexit.register
+def _stop_heartbeats() -> None:
+    """End every heartbeat thread before the interpreter finalizes. A daemon thread still beating then
+    (inside the store's C++ ``set``, which releases the GIL) is killed by ``pthread_exit`` when it takes
+    the GIL back; the forced unwind through the store's C++ frames aborted the process at exit
+    ("terminate called without an active exception", exit status -6) after all work had succeeded."""
+    groups = list(_HEARTBEATS)
+    for g in groups:
+        g.stop()
+    for g in groups:
+        g._thread.join(timeout=2 * beat_s())
 
 
 _GROUPS: dict[tuple[int, ...], tuple[object, ControlGroup]] = {}
