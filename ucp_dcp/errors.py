@@ -69,8 +69,12 @@ class UCPError(Exception):
     """The DCP ``CheckpointException`` this error came out of (set by :func:`ucp_errors`), else None."""
 
     collective: bool = False
-    """Raised by the coordinator's global plan: a finding about every rank's plans, which every
-    rank raises as it is (not as a :class:`PeerFailedError` of the coordinator)."""
+    """Raised by the coordinator's global plan: a finding about every rank's plans. The rank that
+    found it (``found_by``) raises it in full; every other rank a one-line :class:`PeerFailedError`
+    naming that rank and the problem."""
+
+    found_by: int | None = None
+    """The global rank whose global plan step raised this error (``collective`` errors)."""
 
     def __init__(
         self,
@@ -95,7 +99,8 @@ class UCPError(Exception):
         return {"atom": self.atom, "saved": self.saved, "wanted": self.wanted, "hint": self.hint}
 
     def __reduce__(self):  # keyword-only fields do not survive Exception's default pickling
-        return (_rebuild, (type(self), self.message, self._fields()), {"collective": self.collective})
+        state = {"collective": self.collective, "found_by": self.found_by}
+        return (_rebuild, (type(self), self.message, self._fields()), state)
 
 
 class InvalidArgumentError(UCPError, ValueError):
@@ -352,15 +357,17 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-def peer_error(rank: int, cause: BaseException) -> PeerFailedError:
+def peer_error(rank: int, cause: BaseException, found: bool = False) -> PeerFailedError:
     """This rank's error for ``cause``, raised on rank ``rank``: one line naming both, an instance
-    of ``cause``'s class. A cause that is itself a peer error is passed on unchanged."""
+    of ``cause``'s class. A cause that is itself a peer error is passed on unchanged. ``found``: the
+    cause is a finding of ``rank``'s global plan about the whole job ("rank 0 found: ..."), not a
+    failure of that rank alone ("rank 1 failed: ...")."""
     if isinstance(cause, PeerFailedError):
         return cause
     message = cause.message if isinstance(cause, UCPError) else str(cause)
     fields = cause._fields() if isinstance(cause, UCPError) else {}
     fields["hint"] = fields.get("hint") or f"rank {rank} reports the cause in full; fix that and load again"
-    text = f"rank {rank} failed: {type(cause).__name__}: {_first_line(message)}"
+    text = f"rank {rank} {'found' if found else 'failed'}: {type(cause).__name__}: {_first_line(message)}"
     return _build(_peer_class(type(cause)), rank, text, fields)
 
 
@@ -389,8 +396,9 @@ def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) ->
     own: list[tuple[int, UCPError]] = []
     peers: list[UCPError] = []
     for rank, e in sorted(failures, key=lambda f: f[0]):
-        if isinstance(e, UCPError) and e.collective:  # the global plan's finding: the job's, not a peer's
-            return e
+        if isinstance(e, UCPError) and e.collective:  # the global plan's finding: in full where it was found
+            by = rank if e.found_by is None else e.found_by
+            return e if by == me else peer_error(by, e, found=True)
         if isinstance(e, PeerFailedError):
             peers.append(e)
         elif isinstance(e, UCPError):

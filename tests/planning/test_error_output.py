@@ -60,3 +60,24 @@ def test_a_rank_that_fails_alone_prints_its_error_and_the_other_one_line_naming_
     )
     assert "Traceback" not in res[0]["text"].split("PeerMissingAtomsError")[1], res[0]["text"]
     assert all(len(r["text"].splitlines()) <= MAX_LINES for r in res), res
+
+
+def _save_finding_worker(rank, world, root):
+    from ucp_dcp.layout.patterns import Reduce
+
+    try:  # each rank's value differs: the coordinator's global plan finds it (no rank's own plan can)
+        ucp_dcp.save({"w": torch.zeros(2), "n": 10 + rank}, root, patterns=[Reduce(r"n", "equal")])
+    except ucp_dcp.UCPError as e:
+        return {"error": type(e).__name__, "text": _printed(e), "message": e.message, "rank": getattr(e, "rank", None)}
+    return {"error": None}
+
+
+def test_a_global_plan_finding_is_printed_in_full_by_the_rank_that_found_it_and_in_one_line_by_the_others():
+    res = D.run(_save_finding_worker, 2, D.tmpdir())
+    found, other = res
+    assert found["error"] == "ReplicaMismatchError" and found["text"].count("declared equal across ranks") == 1, found
+    assert other["error"] == "PeerReplicaMismatchError" and other["rank"] == 0, other
+    assert len(other["message"].splitlines()) == 1, other["message"]
+    assert other["message"].startswith("rank 0 found: ReplicaMismatchError: atom 'n' is declared equal"), other
+    assert "declared equal across ranks" in other["text"].splitlines()[-2] + other["text"].splitlines()[-1]
+    assert all(len(r["text"].splitlines()) <= MAX_LINES for r in res), res

@@ -65,15 +65,20 @@ def test_first_ucp_error_prefers_this_ranks_own_cause_then_names_the_failing_ran
     assert first_ucp_error(CheckpointException("load", {0: cause, 1: peer_error(0, cause)})) is cause
 
 
-def test_a_global_plan_finding_is_raised_as_itself_on_every_rank_after_pickling():
+def test_a_global_plan_finding_is_raised_in_full_where_found_and_in_one_line_naming_that_rank_elsewhere():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    finding = AmbiguousLayoutError("two meshes want one atom", atom="w")
-    finding.collective = True  # as the planners' create_global_plan marks it
+    finding = AmbiguousLayoutError("two meshes want one atom\n  rank 0 holds [0:4]\n  rank 1 holds [2:6]", atom="w")
+    finding.collective, finding.found_by = True, 0  # as the planners' create_global_plan marks it (global rank 0)
     sent = pickle.loads(pickle.dumps(finding))  # DCP scatters the coordinator's failure to every rank
-    assert sent.collective and type(sent) is AmbiguousLayoutError
-    got = first_ucp_error(CheckpointException("load", {1: sent}))  # this is rank 0, the failure keyed to rank 1
-    assert got is sent and not isinstance(got, PeerFailedError)
+    assert sent.collective and sent.found_by == 0 and type(sent) is AmbiguousLayoutError
+    assert first_ucp_error(CheckpointException("load", {0: sent})) is sent  # outside a group this is rank 0
+
+    seen_by_rank_2 = pickle.loads(pickle.dumps(finding))
+    seen_by_rank_2.found_by = 2  # another rank found it (a subgroup's coordinator): here it is a peer's finding
+    got = first_ucp_error(CheckpointException("load", {0: seen_by_rank_2}))
+    assert isinstance(got, AmbiguousLayoutError) and isinstance(got, PeerFailedError) and got.rank == 2
+    assert got.message == "rank 2 found: AmbiguousLayoutError: two meshes want one atom" and got.atom == "w"
 
 
 # -- the read-once exchange and reads, on the pool -------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
-from ..errors import UCPError
+from ..errors import UCPError, this_rank
 from .payloads import ItemKind, dtype_of
 from .resolve import Resolved
 from .save_steps import tensor_item, write_rows
@@ -92,7 +92,7 @@ def _outermost(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return getattr(self, f"_outer_{name}")(functools.partial(fn, self), *args, **kwargs)
         except UCPError as e:
             if name == "create_global_plan":  # DCP hands it to every rank as the coordinator's failure
-                e.collective = True
+                e.collective, e.found_by = True, this_rank()
             raise
         finally:
             running.discard(key)
