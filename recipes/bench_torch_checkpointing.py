@@ -97,8 +97,10 @@ def _save_rank(rank: int, world: int, topo: str, root: str, steps: int) -> dict:
             elif system == "dcp":
                 dcp.save(tr.state_dict(), checkpoint_id=path, process_group=job.group)
             else:
-                mgr = _tc_manager() if system == "torch_checkpointing" else _tc_manager(
-                    keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr)
+                mgr = (
+                    _tc_manager()
+                    if system == "torch_checkpointing"
+                    else _tc_manager(keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr))
                 )
                 mgr.save(path, tr.state_dict())
                 mgr.close()
@@ -137,8 +139,10 @@ def _load_rank(rank: int, world: int, topo: str, root: str, saved: dict) -> dict
             elif system == "dcp":
                 dcp.load(sd, checkpoint_id=path, process_group=job.group)
             else:
-                mgr = _tc_manager() if system == "torch_checkpointing" else _tc_manager(
-                    keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr)
+                mgr = (
+                    _tc_manager()
+                    if system == "torch_checkpointing"
+                    else _tc_manager(keys=UCP_ITEMS, resharder=_ucp_resharder(cfg, tr))
                 )
                 sd = dict(mgr.load(path, into=sd))
                 mgr.close()

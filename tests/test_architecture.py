@@ -11,6 +11,7 @@ also inside functions):
     storage   ucp_dcp/storage/ (format, commit, reader, writer, ...), ucp_dcp.api (save/load: planners + storage)
     memory    ucp_dcp/memory/ (the host-memory checkpoint tier: generations, replicas, drain, loads from peers)
     sources   ucp_dcp/sources/ (Hugging Face, other frameworks' checkpoints)
+    peers     ucp_dcp/peers/ (ucp_dcp inside other checkpointing libraries: torch_checkpointing's resharder)
     torchtitan  ucp_dcp/torchtitan/ (the integration)
     tools     ucp_dcp/tools/ (the command line), ucp_dcp.__main__
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "ucp_dcp"
-LAYERS = ("base", "layout", "planning", "storage", "memory", "sources", "torchtitan", "tools")
+LAYERS = ("base", "layout", "planning", "storage", "memory", "sources", "peers", "torchtitan", "tools")
 TOP_LEVEL = {
     "ucp_dcp.errors": "base",
     "ucp_dcp._compat": "base",

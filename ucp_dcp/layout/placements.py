@@ -180,8 +180,12 @@ def _per_mesh(mesh: Any, what: str, compute: Callable[[], Any]) -> Any:
     if hit is not None and hit[0]() is mesh:
         return hit[1]
     value = compute()
+
+    def forget(_ref: Any) -> None:
+        _MESH_CACHE.pop(key, None)
+
     try:
-        ref = weakref.ref(mesh, lambda _r, k=key: _MESH_CACHE.pop(k, None))
+        ref = weakref.ref(mesh, forget)
     except TypeError:  # not weakly referenceable: computed each time
         return value
     _MESH_CACHE[key] = (ref, value)

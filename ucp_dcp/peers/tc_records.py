@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ..layout.fragments import Box, Fragment
 from ..layout.naming import NameRules, OptimizerForm, find_optimizer_containers
-from ..planning.entries import GroupTarget
+from ..planning.entries import GroupTarget, is_sharded
 from ..planning.resolve import Resolved, Resolver
 
 __all__ = ["LeafKind", "LeafRecord", "FragmentRecord", "record_leaves", "group_paths", "leaf_at"]
@@ -49,7 +49,9 @@ class FragmentRecord:
         return cls(f.atom, f.box.offsets, f.box.sizes, f.local.offsets, f.local.sizes, f.view_shape)
 
     def fragment(self) -> Fragment:
-        return Fragment(self.atom, Box(self.offsets, self.sizes), Box(self.local_offsets, self.local_sizes), self.view_shape)
+        return Fragment(
+            self.atom, Box(self.offsets, self.sizes), Box(self.local_offsets, self.local_sizes), self.view_shape
+        )
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,26 @@ class LeafRecord:
     """Tensor leaves: the pieces of local memory, each a box of one atom."""
     data_slot: int | None = None
     """The saving rank's data slot (``Reduce`` atoms: copies within a slot count once)."""
+    plain: bool = False
+    """A plain tensor (not a DTensor): its copies on several ranks are one value only if they agree."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "atoms": [[a, list(s), d] for a, s, d in self.atoms],
             "fragments": [
-                [f.atom, list(f.offsets), list(f.sizes), list(f.local_offsets), list(f.local_sizes), f.view_shape and list(f.view_shape)]
+                [
+                    f.atom,
+                    list(f.offsets),
+                    list(f.sizes),
+                    list(f.local_offsets),
+                    list(f.local_sizes),
+                    f.view_shape and list(f.view_shape),
+                ]
                 for f in self.fragments
             ],
             "data_slot": self.data_slot,
+            "plain": self.plain,
         }
 
     @classmethod
@@ -86,6 +98,7 @@ class LeafRecord:
                 for a, o, s, lo, ls, v in d["fragments"]
             ),
             data_slot=d.get("data_slot"),
+            plain=bool(d.get("plain", False)),
         )
 
 
@@ -113,12 +126,11 @@ def group_paths(state_dict: Mapping[str, Any], names: NameRules) -> list[NestedP
 
 def _tensor_record(r: Resolved, data_slot: int | None) -> LeafRecord:
     atoms = tuple((a, tuple(rec["shape"]), str(rec["dtype"])) for a, rec in r.atoms.items())
-    return LeafRecord("tensor", atoms, tuple(FragmentRecord.of(f) for f in r.fragments), data_slot)
+    frags = tuple(FragmentRecord.of(f) for f in r.fragments)
+    return LeafRecord("tensor", atoms, frags, data_slot, plain=not is_sharded(r.value))
 
 
-def record_leaves(
-    resolver: Resolver, item_key: str, value: Any, data_slot: int | None
-) -> dict[NestedPath, LeafRecord]:
+def record_leaves(resolver: Resolver, item_key: str, value: Any, data_slot: int | None) -> dict[NestedPath, LeafRecord]:
     """Every leaf of item ``item_key`` resolved to atoms: NestedPath (within the item) -> record.
     Leaves of ranks outside a value's mesh, and group membership lists, get none."""
     root = {item_key: value}

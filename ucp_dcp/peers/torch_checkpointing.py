@@ -19,10 +19,8 @@ hyperparameters that disagree. Files are torch_checkpointing's own (``<item>_<ra
 
 from __future__ import annotations
 
-import difflib
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import (
-    CatalogError,
     CoverageError,
     DtypeConversionError,
-    MissingAtomsError,
     ParamGroupError,
     ReplicaMismatchError,
     ShapeMismatchError,
@@ -49,7 +45,8 @@ from ..planning.consistency import reduce_values
 from ..planning.entries import local_tensor, set_value
 from ..planning.load_steps import combine_problems, same_value
 from ..planning.resolve import Resolved, Resolver
-from .tc_records import FragmentRecord, LeafRecord, NestedPath, leaf_at, record_leaves
+from .tc_records import LeafRecord, NestedPath, record_leaves
+from .tc_saved import Copy, Files, Piece, Saved, agreed, missing_error, sub_box
 
 try:
     from torch_checkpointing.distributed_metadata import ShardingMetadata
@@ -79,104 +76,6 @@ class UCPShardingMetadata(ShardingMetadata, type_name="ucp_dcp"):
     @property
     def equivalent_ranks(self) -> tuple[int, ...] | None:
         return None
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """A saved leaf (or fragment of one) holding part of an atom."""
-
-    rank: int
-    """The saving rank (its file)."""
-    path: NestedPath
-    """The leaf's path within the item."""
-    frag: FragmentRecord | None = None
-    """Tensor pieces: the fragment; objects: None."""
-    data_slot: int | None = None
-    """The saving rank's data slot."""
-
-
-@dataclass
-class _Saved:
-    """The checkpoint's atoms, from the item's metadata."""
-
-    tensors: dict[str, list[_Piece]] = field(default_factory=dict)
-    objects: dict[str, list[_Piece]] = field(default_factory=dict)
-    shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, item_key: str, source_metadata: Any) -> _Saved:
-        out = cls()
-        for path, groups in source_metadata.nested_path_to_metadata.items():
-            for g in groups:
-                md = g.sharding_metadata
-                if not isinstance(md, UCPShardingMetadata):
-                    raise CatalogError(
-                        f"item '{item_key}' was saved without UCPResharder ({type(md).__name__} at "
-                        f"{'.'.join(map(str, path))}): its metadata holds no atoms",
-                        saved=type(md).__name__,
-                        wanted="UCPShardingMetadata",
-                        hint="load it with the resharder it was saved with (DefaultResharder), and save with "
-                        "ItemSpec(resharder=UCPResharder(...)) from then on",
-                    )
-                for rank in g.ranks:
-                    out._add(md.record, int(rank), tuple(path))
-        return out
-
-    def _add(self, rec: LeafRecord, rank: int, path: NestedPath) -> None:
-        if rec.kind == "tensor":
-            for atom, shape, dtype in rec.atoms:
-                self.shapes.setdefault(atom, (shape, dtype))
-            for f in rec.fragments:
-                self.tensors.setdefault(f.atom, []).append(_Piece(rank, path, f, rec.data_slot))
-        else:
-            for atom, _, _ in rec.atoms:
-                self.objects.setdefault(atom, []).append(_Piece(rank, path, None, rec.data_slot))
-
-    def names(self) -> set[str]:
-        return set(self.tensors) | set(self.objects)
-
-
-class _Files:
-    """Each saving rank's item file, opened once per load: ``weights_only`` always, memory-mapped on a
-    local disk (only the pages of the pieces read are touched)."""
-
-    def __init__(self, root: Path, item_key: str, source_metadata: Any, storage: Any) -> None:
-        self.root, self.item_key, self.md, self.storage = root, item_key, source_metadata, storage
-        self._open: dict[int, Any] = {}
-
-    def leaf(self, rank: int, path: NestedPath) -> Any:
-        if rank not in self._open:
-            rel = self.md.get_layout_info(rank, self.item_key).file_path
-            full = self.root / rel
-            if os.path.isfile(full):
-                self._open[rank] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
-            else:
-                with self.storage.stream_read(full) as f:
-                    self._open[rank] = torch.load(f, map_location="cpu", weights_only=True)
-        return leaf_at(self._open[rank], path)
-
-    def local(self, p: _Piece) -> torch.Tensor:
-        assert p.frag is not None
-        return p.frag.fragment().view(local_tensor(self.leaf(p.rank, p.path)))
-
-
-@dataclass
-class _Copy:
-    """One box copied from a saved piece into the target."""
-
-    src: _Piece
-    overlap: Box
-    dest: torch.Tensor
-    dest_origin: tuple[int, ...]
-    atom: str
-    check_range: bool
-    replicas: list[_Piece]
-
-
-def _sub(t: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:
-    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-        t = t.narrow(d, o - origin[d], s)
-    return t
 
 
 class UCPResharder(Resharder):
@@ -227,14 +126,14 @@ class UCPResharder(Resharder):
         target: Any,
         storage: Any,
     ) -> list[NestedPath]:
-        saved = _Saved.of(item_key, source_metadata)
-        files = _Files(Path(source_path), item_key, source_metadata, storage)
+        saved = Saved.of(item_key, source_metadata)
+        files = Files(Path(source_path), item_key, source_metadata, storage)
         root = {item_key: target}
         resolved, groups = self._resolver().resolve_state_dict(root, for_load=True)
         problems: list[UCPError] = []
         missing: list[str] = []
-        copies: list[_Copy] = []
-        objects: list[tuple[Resolved, list[_Piece]]] = []
+        copies: list[Copy] = []
+        objects: list[tuple[Resolved, list[Piece]]] = []
         for r in resolved:
             if not r.present:
                 continue
@@ -250,14 +149,14 @@ class UCPResharder(Resharder):
             except UCPError as err:
                 problems.append(err)
         if missing:
-            problems.insert(0, _missing(missing, saved))
+            problems.insert(0, missing_error(missing, saved))
         if problems:
             raise combine_problems(problems)
         for c in copies:
             self._copy(c, files)
         for r in resolved:
             for b in r.fills if r.present and r.entry.is_tensor else ():
-                _sub(r.local, b, (0,) * len(b.offsets)).fill_(r.fill_value)  # type: ignore[arg-type]
+                sub_box(r.local, b, (0,) * len(b.offsets)).fill_(r.fill_value)  # type: ignore[arg-type]
         for r, pieces in objects:
             self._load_object(root, r, pieces, files)
         for g in groups:
@@ -265,13 +164,11 @@ class UCPResharder(Resharder):
                 g.group[hp] = self._hyperparam([g.atom(p, hp) for p in g.params], saved, files)
         return []
 
-    def _plan_tensor(self, r: Resolved, saved: _Saved, missing: list[str]) -> list[_Copy]:
-        out: list[_Copy] = []
+    def _plan_tensor(self, r: Resolved, saved: Saved, missing: list[str]) -> list[Copy]:
+        out: list[Copy] = []
         local = r.local
         if not isinstance(local, torch.Tensor):
-            raise UCPError(
-                f"'{r.name}' is a ShardedTensor with several local shards", atom=r.name, hint="use DTensors"
-            )
+            raise UCPError(f"'{r.name}' is a ShardedTensor with several local shards", atom=r.name, hint="use DTensors")
         for f in r.fragments:
             pieces = saved.tensors.get(f.atom)
             if not pieces:
@@ -303,7 +200,7 @@ class UCPResharder(Resharder):
                     atom=f.atom,
                     hint="make the target tensor contiguous",
                 )
-            by_box: dict[Box, list[_Piece]] = {}
+            by_box: dict[Box, list[Piece]] = {}
             for p in pieces:
                 assert p.frag is not None
                 by_box.setdefault(Box(p.frag.offsets, p.frag.sizes), []).append(p)
@@ -313,8 +210,13 @@ class UCPResharder(Resharder):
                 if ov is None:
                     continue
                 covered += ov.volume
-                check = r.replicated is not None and r.replicated.check == "error"
-                out.append(_Copy(copies[0], ov, dest, f.box.offsets, f.atom, how == "range", copies[1:] if check else []))
+                # copies of a plain tensor are one value only if they agree: stage-local layer names saved
+                # without a stage map look like replicas (ucp_dcp.save's global plan catches it at save;
+                # torch_checkpointing's metadata step allows no collective, so the load checks)
+                check = (r.replicated is not None and r.replicated.check == "error") or any(p.plain for p in copies)
+                out.append(
+                    Copy(copies[0], ov, dest, f.box.offsets, f.atom, how == "range", copies[1:] if check else [])
+                )
             if covered != f.box.volume:
                 raise CoverageError(
                     f"atom '{f.atom}': the saved pieces cover {covered} of the {f.box.volume} elements of box {f.box} "
@@ -326,28 +228,29 @@ class UCPResharder(Resharder):
                 )
         return out
 
-    def _copy(self, c: _Copy, files: _Files) -> None:
+    def _copy(self, c: Copy, files: Files) -> None:
         assert c.src.frag is not None
-        src = _sub(files.local(c.src), c.overlap, c.src.frag.offsets)
+        src = sub_box(files.local(c.src), c.overlap, c.src.frag.offsets)
         for p in c.replicas:  # Replicated(check="error"): every saved copy must hold the same bytes
             assert p.frag is not None
-            other = _sub(files.local(p), c.overlap, p.frag.offsets)
+            other = sub_box(files.local(p), c.overlap, p.frag.offsets)
             if not torch.equal(other, src):
                 raise ReplicaMismatchError(
-                    f"atom '{c.atom}' is declared Replicated(check='error') but ranks {c.src.rank} and {p.rank} "
-                    f"saved different values in box {c.overlap}",
+                    f"atom '{c.atom}': ranks {c.src.rank} and {p.rank} saved different values in box {c.overlap} "
+                    "under one name, so it cannot be told which is the atom",
                     atom=c.atom,
                     saved=[c.src.rank, p.rank],
-                    hint="the replicas drifted before the save; fix the training step, or declare check='average'",
+                    hint="layers numbered per pipeline stage need a stage_map (experts per rank an expert_map) given "
+                    "to UCPResharder at save; replicas that drifted need fixing in the training step",
                 )
         if c.check_range:
             check_range(c.atom, src, c.dest.dtype)
-        _sub(c.dest, c.overlap, c.dest_origin).copy_(src)
+        sub_box(c.dest, c.overlap, c.dest_origin).copy_(src)
 
-    def _values(self, atom: str, pieces: list[_Piece], files: _Files) -> list[tuple[_Piece, Any]]:
+    def _values(self, atom: str, pieces: list[Piece], files: Files) -> list[tuple[Piece, Any]]:
         return [(p, files.leaf(p.rank, p.path)) for p in pieces]
 
-    def _load_object(self, root: dict[str, Any], r: Resolved, pieces: list[_Piece], files: _Files) -> None:
+    def _load_object(self, root: dict[str, Any], r: Resolved, pieces: list[Piece], files: Files) -> None:
         values = self._values(r.name, pieces, files)
         if r.reduce is not None:
             slots: dict[Any, list[Any]] = {}
@@ -360,17 +263,17 @@ class UCPResharder(Resharder):
             if r.reduce.op == "sum" and not keeps:  # one rank takes the total, so the next save sums right
                 value = torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
         else:
-            value = _agreed(r.name, values)
+            value = agreed(r.name, values)
         if isinstance(r.value, torch.Tensor):
             local_tensor(r.value).copy_(value)  # type: ignore[union-attr]
         else:
             set_value(root, r.entry.path, value)
 
-    def _hyperparam(self, atoms: list[str], saved: _Saved, files: _Files) -> Any:
+    def _hyperparam(self, atoms: list[str], saved: Saved, files: Files) -> Any:
         gone = [a for a in atoms if a not in saved.objects]
         if gone:
-            raise _missing(gone, saved)
-        values = [(a, _agreed(a, self._values(a, saved.objects[a], files))) for a in atoms]
+            raise missing_error(gone, saved)
+        values = [(a, agreed(a, self._values(a, saved.objects[a], files))) for a in atoms]
         first = values[0]
         for a, v in values[1:]:
             if not same_value(first[1], v):
@@ -382,31 +285,3 @@ class UCPResharder(Resharder):
                     hint="group the target's parameters as they were grouped at save",
                 )
         return first[1]
-
-
-def _agreed(atom: str, values: list[tuple[_Piece, Any]]) -> Any:
-    (p0, v0), rest = values[0], values[1:]
-    for p, v in rest:
-        if not same_value(v0, v):
-            raise ReplicaMismatchError(
-                f"atom '{atom}' was saved with different values by ranks {p0.rank} ({v0!r}) and {p.rank} ({v!r})",
-                atom=atom,
-                saved=[v0, v],
-                hint="declare a Reduce rule for a per-rank counter, or give the value a per-rank name",
-            )
-    return v0
-
-
-def _missing(missing: list[str], saved: _Saved) -> UCPError:
-    names = sorted(saved.names())
-    lines = []
-    for i, name in enumerate(missing[:20]):
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8) if i < 5 else []
-        lines.append(f"  {name}" + (f"  (closest saved: {close[0]})" if close else ""))
-    return MissingAtomsError(
-        f"Missing key in checkpoint state_dict: {missing[0]}.\n{len(missing)} atom(s) wanted by the target are not "
-        "in the checkpoint:\n" + "\n".join(lines),
-        atom=missing[0],
-        wanted=list(missing),
-        hint="check the model config, the stage/expert maps and the rules given to UCPResharder at save and load",
-    )

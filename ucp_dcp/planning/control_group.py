@@ -16,23 +16,19 @@ member beats from a thread every ``UCP_DCP_BEAT_S`` (0.5 s) for as long as its p
   (``init_process_group(timeout=...)``: what gloo would have waited): a rank that never reaches the
   collective (it has not reached the save, or raised before it on its own) is then named too.
 
-After a loss the group is spent: every later op raises the same error. ``ucp_dcp.save``/``load`` and
-the torchtitan manager give it to DCP by default (``UCP_DCP_CONTROL_GROUP=off`` or ``control_group=False``
-keep DCP's group). Keys live in the default group's store under the members and a generation (a new
-``init_process_group`` needs a new store or prefix anyway, for gloo's own keys); each op's keys are
-removed by its last reader, so the store does not grow per op.
+After a loss the group is spent. ``ucp_dcp.save``/``load`` and the torchtitan manager give it to DCP by
+default (``UCP_DCP_CONTROL_GROUP=off`` / ``control_group=False`` keep DCP's group). Keys live in the default
+group's store under the members and a generation; each op's keys are removed by its last reader.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import itertools
 import os
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +38,7 @@ import torch.distributed as dist
 from .._compat import completed_work, default_group, default_store, group_registered, group_timeout
 from ..errors import PeerLostError, UCPError, peer_lost
 from .collectives import peer_timeout
+from .exit_threads import stop_at_exit
 
 __all__ = ["BACKEND", "CONTROL_ENV", "ControlGroup", "beat_s", "control_group", "dcp_group", "enabled"]
 __all__ += ["controlled", "mark", "publish_lost"]
@@ -94,9 +91,9 @@ class ControlGroup(dist.ProcessGroup):
             beat_store = store
         self._count = itertools.count()  # one counter for both threads: next() is atomic under the GIL
         self._beat(beat_store)
-        self._thread = threading.Thread(target=self._run, args=(beat_store,), name="ucp-dcp-control", daemon=True)
-        self._thread.start()
-        _HEARTBEATS.add(self)
+        self.thread = threading.Thread(target=self._run, args=(beat_store,), name="ucp-dcp-control", daemon=True)
+        self.thread.start()
+        stop_at_exit(self)  # a heartbeat still in the store's C++ set at exit aborted the process
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
@@ -344,23 +341,6 @@ def _create(opts: Any, _backend_options: Any = None) -> ControlGroup:
     at = f"ucp_dcp/ctl/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}/"
     store = dist.PrefixStore(f"{at}{(store.add(f'{at}joins', 1) - 1) // len(ranks)}/", store)
     return ControlGroup(store, opts.group_rank, opts.group_size, opts.timeout, ranks, str(opts.group_id))
-
-
-_HEARTBEATS: weakref.WeakSet[ControlGroup] = weakref.WeakSet()
-"""Every control group whose heartbeat thread may still run."""
-
-
-@atexit.register
-def _stop_heartbeats() -> None:
-    """End every heartbeat thread before the interpreter finalizes. A daemon thread still beating then
-    (inside the store's C++ ``set``, which releases the GIL) is killed by ``pthread_exit`` when it takes
-    the GIL back; the forced unwind through the store's C++ frames aborted the process at exit
-    ("terminate called without an active exception", exit status -6) after all work had succeeded."""
-    groups = list(_HEARTBEATS)
-    for g in groups:
-        g.stop()
-    for g in groups:
-        g._thread.join(timeout=2 * beat_s())
 
 
 _GROUPS: dict[tuple[int, ...], tuple[object, ControlGroup]] = {}
