@@ -61,6 +61,11 @@ def main(what: str, path: str) -> None:
             ok = len(same) == len(ref) == len(got)
             print(f"QUICKSTART {'OK' if ok else 'MISMATCH'}: {len(same)} of {len(ref)} entries bitwise "
                   f"at {dist.get_world_size()} ranks")
+    # A barrier as the last collective: gloo's worker threads drop each finished collective's tensors after the
+    # caller has moved on, and torch 2.13's gloo did so for the last all-gather while Python was finalizing: the
+    # worker took the GIL back, was ended by pthread_exit, and the process aborted after all work had succeeded
+    # ("terminate called without an active exception", about 1 run in 5). A barrier holds no Python tensors.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,11 +1,12 @@
-"""Our daemon threads ended before the interpreter finalizes (the torch 2.13 abort at exit, issue 34).
+"""Our daemon threads ended before the interpreter finalizes.
 
-A daemon thread still running at finalization is killed by ``pthread_exit`` the moment it takes the GIL back.
-When that happens on the way out of a C++ call that released the GIL (the control group's heartbeat sits in
-``TCPStore.set`` about every 0.5 s), the forced unwind through the store's C++ frames ends in
-``std::terminate``: "terminate called without an active exception", exit status -6 (SIGABRT), after all work
-had succeeded -- the quickstart aborted at exit in about 1 run of 8. An ``atexit`` handler runs before
-finalization, while such threads can still finish their call and return: it stops and joins them.
+A thread that takes the GIL back while Python finalizes is ended by ``pthread_exit``; when that happens on the
+way out of a C++ call, the forced unwind through C++ frames ends in ``std::terminate`` ("terminate called
+without an active exception", SIGABRT) after all work had succeeded. The quickstart's abort at exit was gloo's
+worker thread doing exactly that (its fix: a barrier as the last collective, ``docs/examples/quickstart.py``);
+the control group's heartbeat thread sits in ``TCPStore.set``, a C++ call that releases the GIL, twice a second,
+so it could do the same. An ``atexit`` handler runs before finalization, while such threads can still finish
+their call: it stops and joins them.
 """
 
 from __future__ import annotations
