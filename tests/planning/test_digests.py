@@ -113,8 +113,9 @@ def _differing_object_worker(rank, world, root):
 
 @pytest.mark.slow
 def test_differing_object_with_tensor_is_still_refused():
-    for out in D.run(_differing_object_worker, 2, D.tmpdir()):
-        assert out == ("ReplicaMismatchError", "rng", False)
+    found, other = D.run(_differing_object_worker, 2, D.tmpdir())
+    assert found == ("ReplicaMismatchError", "rng", False)  # in full where the global plan found it
+    assert other == ("PeerReplicaMismatchError", "rng", False)  # one line naming rank 0 on the other
 
 
 def _dtensor_object_worker(rank, world, root):
