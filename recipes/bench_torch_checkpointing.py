@@ -1,12 +1,14 @@
 """torch_checkpointing side by side with ucp_dcp and stock DCP (issue 34): the reconfiguration set's transitions,
-each saved by all three from one trained toy job and loaded by all three at the new layout.
+each saved by every system from one trained toy job and loaded by it at the new layout. The fourth system,
+``tc+ucp_dcp``, is torch_checkpointing's ``CheckpointManager`` with ucp_dcp's ``UCPResharder`` on every item
+(``ucp_dcp.peers.torch_checkpointing``, docs/torch_checkpointing.md).
 
     python recipes/bench_torch_checkpointing.py [--only SUBSTRING] [--steps K] [--json FILE]
 
 torch_checkpointing (PyPI ``torch_checkpointing``, Meta's, what torchtitan 0.3.0 moves to) runs as its docs
 show: ``CheckpointManager`` with a synchronous saver and ``ItemSpec(resharder=DefaultResharder())`` for the
 model and optimizer (two settings needed to run at all here: on a machine without CUDA its metadata exchange is patched to
-gloo, :func:`_cpu_gather`; and its O_DIRECT default is turned off, see :func:`_tc_manager`); stock DCP as ``dcp.save``/``dcp.load`` with its default planners; ucp_dcp as
+gloo and its O_DIRECT default is turned off: ``ucp_dcp.testing.peer_tc.tc_manager``); stock DCP as ``dcp.save``/``dcp.load`` with its default planners; ucp_dcp as
 ``ucp_dcp.save``/``load`` with the toy's declarations (``ucp_dcp.toy.layouts.ucp_options``: stage/expert maps,
 Fused, Padded, Reduce). Each load is judged against the oracle taken at the save (every logical entry, full,
 bitwise): ``bitwise``, ``WRONG k/N`` (loaded without an error, k entries differ) or ``refused`` (an error, its
