@@ -2,8 +2,6 @@
 equal to a scan of the grid for every rank, for any shape and any rank order (meshes built from a permuted
 rank list, as torchtitan's and DeviceMesh's own reorderings give)."""
 
-import types
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +14,15 @@ from ucp_dcp.layout.placements import _rank_coordinates
 def test_index_equals_a_scan_of_the_grid(shape, rnd):
     ranks = list(range(int(torch.Size(shape).numel())))
     rnd.shuffle(ranks)
-    root = types.SimpleNamespace(mesh=torch.tensor(ranks).reshape(shape))
+    root = _Mesh(torch.tensor(ranks).reshape(shape))
     index = _rank_coordinates(root)
     assert index == {r: tuple(int(c) for c in (root.mesh == r).nonzero()[0].tolist()) for r in ranks}
-    assert root._ucp_dcp_rank_coordinates is index  # built once per root mesh
+    assert _rank_coordinates(root) is index  # built once per root mesh
+    assert not vars(root).keys() - {"mesh"}  # kept beside the mesh, not on it (a mesh is pickled with DTensors)
+
+
+class _Mesh:
+    """A root mesh as the index reads it (its rank grid), weakly referenceable like DeviceMesh."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
