@@ -27,8 +27,10 @@ MEMORY_SAVE = ("save", "UCPSavePlanner", "_Writer")
 MEMORY_LOAD = ("load", "UCPLoadPlanner", "MemoryReader")
 
 
-def _train_and_save(rank, world, folder, root, steps, interval, memory_interval):
+def _train_and_save(rank, world, folder, root, steps, interval, memory_interval, fault_step=None, env=None):
     D.setenv("UCP_DCP_HOST", f"node{rank}")
+    for k, v in (env or {}).items():
+        D.setenv(k, v)
     calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     train = TrainState()
@@ -39,13 +41,18 @@ def _train_and_save(rank, world, folder, root, steps, interval, memory_interval)
         _train(model, opt, sched, 1)
         train.step = step
         snaps[step] = _snapshot(model, opt, sched)
+        if step == fault_step:  # every rank dies in this generation's drain: files copied, no commit
+            m._memory.tier.wait()
+            m._memory.tier.fault = "drain"
         m.save(curr_step=step)
     m.close()
     return snaps, calls
 
 
-def _resume(rank, world, folder, root, interval, memory_interval):
+def _resume(rank, world, folder, root, interval, memory_interval, env=None):
     D.setenv("UCP_DCP_HOST", f"node{rank}")
+    for k, v in (env or {}).items():
+        D.setenv(k, v)
     calls = dcp_calls(D.patch)
     model, opt, sched = _parts(1)
     opt.step()  # optimizer state exists to be loaded into
@@ -79,3 +86,43 @@ def test_a_fresher_durable_step_wins_over_an_older_memory_generation():
     got, step, calls = D.run(_resume, 1, folder, root, 1, 2)[0]
     assert step == 3 and _equal(got, snaps[3]) and calls == [UCP_LOAD]
     assert os.path.isdir(os.path.join(folder, "checkpoint", "step-3"))
+
+
+def test_memory_generations_drain_to_step_folders_that_load_at_a_new_layout_when_memory_is_gone():
+    """No durable save in the run (interval 10): every step-N folder is a memory generation drained in the
+    background; with every host's memory gone, the resume at 1 rank reads the drained step 3 from disk."""
+    folder, root, snaps, calls = _saved(interval=10, memory_interval=1)
+    assert calls == [MEMORY_SAVE] * 3, "only memory saves: the step folders can only be the tier's drains"
+    ckpt = os.path.join(folder, "checkpoint")
+    assert sorted(os.listdir(ckpt)) == ["step-1", "step-2", "step-3"]
+    assert all(os.path.isfile(os.path.join(ckpt, f"step-{n}", ".metadata")) for n in (1, 2, 3))
+    shutil.rmtree(root)  # every host lost (or rebooted): memory is gone
+    got, step, calls = D.run(_resume, 1, folder, root, 10, 1)[0]
+    assert step == 3 and _equal(got, snaps[3])
+    assert calls == [UCP_LOAD]
+
+
+def test_a_drain_that_dies_before_its_commit_leaves_the_previous_drained_step_loadable():
+    folder, root = D.tmpdir(), D.tmpdir()
+    snaps, _ = D.run(_train_and_save, 2, folder, root, 3, 10, 1, 3)[0]
+    step3 = os.path.join(folder, "checkpoint", "step-3")
+    assert any(n.endswith(".distcp") for n in os.listdir(step3)), "the dead drain copied its data files"
+    assert not os.path.exists(os.path.join(step3, ".metadata")), "and never committed them"
+    shutil.rmtree(root)
+    got, step, calls = D.run(_resume, 1, folder, root, 10, 1)[0]
+    assert step == 2 and _equal(got, snaps[2]) and calls == [UCP_LOAD]
+
+
+def test_memory_generations_drain_to_an_object_store(s3):
+    """``--checkpoint.folder s3://...``: the drain uploads each rank's files and commits with one PUT of
+    .metadata; the resume with memory gone reads the drained step from the store."""
+    pytest.importorskip("s3fs")
+    from ucp_dcp.torchtitan.step_folders import StepFolders
+
+    root = D.tmpdir()
+    snaps, calls = D.run(_train_and_save, 1, s3.prefix, root, 2, 10, 1, None, s3.env())[0]
+    assert calls == [MEMORY_SAVE] * 2
+    assert StepFolders(f"{s3.prefix}/checkpoint").latest() == 2
+    shutil.rmtree(root)
+    got, step, calls = D.run(_resume, 1, s3.prefix, root, 10, 1, s3.env())[0]
+    assert step == 2 and _equal(got, snaps[2]) and calls == [UCP_LOAD]

@@ -43,6 +43,8 @@ class Generation:
     """k: copies of each piece on other hosts."""
     step: int | None = None
     """The caller's training step, recorded in the marker."""
+    drain: bool = True
+    """Drain it to the durable target when its turn comes (the manager says no for a step it saved durably)."""
     md: bytes = b""
     """The committed ``.metadata`` (after :func:`publish_commit`)."""
     sidecar: bytes = b""

@@ -27,7 +27,7 @@ from ..errors import InvalidArgumentError, UCPError, ucp_errors
 from ..planning.collectives import peer_timeout
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
-from .drain import commit_drain, drain_files, durable_generations
+from .drain import DrainLayout, DrainTarget, commit_drain, drain_files, drain_wanted, durable_generations
 from .hosts import HostMap, gather_hosts, replica_hosts
 from .replicate import Generation, mark_complete, publish_commit, replicate
 from .store import default_root, gen_dir, generations, host_name
@@ -62,6 +62,8 @@ class GenerationStatus:
     """Why it is not complete / not drained."""
     seconds: float = 0.0
     """Background time (publish, replicate, mark, drain)."""
+    note: str = ""
+    """Why a complete generation was not drained although a drain was due (its folder was a checkpoint)."""
 
 
 class _Writer(UCPFileSystemWriter):
@@ -86,7 +88,9 @@ class MemoryTier:
     Args:
         root: the memory store (default ``$UCP_DCP_SHM_ROOT`` or ``/dev/shm/ucp_dcp``); each host keeps
             its own folder under it.
-        durable: folder the complete generations are drained to (``<durable>/gen-<n>``); None: none.
+        durable: folder (or object-store URL) the complete generations are drained to; None: none.
+        drain_layout: the durable folders' names (:data:`~ucp_dcp.memory.drain.DrainLayout`): ``gen``,
+            ``<durable>/gen-<n>``; ``step``, ``<durable>/step-<step>`` (torchtitan's step folders).
         replicas: k, copies of each host's pieces on other hosts (cut to the other hosts there are).
         drain_every: drain every n-th generation (1: each).
         keep_durable: durable generations kept (the newest).
@@ -99,6 +103,7 @@ class MemoryTier:
         root: str | os.PathLike | None = None,
         *,
         durable: str | os.PathLike | None = None,
+        drain_layout: DrainLayout = "gen",
         replicas: int = 1,
         drain_every: int = 1,
         keep_durable: int = 2,
@@ -109,6 +114,7 @@ class MemoryTier:
             raise InvalidArgumentError(f"drain_every and keep_durable must be >= 1, got {drain_every}, {keep_durable}")
         self.root = str(root) if root is not None else default_root()
         self.durable = str(durable) if durable is not None else None
+        self.target = DrainTarget(self.durable, drain_layout) if self.durable is not None else None
         self.group = process_group
         self.hosts: HostMap = gather_hosts(process_group)
         self.replicas = len(next(iter(replica_hosts(self.hosts.names, replicas).values())))
@@ -129,16 +135,17 @@ class MemoryTier:
         """The background outcome of every save, in order."""
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Event()
+        self._busy_step: int | None = None
         self._idle.set()
         self._thread = threading.Thread(target=self._work, name="ucp-memory-tier", daemon=True)
         self._thread.start()
 
     # -- foreground ------------------------------------------------------------------------------------
 
-    def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None) -> int:
+    def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None, drain: bool = True) -> int:
         """Copy ``state_dict`` into host memory and commit it there (collective); replication and the
-        drain follow in the background. Waits for the previous save's background work first. Returns the
-        generation number."""
+        drain follow in the background (``drain=False``: not this one, whatever ``drain_every`` says). Waits
+        for the previous save's background work first. Returns the generation number."""
         self.wait()
         gen = self.next_gen
         self.next_gen += 1
@@ -153,8 +160,14 @@ class MemoryTier:
             )
         self.blocked_s = time.perf_counter() - t0
         self._idle.clear()
-        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step))
+        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain))
+        self._busy_step = step
         return gen
+
+    @property
+    def busy_step(self) -> int | None:
+        """The step of the save whose background work (replication, drain) is still running; None when idle."""
+        return None if self._idle.is_set() else self._busy_step
 
     def wait(self) -> GenerationStatus | None:
         """Wait for the background work of the last save; its status (None before any save)."""
@@ -212,10 +225,18 @@ class MemoryTier:
             return
         if self.fault == "complete":
             raise MemoryFault("fault injected after the completion marker (not drained)")
-        if self.durable is None or g.gen % self.drain_every:
+        if self.target is None or not g.drain or g.gen % self.drain_every:
             return
-        drain_files(g, self.durable)
+        if not drain_wanted(g, self.target, self._bg):
+            status.note = f"not drained: {self.target.folder(g)} is already a committed checkpoint"
+            return
+        failed: BaseException | None = None
+        try:
+            drain_files(g, self.target)
+        except Exception as e:  # noqa: BLE001 (the ranks agree on the outcome before any commit)
+            failed = e
         if self.fault == "drain":
             raise MemoryFault("fault injected during the drain (durable files copied, not committed)")
-        commit_drain(g, self.durable, self._bg, self.keep_durable)
+        if not commit_drain(g, self.target, self._bg, self.keep_durable, failed is None):
+            raise failed or UCPError(f"memory generation {g.gen}: another rank's drain failed (not committed)")
         status.drained = True
