@@ -108,9 +108,17 @@ def drain_wanted(g: Generation, target: DrainTarget, group: dist.ProcessGroup) -
     """Collective: False when the target folder is already a committed checkpoint (never overwritten:
     the copy there is a checkpoint of its own), asked once by the coordinator."""
     box: list = [None]
+    failed: BaseException | None = None
     if dist.get_rank() == g.hosts.ranks[0]:
-        box = [not target.committed(target.folder(g))]
+        try:
+            box = [not target.committed(target.folder(g))]
+        except Exception as e:  # the store cannot be asked: every rank ends the drain
+            failed, box = e, [f"{type(e).__name__}: {e}"]
     dist.broadcast_object_list(box, src=g.hosts.ranks[0], group=group)
+    if failed is not None:
+        raise failed
+    if isinstance(box[0], str):
+        raise UCPError(f"memory generation {g.gen}: the coordinator could not check the drain's folder: {box[0]}")
     return bool(box[0])
 
 

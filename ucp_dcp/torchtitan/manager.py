@@ -160,6 +160,7 @@ class UCPCheckpointManager(CheckpointManager):
                 config.memory_replicas,
                 folder=self.folder,
                 drain_every=config.memory_drain_every,
+                control=False if not config.control_group else None,  # on: unless $UCP_DCP_CONTROL_GROUP says off
             )
             if config.memory_interval
             else None

@@ -32,6 +32,7 @@ from ..memory import MemoryTier, Source, locate
 from ..memory import load as memory_load
 from ..memory.reader import MemoryReader
 from ..memory.store import default_root
+from ..planning.control_group import dcp_group
 
 __all__ = ["ManagerMemory", "memory_root"]
 
@@ -55,10 +56,17 @@ class ManagerMemory:
         replicas: k, copies of each host's pieces on other hosts.
         folder: the checkpoint folder memory generations are drained to as ``step-N`` (None: no drain).
         drain_every: drain every n-th memory generation (0: none).
+        control: the tier's collectives on control groups (``checkpoint.control_group``; None: the environment).
     """
 
     def __init__(
-        self, interval: int, root: str, replicas: int, folder: str | None = None, drain_every: int = 1
+        self,
+        interval: int,
+        root: str,
+        replicas: int,
+        folder: str | None = None,
+        drain_every: int = 1,
+        control: bool | None = None,
     ) -> None:
         if interval < 1:
             raise InvalidArgumentError(f"checkpoint.memory_interval must be >= 1 to use the tier, got {interval}")
@@ -71,7 +79,9 @@ class ManagerMemory:
             durable=folder if drain else None,
             drain_layout="step",
             drain_every=max(1, drain_every),
+            control_group=control,
         )
+        self.control = control
         self.loaded: Source | None = None
         """What the last resume from memory loaded (None: it was not from memory)."""
 
@@ -96,7 +106,7 @@ class ManagerMemory:
         wins a tie: the faster read); None when the durable copy should be loaded (collective)."""
         self.tier.wait()  # a generation of this job still completing counts
         try:
-            src = locate(self.root, None)
+            src = locate(self.root, None, dcp_group(None, self.control))
         except CheckpointNotFoundError as e:
             logger.info(f"UCP memory tier: nothing to resume from in memory ({e.message.splitlines()[0]})")
             return None
@@ -114,7 +124,7 @@ class ManagerMemory:
         damaged during the load and ``durable`` (a durable step exists: the manager loads it over the
         partly loaded states); without one, the error is raised (a fresh start would keep them)."""
         try:
-            self.loaded = memory_load(states, self.root, planner=planner, source=src)
+            self.loaded = memory_load(states, self.root, planner=planner, source=src, control_group=self.control)
         except CheckpointNotFoundError as e:
             if not durable:
                 raise
