@@ -264,7 +264,5 @@ class MemoryTier:
         if self.fault == "drain":
             raise MemoryFault("fault injected during the drain (durable files copied, not committed)")
         if not commit_drain(g, self.target, ctl, self.keep_durable, drain_failed is None):
-            raise drain_failed or UCPError(
-                f"memory generation {g.gen}: another rank's drain failed (not committed)"
-            )
+            raise drain_failed or UCPError(f"memory generation {g.gen}: another rank's drain failed (not committed)")
         status.drained = True
