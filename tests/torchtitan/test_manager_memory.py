@@ -113,6 +113,7 @@ def test_a_drain_that_dies_before_its_commit_leaves_the_previous_drained_step_lo
     assert step == 2 and _equal(got, snaps[2]) and calls == [UCP_LOAD]
 
 
+@pytest.mark.full
 def test_memory_generations_drain_to_an_object_store(s3):
     """``--checkpoint.folder s3://...``: the drain uploads each rank's files and commits with one PUT of
     .metadata; the resume with memory gone reads the drained step from the store."""
