@@ -127,3 +127,27 @@ def test_memory_generations_drain_to_an_object_store(s3):
     shutil.rmtree(root)
     got, step, calls = D.run(_resume, 1, s3.prefix, root, 10, 1, s3.env())[0]
     assert step == 2 and _equal(got, snaps[2]) and calls == [UCP_LOAD]
+
+
+def test_keep_latest_k_never_purges_the_step_folder_a_drain_is_writing(tmp_path):
+    """A drain in flight writes step-3 without .metadata yet; a durable save of step 4 then purges with
+    keep_latest_k=1: stock rules would purge step-3 (older than the kept committed step 4, uncommitted) and
+    the drain would commit over deleted files. The folder a drain is writing is skipped; the others go."""
+    import queue
+    from types import SimpleNamespace
+
+    from ucp_dcp.torchtitan import UCPCheckpointManager
+
+    for step, committed in ((1, True), (2, False), (3, False), (4, True)):
+        os.makedirs(tmp_path / f"step-{step}")
+        (tmp_path / f"step-{step}" / "__0_0.distcp").write_bytes(b"x")
+        if committed:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"m")
+    draining = SimpleNamespace(in_flight=lambda: "step-3")
+    fake = SimpleNamespace(
+        folder=str(tmp_path), keep_latest_k=1, purge_queue=queue.Queue(), _memory=draining, _should_purge=lambda: True
+    )
+    UCPCheckpointManager._purge_stale_checkpoints(fake)
+    purged = sorted(os.path.basename(fake.purge_queue.get_nowait()) for _ in range(fake.purge_queue.qsize()))
+    assert purged == ["step-1", "step-2"], purged
+    assert (tmp_path / "step-3" / "__0_0.distcp").exists()
