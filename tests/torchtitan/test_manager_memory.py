@@ -27,14 +27,14 @@ MEMORY_SAVE = ("save", "UCPSavePlanner", "_Writer")
 MEMORY_LOAD = ("load", "UCPLoadPlanner", "MemoryReader")
 
 
-def _train_and_save(rank, world, folder, root, steps, interval, memory_interval, fault_step=None, env=None):
+def _train_and_save(rank, world, folder, root, steps, interval, memory_interval, fault_step=None, env=None, keep=0):
     D.setenv("UCP_DCP_HOST", f"node{rank}")
     for k, v in (env or {}).items():
         D.setenv(k, v)
     calls = dcp_calls(D.patch)
     model, opt, sched = _parts(0)
     train = TrainState()
-    cfg = {"interval": interval, "memory_interval": memory_interval, "memory_root": root}
+    cfg = {"interval": interval, "memory_interval": memory_interval, "memory_root": root, "keep_latest_k": keep}
     m = _manager(folder, model, opt, sched, states={"train_state": train}, **cfg)
     snaps = {}
     for step in range(1, steps + 1):
@@ -64,9 +64,9 @@ def _resume(rank, world, folder, root, interval, memory_interval, env=None):
     return _snapshot(model, opt, sched), train.step, calls
 
 
-def _saved(interval, memory_interval, steps=3):
+def _saved(interval, memory_interval, steps=3, keep=0):
     folder, root = D.tmpdir(), D.tmpdir()
-    snaps, calls = D.run(_train_and_save, 2, folder, root, steps, interval, memory_interval)[0]
+    snaps, calls = D.run(_train_and_save, 2, folder, root, steps, interval, memory_interval, None, None, keep)[0]
     return folder, root, snaps, calls
 
 
@@ -90,15 +90,16 @@ def test_a_fresher_durable_step_wins_over_an_older_memory_generation():
 
 def test_memory_generations_drain_to_step_folders_that_load_at_a_new_layout_when_memory_is_gone():
     """No durable save in the run (interval 10): every step-N folder is a memory generation drained in the
-    background; with every host's memory gone, the resume at 1 rank reads the drained step 3 from disk."""
-    folder, root, snaps, calls = _saved(interval=10, memory_interval=1)
-    assert calls == [MEMORY_SAVE] * 3, "only memory saves: the step folders can only be the tier's drains"
+    background, and keep_latest_k=2 purges them as its own; with every host's memory gone, the resume at 1
+    rank reads the drained step 4 from disk."""
+    folder, root, snaps, calls = _saved(interval=10, memory_interval=1, steps=4, keep=2)
+    assert calls == [MEMORY_SAVE] * 4, "only memory saves: the step folders can only be the tier's drains"
     ckpt = os.path.join(folder, "checkpoint")
-    assert sorted(os.listdir(ckpt)) == ["step-1", "step-2", "step-3"]
-    assert all(os.path.isfile(os.path.join(ckpt, f"step-{n}", ".metadata")) for n in (1, 2, 3))
+    committed = [n for n in (1, 2, 3, 4) if os.path.isfile(os.path.join(ckpt, f"step-{n}", ".metadata"))]
+    assert committed == [2, 3, 4], "step 1 purged at step 4's save (step 4's drain in flight is not counted)"
     shutil.rmtree(root)  # every host lost (or rebooted): memory is gone
     got, step, calls = D.run(_resume, 1, folder, root, 10, 1)[0]
-    assert step == 3 and _equal(got, snaps[3])
+    assert step == 4 and _equal(got, snaps[4])
     assert calls == [UCP_LOAD]
 
 

@@ -208,6 +208,8 @@ class UCPCheckpointManager(CheckpointManager):
             return saved
         states = flattened_model_states_sd(self)
         memory.save(states, self._save_planner(self._call_rules(states)), curr_step, drain=not saved)
+        if not saved:  # the previous generation's drain is over (save waited for it): keep_latest_k counts it now
+            self._purge_stale_checkpoints()
         return True
 
     def _load(self, step: int = -1) -> bool:
