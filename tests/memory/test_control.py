@@ -16,6 +16,8 @@ from ucp_dcp.memory import MemoryTier, replicate
 from ucp_dcp.memory import load as memory_load
 from ucp_dcp.planning import control_group as cg
 
+pytestmark = pytest.mark.slow
+
 HANG_S = 90  # the pool's gloo timeout is 180 s: a test that waits this long failed
 PEER_TIMEOUT_S = "3"
 
