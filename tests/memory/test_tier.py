@@ -50,8 +50,8 @@ def _save_damaged_in_transit(rank, world, hosts, root, topo):
     simulate_hosts(hosts)
     real = replicate._recv_file
 
-    def faulty_link(g, src, name, k, group):  # the second generation's replicas arrive with a flipped byte
-        header, buf = real(g, src, name, k, group)
+    def faulty_link(g, src, name, k, group, *watch):  # the second generation's replicas arrive with a flipped byte
+        header, buf = real(g, src, name, k, group, *watch)
         if g.gen == 2 and buf.numel():
             buf.numpy()[buf.numel() // 2] ^= 0x10
         return header, buf

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UCPError, ucp_errors
+from ..planning.control_group import controlled, dcp_group
 from ..planning.load_planner import UCPLoadPlanner
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
@@ -39,6 +40,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     verify: bool = False,
     source: Source | None = None,
+    control_group: bool | None = None,
 ) -> Source:
     """Load ``state_dict`` in place (collective) from the freshest complete generation: the memory tier
     when every piece of it is on some host of this job (each rank reads what its host holds and gets the
@@ -50,17 +52,20 @@ def load(
     data file against its completion marker before choosing (slower: a pass over every byte held; the
     choice then never meets a damaged copy). ``source``: what :func:`~ucp_dcp.memory.locate.locate` chose
     just before, with the same arguments (a caller that looked first does not locate twice). Returns the
-    :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``."""
+    :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``.
+    ``control_group``: the collectives (the choice, DCP's) on the control group, so a rank that dies ends
+    every other rank within ``UCP_DCP_PEER_TIMEOUT_S`` (None: ``$UCP_DCP_CONTROL_GROUP``, on)."""
+    group = dcp_group(process_group, control_group)
     root = str(root) if root is not None else default_root()
     disk = str(durable) if durable is not None else None
-    src = source if source is not None else locate(root, disk, process_group, verify)
+    src = source if source is not None else locate(root, disk, group, verify)
     if src.tier == "memory" and not verify and not _block_checksums(src):
         verify = True  # nothing would catch a damaged byte during the read: hash the files first
-        src = locate(root, disk, process_group, True)
+        src = locate(root, disk, group, True)
     the_planner = planner if planner is not None else UCPLoadPlanner()
     while src.tier == "memory":
         try:
-            src.stats = _load(state_dict, MemoryReader(src, root), the_planner, process_group)
+            src.stats = _load(state_dict, MemoryReader(src, root), the_planner, group)
             return src
         except DAMAGE as e:
             if verify:  # the files hashed intact, yet a read failed: nothing better to choose
@@ -70,16 +75,16 @@ def load(
         # its cause's class): all of them choose again, this time from hashed copies
         verify = True
         failed = src.generation
-        src = locate(root, disk, process_group, True)
+        src = locate(root, disk, group, True)
         src.notes.insert(0, f"gen {failed} (memory): a copy was found damaged during the load ({why}); retried")
     assert src.path is not None
-    src.stats = _load(state_dict, UCPFileSystemReader(src.path), the_planner, process_group)
+    src.stats = _load(state_dict, UCPFileSystemReader(src.path), the_planner, group)
     return src
 
 
 def _load(state_dict: dict, reader: Any, planner: Any, group: dist.ProcessGroup | None) -> Any:
-    with ucp_errors():
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+    with ucp_errors(), controlled(group) as pg:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     return reader.stats
 
 

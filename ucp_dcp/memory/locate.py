@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UCPError
 from ..storage.sidecar import metadata_hash
 from .drain import durable_dir, durable_generations
 from .hosts import HostMap, gather_hosts
@@ -167,13 +167,28 @@ def locate(root: str, durable: str | None, group: dist.ProcessGroup | None = Non
     and, for the memory tier, its commit sent to every rank."""
     hosts = gather_hosts(group)
     me = dist.get_rank() if dist.is_initialized() else 0
-    mine = inspect_host(root, host_name(), verify) if me == hosts.leader(hosts.host_of(me)) else []
-    disk = durable_generations(durable) if me == hosts.ranks[0] else []
-    got: list = [(mine, disk)]
+    mine: list[HostHolding] = []
+    disk: list[int] = []
+    failed: BaseException | None = None
+    try:  # a failure here is gathered, not raised before the collective: no peer is left waiting
+        mine = inspect_host(root, host_name(), verify) if me == hosts.leader(hosts.host_of(me)) else []
+        disk = durable_generations(durable) if me == hosts.ranks[0] else []
+    except Exception as e:  # noqa: BLE001 (raised below, on every rank)
+        failed = e
+    why = None if failed is None else f"{type(failed).__name__}: {failed}"
+    got: list = [(mine, disk, why)]
     if dist.is_initialized():
         got = [None] * len(hosts.ranks)
-        dist.all_gather_object(got, (mine, disk), group=group)
-    holdings = [h for hs, _ in got for h in hs]
+        dist.all_gather_object(got, (mine, disk, why), group=group)
+    if failed is not None:
+        raise failed
+    for r, (_, _, why) in zip(hosts.ranks, got):
+        if why is not None:
+            raise UCPError(
+                f"rank {r} could not inspect its host's memory store for the load: {why}",
+                hint="fix that host's store (or remove it: its generations are then read from replicas) and restart",
+            )
+    holdings = [h for hs, _, _ in got for h in hs]
     tier, gen, holders, notes = choose(holdings, got[0][1])
     src = Source(tier, gen, holders=holders, notes=notes, hosts=hosts)
     src.step = next((h.step for h in holdings if h.gen == gen and h.complete), None) if tier == "memory" else None

@@ -1,11 +1,13 @@
 """Completing a memory generation in the background: its commit on every host, every host's pieces
 copied to ``k`` other hosts, then the completion marker.
 
-Runs on the tier's own gloo group (never the training group, so it overlaps training collectives
-safely) and in the same order on every rank. Each step fails as a whole: a rank that fails (a replica
-whose bytes arrive damaged, a full ``/dev/shm``) makes every rank skip the marker, so the generation
-stays incomplete and is never loaded; the previous complete generation is kept until a newer one is
-complete.
+Runs on the tier's own groups (never the training group, so it overlaps training collectives safely:
+a control group for the small collectives, gloo for the files) and in the same order on every rank.
+Each step fails as a whole: a rank that fails (a file it cannot read, a replica whose bytes arrive
+damaged, a full ``/dev/shm``) still makes every planned transfer, and the ranks then agree on the
+outcome, so every rank skips the marker, naming the failed rank; the generation stays incomplete and
+is never loaded; the previous complete generation is kept until a newer one is complete. A peer that
+dies or freezes ends every rank's step with a ``PeerLostError`` within the peer timeout.
 """
 
 from __future__ import annotations
@@ -13,20 +15,23 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from ..errors import CorruptCheckpointError, UCPError
+from ..errors import CorruptCheckpointError, PeerLostError, UCPError
+from ..planning.collectives import peer_timeout
 from ..storage.commit import commit
 from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
 from .hosts import HostMap, replica_hosts
 from .marker import Marker, file_hash, write_marker
 from .store import gen_dir, generations, read_commit, remove_generation
 
-__all__ = ["Generation", "publish_commit", "replicate", "mark_complete", "writer_rank"]
+__all__ = ["Generation", "Watch", "agree", "publish_commit", "replicate", "mark_complete", "writer_rank"]
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Generation:
     """k: copies of each piece on other hosts."""
     step: int | None = None
     """The caller's training step, recorded in the marker."""
+    drain: bool = True
+    """Drain it to the durable target when its turn comes (the manager says no for a step it saved durably)."""
     md: bytes = b""
     """The committed ``.metadata`` (after :func:`publish_commit`)."""
     sidecar: bytes = b""
@@ -61,24 +68,55 @@ def writer_rank(name: str, hosts: HostMap) -> int:
     return hosts.ranks[int(name[2:].split("_", 1)[0])]
 
 
+Watch = Callable[[int, str], PeerLostError]
+"""``watch(rank, why)``: the error for a transfer with ``rank`` that failed or timed out, told to every
+member of the background's control group (:meth:`~ucp_dcp.planning.control_group.ControlGroup.lose`)."""
+
+
+def agree(group: dist.ProcessGroup, g: Generation, step: str, error: BaseException | None) -> None:
+    """Collective: every rank says whether its part of ``step`` succeeded; all raise when one did not,
+    this rank its own error, the others a :class:`~ucp_dcp.errors.UCPError` naming the rank and cause."""
+    got: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = [(r, why) for r, why in zip(g.hosts.ranks, got) if why is not None]
+    if failed:
+        r, why = failed[0]
+        raise UCPError(f"memory generation {g.gen}: rank {r} failed during the {step}: {why}")
+
+
 def publish_commit(g: Generation, group: dist.ProcessGroup) -> None:
     """The coordinator's ``.metadata`` and sidecar to every rank; each host's leader commits them into
-    its own folder (the same atomic rename as on disk)."""
+    its own folder (the same atomic rename as on disk). A failure on any rank ends every rank's step."""
     me = dist.get_rank()
     box: list = [None]
+    error: BaseException | None = None
     if me == g.hosts.ranks[0]:
         got = read_commit(g.folder(g.hosts.host_of(me)))
         if got is None:
-            raise UCPError(f"memory generation {g.gen}: the save reported success but left no commit")
-        box = [got]
+            error = UCPError(f"memory generation {g.gen}: the save reported success but left no commit")
+        box = [got if got is not None else f"rank {me}: {error}"]
     dist.broadcast_object_list(box, src=g.hosts.ranks[0], group=group)
+    if error is not None:
+        raise error
+    if isinstance(box[0], str):
+        raise UCPError(f"memory generation {g.gen}: the coordinator could not publish the commit ({box[0]})")
     g.md, g.sidecar = box[0]
-    body = decode_sidecar(g.sidecar, sidecar_name(metadata_hash(g.md)))
-    g.files = {str(k): int(v) for k, v in body["files"].items()}
-    host = g.hosts.host_of(me)
-    if me == g.hosts.leader(host) and me != g.hosts.ranks[0]:
-        os.makedirs(g.folder(host), exist_ok=True)
-        commit(g.folder(host), g.md, g.sidecar, set(g.files), sync=False)
+    try:
+        body = decode_sidecar(g.sidecar, sidecar_name(metadata_hash(g.md)))
+        g.files = {str(k): int(v) for k, v in body["files"].items()}
+        host = g.hosts.host_of(me)
+        if me == g.hosts.leader(host) and me != g.hosts.ranks[0]:
+            os.makedirs(g.folder(host), exist_ok=True)
+            commit(g.folder(host), g.md, g.sidecar, set(g.files), sync=False)
+    except Exception as e:  # noqa: BLE001 (agreed below: every rank ends the step)
+        error = e
+    agree(group, g, "publish of the commit", error)
+
+
+class PeerCausedError(UCPError):
+    """This rank's replication failed because a peer's did (a file its writer could not read)."""
 
 
 def _send_plan(g: Generation) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
@@ -97,14 +135,24 @@ def _send_plan(g: Generation) -> tuple[list[tuple[int, str]], list[tuple[int, st
     return sorted(sends), sorted(recvs)
 
 
-def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, str]]:
+def _read_file(path: str, size: int) -> torch.Tensor:
+    """A data file's bytes, to send (tests make one rank's read fail here)."""
+    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+
+
+def replicate(g: Generation, group: dist.ProcessGroup, watch: Watch | None = None) -> dict[str, tuple[int, str]]:
     """Copy this rank's data files to their replica hosts and take the files other ranks send here;
     every replica is checked against its writer's XXH3-128 before it is renamed into place. Returns
-    this rank's own files' ``(size, hash)``."""
+    this rank's own files' ``(size, hash)``.
+
+    Every planned transfer happens whatever fails on either side, so no peer is left waiting: a file
+    its writer cannot read goes as a header saying so (size -1), a received file that cannot be
+    written is taken and dropped; the failure is raised at the end. Every wait is bounded by ``watch``
+    (a peer that died or froze ends it with a ``PeerLostError``)."""
     me = dist.get_rank()
     here = g.folder(g.hosts.host_of(me))
     sends, recvs = _send_plan(g)
-    own = {n: (g.files[n], file_hash(os.path.join(here, n))) for n in sorted(g.files) if writer_rank(n, g.hosts) == me}
+    own: dict[str, tuple[int, str]] = {}
     failure: list[BaseException] = []
 
     def send_all() -> None:  # one file in flight per direction: memory stays bounded by a file
@@ -113,12 +161,18 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
             for dst, name in sends:
                 k = counts.get(dst, 0)
                 counts[dst] = k + 1
-                size, digest = own[name]
-                header = torch.tensor([size, *_halves(digest)], dtype=torch.int64)
-                _wait(dist.isend(header, dst, group=group, tag=2 * k))
-                if size:
-                    data = torch.from_file(os.path.join(here, name), shared=False, size=size, dtype=torch.uint8)
-                    _wait(dist.isend(data, dst, group=group, tag=2 * k + 1))
+                data, header = None, torch.tensor([-1, 0, 0], dtype=torch.int64)
+                try:  # hashed just before it is sent: a receiver's wait spans one file's read
+                    size = g.files[name]
+                    if name not in own:
+                        own[name] = (size, file_hash(os.path.join(here, name)))
+                    data = _read_file(os.path.join(here, name), size) if size else None
+                    header = torch.tensor([size, *_halves(own[name][1])], dtype=torch.int64)
+                except Exception as e:  # noqa: BLE001 (its receiver is told; raised after)
+                    failure.append(e)
+                _wait(dist.isend(header, dst, group=group, tag=2 * k), dst, watch)
+                if data is not None:
+                    _wait(dist.isend(data, dst, group=group, tag=2 * k + 1), dst, watch)
         except BaseException as e:  # noqa: BLE001 (surfaced on the calling thread)
             failure.append(e)
 
@@ -126,22 +180,36 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
     sender.start()
     counts: dict[int, int] = {}
     bad: list[str] = []
-    for src, name in recvs:
-        k = counts.get(src, 0)
-        counts[src] = k + 1
-        header, buf = _recv_file(g, src, name, k, group)
-        size = int(header[0])
-        got = xxhash.xxh3_128_hexdigest(buf.numpy().data) if size else xxhash.xxh3_128_hexdigest(b"")
-        if size != g.files[name] or _halves(got) != [int(header[1]), int(header[2])]:
-            bad.append(name)  # matched anyway, so the sender is not left waiting
-            continue
-        tmp = os.path.join(here, f".{name}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(buf.numpy().tobytes())
-        os.replace(tmp, os.path.join(here, name))
-    sender.join()
+    unread: list[str] = []
+    try:
+        for src, name in recvs:
+            k = counts.get(src, 0)
+            counts[src] = k + 1
+            header, buf = _recv_file(g, src, name, k, group, watch)
+            size = int(header[0])
+            if size < 0:
+                unread.append(f"{name} (rank {src} could not read it)")
+                continue
+            got = xxhash.xxh3_128_hexdigest(buf.numpy().data) if size else xxhash.xxh3_128_hexdigest(b"")
+            if size != g.files[name] or _halves(got) != [int(header[1]), int(header[2])]:
+                bad.append(name)  # matched anyway, so the sender is not left waiting
+                continue
+            try:
+                tmp = os.path.join(here, f".{name}.{secrets.token_hex(4)}.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(buf.numpy().tobytes())
+                os.replace(tmp, os.path.join(here, name))
+            except OSError as e:  # a full /dev/shm: the next transfers are still taken
+                failure.append(e)
+    finally:
+        sender.join()
+    for name in sorted(g.files) if not failure else []:  # own files no replica host takes (k = 0): for the marker
+        if writer_rank(name, g.hosts) == me and name not in own:
+            own[name] = (g.files[name], file_hash(os.path.join(here, name)))
     if failure:
         raise failure[0]
+    if unread:
+        raise PeerCausedError(f"memory generation {g.gen}: {len(unread)} replica(s) not sent: {', '.join(unread[:3])}")
     if bad:
         raise CorruptCheckpointError(
             f"memory generation {g.gen}: {len(bad)} replica(s) arrived damaged ({', '.join(bad[:3])}): their bytes "
@@ -153,21 +221,30 @@ def replicate(g: Generation, group: dist.ProcessGroup) -> dict[str, tuple[int, s
 
 
 def _recv_file(
-    g: Generation, src: int, name: str, k: int, group: dist.ProcessGroup
+    g: Generation, src: int, name: str, k: int, group: dist.ProcessGroup, watch: Watch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k``-th file ``src`` sends this rank: its header ``(size, hash halves)`` and its bytes, as they
     arrived (unchecked; tests damage them here, as a faulty link would)."""
     header = torch.empty(3, dtype=torch.int64)
-    _wait(dist.irecv(header, src, group=group, tag=2 * k))
-    buf = torch.empty(int(header[0]), dtype=torch.uint8)
+    _wait(dist.irecv(header, src, group=group, tag=2 * k), src, watch)
+    buf = torch.empty(max(0, int(header[0])), dtype=torch.uint8)
     if buf.numel():
-        _wait(dist.irecv(buf, src, group=group, tag=2 * k + 1))
+        _wait(dist.irecv(buf, src, group=group, tag=2 * k + 1), src, watch)
     return header, buf
 
 
-def _wait(work: dist.Work | None) -> None:
-    if work is not None:  # None only for a rank outside the group, which the plan never addresses
+def _wait(work: dist.Work | None, peer: int, watch: Watch | None) -> None:
+    """Until ``work`` completes; with ``watch``, at most the peer timeout (a wait spans one file's hash,
+    read and transfer on the peer: far less), then ``peer`` is lost for every member."""
+    if work is None:  # only for a rank outside the group, which the plan never addresses
+        return
+    if watch is None:
         work.wait()
+        return
+    try:
+        work.wait(timeout=timedelta(seconds=peer_timeout()))
+    except Exception as e:  # gloo closes the pair on a timeout: the other side fails at once too
+        raise watch(peer, f"a replica transfer with it failed or took over {peer_timeout():.0f} s ({e})") from e
 
 
 def _halves(hexdigest: str) -> list[int]:
@@ -176,14 +253,23 @@ def _halves(hexdigest: str) -> list[int]:
     return [int.from_bytes(((v >> s) & (2**64 - 1)).to_bytes(8, "little"), "little", signed=True) for s in (64, 0)]
 
 
-def mark_complete(g: Generation, group: dist.ProcessGroup, ok: bool, own: dict[str, tuple[int, str]]) -> bool:
+def mark_complete(
+    g: Generation, group: dist.ProcessGroup, error: BaseException | None, own: dict[str, tuple[int, str]]
+) -> bool:
     """Every rank says whether its replication succeeded; only if all did, each host's leader writes the
-    completion marker, and older generations on its host are dropped. Returns whether it is complete."""
+    completion marker, and, once every marker is written, older generations on its host are dropped.
+    Returns whether it is complete; raises (on every rank) the first rank's failure."""
     got: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(got, (ok, own), group=group)
-    if not all(o for o, _ in got):
-        return False
-    for _, files in got:
+    why = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(got, (why, own, isinstance(error, PeerCausedError)), group=group)
+    causes = [(r, why) for r, (why, _, derived) in zip(g.hosts.ranks, got) if why is not None and not derived]
+    if error is not None and (not isinstance(error, PeerCausedError) or not causes):
+        raise error
+    if causes:  # this rank's failure (if any) came from a peer's: name the peer and its cause
+        raise UCPError(f"memory generation {g.gen}: rank {causes[0][0]}'s replication failed: {causes[0][1]}")
+    if error is not None:
+        raise error
+    for _, files, _ in got:
         g.hashes.update(files)
     ring = replica_hosts(g.hosts.names, g.replicas)
     holders = {n: [g.hosts.host_of(writer_rank(n, g.hosts))] for n in g.files}
@@ -192,9 +278,13 @@ def mark_complete(g: Generation, group: dist.ProcessGroup, ok: bool, own: dict[s
     marker = Marker(g.gen, metadata_hash(g.md), dict(g.hashes), holders, len(next(iter(ring.values()), [])), g.step)
     me = dist.get_rank()
     host = g.hosts.host_of(me)
+    wrote: BaseException | None = None
     if me == g.hosts.leader(host):
-        write_marker(g.folder(host), marker)
-    dist.barrier(group=group)  # every marker is written before any host drops its older generations
+        try:
+            write_marker(g.folder(host), marker)
+        except Exception as e:  # noqa: BLE001 (agreed below)
+            wrote = e
+    agree(group, g, "completion marker", wrote)  # every marker is written before any host drops its older generations
     if me == g.hosts.leader(host):
         for old in generations(g.root, host):
             if old < g.gen:

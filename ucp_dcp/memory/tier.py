@@ -23,11 +23,12 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import InvalidArgumentError, UCPError, ucp_errors
+from ..errors import InvalidArgumentError, PeerLostError, UCPError, ucp_errors
 from ..planning.collectives import peer_timeout
+from ..planning.control_group import ControlGroup, controlled, dcp_group, private_group
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
-from .drain import commit_drain, drain_files, durable_generations
+from .drain import DrainLayout, DrainTarget, commit_drain, drain_files, drain_wanted, durable_generations
 from .hosts import HostMap, gather_hosts, replica_hosts
 from .replicate import Generation, mark_complete, publish_commit, replicate
 from .store import default_root, gen_dir, generations, host_name
@@ -62,6 +63,8 @@ class GenerationStatus:
     """Why it is not complete / not drained."""
     seconds: float = 0.0
     """Background time (publish, replicate, mark, drain)."""
+    note: str = ""
+    """Why a complete generation was not drained although a drain was due (its folder was a checkpoint)."""
 
 
 class _Writer(UCPFileSystemWriter):
@@ -86,12 +89,17 @@ class MemoryTier:
     Args:
         root: the memory store (default ``$UCP_DCP_SHM_ROOT`` or ``/dev/shm/ucp_dcp``); each host keeps
             its own folder under it.
-        durable: folder the complete generations are drained to (``<durable>/gen-<n>``); None: none.
+        durable: folder (or object-store URL) the complete generations are drained to; None: none.
+        drain_layout: the durable folders' names (:data:`~ucp_dcp.memory.drain.DrainLayout`): ``gen``,
+            ``<durable>/gen-<n>``; ``step``, ``<durable>/step-<step>`` (torchtitan's step folders).
         replicas: k, copies of each host's pieces on other hosts (cut to the other hosts there are).
         drain_every: drain every n-th generation (1: each).
         keep_durable: durable generations kept (the newest).
         process_group: the job's group (None: the default group).
         fault: testing only: the step at which every rank stops (:data:`FaultStep`).
+        control_group: run the tier's collectives on control groups (:mod:`ucp_dcp.planning.control_group`):
+            a rank that dies or freezes during a save, its replication or its drain ends every other rank
+            with a ``PeerLostError`` within ``UCP_DCP_PEER_TIMEOUT_S``. None: ``$UCP_DCP_CONTROL_GROUP`` (on).
     """
 
     def __init__(
@@ -99,18 +107,25 @@ class MemoryTier:
         root: str | os.PathLike | None = None,
         *,
         durable: str | os.PathLike | None = None,
+        drain_layout: DrainLayout = "gen",
         replicas: int = 1,
         drain_every: int = 1,
         keep_durable: int = 2,
         process_group: dist.ProcessGroup | None = None,
         fault: FaultStep | None = None,
+        control_group: bool | None = None,
     ) -> None:
         if drain_every < 1 or keep_durable < 1:
             raise InvalidArgumentError(f"drain_every and keep_durable must be >= 1, got {drain_every}, {keep_durable}")
         self.root = str(root) if root is not None else default_root()
         self.durable = str(durable) if durable is not None else None
+        self.target = DrainTarget(self.durable, drain_layout) if self.durable is not None else None
         self.group = process_group
-        self.hosts: HostMap = gather_hosts(process_group)
+        self.control = control_group
+        # the foreground's collectives (these, DCP's in save) on the control group DCP gets; the
+        # background's object collectives on a control group of its own, its file transfers on gloo
+        fg = dcp_group(process_group, control_group)
+        self.hosts: HostMap = gather_hosts(fg)
         self.replicas = len(next(iter(replica_hosts(self.hosts.names, replicas).values())))
         self.drain_every = drain_every
         self.keep_durable = keep_durable
@@ -118,10 +133,15 @@ class MemoryTier:
         self._bg = dist.new_group(
             ranks=self.hosts.ranks, backend="gloo", timeout=timedelta(seconds=max(60.0, peer_timeout()))
         )
+        self._ctl: dist.ProcessGroup = self._bg
+        if isinstance(fg, ControlGroup):
+            self._ctl = private_group(self.hosts.ranks, process_group)
+        self.broken: BaseException | None = None
+        """A peer lost in the background work: the tier's groups are spent, every later save raises it."""
         # numbering continues after whatever generation any host or the durable folder holds
         mine = max([0, *generations(self.root, host_name()), *durable_generations(self.durable)])
         got: list = [None] * len(self.hosts.ranks)
-        dist.all_gather_object(got, mine, group=process_group)
+        dist.all_gather_object(got, mine, group=fg)
         self.next_gen = max(got) + 1
         self.blocked_s = 0.0
         """Seconds the last :meth:`save` blocked the caller."""
@@ -129,32 +149,41 @@ class MemoryTier:
         """The background outcome of every save, in order."""
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Event()
+        self._busy_step: int | None = None
         self._idle.set()
         self._thread = threading.Thread(target=self._work, name="ucp-memory-tier", daemon=True)
         self._thread.start()
 
     # -- foreground ------------------------------------------------------------------------------------
 
-    def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None) -> int:
+    def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None, drain: bool = True) -> int:
         """Copy ``state_dict`` into host memory and commit it there (collective); replication and the
-        drain follow in the background. Waits for the previous save's background work first. Returns the
-        generation number."""
+        drain follow in the background (``drain=False``: not this one, whatever ``drain_every`` says). Waits
+        for the previous save's background work first. Returns the generation number."""
         self.wait()
+        if self.broken is not None:
+            raise self.broken
         gen = self.next_gen
         self.next_gen += 1
         t0 = time.perf_counter()
         writer = _Writer(gen_dir(self.root, host_name(), gen), self.fault)
-        with ucp_errors():
+        with ucp_errors(), controlled(self.group, self.control) as group:
             dcp.save(
                 state_dict,
                 storage_writer=writer,
                 planner=planner if planner is not None else UCPSavePlanner(replica_digests="writer"),
-                process_group=self.group,
+                process_group=group,
             )
         self.blocked_s = time.perf_counter() - t0
         self._idle.clear()
-        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step))
+        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain))
+        self._busy_step = step
         return gen
+
+    @property
+    def busy_step(self) -> int | None:
+        """The step of the save whose background work (replication, drain) is still running; None when idle."""
+        return None if self._idle.is_set() else self._busy_step
 
     def wait(self) -> GenerationStatus | None:
         """Wait for the background work of the last save; its status (None before any save)."""
@@ -166,6 +195,8 @@ class MemoryTier:
         self.wait()
         self._queue.put(None)
         self._thread.join()
+        if isinstance(self._ctl, ControlGroup):
+            self._ctl.stop()  # its heartbeat: the group has no more ops
 
     def __enter__(self) -> MemoryTier:
         return self
@@ -186,6 +217,8 @@ class MemoryTier:
                 self._complete(g, status)
             except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
                 status.error = e
+                if isinstance(e, PeerLostError):
+                    self.broken = e
                 if not isinstance(e, MemoryFault):
                     warnings.warn(
                         f"memory generation {g.gen}: {type(e).__name__}: {e}", MemoryTierWarning, stacklevel=1
@@ -195,27 +228,41 @@ class MemoryTier:
             self._idle.set()
 
     def _complete(self, g: Generation, status: GenerationStatus) -> None:
-        publish_commit(g, self._bg)
+        ctl = self._ctl
+        watch = ctl.lose if isinstance(ctl, ControlGroup) else None
+        publish_commit(g, ctl)
         own: dict = {}
-        ok = True
+        failed: BaseException | None = None
         try:
-            own = replicate(g, self._bg)
-        except UCPError as e:
-            ok, status.error = False, e
+            own = replicate(g, self._bg, watch)
+        except PeerLostError:
+            raise  # the groups are spent: nothing more to agree on
+        except Exception as e:  # noqa: BLE001 (agreed in mark_complete: every rank learns it)
+            failed = e
         if self.fault == "replicate":
             raise MemoryFault("fault injected during replication (replicas sent, no completion marker)")
-        status.complete = mark_complete(g, self._bg, ok, own)
-        if not status.complete:
-            if status.error is None:
-                status.error = UCPError(f"memory generation {g.gen}: another rank's replication failed")
-            warnings.warn(f"memory generation {g.gen} is incomplete: {status.error}", MemoryTierWarning, stacklevel=1)
+        try:
+            status.complete = mark_complete(g, ctl, failed, own)
+        except PeerLostError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a rank's replication failed: every rank reports it)
+            status.error = e
+            warnings.warn(f"memory generation {g.gen} is incomplete: {e}", MemoryTierWarning, stacklevel=1)
             return
         if self.fault == "complete":
             raise MemoryFault("fault injected after the completion marker (not drained)")
-        if self.durable is None or g.gen % self.drain_every:
+        if self.target is None or not g.drain or g.gen % self.drain_every:
             return
-        drain_files(g, self.durable)
+        if not drain_wanted(g, self.target, ctl):
+            status.note = f"not drained: {self.target.folder(g)} is already a committed checkpoint"
+            return
+        drain_failed: BaseException | None = None
+        try:
+            drain_files(g, self.target)
+        except Exception as e:  # noqa: BLE001 (the ranks agree on the outcome before any commit)
+            drain_failed = e
         if self.fault == "drain":
             raise MemoryFault("fault injected during the drain (durable files copied, not committed)")
-        commit_drain(g, self.durable, self._bg, self.keep_durable)
+        if not commit_drain(g, self.target, ctl, self.keep_durable, drain_failed is None):
+            raise drain_failed or UCPError(f"memory generation {g.gen}: another rank's drain failed (not committed)")
         status.drained = True

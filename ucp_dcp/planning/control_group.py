@@ -41,7 +41,7 @@ from .collectives import peer_timeout
 from .exit_threads import stop_at_exit
 
 __all__ = ["BACKEND", "CONTROL_ENV", "ControlGroup", "beat_s", "control_group", "dcp_group", "enabled"]
-__all__ += ["controlled", "mark", "publish_lost"]
+__all__ += ["controlled", "mark", "private_group", "publish_lost"]
 
 BACKEND = "ucp_dcp_control"
 CONTROL_ENV = "UCP_DCP_CONTROL_GROUP"
@@ -118,6 +118,11 @@ class ControlGroup(dist.ProcessGroup):
 
     def stop(self) -> None:
         self._stop.set()
+
+    def lose(self, member: int, why: str) -> PeerLostError:
+        """Declare global rank ``member`` lost (a transfer with it beside the group's ops failed or timed
+        out): every member's next op raises; returns the error to raise here."""
+        return self._fail(self.members.index(member), why)
 
     # -- waiting -----------------------------------------------------------------------------------
 
@@ -348,12 +353,27 @@ _GROUPS: dict[tuple[int, ...], tuple[object, ControlGroup]] = {}
 current one and its group is registered (a destroyed and re-initialized job gets a new group)."""
 
 
+def _register() -> None:
+    if not hasattr(dist.Backend, BACKEND.upper()):  # what register_backend sets
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+def private_group(members: list[int], like: dist.ProcessGroup | None = None) -> ControlGroup:
+    """A control group over ``members`` of its own, not the one :func:`control_group` hands DCP: for a
+    thread whose collectives run beside the caller's (the memory tier's background work; one group is
+    one sequence of ops). Every member creates it at the same point of its sequence of group creations."""
+    _register()
+    timeout = group_timeout(like or default_group())
+    group = dist.new_group(ranks=sorted(members), backend=BACKEND, use_local_synchronization=True, timeout=timeout)
+    group.registered = True
+    return group
+
+
 def control_group(members: list[int], like: dist.ProcessGroup | None = None) -> ControlGroup:
     """The control group over ``members`` (global ranks, this rank among them), created on first use
     per default group with the timeout of ``like`` (None: the default group). Every member calls this
     in the same order (as DCP's collectives require)."""
-    if not hasattr(dist.Backend, BACKEND.upper()):  # what register_backend sets
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    _register()
     key = tuple(sorted(members))
     current = default_group()
     hit = _GROUPS.get(key)

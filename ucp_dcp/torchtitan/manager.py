@@ -115,6 +115,10 @@ class UCPCheckpointManager(CheckpointManager):
         memory_root: str = ""
         """The memory store; empty: ``$UCP_DCP_SHM_ROOT`` (default ``/dev/shm/ucp_dcp``) plus one folder per
         checkpoint folder."""
+        memory_drain_every: int = 1
+        """Drain every n-th memory generation, in the background, into the checkpoint folder as its
+        ``step-N`` folder (local or object store; a step saved durably at the same step is not drained).
+        0: none (the durable copies are the ``interval`` saves only)."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
@@ -127,10 +131,10 @@ class UCPCheckpointManager(CheckpointManager):
                     raise InvalidArgumentError(
                         f"checkpoint.{name} must be one of {get_args(mode)}, got {getattr(self, name)!r}"
                     )
-            if self.memory_interval < 0 or self.memory_replicas < 0:
+            if self.memory_interval < 0 or self.memory_replicas < 0 or self.memory_drain_every < 0:
                 raise InvalidArgumentError(
-                    "checkpoint.memory_interval and checkpoint.memory_replicas must be >= 0, got "
-                    f"{self.memory_interval} and {self.memory_replicas}"
+                    "checkpoint.memory_interval, memory_replicas and memory_drain_every must be >= 0, got "
+                    f"{self.memory_interval}, {self.memory_replicas} and {self.memory_drain_every}"
                 )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
@@ -150,7 +154,14 @@ class UCPCheckpointManager(CheckpointManager):
         dataloader = kwargs.get("dataloader")
         self._data_slot = getattr(dataloader, "dp_rank", None)
         self._memory = (
-            ManagerMemory(config.memory_interval, memory_root(config.memory_root, self.folder), config.memory_replicas)
+            ManagerMemory(
+                config.memory_interval,
+                memory_root(config.memory_root, self.folder),
+                config.memory_replicas,
+                folder=self.folder,
+                drain_every=config.memory_drain_every,
+                control=False if not config.control_group else None,  # on: unless $UCP_DCP_CONTROL_GROUP says off
+            )
             if config.memory_interval
             else None
         )
@@ -196,7 +207,9 @@ class UCPCheckpointManager(CheckpointManager):
         if memory is None or not memory.due(self.load_only, curr_step, last_step):
             return saved
         states = flattened_model_states_sd(self)
-        memory.save(states, self._save_planner(self._call_rules(states)), curr_step)
+        memory.save(states, self._save_planner(self._call_rules(states)), curr_step, drain=not saved)
+        if not saved:  # the previous generation's drain is over (save waited for it): keep_latest_k counts it now
+            self._purge_stale_checkpoints()
         return True
 
     def _load(self, step: int = -1) -> bool:
@@ -251,7 +264,11 @@ class UCPCheckpointManager(CheckpointManager):
         folders.forget_listings()
         if not should_purge(self):
             return
+        memory = getattr(self, "_memory", None)
+        draining = memory.in_flight() if memory is not None else None
         for name in folders.stale(self.keep_latest_k):
+            if name == draining:
+                continue  # the memory tier's drain is writing it (a later purge takes it if it is stale then)
             folders.decommit(name)  # not a checkpoint from here on; the purge thread deletes the rest
             self.purge_queue.put(folders.join(name))
 

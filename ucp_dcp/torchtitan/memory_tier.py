@@ -3,8 +3,13 @@ beside torchtitan's durable saves on ``interval``, and a resume from the freshes
 
 A memory save is :meth:`ucp_dcp.memory.MemoryTier.save` of the same flattened states and with the same
 save planner (rules, strict mode, data slot) as the manager's durable save: training waits for the copy
-into host memory, the replicas to other hosts follow in the background (docs/memory.md). The durable
-saves are torchtitan's own ``step-N`` folders on their own interval, unchanged.
+into host memory, the replicas to other hosts follow in the background (docs/memory.md). Every
+``memory_drain_every``-th memory generation is then drained, still in the background, into the
+checkpoint folder as torchtitan's ``step-N`` folder (local or ``s3://``; same data files and sidecar,
+same commit point as a durable save): a disk copy without training waiting for it, which torchtitan's
+resume, ``load(step=N)`` and ``keep_latest_k`` see as one of its own steps. A step the manager saved
+durably itself is not drained (its folder is already the checkpoint), nor is any folder that is already
+committed. torchtitan's own ``step-N`` saves on ``interval`` are unchanged.
 
 ``load(step=-1)`` (torchtitan's resume) compares the freshest complete memory generation's step with
 the newest durable ``step-N`` and loads the fresher one (memory on a tie: it is the faster read), at
@@ -27,6 +32,7 @@ from ..memory import MemoryTier, Source, locate
 from ..memory import load as memory_load
 from ..memory.reader import MemoryReader
 from ..memory.store import default_root
+from ..planning.control_group import dcp_group
 
 __all__ = ["ManagerMemory", "memory_root"]
 
@@ -48,14 +54,34 @@ class ManagerMemory:
         interval: save into host memory every ``interval`` steps (>= 1).
         root: the memory store (:func:`memory_root`).
         replicas: k, copies of each host's pieces on other hosts.
+        folder: the checkpoint folder memory generations are drained to as ``step-N`` (None: no drain).
+        drain_every: drain every n-th memory generation (0: none).
+        control: the tier's collectives on control groups (``checkpoint.control_group``; None: the environment).
     """
 
-    def __init__(self, interval: int, root: str, replicas: int) -> None:
+    def __init__(
+        self,
+        interval: int,
+        root: str,
+        replicas: int,
+        folder: str | None = None,
+        drain_every: int = 1,
+        control: bool | None = None,
+    ) -> None:
         if interval < 1:
             raise InvalidArgumentError(f"checkpoint.memory_interval must be >= 1 to use the tier, got {interval}")
         self.interval = interval
         self.root = root
-        self.tier = MemoryTier(root, replicas=replicas)
+        drain = folder is not None and drain_every > 0
+        self.tier = MemoryTier(
+            root,
+            replicas=replicas,
+            durable=folder if drain else None,
+            drain_layout="step",
+            drain_every=max(1, drain_every),
+            control_group=control,
+        )
+        self.control = control
         self.loaded: Source | None = None
         """What the last resume from memory loaded (None: it was not from memory)."""
 
@@ -64,17 +90,23 @@ class ManagerMemory:
         load-only job)?"""
         return not load_only and not last_step and step % self.interval == 0
 
-    def save(self, states: dict[str, Any], planner: Any, step: int) -> None:
-        """Copy ``states`` into host memory (collective); replicas follow in the background."""
-        gen = self.tier.save(states, planner=planner, step=step)
+    def save(self, states: dict[str, Any], planner: Any, step: int, drain: bool = True) -> None:
+        """Copy ``states`` into host memory (collective); replicas and the drain (unless ``drain`` is
+        False: the manager saved this step durably) follow in the background."""
+        gen = self.tier.save(states, planner=planner, step=step, drain=drain)
         logger.info(f"UCP memory tier: step {step} is generation {gen} ({self.tier.blocked_s:.2f} s blocked)")
+
+    def in_flight(self) -> str | None:
+        """The ``step-N`` folder a drain may be writing now (keep_latest_k must not purge it), else None."""
+        step = self.tier.busy_step
+        return None if step is None or self.tier.target is None else f"step-{step}"
 
     def fresher_than(self, durable_step: int) -> Source | None:
         """The freshest complete memory generation when it is at least as fresh as ``durable_step`` (memory
         wins a tie: the faster read); None when the durable copy should be loaded (collective)."""
         self.tier.wait()  # a generation of this job still completing counts
         try:
-            src = locate(self.root, None)
+            src = locate(self.root, None, dcp_group(None, self.control))
         except CheckpointNotFoundError as e:
             logger.info(f"UCP memory tier: nothing to resume from in memory ({e.message.splitlines()[0]})")
             return None
@@ -92,7 +124,7 @@ class ManagerMemory:
         damaged during the load and ``durable`` (a durable step exists: the manager loads it over the
         partly loaded states); without one, the error is raised (a fresh start would keep them)."""
         try:
-            self.loaded = memory_load(states, self.root, planner=planner, source=src)
+            self.loaded = memory_load(states, self.root, planner=planner, source=src, control_group=self.control)
         except CheckpointNotFoundError as e:
             if not durable:
                 raise
