@@ -363,7 +363,7 @@ def test_sets_digest_alike_whatever_the_hash_seed():
         "from ucp_dcp.planning.digests import value_digest; "
         "print(value_digest({'tags': {'alpha', 'beta', 'gamma', 'delta'}, 'f': frozenset({'x', 'y', 'z'})}))"
     )
-    # the three interpreters start at once: each spends its time importing torch
+    # the two interpreters start at once: each spends its time importing torch
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -372,7 +372,7 @@ def test_sets_digest_alike_whatever_the_hash_seed():
             text=True,
             env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
         )
-        for seed in (1, 2, 3)
+        for seed in (1, 2)
     ]
     outs = {p.communicate(timeout=300)[0].strip() for p in procs}
     assert len(outs) == 1 and outs != {""} and outs != {"None"}, outs

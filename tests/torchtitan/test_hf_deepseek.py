@@ -95,7 +95,11 @@ def _loaded(cfg, folder, mapping):
 
 @torchtitan_forward
 @pytest.mark.parametrize(
-    ("q_lora_rank", "rope"), [(0, "complex"), (32, "cossin")], ids=["q_proj-interleaved", "q_lora-halves"]
+    ("q_lora_rank", "rope"),
+    [  # make test: q_lora with the cos/sin halves; q_proj loads in test_deepseek_loads_at_a_tp2_ep2_layout_...
+        pytest.param(0, "complex", marks=pytest.mark.full, id="q_proj-interleaved"),
+        pytest.param(32, "cossin", id="q_lora-halves"),
+    ],
 )
 def test_deepseek_loads_and_exports_with_equal_logits(tmp_path, monkeypatch, q_lora_rank, rope):
     _fp32_experts(monkeypatch.setattr)

@@ -19,6 +19,10 @@ member beats from a thread every ``UCP_DCP_BEAT_S`` (0.5 s) for as long as its p
 After a loss the group is spent. ``ucp_dcp.save``/``load`` and the torchtitan manager give it to DCP by
 default (``UCP_DCP_CONTROL_GROUP=off`` / ``control_group=False`` keep DCP's group). Keys live in the default
 group's store under the members and a generation; each op's keys are removed by its last reader.
+
+Kept in one module (~420 lines): the group's ops and the functions that hand a job its groups share the
+registry of live groups and the loss bookkeeping (``_GROUPS``, ``lose``/``publish_lost``); split, each half
+would reach into the other's private state.
 """
 
 from __future__ import annotations
