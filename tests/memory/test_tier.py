@@ -73,7 +73,12 @@ def resume(root, disk, oracle, hosts, topo):
 @pytest.fixture(scope="module")
 def two_generations():
     """The default save job's result, saved once for the tests that only damage or remove parts of it."""
-    return saved()
+    if not _SAVED:  # once per session, also if the module's items were not run back to back
+        _SAVED.append(saved())
+    return _SAVED[0]
+
+
+_SAVED: list[tuple] = []
 
 
 def copy_of(job):

@@ -114,8 +114,15 @@ def matrix_checkpoints(request):
         for item in request.session.items
         if item.originalname == "test_fsdp_tp_matrix_bitwise" and hasattr(item, "callspec")
     }
-    root = D.tmpdir()
-    return root, D.run(_matrix_save_worker, 4, root, [lay for lay in LAYOUTS if lay in sources])[0]
+    layouts = [lay for lay in LAYOUTS if lay in sources]
+    key = tuple(layouts)
+    if key not in _SAVED:  # once per session, also if the module's items were not run back to back
+        root = D.tmpdir()
+        _SAVED[key] = root, D.run(_matrix_save_worker, 4, root, layouts)[0]
+    return _SAVED[key]
+
+
+_SAVED: dict[tuple, tuple[str, dict]] = {}
 
 
 MATRIX = list(itertools.product(LAYOUTS, LAYOUTS))
