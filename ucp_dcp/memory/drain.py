@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..errors import IncompleteCheckpointError, UCPError
 from ..storage.commit import METADATA, commit
-from ..storage.object_commit import commit_objects
+from ..storage.object_commit import commit_objects, size_shortfalls
 from ..storage.object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .replicate import Generation, writer_rank
 
@@ -183,14 +183,14 @@ def _commit(g: Generation, target: DrainTarget, keep: int) -> None:
 
 def _check_sizes(folder: str, g: Generation) -> None:
     """Every data file of the generation is in the durable folder at its size (before the commit point)."""
-    short = []
-    for name, want in sorted(g.files.items()):
+
+    def size(name: str) -> int | None:
         try:
-            have: int | None = os.path.getsize(os.path.join(folder, name))
+            return os.path.getsize(os.path.join(folder, name))
         except FileNotFoundError:
-            have = None
-        if have != want:
-            short.append(f"{name} ({'missing' if have is None else f'{have} bytes'}, {want} written)")
+            return None
+
+    short = size_shortfalls(g.files, size)
     if short:
         raise IncompleteCheckpointError(
             f"memory generation {g.gen}: {len(short)} drained file(s) are not in {folder} as written: "

@@ -26,12 +26,25 @@ so a load never depends on a listing either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import IncompleteCheckpointError
 from .commit import _DATA, _SIDECAR, _TMP, METADATA
 from .object_store import ObjectStore
 from .sidecar import metadata_hash, sidecar_name
 
-__all__ = ["commit_objects"]
+__all__ = ["commit_objects", "size_shortfalls"]
+
+
+def size_shortfalls(files: dict[str, int], size: Callable[[str], int | None]) -> list[str]:
+    """The files of ``files`` (name -> bytes written) whose ``size`` (None: missing) is not what was written,
+    described for an error; checked before a commit point (on a store, or a drain's durable folder)."""
+    short = []
+    for name, want in sorted(files.items()):
+        have = size(name)
+        if have != want:
+            short.append(f"{name} ({'missing' if have is None else f'{have} bytes'}, {want} written)")
+    return short
 
 
 def commit_objects(store: ObjectStore, md_bytes: bytes, sidecar: bytes, files: dict[str, int]) -> list[str]:
@@ -40,11 +53,7 @@ def commit_objects(store: ObjectStore, md_bytes: bytes, sidecar: bytes, files: d
     clean-up removed (stale objects and aborted multipart uploads)."""
     side = sidecar_name(metadata_hash(md_bytes))
     store.put(store.join(side), sidecar)  # the integrity record, before the commit point
-    short = []
-    for name, want in sorted(files.items()):
-        have = store.size(store.join(name))
-        if have != want:
-            short.append(f"{name} ({'missing' if have is None else f'{have} bytes'}, {want} written)")
+    short = size_shortfalls(files, lambda name: store.size(store.join(name)))
     if short:
         # a rank's upload reported done but the store does not hold it: committing would publish a
         # checkpoint with holes; the previous one stays the checkpoint

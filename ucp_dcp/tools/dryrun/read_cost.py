@@ -200,9 +200,9 @@ class CostModel:
             self._count(out, index, n)
         out.largest_buffer = max(out.largest_buffer, sum(n for _, n in intervals))
 
-    def _tiled_bytes(self, index: MetadataIndex, record: TensorRecord, items: list[Piece]) -> int | None:
-        """Bytes of the tiles the boxes touch, each once, when the reader verifies them by tile
-        sums (:mod:`ucp_dcp.storage.tiled_read`), else None."""
+    def _tiled_boxes(self, index: MetadataIndex, record: TensorRecord, items: list[Piece]) -> tuple[Any, list] | None:
+        """The saved tile grid and the tiled reader's boxes for ``items``, or None when the reader verifies
+        them by blocks instead (no tile sums recorded, or a box the tiles cannot serve)."""
         entry = self.crc.get(item_key(index))
         tiles = entry[3] if entry is not None and len(entry) > 3 else None
         if not tiles:
@@ -211,6 +211,15 @@ class CostModel:
         boxes = plan_tiled(grid, record.shape, [(o, n) for _, o, n in items if o is not None and n is not None])
         if boxes is None or len(boxes) != len(items):
             return None
+        return grid, boxes
+
+    def _tiled_bytes(self, index: MetadataIndex, record: TensorRecord, items: list[Piece]) -> int | None:
+        """Bytes of the tiles the boxes touch, each once, when the reader verifies them by tile
+        sums (:mod:`ucp_dcp.storage.tiled_read`), else None."""
+        tiled = self._tiled_boxes(index, record, items)
+        if tiled is None:
+            return None
+        grid, boxes = tiled
         touched = {
             (g, b)
             for box in boxes
@@ -226,14 +235,10 @@ class CostModel:
         """The ranged requests of boxes verified by tile sums from an object (each box's touched bands, row
         by row, joined within the waste budget: :func:`~ucp_dcp.storage.tiled_read.remote_windows`);
         False when the reader verifies them by blocks instead."""
-        entry = self.crc.get(item_key(index))
-        tiles = entry[3] if entry is not None and len(entry) > 3 else None
-        if not tiles:
+        tiled = self._tiled_boxes(index, record, items)
+        if tiled is None:
             return False
-        grid = saved_tile_grid(tiles, record.shape, record.itemsize, index)
-        boxes = plan_tiled(grid, record.shape, [(o, n) for _, o, n in items if o is not None and n is not None])
-        if boxes is None or len(boxes) != len(items):
-            return False
+        grid, boxes = tiled
         for box in boxes:
             for _, ranges in remote_windows(0, grid, box, self.store_gap):
                 self._count(out, index, sum(n for _, n in ranges), ranges=len(ranges))
