@@ -55,7 +55,7 @@ from ..planning.ties import add_alias_keys
 from ..progress import BytesProgress
 from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token
-from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, block_checksums, item_key
+from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, RECORD_ALIGN, block_checksums, item_key
 from .object_commit import commit_objects
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .sidecar import encode_sidecar
@@ -401,6 +401,8 @@ class UCPFileSystemWriter(FileSystemWriter):
             tensors = [it for it in items if it.type != WriteItemType.BYTE_IO]
             for item, data in HostCopies(tensors, planner.resolve_data, forced=self._forced):
                 for index, piece, origin in self._bands(item.index, data):
+                    if out.pos % RECORD_ALIGN:  # unreferenced zeros: the record's data lands aligned
+                        out.write(bytes(RECORD_ALIGN - out.pos % RECORD_ALIGN))
                     offset = out.pos
                     extra = self._write_tensor(out, piece, hash_pool)
                     info = _StorageInfo(name, offset, out.pos - offset)

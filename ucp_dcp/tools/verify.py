@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
 from ..planning.catalog import load_catalog
 from ..planning.ties import catalog_aliases
-from ..storage.format import HASHES, IO_KEY, block_hash, item_key
+from ..storage.format import HASHES, IO_KEY, RECORD_ALIGN, block_hash, item_key
 from ..storage.object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from ..storage.tiles import saved_tile_grid, tile_checksums
 
@@ -166,7 +166,7 @@ def _check_items(
     view = memoryview(mm)
     pos = 0
     for it in sorted(items, key=lambda i: i.offset):
-        if it.offset != pos:
+        if it.offset != pos and not _alignment_gap(view, pos, it.offset):
             problems.append(Problem(rel, it.index.fqn, None, f"bytes {pos}..{it.offset} belong to no item"))
         pos = it.offset + it.length
         raw = view[it.offset : it.offset + it.length]
@@ -219,6 +219,13 @@ def _check_items(
     if pos != size:
         problems.append(Problem(rel, None, None, f"bytes {pos}..{size} belong to no item"))
     return hashed, checks, problems
+
+
+def _alignment_gap(view: memoryview, pos: int, offset: int) -> bool:
+    """Bytes ``pos..offset`` are the writer's padding before a record: zeros, fewer than
+    :data:`~ucp_dcp.storage.format.RECORD_ALIGN`, ending on a multiple of it."""
+    n = offset - pos
+    return 0 < n < RECORD_ALIGN and offset % RECORD_ALIGN == 0 and view[pos:offset] == bytes(n)
 
 
 def _check_tiles(rel: str, it: _Item, data: memoryview, tiles: list, algo: str) -> list[Problem]:
