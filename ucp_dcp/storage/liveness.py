@@ -16,7 +16,6 @@ backend's (the job cannot go on without that rank anyway).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -35,34 +34,15 @@ FAIL_FAST_S = 5.0
 """The default group's timeout after a rank is lost (DCP's next collective then fails, not hangs)."""
 
 
-_BEAT_CLIENTS: dict[tuple[str, int, int], list[Any]] = {}
-"""Idle heartbeat connections by store address: a load takes one and gives it back (connecting costs
-a few milliseconds of every load, most of it on the rank that hosts the store)."""
-_BEAT_LOCK = threading.Lock()
-
-
-def _clients(store: Any) -> tuple[Any, Any, tuple[str, int, int] | None]:
-    """The job's store for this thread, a connection of its own for the heartbeat thread (one
-    TCPStore client is not used from two threads at once), and the address to give it back under.
-    Keys carry our own prefix."""
+def _clients(store: Any) -> tuple[Any, Any]:
+    """The job's store for this thread, and a connection of its own for the heartbeat thread (one
+    TCPStore client is not used from two threads at once). Keys carry our own prefix."""
     base = store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):
-        key = (base.host, base.port, os.getpid())  # a forked child never shares its parent's socket
-        with _BEAT_LOCK:
-            idle = _BEAT_CLIENTS.get(key)
-            client = idle.pop() if idle else None
-        if client is None:
-            client = dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=60))
-        return base, client, key
-    return store, store, None  # FileStore, HashStore: one lock per operation
-
-
-def _give_back(key: tuple[str, int, int] | None, client: Any) -> None:
-    if key is not None:
-        with _BEAT_LOCK:
-            _BEAT_CLIENTS.setdefault(key, []).append(client)
+        return base, dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=60))
+    return store, store  # FileStore, HashStore: one lock per operation
 
 
 class Liveness:
@@ -79,9 +59,8 @@ class Liveness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = time.monotonic()
-        self._beat_key: tuple[str, int, int] | None = None
         if self.active:
-            self.store, self._beat_store, self._beat_key = _clients(default_store())
+            self.store, self._beat_store = _clients(default_store())
 
     def __enter__(self) -> Liveness:
         if self.active:
@@ -94,9 +73,6 @@ class Liveness:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-            if not self._thread.is_alive():  # a beat stuck on a dead store keeps its connection
-                _give_back(self._beat_key, self._beat_store)
-            self._thread = None
 
     def _beat(self, n: int) -> None:
         self._beat_store.set(f"{self.prefix}beat/{self.rank}", str(n))
@@ -140,19 +116,17 @@ class Liveness:
             pass
         return err
 
-    def wait_for(self, step: str, ranks: list[int], all_key: str | None = None) -> None:
+    def wait_for(self, step: str, ranks: list[int]) -> None:
         """Wait until every rank of ``ranks`` announced ``step``; raise for the first lost one.
-        One store call per poll while all are there or nearly (``all_key``: one key that says all
-        are); which ranks are missing (one call each) is looked at once a second, so a job of many
-        ranks does not flood the store. Polls start 1 ms apart and back off by half each time: a
-        wait ends at most a third of its length after the last rank arrives."""
+        One store call per poll while all are there or nearly; which ranks are missing (one call
+        each) is looked at once a second, so a job of many ranks does not flood the store."""
         if not self.active:
             return
         missing = [r for r in ranks if r != self.rank]
-        pause, looked = 0.001, time.monotonic()
+        pause, looked = 0.005, time.monotonic()
         while missing:
             try:
-                if self.store.check([all_key] if all_key else [f"{self.prefix}{step}/{r}" for r in missing]):
+                if self.store.check([f"{self.prefix}{step}/{r}" for r in missing]):  # all there
                     return
                 if time.monotonic() - looked >= 1.0 or len(missing) == 1:
                     missing = [r for r in missing if not self.store.check([f"{self.prefix}{step}/{r}"])]
@@ -163,16 +137,10 @@ class Liveness:
                 r = min(missing, key=lambda m: self._seen.get(m, (b"", time.monotonic()))[1])
                 raise self.lost(r, f"it had not finished when the job's store stopped answering ({e})") from e
             time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
+            pause = min(pause * 2, 0.1)
 
     def done(self) -> None:
         """Announce this rank's exchange is over and wait for every member's (a rank that died
-        anywhere in the read is named here, not left to DCP's gather). The last rank to arrive
-        sets one key the others poll, so a poll is one key whatever the job's size."""
-        if not self.active:
-            return
+        anywhere in the read is named here, not left to DCP's gather)."""
         self.announce("done")
-        all_key = f"{self.prefix}done/all"
-        if self.store.add(f"{self.prefix}done/count", 1) == len(set(self.members)):
-            self.store.set(all_key, "1")
-        self.wait_for("done", self.members, all_key)
+        self.wait_for("done", self.members)
