@@ -166,7 +166,7 @@ def main() -> int:
     raw_rank = max(statistics.median(r["raw"]) for r in res.values())
     print(f"{a.mib} MiB on 4 gloo ranks, warm, checksums {'on' if a.verify else 'off'}; medians of {reps} loads")
     print(f"{'step':<28} {'ms':>8}")
-    print(f"{'load (barrier to barrier)':<28} {load * 1e3:8.1f}")
+    print(f"{'load, from the barrier':<28} {load * 1e3:8.1f}")
     for label, _, _ in STEPS:
         print(f"{label:<28} {per_load(label) * 1e3:8.1f}")
     print(f"{'raw read, slowest rank':<28} {raw_rank * 1e3:8.1f}")
