@@ -19,6 +19,7 @@ with checksums and tile sums, replica comparison, commit) share its per-save sta
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, fsspec_filesystem, metadata_path
-from ..errors import ReplicaMismatchError, UCPError
+from ..errors import ReplicaMismatchError, StorageAccessError, UCPError
 from ..planning.control_group import mark
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
@@ -66,6 +67,23 @@ from .tiles import tile_entry
 __all__ = ["UCPFileSystemWriter"]
 
 
+def _write_error(path: Any, cause: OSError, written: int) -> StorageAccessError:
+    """The storage's own failure of a data file write, named (a full disk reads as ``torch.save``'s
+    ``unexpected pos`` otherwise). Nothing was committed: the folder's previous checkpoint stands."""
+    what = os.strerror(cause.errno) if cause.errno else str(cause)
+    hint = (
+        "the file system is full: free space (or save to another folder) and save again"
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        else "check the folder's file system and permissions, then save again"
+    )
+    return StorageAccessError(
+        f"writing checkpoint file {path} failed after {written} bytes: {what} ({type(cause).__name__}); "
+        "this save did not commit, the folder's previous checkpoint (if any) is unchanged",
+        saved=str(path),
+        hint=hint,
+    )
+
+
 class _Tracked(io.RawIOBase):
     """A write-only view of a stream that counts bytes and notes where the expected tensor bytes
     were written (``torch.save`` writes a storage record's data in one call)."""
@@ -73,6 +91,8 @@ class _Tracked(io.RawIOBase):
     def __init__(self, stream: Any) -> None:
         self.stream, self.pos = stream, 0
         self._expect: memoryview | None = None
+        self.failed: OSError | None = None
+        """The storage's error on a write: ``torch.save`` masks it with its own when it closes the record."""
         self._addr = 0
         self.found: int | None = None
         self.frame: Any = None
@@ -96,7 +116,11 @@ class _Tracked(io.RawIOBase):
                 self.found = self.pos
         if self.frame is not None and self.found != self.pos:  # every byte but the data's
             self.frame.update(mv)
-        self.stream.write(mv)
+        try:
+            self.stream.write(mv)
+        except OSError as e:
+            self.failed = e
+            raise
         self.pos += n
         return n
 
@@ -381,10 +405,25 @@ class UCPFileSystemWriter(FileSystemWriter):
         return fut
 
     def _write_file(self, path: Any, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
+        tracked: list[_Tracked] = []
+        try:
+            return self._write_items(path, name, items, planner, tracked)
+        except (OSError, RuntimeError) as e:
+            cause = tracked[0].failed if tracked and tracked[0].failed is not None else e
+            if cause is e and (isinstance(e, UCPError) or not isinstance(e, OSError)):
+                raise
+            if isinstance(cause, UCPError):  # the store's own error, under torch.save's
+                raise cause from e
+            raise _write_error(path, cause, tracked[0].pos if tracked else 0) from e
+
+    def _write_items(
+        self, path: Any, name: str, items: list, planner: SavePlanner, tracked: list[_Tracked]
+    ) -> list[WriteResult]:
         results = []
         opened = self.store.open_write(path, in_flight=self.parts_in_flight) if self.store else None
         with opened or self.fs.create_stream(path, "wb") as stream, ThreadPoolExecutor(1) as hash_pool:
             out = _Tracked(stream)
+            tracked.append(out)
             getattr(self, "_streams", []).append(out)
             # bytes first, like DCP
             for item in (it for it in items if it.type == WriteItemType.BYTE_IO):
