@@ -1,9 +1,9 @@
-"""Where a warm same-layout load on 4 gloo ranks spends its time, against each rank's raw read of its bytes.
+"""Where a warm load on 4 gloo ranks spends its time, against each rank's raw read of its bytes.
 
-    python recipes/profile_load.py [--mib 1024] [--reps 9] [--threads N] [--verify]
+    python recipes/profile_load.py [--mib 1024] [--reps 9] [--threads N] [--verify] [--tp-dim]
 
 Four ranks save ``mib`` MiB (16 fp32 tensors, ``Shard(0)``) with ucp_dcp, then load them back warm (page
-cache) ``reps`` times, interleaved with a raw read of the same number of bytes per rank (each rank its own
+cache) ``reps`` times, at the same layout or (``--tp-dim``) as ``Shard(1)``, interleaved with a raw read of the same number of bytes per rank (each rank its own
 file, read into a touched buffer: the data path with no protocol). Every step of DCP's load is timed on
 every rank by wrapping it (DCP's ``_DistWrapper`` collectives, the planner's and reader's hooks, the
 reader's file reads and its liveness wait), and the table prints the median per load of the slowest rank
@@ -75,9 +75,20 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(rows, 512, generator=g) for _ in range(16)]
     state = {f"w{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}
-    target = {
-        k: DTensor.from_local(torch.zeros_like(t), mesh, [Shard(0)], run_check=False) for k, t in zip(state, local)
-    }
+    if cfg["tp_dim"]:  # loaded as Shard(1): every rank needs a quarter of every saved row
+        gens = [torch.Generator().manual_seed(r) for r in range(4)]
+        parts = [[torch.randn(rows, 512, generator=gens[r]) for _ in range(16)] for r in range(4)]
+        full = [torch.cat([parts[r][i] for r in range(4)]) for i in range(16)]
+        expect = [f[:, rank * 128 : (rank + 1) * 128].contiguous() for f in full]
+        del parts, full
+        target = {
+            k: DTensor.from_local(torch.zeros_like(e), mesh, [Shard(1)], run_check=False) for k, e in zip(state, expect)
+        }
+    else:
+        expect = local
+        target = {
+            k: DTensor.from_local(torch.zeros_like(t), mesh, [Shard(0)], run_check=False) for k, t in zip(state, local)
+        }
     root = cfg["out"]
     dcp.save(state, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/ucp"), planner=ucp_dcp.UCPSavePlanner())
     flat = torch.cat([t.reshape(-1) for t in local]).view(torch.uint8).numpy()
@@ -120,7 +131,7 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
                 (loads if case == "ucp" else raws).append(took)
         if rep == 0:
             times.clear()
-    for k, t in zip(target, local):
+    for k, t in zip(target, expect):
         assert torch.equal(target[k].to_local(), t), k
     q.put((rank, {"steps": times, "load": loads, "raw": raws, "bytes": len(dest)}))
     dist.barrier()
@@ -133,12 +144,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None, help="reading threads per rank (default: the reader's)")
     ap.add_argument("--verify", action="store_true", help="verify checksums (the reader's default; off here)")
+    ap.add_argument("--tp-dim", action="store_true", help="load as Shard(1) (the benchmark's tp-dim case)")
     a = ap.parse_args()
     out = tempfile.mkdtemp(prefix="ucp-profile-load-")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = {"mib": a.mib, "reps": a.reps, "out": out, "threads": a.threads, "verify": a.verify}
+    cfg = {"mib": a.mib, "reps": a.reps, "out": out, "threads": a.threads, "verify": a.verify, "tp_dim": a.tp_dim}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, cfg, q)) for r in range(4)]
@@ -164,7 +176,10 @@ def main() -> int:
 
     load = max(statistics.median(r["load"]) for r in res.values())  # from the barrier, slowest rank
     raw_rank = max(statistics.median(r["raw"]) for r in res.values())
-    print(f"{a.mib} MiB on 4 gloo ranks, warm, checksums {'on' if a.verify else 'off'}; medians of {reps} loads")
+    layout = "Shard(0) -> Shard(1) (tp-dim)" if a.tp_dim else "same layout"
+    print(
+        f"{a.mib} MiB on 4 gloo ranks, {layout}, warm, checksums {'on' if a.verify else 'off'}; medians of {reps} loads"
+    )
     print(f"{'step':<28} {'ms':>8}")
     print(f"{'load, from the barrier':<28} {load * 1e3:8.1f}")
     for label, _, _ in STEPS:
