@@ -41,6 +41,7 @@ __all__ = [
     "StorageAccessError",
     "UnverifiedCheckpointWarning",
     "UnsupportedTorchError",
+    "StaleObjectsWarning",
     "UntestedTorchWarning",
     "PeerFailedError",
     "PeerLostError",
@@ -213,6 +214,11 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 class UnsupportedTorchError(UCPError, ImportError):
     """The installed torch fails a probe of the private behaviour ucp_dcp relies on (``ucp_dcp._probes``)."""
+
+
+class StaleObjectsWarning(UserWarning):
+    """A save committed but its clean-up afterwards failed (a store that denies deletes or does not list
+    multipart uploads): stale objects or open uploads of earlier saves are left, billed, not loaded."""
 
 
 class UntestedTorchWarning(UserWarning):

@@ -191,6 +191,26 @@ def test_a_denied_commit_keeps_the_previous_checkpoint(s3):
     assert tensors_equal(_load(s3.prefix), _state(0))
 
 
+def test_a_store_that_denies_deletes_commits_and_warns_about_what_stays(s3):
+    """A write-once bucket (DELETE denied): the save over a checkpoint commits and loads; the clean-up's
+    refusal is a StaleObjectsWarning naming what to allow, not a failed save (a job would retry one that
+    succeeded), and the replaced checkpoint's objects stay."""
+    _save(_state(0), s3.prefix)
+    before = set(ObjectStore(s3.prefix).names() or [])
+    s3.faults.deny.append(("DELETE", r"\.distcp$"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_state(1), storage_writer=UCPFileSystemWriter(s3.prefix), planner=ucp_dcp.UCPSavePlanner())
+    stale_warnings = [str(w.message) for w in seen if w.category is ucp_dcp.StaleObjectsWarning]
+    assert len(stale_warnings) == 1 and "is committed" in stale_warnings[0] and "allow DELETE" in stale_warnings[0]
+    assert s3.faults.refused["403"] >= 1
+    assert tensors_equal(_load(s3.prefix), _state(1))
+    stale = {n for n in before if n.endswith(".distcp")}
+    assert stale and stale <= set(ObjectStore(s3.prefix).names() or [])
+
+
 @pytest.fixture
 def one_client_retry(monkeypatch):
     """The client tries a request once (botocore, s3fs), so the store's own backoff is what is seen."""

@@ -16,7 +16,9 @@ bytes or the new ones, never a mix. The commit is therefore built from single-ob
 4. only then are stale objects removed: data objects and sidecars the new ``.metadata`` does not name
    (the replaced checkpoint's, pieces of saves that died) and multipart uploads such saves left open.
    The set kept is the committed generation's, from its sidecar, not from a listing: a listing that
-   misses an object can leave a stale one for the next save, never remove one the commit names.
+   misses an object can leave a stale one for the next save, never remove one the commit names. A
+   clean-up the store refuses (deletes denied, uploads not listed) is a ``StaleObjectsWarning``, not a
+   failed save: the commit has happened.
 
 A save killed at any request before step 3 leaves the previous checkpoint loadable and its own objects
 as strays (reported by ``inspect``, removed by the next save); one killed after step 3 leaves the new
@@ -26,9 +28,10 @@ so a load never depends on a listing either.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
-from ..errors import IncompleteCheckpointError
+from ..errors import IncompleteCheckpointError, StaleObjectsWarning, StorageAccessError
 from .commit import _DATA, _SIDECAR, _TMP, METADATA
 from .object_store import ObjectStore
 from .sidecar import metadata_hash, sidecar_name
@@ -66,12 +69,23 @@ def commit_objects(store: ObjectStore, md_bytes: bytes, sidecar: bytes, files: d
         )
     store.put(store.join(METADATA), md_bytes)  # the commit point: one single-object write
     keep = set(files) | {side, METADATA}
-    removed = []
-    for name in store.names() or []:
-        if name in keep:
-            continue
-        if _DATA.match(name) or _SIDECAR.match(name) or _TMP.match(name):
-            if store.remove(store.join(name)):
-                removed.append(name)
-    removed += [f"{k} (multipart upload)" for k in store.abort_uploads(keep)]
+    removed: list[str] = []
+    try:
+        for name in store.names() or []:
+            if name in keep:
+                continue
+            if _DATA.match(name) or _SIDECAR.match(name) or _TMP.match(name):
+                if store.remove(store.join(name)):
+                    removed.append(name)
+        removed += [f"{k} (multipart upload)" for k in store.abort_uploads(keep)]
+    except StorageAccessError as e:
+        # the checkpoint is committed; failing the save now would make a job retry one that succeeded
+        warnings.warn(
+            f"the checkpoint in {store.url} is committed, but removing what earlier saves left failed after "
+            f"{len(removed)} removal(s): {e}. Stale objects or open multipart uploads stay (billed, never "
+            "loaded; `python -m ucp_dcp inspect` lists them); allow DELETE and ListMultipartUploads on the "
+            "prefix, or set a lifecycle rule that aborts incomplete uploads",
+            StaleObjectsWarning,
+            stacklevel=2,
+        )
     return removed
