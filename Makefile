@@ -48,7 +48,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo demo-run lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench bench-quick bench-gpu bench-trust gpu-check setup clean
+.PHONY: demo demo-run lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench-s3-s3rver bench bench-quick bench-gpu bench-trust gpu-check setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -188,6 +188,15 @@ s3-demo: $(STAMP)
 # ratios of a save and of a resharding load (docs/performance.md)
 bench-s3: $(STAMP)
 	$(PY) recipes/bench_s3.py --mib 64 --repeats 3
+
+# the same against npm's file-backed s3rver (installed under runs/ from npm; its ranged GETs cost their bytes, as on
+# S3, where moto's cost the whole object): a resharding load by rows and by columns, 128 MiB
+S3RVER := runs/s3rver/node_modules/.bin/s3rver
+$(S3RVER):
+	mkdir -p runs/s3rver && npm install --prefix runs/s3rver --no-audit --no-fund s3rver@3.7.1
+bench-s3-s3rver: $(STAMP) $(S3RVER)
+	$(PY) recipes/bench_s3.py --mib 128 --repeats 3 --load-dim 0 --server s3rver
+	$(PY) recipes/bench_s3.py --mib 128 --repeats 3 --load-dim 1 --server s3rver
 
 # the whole reconfiguration set (15 save -> load transitions, up to 8 ranks), fresh processes per job
 reconfig: $(STAMP)

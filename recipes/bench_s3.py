@@ -1,9 +1,12 @@
 """ucp_dcp on an S3-compatible store against DCP's FsspecWriter/FsspecReader, same server, state and run.
 
     python recipes/bench_s3.py [--mib 128] [--save-ranks 2] [--load-ranks 4] [--repeats 3] [--load-dim 0]
-                               [--store-ranges exact|few]
+                               [--store-ranges exact|few] [--server moto|s3rver]
 
-An S3 server (moto's, ``ucp_dcp.testing.s3_server``) runs in its own process on 127.0.0.1. A state of
+An S3 server runs in its own process on 127.0.0.1: moto's (``ucp_dcp.testing.s3_server``, the tests'
+server), or with ``--server s3rver`` the file-backed S3 server of npm's ``s3rver`` package (``make
+bench-s3-s3rver`` installs it under ``runs/``), which answers a ranged GET by reading just that range of
+the object's file, as S3 charges by the bytes sent, where moto builds the whole object for every range. A state of
 ``--mib`` MiB (one fp32 matrix sharded by rows, plus a replicated vector and a counter) is saved by
 ``--save-ranks`` gloo ranks to ``s3://bench/<system>`` and loaded by ``--load-ranks`` ranks sharded by rows
 (a resharding load; ``--load-dim 1``: by columns, a tensor-parallel dim change), by each system in turn,
@@ -21,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -96,6 +102,43 @@ def _phase(
     return out
 
 
+def spawn_s3rver(binary: str, bucket: str, folder: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """npm's ``s3rver`` on a free port of 127.0.0.1, keeping objects under ``folder``, with ``bucket``
+    made: the process and the AWS environment that reaches it (s3rver accepts the key ``S3RVER``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "-d", folder, "-a", "127.0.0.1", "-p", str(port), "-s", "--configure-bucket", bucket],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "S3RVER",
+        "AWS_SECRET_ACCESS_KEY": "S3RVER",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            return proc, env
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"s3rver ({binary}) did not start")
+
+
+def _server_stats(endpoint: str, counted: bool) -> dict:
+    """The server's request and byte counters, reset (moto's); s3rver keeps none."""
+    from ucp_dcp.testing.s3_server import server_stats
+
+    return server_stats(endpoint, reset=True) if counted else {"requests": {}, "bytes_out": {}}
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -110,14 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load-dim", type=int, choices=(0, 1), default=0, help="the load's shard dim (1: by columns)")
     ap.add_argument("--store-ranges", choices=("few", "exact"), default="few", help="ucp_dcp reader's store_ranges")
+    ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server (see above)")
+    ap.add_argument("--s3rver", default="runs/s3rver/node_modules/.bin/s3rver", help="s3rver's executable")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from ucp_dcp.testing.processes import run_ranks
-    from ucp_dcp.testing.s3_server import server_stats, spawn_server
+    from ucp_dcp.testing.s3_server import spawn_server
 
     rows = a.mib * 1024 // 4
     world = max(a.save_ranks, a.load_ranks)
-    proc, env = spawn_server("bench")
+    counted = a.server == "moto"
+    scratch = tempfile.TemporaryDirectory(prefix="s3rver-", dir="runs" if os.path.isdir("runs") else None)
+    proc, env = spawn_server("bench") if counted else spawn_s3rver(a.s3rver, "bench", scratch.name)
     endpoint = env["AWS_ENDPOINT_URL"]
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
@@ -128,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in ("dcp", "ucp"):
                 url = f"s3://bench/{system}-{rep}"
                 for phase, used in (("save", a.save_ranks), ("load", a.load_ranks)):
-                    server_stats(endpoint, reset=True)
+                    _server_stats(endpoint, counted)
                     c0 = _cpu_seconds(proc.pid)
                     res = [
                         r
@@ -138,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         if r
                     ]
                     cpu.setdefault((system, phase), []).append(_cpu_seconds(proc.pid) - c0)
-                    served[(system, phase)] = server_stats(endpoint, reset=True)
+                    served[(system, phase)] = _server_stats(endpoint, counted)
                     t = max(r["seconds"] for r in res)
                     times.setdefault((system, phase), []).append(t)
                     if phase == "load":
@@ -153,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        scratch.cleanup()
     med = {k: statistics.median(v) for k, v in times.items()}
     save_ratio = med[("dcp", "save")] / med[("ucp", "save")]
     load_ratio = med[("dcp", "load")] / med[("ucp", "load")]
     mb = a.mib * 2**20 / 1e6
     how = ("by rows" if a.load_dim == 0 else "by columns") + f", store_ranges={a.store_ranges}"
     print(
-        f"\nS3 (moto on 127.0.0.1), {a.mib} MiB, save on {a.save_ranks} ranks, load on {a.load_ranks} ranks ({how}); "
+        f"\nS3 ({a.server} on 127.0.0.1), {a.mib} MiB, save on {a.save_ranks} ranks, load on {a.load_ranks} ranks ({how}); "
         f"medians of {a.repeats} repeats [min-max]"
     )
     print(f"{'':>6} {'DCP Fsspec':>20} {'ucp_dcp':>20} {'ratio':>7}  server CPU s (DCP / ucp_dcp)")
@@ -171,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{med[('ucp', phase)]:>6.2f} s [{min(u):.2f}-{max(u):.2f}] {ratio:>6.2f}x  {cd:.2f} / {cu:.2f}"
             f"   ({mb / med[('dcp', phase)]:.0f} vs {mb / med[('ucp', phase)]:.0f} MB/s)"
         )
-    for phase in ("save", "load"):
+    for phase in ("save", "load") if counted else ():
         for system in ("dcp", "ucp"):
             st = served[(system, phase)]
             reqs = ", ".join(f"{k} {v}" for k, v in sorted(st["requests"].items()))
@@ -189,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     "server_cpu_s": {f"{s} {p}": v for (s, p), v in cpu.items()},
                     "served": {f"{s} {p}": v for (s, p), v in served.items()},
                     "mib": a.mib,
+                    "server": a.server,
                     "load_dim": a.load_dim,
                     **extra,
                 },
