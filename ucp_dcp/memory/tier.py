@@ -1,10 +1,12 @@
 """``MemoryTier``: save into host memory, replicate to other hosts and drain to disk in the background.
 
 ``tier.save(state_dict)`` is a collective ``dcp.save`` with ``UCPSavePlanner`` and
-``UCPFileSystemWriter`` into this host's memory folder (:mod:`ucp_dcp.memory.store`): training is
-blocked for the copy into host memory (plus DCP's planning), and the generation is committed there
-with the same integrity sidecar and ``.metadata`` rename as on disk. Then a background thread, on the
-tier's own gloo group, publishes the commit to every host, copies every host's pieces to ``replicas``
+``UCPFileSystemWriter`` into this host's memory folder (:mod:`ucp_dcp.memory.store`), committed there
+with the same integrity sidecar and ``.metadata`` rename as on disk. The first save runs it in the
+caller (its planning errors raise there); later saves (``staging="buffered"``, the default) block only
+for the copy of the state into host buffers kept between saves (:mod:`ucp_dcp.memory.staging`) and run
+the ``dcp.save`` of that copy in the background. The background thread, on the tier's own groups, then
+publishes the commit to every host, copies every host's pieces to ``replicas``
 other hosts (:mod:`ucp_dcp.memory.replicate`), writes the completion marker, and drains every
 ``drain_every``-th complete generation to ``durable`` (:mod:`ucp_dcp.memory.drain`).
 """
@@ -31,9 +33,15 @@ from ..storage.writer import UCPFileSystemWriter
 from .drain import DrainLayout, DrainTarget, commit_drain, drain_files, drain_wanted, durable_generations
 from .hosts import HostMap, gather_hosts, replica_hosts
 from .replicate import Generation, mark_complete, publish_commit, replicate
+from .staging import Stager
 from .store import default_root, gen_dir, generations, host_name
 
-__all__ = ["MemoryTier", "GenerationStatus", "FaultStep", "MemoryTierWarning", "MemoryFault"]
+__all__ = ["MemoryTier", "GenerationStatus", "FaultStep", "Staging", "MemoryTierWarning", "MemoryFault"]
+
+Staging = Literal["buffered", "direct"]
+"""How a memory save after the first blocks the caller: ``buffered``, for one copy into host buffers kept
+between saves (one state-sized copy per rank held by the tier), the planning and the write into the store
+in the background; ``direct``, for the whole ``dcp.save`` into the store (no buffers kept)."""
 
 FaultStep = Literal["copy", "replicate", "complete", "drain"]
 """Where a test makes the job die (every rank stops there): during the host copy (data written, not
@@ -80,6 +88,18 @@ class _Writer(UCPFileSystemWriter):
         super().finish(metadata, results)
 
 
+@dataclasses.dataclass
+class _Staged:
+    """A save whose ``dcp.save`` the background runs: the staged copy and what writes it."""
+
+    state_dict: dict
+    """The copy in the stager's buffers."""
+    writer: _Writer
+    """Into the generation's folder of this host's store."""
+    planner: Any
+    """The caller's save planner (or the default)."""
+
+
 class MemoryTier:
     """A checkpoint tier in host memory that survives process crashes and, with ``replicas >= 1``,
     the loss of any ``replicas`` hosts; loads reshard from it at any layout (:func:`ucp_dcp.memory.load`).
@@ -100,6 +120,7 @@ class MemoryTier:
         control_group: run the tier's collectives on control groups (:mod:`ucp_dcp.planning.control_group`):
             a rank that dies or freezes during a save, its replication or its drain ends every other rank
             with a ``PeerLostError`` within ``UCP_DCP_PEER_TIMEOUT_S``. None: ``$UCP_DCP_CONTROL_GROUP`` (on).
+        staging: what a save after the first blocks for (:data:`Staging`).
     """
 
     def __init__(
@@ -114,7 +135,10 @@ class MemoryTier:
         process_group: dist.ProcessGroup | None = None,
         fault: FaultStep | None = None,
         control_group: bool | None = None,
+        staging: Staging = "buffered",
     ) -> None:
+        if staging not in ("buffered", "direct"):
+            raise InvalidArgumentError(f"staging must be 'buffered' or 'direct', got {staging!r}")
         if drain_every < 1 or keep_durable < 1:
             raise InvalidArgumentError(f"drain_every and keep_durable must be >= 1, got {drain_every}, {keep_durable}")
         self.root = str(root) if root is not None else default_root()
@@ -130,6 +154,9 @@ class MemoryTier:
         self.drain_every = drain_every
         self.keep_durable = keep_durable
         self.fault = fault
+        self.staging = staging
+        self._stager = Stager()
+        self._saves = 0
         self._bg = dist.new_group(
             ranks=self.hosts.ranks, backend="gloo", timeout=timedelta(seconds=max(60.0, peer_timeout()))
         )
@@ -159,7 +186,10 @@ class MemoryTier:
     def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None, drain: bool = True) -> int:
         """Copy ``state_dict`` into host memory and commit it there (collective); replication and the
         drain follow in the background (``drain=False``: not this one, whatever ``drain_every`` says). Waits
-        for the previous save's background work first. Returns the generation number."""
+        for the previous save's background work first. With ``staging="buffered"`` every save after the
+        first returns once the state is copied into the staging buffers: its commit, like its
+        replication, is the background's, and a failure there is the generation's ``status.error``
+        (and a :class:`MemoryTierWarning`), never a loadable generation. Returns the generation number."""
         self.wait()
         if self.broken is not None:
             raise self.broken
@@ -167,18 +197,24 @@ class MemoryTier:
         self.next_gen += 1
         t0 = time.perf_counter()
         writer = _Writer(gen_dir(self.root, host_name(), gen), self.fault)
-        with ucp_errors(), controlled(self.group, self.control) as group:
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=planner if planner is not None else UCPSavePlanner(replica_digests="writer"),
-                process_group=group,
-            )
+        planner = planner if planner is not None else UCPSavePlanner(replica_digests="writer")
+        staged = None
+        if self.staging == "buffered" and self._saves > 0:  # the same decision on every rank: no collective
+            staged = _Staged(self._stager.stage(state_dict), writer, planner)
+        else:
+            with ucp_errors(), controlled(self.group, self.control) as group:
+                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)
+        self._saves += 1
         self.blocked_s = time.perf_counter() - t0
         self._idle.clear()
-        self._queue.put(Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain))
+        self._queue.put((Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain), staged))
         self._busy_step = step
         return gen
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory this rank's staging buffers hold between saves (0 with ``staging="direct"``)."""
+        return self._stager.bytes
 
     @property
     def busy_step(self) -> int | None:
@@ -208,12 +244,15 @@ class MemoryTier:
 
     def _work(self) -> None:
         while True:
-            g = self._queue.get()
-            if g is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            g, staged = item
             status = GenerationStatus(g.gen)
             t0 = time.perf_counter()
             try:
+                if staged is not None:
+                    self._write(staged)
                 self._complete(g, status)
             except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
                 status.error = e
@@ -226,6 +265,11 @@ class MemoryTier:
             status.seconds = time.perf_counter() - t0
             self.statuses.append(status)
             self._idle.set()
+
+    def _write(self, staged: _Staged) -> None:
+        """The staged copy's ``dcp.save`` into this host's store, on the background's group."""
+        with ucp_errors(), controlled(self._ctl) as group:
+            dcp.save(staged.state_dict, storage_writer=staged.writer, planner=staged.planner, process_group=group)
 
     def _complete(self, g: Generation, status: GenerationStatus) -> None:
         ctl = self._ctl

@@ -1,0 +1,58 @@
+"""A staged memory save (``MemoryTier(staging="buffered")``, the default): the caller gets control back
+after the copy into the staging buffers and changes its state at once, as training does, while the
+background plans, writes and commits the generation; the generation holds the state as it was at the
+save, bitwise. Two simulated hosts of the shared gloo pool, one rank each."""
+
+import dist as D
+import pytest
+import torch
+
+from ucp_dcp.memory import MemoryTier
+from ucp_dcp.memory import load as memory_load
+
+pytestmark = pytest.mark.slow
+
+
+def _state(rank, world, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.randn(world * 64, 32, generator=torch.Generator().manual_seed(seed))
+    rows = w.shape[0] // world
+    local = w[rank * rows : (rank + 1) * rows].clone()
+    return {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False), "step": seed}
+
+
+def _save_then_train(rank, world, root, staging):
+    D.setenv("UCP_DCP_HOST", f"node{rank}")
+    sd = _state(rank, world, 1)
+    with MemoryTier(root, replicas=1, staging=staging) as tier:
+        tier.save(sd, step=1)
+        first = tier.wait()
+        sd = _state(rank, world, 2)
+        tier.save(sd, step=2)
+        sd["w"].to_local().add_(1000.0)  # the next step, before the background has written generation 2
+        sd["step"] = 3
+        second = tier.wait()
+        staged = tier.staged_bytes
+    got = {"w": torch.zeros_like(_state(rank, world, 2)["w"]), "step": -1}
+    memory_load(got, root)
+    want = _state(rank, world, 2)["w"].to_local()
+    return (
+        first.complete,
+        second.complete,
+        repr(second.error),
+        staged,
+        torch.equal(got["w"].to_local(), want),
+        got["step"],
+    )
+
+
+@pytest.mark.parametrize("staging", ["buffered", "direct"])
+def test_a_save_holds_the_state_as_it_was_when_training_changes_it_right_after(staging):
+    res = D.run(_save_then_train, 2, D.tmpdir(), staging)
+    for first, second, err, staged, equal, step in res:
+        assert first and second, err
+        assert equal and step == 2
+        assert staged == (64 * 32 * 4 if staging == "buffered" else 0)
