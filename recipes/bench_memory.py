@@ -1,6 +1,6 @@
 """Restart at a new layout from the memory tier vs from the local disk vs DCP's default from disk, same run.
 
-    python recipes/bench_memory.py [--mib 512] [--reps 3] [--json PATH]
+    python recipes/bench_memory.py [--mib 512] [--reps 3] [--staging buffered|direct] [--json PATH]
 
 Save job: 4 gloo ranks on 2 simulated hosts (``node0``: ranks 0-1, ``node1``: ranks 2-3), a state of
 ``mib`` MiB (16 fp32 tensors of ``rows x 512``, ``Shard(0)`` over the 4 ranks, as DTensors, plus a step
@@ -12,7 +12,10 @@ counter). It saves the same state three ways:
 
 and measures the **host copy alone** (every rank cloning its local shards into fresh memory: the least
 any save into host memory must block for) and the tier's **blocked** time (``MemoryTier.blocked_s``:
-the ``dcp.save`` into host memory, planning included), medians over ``reps`` saves.
+with ``--staging buffered``, the default, the copy into the tier's staging buffers; with ``direct``, the
+``dcp.save`` into host memory, planning included), medians over ``reps`` saves after a first one (the
+first save of a tier is always direct). Memory per host counts the tier's files in ``/dev/shm`` and the
+staging buffers its ranks keep between saves.
 
 Host ``node1`` is then lost (its memory folder removed) and a 2-rank job loads the state at ``Shard(0)``
 over 2 ranks (a new layout) from each tier: the memory tier (node0's own pieces and node1's replica),
@@ -92,7 +95,7 @@ def _save_phase(rank: int, a: dict) -> dict:
     os.environ["UCP_DCP_HOST"] = f"node{rank // 2}"
     sd = _state(4, a["mib"], fill=True)
     out: dict = {"copy": [], "blocked": [], "background": []}
-    tier = MemoryTier(a["root"], replicas=1)
+    tier = MemoryTier(a["root"], replicas=1, staging=a["staging"])
     for _ in range(a["reps"] + 1):  # the first save of each kind warms up (not counted)
         local = [v.to_local() for v in sd.values() if hasattr(v, "to_local")]
         out["copy"].append(_timed(lambda: [t.clone() for t in local]))
@@ -105,6 +108,9 @@ def _save_phase(rank: int, a: dict) -> dict:
         out["background"].append(st.seconds)
     for k in ("copy", "blocked", "background"):
         out[k] = out[k][1:]
+    held: list = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (os.environ["UCP_DCP_HOST"], tier.staged_bytes))
+    out["staged_per_host"] = {f"host-{h}": sum(n for hh, n in held if hh == h) for h in sorted({h for h, _ in held})}
     tier.close()
     ucp_dcp.save(sd, a["ucp"])
     dcp.save(sd, checkpoint_id=a["dcp"])
@@ -175,11 +181,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--staging", choices=("buffered", "direct"), default="buffered", help="MemoryTier(staging=)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-memory-", dir=os.environ.get("UCP_BENCH_DISK") or None)
     shm = tempfile.mkdtemp(prefix="bench-memory-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    a = {"mib": args.mib, "reps": args.reps, "root": shm, "ucp": f"{tmp}/ucp", "dcp": f"{tmp}/dcp"}
+    a = {
+        "mib": args.mib,
+        "reps": args.reps,
+        "staging": args.staging,
+        "root": shm,
+        "ucp": f"{tmp}/ucp",
+        "dcp": f"{tmp}/dcp",
+    }
     try:
         saved = _spawn(4, _save_phase, a)[0]
         shutil.rmtree(host_dir(shm, "node1"))  # node1 is lost
@@ -200,7 +214,9 @@ def main() -> None:
         "blocked_s": med(saved["blocked"]),
         "blocked_over_copy": med(saved["blocked"]) / med(saved["copy"]),
         "background_s": med(saved["background"]),
+        "staging": args.staging,
         "memory_per_host_bytes": saved["per_host"],
+        "staged_per_host_bytes": saved["staged_per_host"],
         "state_bytes": saved["state"],
         "load_s": load,
         "dcp_over": {n: {s: d["dcp disk"] / v for s, v in d.items()} for n, d in load.items()},
@@ -215,7 +231,11 @@ def main() -> None:
         f"({fig['blocked_over_copy']:.2f}x the copy), replication in the background {fig['background_s']:.3f} s"
     )
     for h, n in fig["memory_per_host_bytes"].items():
-        print(f"memory on {h}: {n / 2**20:.0f} MiB ({n / fig['state_bytes']:.2f}x the state)")
+        b = fig["staged_per_host_bytes"].get(h, 0)
+        print(
+            f"memory on {h}: {n / 2**20:.0f} MiB in /dev/shm ({n / fig['state_bytes']:.2f}x the state) + "
+            f"{b / 2**20:.0f} MiB of staging buffers ({args.staging}) = {(n + b) / fig['state_bytes']:.2f}x the state"
+        )
     for name, d in load.items():
         print(f"restart at 2 ranks ({name}) after node1 is lost, slowest rank:")
         for s, v in d.items():
