@@ -56,3 +56,22 @@ def test_a_save_holds_the_state_as_it_was_when_training_changes_it_right_after(s
         assert first and second, err
         assert equal and step == 2
         assert staged == (64 * 32 * 4 if staging == "buffered" else 0)
+
+
+def _stage_a_dtensor(rank, world):
+    from torch.distributed.tensor import DTensor
+
+    from ucp_dcp.memory.staging import Stager
+
+    d = _state(rank, world, 1)["w"]
+    got = Stager().stage({"w": d})["w"]
+    return (
+        isinstance(got, DTensor) and got.device_mesh is d.device_mesh and got.placements == d.placements,
+        got.shape == d.shape and got.stride() == d.stride() and not got.requires_grad,
+        torch.equal(got.to_local(), d.to_local()) and got.to_local().data_ptr() != d.to_local().data_ptr(),
+    )
+
+
+def test_a_staged_dtensor_keeps_its_mesh_placements_and_global_shape_over_a_buffer_of_its_own():
+    for res in D.run(_stage_a_dtensor, 2):
+        assert res == (True, True, True), res

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from .._compat import dtensor_from_local
+
 __all__ = ["Stager"]
 
 
@@ -48,10 +50,10 @@ class Stager:
 
     def _copy(self, obj: Any, path: str, seen: dict[tuple, torch.Tensor], used: set[str]) -> Any:
         if isinstance(obj, DTensor):
+            # not from_local: it would move the host buffer back to a CUDA mesh's device (DCP's own
+            # staging also keeps a device mesh over a host local tensor)
             local = self._tensor(obj.to_local(), path, seen, used)
-            return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-            )
+            return dtensor_from_local(local, obj.device_mesh, obj.placements, obj.shape, obj.stride())
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path, seen, used)
         if isinstance(obj, dict):
