@@ -44,8 +44,9 @@ between saves (one state-sized copy per rank held by the tier), the planning and
 in the background; ``direct``, for the whole ``dcp.save`` into the store (no buffers kept)."""
 
 FaultStep = Literal["copy", "replicate", "complete", "drain"]
-"""Where a test makes the job die (every rank stops there): during the host copy (data written, not
-committed), during replication (replicas sent, no marker), right after the completion marker (not
+"""Where a test makes the job die (every rank stops there): during the write into host memory (data
+written, not committed; in the caller for a tier's first save or ``staging="direct"``, else in the
+background), during replication (replicas sent, no marker), right after the completion marker (not
 drained), during the drain (durable files copied, not committed)."""
 
 
