@@ -113,7 +113,7 @@ def test_full_save_declares_every_rule():
     assert rules_for_call([QKV, NTOKENS, user], ["dataloader"]) == [QKV, NTOKENS, user]
 
 
-@pytest.mark.parametrize("name", ["ntokens_seen", "dataloader_policy", "check_replicas"])
+@pytest.mark.parametrize("name", ["ntokens_seen", "dataloader_policy", "check_replicas", "memory_staging"])
 def test_config_refuses_a_mode_outside_its_literal(name):
     """UCPCheckpointManager.Config's string modes are Literal types, checked when the config is made
     (as torchtitan's own Config checks async_mode), not when a save or load first reads them."""

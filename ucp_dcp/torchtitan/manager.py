@@ -47,6 +47,7 @@ from torchtitan.components.checkpointer.base import MODEL
 
 from ..errors import InvalidArgumentError, PatternError
 from ..layout.patterns import Reduce, Rule, anchored_in, rule_from_json
+from ..memory.tier import Staging
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import CheckMode, UCPSavePlanner
 from ..storage.opening import read_metadata
@@ -119,6 +120,10 @@ class UCPCheckpointManager(CheckpointManager):
         """Drain every n-th memory generation, in the background, into the checkpoint folder as its
         ``step-N`` folder (local or object store; a step saved durably at the same step is not drained).
         0: none (the durable copies are the ``interval`` saves only)."""
+        memory_staging: Staging = "buffered"
+        """What a memory save after the first blocks training for (``MemoryTier(staging=)``): ``buffered``,
+        a copy into host buffers kept between saves (a state-sized copy per rank held), the write into
+        host memory in the background; ``direct``, the whole save into host memory, no buffers kept."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # a slots dataclass: no zero-argument super()
@@ -126,6 +131,7 @@ class UCPCheckpointManager(CheckpointManager):
                 ("ntokens_seen", NtokensSeen),
                 ("dataloader_policy", DataloaderPolicy),
                 ("check_replicas", CheckMode),
+                ("memory_staging", Staging),
             ):
                 if getattr(self, name) not in get_args(mode):
                     raise InvalidArgumentError(
@@ -160,6 +166,7 @@ class UCPCheckpointManager(CheckpointManager):
                 config.memory_replicas,
                 folder=self.folder,
                 drain_every=config.memory_drain_every,
+                staging=config.memory_staging,
                 control=False if not config.control_group else None,  # on: unless $UCP_DCP_CONTROL_GROUP says off
             )
             if config.memory_interval

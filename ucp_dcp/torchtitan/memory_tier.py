@@ -32,6 +32,7 @@ from ..memory import MemoryTier, Source, locate
 from ..memory import load as memory_load
 from ..memory.reader import MemoryReader
 from ..memory.store import default_root
+from ..memory.tier import Staging
 from ..planning.control_group import dcp_group
 
 __all__ = ["ManagerMemory", "memory_root"]
@@ -67,6 +68,7 @@ class ManagerMemory:
         folder: str | None = None,
         drain_every: int = 1,
         control: bool | None = None,
+        staging: Staging = "buffered",
     ) -> None:
         if interval < 1:
             raise InvalidArgumentError(f"checkpoint.memory_interval must be >= 1 to use the tier, got {interval}")
@@ -80,6 +82,7 @@ class ManagerMemory:
             drain_layout="step",
             drain_every=max(1, drain_every),
             control_group=control,
+            staging=staging,
         )
         self.control = control
         self.loaded: Source | None = None
