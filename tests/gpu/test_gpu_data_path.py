@@ -157,3 +157,19 @@ def test_gpu_one_rank_nccl_save_async_save_and_load(backend):
     assert results == {"sync": [], "async": []}, results
     # host bytes need a gloo group: a side group under NCCL only, the default group when it has gloo
     assert side == ("gloo" if got_backend == "nccl" else None), (got_backend, side)
+
+
+def test_gpu_memory_staging_copies_device_tensors_into_pinned_buffers_kept_between_saves():
+    """The memory tier's staged copy of CUDA state: pinned host buffers, equal bytes, the same buffers on
+    the next save, a DTensor's CUDA mesh kept over its host buffer (one process)."""
+    from ucp_dcp.memory.staging import Stager
+
+    t = torch.randn(256, 64, device="cuda")
+    st = Stager()
+    got = st.stage({"t": t, "tied": t})
+    assert got["t"].device.type == "cpu" and got["t"].is_pinned() and got["tied"] is got["t"]
+    assert torch.equal(got["t"], t.cpu())
+    ptr = got["t"].data_ptr()
+    t.add_(1.0)
+    again = st.stage({"t": t, "tied": t})
+    assert again["t"].data_ptr() == ptr and torch.equal(again["t"], t.cpu())

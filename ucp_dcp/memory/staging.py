@@ -7,7 +7,8 @@ run in the tier's background thread on the copy while training changes the origi
 
 The copy keeps what a planner sees: the same keys and nesting, DTensors with the same mesh,
 placements, global shape and stride, and aliasing (two entries that are views of the same memory,
-a tied embedding, stay one staged tensor). Values that are not tensors are deep-copied.
+a tied embedding, stay one staged tensor). Values that are not tensors are deep-copied. Buffers of
+CUDA tensors are pinned (allocated once, so the pinning cost is paid once).
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class Stager:
         if key in seen:  # an alias of an entry already staged: the same staged tensor
             return seen[key]
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[path] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        buf.copy_(t.detach())
+        pin = t.device.type == "cuda"  # a device-to-host copy runs at the link's rate only into pinned memory
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
+            buf = self._buffers[path] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        buf.copy_(t.detach())  # synchronous: the state may change as soon as the save returns
         used.add(path)
         seen[key] = buf
         return buf
