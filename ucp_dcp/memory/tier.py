@@ -269,7 +269,9 @@ class MemoryTier:
 
     def _write(self, staged: _Staged) -> None:
         """The staged copy's ``dcp.save`` into this host's store, on the background's group."""
-        with ucp_errors(), controlled(self._ctl) as group:
+        # the background's own group as it is (False: never swapped for the control group DCP gets in the
+        # foreground, whose sequence of ops this thread must not share); a ControlGroup is still settled
+        with ucp_errors(), controlled(self._ctl, False) as group:
             dcp.save(staged.state_dict, storage_writer=staged.writer, planner=staged.planner, process_group=group)
 
     def _complete(self, g: Generation, status: GenerationStatus) -> None:
