@@ -218,7 +218,8 @@ class UnsupportedTorchError(UCPError, ImportError):
 
 class StaleObjectsWarning(UserWarning):
     """A save committed but its clean-up afterwards failed (a store that denies deletes or does not list
-    multipart uploads): stale objects or open uploads of earlier saves are left, billed, not loaded."""
+    multipart uploads, a folder whose old files may not be removed): stale objects, files or open uploads
+    of earlier saves are left, taking space, never loaded."""
 
 
 class UntestedTorchWarning(UserWarning):

@@ -96,6 +96,32 @@ def test_a_save_replaces_the_old_checkpoint_only_after_it_commits(tmp_path):
     assert torch.equal(torch.load(tmp_path.parent / "full.pt")["model"]["w"], _state(1)["model"]["w"])
 
 
+def test_a_folder_whose_old_files_cannot_be_removed_commits_and_warns(tmp_path, monkeypatch):
+    """Removing the replaced checkpoint's files is refused (a permission error after the commit): the
+    save is committed, so it succeeds with a StaleObjectsWarning naming what stays (a failed save would
+    make a job retry one that succeeded); the next save that may remove them does."""
+    ucp_dcp.save(_state(0), tmp_path)
+    old = {p.name for p in tmp_path.iterdir() if p.name.endswith(".distcp")}
+    real = os.remove
+
+    def denied(path, *a, **kw):
+        if Path(path).name in old:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "remove", denied)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dcp.save(_state(1), storage_writer=UCPFileSystemWriter(tmp_path), planner=UCPSavePlanner())
+    stale = [str(w.message) for w in seen if w.category is ucp_dcp.StaleObjectsWarning]
+    assert len(stale) == 1 and "is committed" in stale[0] and "Permission denied" in stale[0], stale
+    assert old <= set(_names(tmp_path))
+    assert _same(_load(tmp_path), _state(1))
+    monkeypatch.setattr(os, "remove", real)
+    ucp_dcp.save(_state(2), tmp_path)
+    assert not old & set(_names(tmp_path)) and _same(_load(tmp_path), _state(2))
+
+
 def test_a_crash_between_sidecar_and_metadata_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     ucp_dcp.save(_state(0), tmp_path)
     real = os.replace

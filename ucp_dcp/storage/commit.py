@@ -7,7 +7,8 @@ and **renames ``.metadata`` into place: that rename is the commit**. The folder 
 then are files that the new metadata does not reference removed (the old checkpoint's, and pieces
 of earlier saves that died). A save that dies at any point before the rename leaves the previous
 checkpoint as it was; one that dies after it leaves the new checkpoint plus stray files that the
-next save removes.
+next save removes. A removal refused after the commit (a folder whose old files the job may not delete)
+is a ``StaleObjectsWarning``, never a failed save: the new checkpoint is committed.
 
 :func:`open_checkpoint` is the reading side: it finds ``.metadata``, verifies it against its
 sidecar, and names what is wrong when a folder holds no committed checkpoint. Each sidecar is bound
@@ -23,12 +24,19 @@ import logging
 import os
 import re
 import secrets
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StaleObjectsWarning,
+    UnsafeCheckpointError,
+)
 from ..planning.catalog import CATALOG_KEY
 from ..planning.opened import IntegrityStatus
 from .format import IO_KEY
@@ -87,7 +95,9 @@ def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: b
     os.replace(md_tmp, os.path.join(folder, METADATA))  # the commit
     if sync:
         _fsync_dir(folder)
-    removed = []
+    removed: list[str] = []
+    refused: list[str] = []
+    why: OSError | None = None
     for name in sorted(os.listdir(folder)):
         stale = (_DATA.match(name) and name not in keep) or _TMP.match(name) or (_SIDECAR.match(name) and name != side)
         if stale:
@@ -96,8 +106,20 @@ def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: b
                 removed.append(name)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # committed already: failing now would make a job retry a save that succeeded
+                refused.append(name)
+                why = why or e
     if removed and sync:
         _fsync_dir(folder)
+    if refused:
+        warnings.warn(
+            f"the checkpoint in {folder} is committed, but {len(refused)} file(s) earlier saves left could not be "
+            f"removed ({', '.join(refused[:3])}{', ...' if len(refused) > 3 else ''}): {why}. They stay (disk "
+            "space, never loaded; `python -m ucp_dcp inspect` lists them); a later save removes them once "
+            "it may",
+            StaleObjectsWarning,
+            stacklevel=2,
+        )
     return removed
 
 
