@@ -94,3 +94,50 @@ def test_with_control_groups_off_the_background_write_stays_off_the_shared_contr
     on the control group DCP's foreground calls get (one sequence of ops per group)."""
     for complete, shared_ops in D.run(_staged_saves_without_control_groups, 2, D.tmpdir()):
         assert complete and not shared_ops, (complete, shared_ops)
+
+
+def _save_while_the_last_one_replicates(rank, world, root):
+    import os
+    import time
+
+    from ucp_dcp.memory import tier as tier_mod
+
+    D.setenv("UCP_DCP_HOST", f"node{rank}")
+    real = tier_mod.replicate
+    go = os.path.join(root, f"go-{rank}")
+
+    def slow_replicate(g, *a, **kw):  # generation 2's replication holds until the test lets it go
+        if g.gen == 2:
+            t0 = time.monotonic()
+            while not os.path.exists(go) and time.monotonic() - t0 < 30:
+                time.sleep(0.01)
+        return real(g, *a, **kw)
+
+    D.patch(tier_mod, "replicate", slow_replicate)
+    with MemoryTier(root, replicas=1) as tier:
+        tier.save(_state(rank, world, 1), step=1)
+        tier.wait()
+        tier.save(_state(rank, world, 2), step=2)
+        sd = _state(rank, world, 3)
+        t0 = time.monotonic()
+        tier.save(sd, step=3)  # waits for generation 2's write into the store, not for its replication
+        returned = time.monotonic() - t0
+        in_flight = getattr(tier, "busy_steps", None)
+        sd["w"].to_local().add_(1000.0)  # training goes on
+        open(go, "w").close()
+        tier.wait()
+        statuses = [(s.gen, s.complete, repr(s.error)) for s in tier.statuses]
+    got = {"w": torch.zeros_like(_state(rank, world, 3)["w"]), "step": -1}
+    src = memory_load(got, root)
+    equal = torch.equal(got["w"].to_local(), _state(rank, world, 3)["w"].to_local())
+    return in_flight, returned, statuses, src.generation, equal, got["step"]
+
+
+def test_a_staged_save_does_not_wait_for_the_last_generations_replication():
+    """Two generations in flight: once generation 2's staged copy is written into the store, the save of
+    generation 3 copies into the freed buffers and returns while generation 2 still replicates (held by
+    the test); both complete in order and generation 3 loads bitwise as it was at its save."""
+    for in_flight, returned, statuses, loaded, equal, step in D.run(_save_while_the_last_one_replicates, 2, D.tmpdir()):
+        assert in_flight == [2, 3] and returned < 20, (in_flight, returned)
+        assert statuses == [(1, True, "None"), (2, True, "None"), (3, True, "None")], statuses
+        assert loaded == 3 and equal and step == 3

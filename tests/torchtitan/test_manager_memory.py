@@ -96,7 +96,7 @@ def test_memory_generations_drain_to_step_folders_that_load_at_a_new_layout_when
     assert calls == [MEMORY_SAVE] * 4, "only memory saves: the step folders can only be the tier's drains"
     ckpt = os.path.join(folder, "checkpoint")
     committed = [n for n in (1, 2, 3, 4) if os.path.isfile(os.path.join(ckpt, f"step-{n}", ".metadata"))]
-    assert committed == [2, 3, 4], "step 1 purged at step 4's save (step 4's drain in flight is not counted)"
+    assert committed == [3, 4], "keep_latest_k=2 at the end: drains in flight at a save's purge counted at close"
     shutil.rmtree(root)  # every host lost (or rebooted): memory is gone
     got, step, calls = D.run(_resume, 1, folder, root, 10, 1)[0]
     assert step == 4 and _equal(got, snaps[4])

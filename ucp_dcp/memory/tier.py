@@ -5,7 +5,9 @@
 with the same integrity sidecar and ``.metadata`` rename as on disk. The first save runs it in the
 caller (its planning errors raise there); later saves (``staging="buffered"``, the default) block only
 for the copy of the state into host buffers kept between saves (:mod:`ucp_dcp.memory.staging`) and run
-the ``dcp.save`` of that copy in the background. The background thread, on the tier's own groups, then
+the ``dcp.save`` of that copy in the background; such a save waits only for the buffers (the previous
+copy written into the store), not for the previous generation's replication or drain, so up to two
+generations are in flight. The background thread, on the tier's own groups, then
 publishes the commit to every host, copies every host's pieces to ``replicas``
 other hosts (:mod:`ucp_dcp.memory.replicate`), writes the completion marker, and drains every
 ``drain_every``-th complete generation to ``durable`` (:mod:`ucp_dcp.memory.drain`).
@@ -175,10 +177,12 @@ class MemoryTier:
         """Seconds the last :meth:`save` blocked the caller."""
         self.statuses: list[GenerationStatus] = []
         """The background outcome of every save, in order."""
+        self.waited_s = 0.0
+        """Seconds the last :meth:`save` waited for earlier saves' background work before it began."""
         self._queue: queue.Queue = queue.Queue()
-        self._idle = threading.Event()
-        self._busy_step: int | None = None
-        self._idle.set()
+        self._lock = threading.Condition()
+        self._pending: list[int | None] = []  # the steps of the saves whose background work is not done
+        self._staged_unwritten = False  # the staging buffers hold a copy the background has not written yet
         self._thread = threading.Thread(target=self._work, name="ucp-memory-tier", daemon=True)
         self._thread.start()
 
@@ -186,12 +190,24 @@ class MemoryTier:
 
     def save(self, state_dict: dict, *, planner: Any = None, step: int | None = None, drain: bool = True) -> int:
         """Copy ``state_dict`` into host memory and commit it there (collective); replication and the
-        drain follow in the background (``drain=False``: not this one, whatever ``drain_every`` says). Waits
-        for the previous save's background work first. With ``staging="buffered"`` every save after the
-        first returns once the state is copied into the staging buffers: its commit, like its
-        replication, is the background's, and a failure there is the generation's ``status.error``
-        (and a :class:`MemoryTierWarning`), never a loadable generation. Returns the generation number."""
-        self.wait()
+        drain follow in the background (``drain=False``: not this one, whatever ``drain_every`` says).
+
+        With ``staging="buffered"`` every save after the first returns once the state is copied into the
+        staging buffers: its commit, like its replication, is the background's, and a failure there is
+        the generation's ``status.error`` (and a :class:`MemoryTierWarning`), never a loadable
+        generation. Such a save waits only until the buffers are free (the previous staged copy is
+        written into the store); the previous generation's replication and drain may still run, so two
+        generations are in flight (the new one's write queued behind the other's completion). A save
+        that writes in the caller (the first, or ``staging="direct"``) waits for all background work
+        first. :attr:`waited_s` says how long a save waited, :attr:`blocked_s` how long it took then.
+        Returns the generation number."""
+        staged_save = self.staging == "buffered" and self._saves > 0  # the same decision on every rank
+        t_wait = time.perf_counter()
+        with self._lock:
+            self._lock.wait_for(
+                (lambda: not self._staged_unwritten or self.broken is not None) if staged_save else self._idle
+            )
+        self.waited_s = time.perf_counter() - t_wait
         if self.broken is not None:
             raise self.broken
         gen = self.next_gen
@@ -200,16 +216,17 @@ class MemoryTier:
         writer = _Writer(gen_dir(self.root, host_name(), gen), self.fault)
         planner = planner if planner is not None else UCPSavePlanner(replica_digests="writer")
         staged = None
-        if self.staging == "buffered" and self._saves > 0:  # the same decision on every rank: no collective
+        if staged_save:  # no collective: the copy is this rank's own
             staged = _Staged(self._stager.stage(state_dict), writer, planner)
         else:
             with ucp_errors(), controlled(self.group, self.control) as group:
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)
         self._saves += 1
         self.blocked_s = time.perf_counter() - t0
-        self._idle.clear()
+        with self._lock:
+            self._pending.append(step)
+            self._staged_unwritten = staged is not None
         self._queue.put((Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain), staged))
-        self._busy_step = step
         return gen
 
     @property
@@ -218,13 +235,19 @@ class MemoryTier:
         return self._stager.bytes
 
     @property
-    def busy_step(self) -> int | None:
-        """The step of the save whose background work (replication, drain) is still running; None when idle."""
-        return None if self._idle.is_set() else self._busy_step
+    def busy_steps(self) -> list[int | None]:
+        """The steps of the saves whose background work (write, replication, drain) is not done, oldest
+        first (at most two); empty when idle."""
+        with self._lock:
+            return list(self._pending)
+
+    def _idle(self) -> bool:
+        return not self._pending
 
     def wait(self) -> GenerationStatus | None:
-        """Wait for the background work of the last save; its status (None before any save)."""
-        self._idle.wait()
+        """Wait for the background work of every save so far; the last one's status (None before any save)."""
+        with self._lock:
+            self._lock.wait_for(self._idle)
         return self.statuses[-1] if self.statuses else None
 
     def close(self) -> None:
@@ -252,8 +275,16 @@ class MemoryTier:
             status = GenerationStatus(g.gen)
             t0 = time.perf_counter()
             try:
-                if staged is not None:
-                    self._write(staged)
+                try:
+                    if self.broken is not None:  # queued behind a generation that lost a peer: the groups are spent
+                        raise self.broken
+                    if staged is not None:
+                        self._write(staged)
+                finally:
+                    if staged is not None:
+                        with self._lock:  # the buffers are free for the next save's copy
+                            self._staged_unwritten = False
+                            self._lock.notify_all()
                 self._complete(g, status)
             except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
                 status.error = e
@@ -264,8 +295,10 @@ class MemoryTier:
                         f"memory generation {g.gen}: {type(e).__name__}: {e}", MemoryTierWarning, stacklevel=1
                     )
             status.seconds = time.perf_counter() - t0
-            self.statuses.append(status)
-            self._idle.set()
+            with self._lock:
+                self.statuses.append(status)
+                self._pending.pop(0)
+                self._lock.notify_all()
 
     def _write(self, staged: _Staged) -> None:
         """The staged copy's ``dcp.save`` into this host's store, on the background's group."""

@@ -215,7 +215,8 @@ class UCPCheckpointManager(CheckpointManager):
             return saved
         states = flattened_model_states_sd(self)
         memory.save(states, self._save_planner(self._call_rules(states)), curr_step, drain=not saved)
-        if not saved:  # the previous generation's drain is over (save waited for it): keep_latest_k counts it now
+        if not saved:  # keep_latest_k counts the drains committed by now; one still in flight (a staged save
+            # does not wait for the previous generation's drain) is counted by a later purge, at the latest at close
             self._purge_stale_checkpoints()
         return True
 
@@ -235,11 +236,12 @@ class UCPCheckpointManager(CheckpointManager):
         return super()._load(step)
 
     def _close(self) -> None:
-        super()._close()
         memory = getattr(self, "_memory", None)
         if memory is not None:
-            memory.close()
+            memory.close()  # the last drains commit
             self._memory = None
+            self._purge_stale_checkpoints()  # while torchtitan's purge thread still runs: keep_latest_k holds at the end
+        super()._close()
 
     # torchtitan saves and loads only through these two (check_dcp_paths refuses a release that does not):
     # each makes torchtitan's own DCP calls with our planner and storage, patching nothing global
@@ -272,9 +274,9 @@ class UCPCheckpointManager(CheckpointManager):
         if not should_purge(self):
             return
         memory = getattr(self, "_memory", None)
-        draining = memory.in_flight() if memory is not None else None
+        draining = memory.in_flight() if memory is not None else set()
         for name in folders.stale(self.keep_latest_k):
-            if name == draining:
+            if name in draining:
                 continue  # the memory tier's drain is writing it (a later purge takes it if it is stale then)
             folders.decommit(name)  # not a checkpoint from here on; the purge thread deletes the rest
             self.purge_queue.put(folders.join(name))

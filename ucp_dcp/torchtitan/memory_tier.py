@@ -99,10 +99,11 @@ class ManagerMemory:
         gen = self.tier.save(states, planner=planner, step=step, drain=drain)
         logger.info(f"UCP memory tier: step {step} is generation {gen} ({self.tier.blocked_s:.2f} s blocked)")
 
-    def in_flight(self) -> str | None:
-        """The ``step-N`` folder a drain may be writing now (keep_latest_k must not purge it), else None."""
-        step = self.tier.busy_step
-        return None if step is None or self.tier.target is None else f"step-{step}"
+    def in_flight(self) -> set[str]:
+        """The ``step-N`` folders a drain may be writing now or soon (keep_latest_k must not purge them)."""
+        if self.tier.target is None:
+            return set()
+        return {f"step-{step}" for step in self.tier.busy_steps if step is not None}
 
     def fresher_than(self, durable_step: int) -> Source | None:
         """The freshest complete memory generation when it is at least as fresh as ``durable_step`` (memory
