@@ -14,7 +14,9 @@ and measures the **host copy alone** (every rank cloning its local shards into f
 any save into host memory must block for) and the tier's **blocked** time (``MemoryTier.blocked_s``:
 with ``--staging buffered``, the default, the copy into the tier's staging buffers; with ``direct``, the
 ``dcp.save`` into host memory, planning included), medians over ``reps`` saves after a first one (the
-first save of a tier is always direct). Memory per host counts the tier's files in ``/dev/shm`` and the
+first save of a tier is always direct). Then ``reps`` saves follow each other as often as the background
+takes (a pause of its median time between them, as a training step would be): what training waits for
+per save, the wait for earlier saves' background work included (``waited_s + blocked_s``). Memory per host counts the tier's files in ``/dev/shm`` and the
 staging buffers its ranks keep between saves.
 
 Host ``node1`` is then lost (its memory folder removed) and a 2-rank job loads the state at ``Shard(0)``
@@ -26,7 +28,11 @@ The memory tier loads two ways: as ``ucp_dcp.memory.load`` does by default (the 
 completion markers and file sizes, every byte verified by the block checksums as it is read) and with
 ``verify=True`` (every held file hashed against its marker before the choice). A load counts its
 slowest rank; reported are medians over ``reps`` and the ratios to ucp_dcp's and DCP's disk loads.
-Loaded state is checked bitwise against the saved one each time.
+Loaded state is checked bitwise against the saved one each time. By default one job makes every load of
+a scenario (warm: its groups, pools and memory reused from the second load on); ``--fresh`` starts a new
+job for each load, as a restart is (its first and only load pays those once). Last, the ceiling: 2
+ranks on ``node0`` read the data files' bytes with plain ``preadv`` from the evicted disk folder and
+from node0's memory folder, the ratio a load with no cost but its bytes would reach on this machine.
 """
 
 from __future__ import annotations
@@ -108,6 +114,18 @@ def _save_phase(rank: int, a: dict) -> dict:
         out["background"].append(st.seconds)
     for k in ("copy", "blocked", "background"):
         out[k] = out[k][1:]
+    # saves as often as the background takes: a training step of the median background time between them
+    # (every rank sleeps the same, so no rank waits on another), what training waits for per save
+    step_s = statistics.median(out["background"])
+    out["step_s"] = step_s
+    out["paced"] = []
+    for _ in range(a["reps"]):
+        time.sleep(step_s)
+        tier.save(sd)
+        w = torch.tensor([tier.waited_s + tier.blocked_s])
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        out["paced"].append(float(w))
+    tier.wait()
     held: list = [None] * dist.get_world_size()
     dist.all_gather_object(held, (os.environ["UCP_DCP_HOST"], tier.staged_bytes))
     out["staged_per_host"] = {f"host-{h}": sum(n for hh, n in held if hh == h) for h in sorted({h for h, _ in held})}
@@ -124,13 +142,41 @@ def _du(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
 
 
+def _raw_phase(rank: int, a: dict) -> dict:
+    """The ceiling: each of 2 ranks on ``node0`` reads half the data files' bytes with plain ``preadv``
+    into memory it already holds (no DCP, no checksums), from the ucp disk folder (evicted first) and
+    from node0's memory folder (its own files and node1's replicas): what the bytes alone cost each
+    tier, the ratio a load with no other cost would reach."""
+    gen = max(os.listdir(host_dir(a["root"], "node0")))
+    folders = {"raw disk read": a["ucp"], "raw memory read": os.path.join(host_dir(a["root"], "node0"), gen)}
+    out: dict = {k: [] for k in folders}
+    for _ in range(a["reps"]):
+        for kind, folder in folders.items():
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[rank::2]
+            paths = [os.path.join(folder, n) for n in names]
+            bufs = [torch.ones(os.path.getsize(p), dtype=torch.uint8) for p in paths]  # pages faulted in
+            if kind == "raw disk read":
+                _evict(folder)
+
+            def read() -> None:
+                for p, b in zip(paths, bufs):
+                    fd = os.open(p, os.O_RDONLY)
+                    try:
+                        assert os.preadv(fd, [memoryview(b.numpy())], 0) == b.numel()
+                    finally:
+                        os.close(fd)
+
+            out[kind].append(_timed(read))
+    return out
+
+
 def _load_phase(rank: int, a: dict) -> dict:
     os.environ["UCP_DCP_HOST"] = a["hosts"][rank]
     want = _state(2, a["mib"], fill=True)
     out: dict = {s: [] for s in SYSTEMS}
     out["received"] = 0
     for _ in range(a["reps"]):
-        for system in SYSTEMS:
+        for system in a.get("systems", SYSTEMS):
             sd = _state(2, a["mib"], fill=False)
             if system.endswith("disk") and rank == 0:
                 _evict(a["ucp"] if system == "ucp disk" else a["dcp"])
@@ -177,11 +223,24 @@ def _spawn(world: int, fn, a: dict) -> list:
     return [got[r] for r in range(world)]
 
 
+def _fresh_loads(a: dict, hosts: list[str]) -> list[dict]:
+    """Every (rep, system) load in a job of its own, like a restart; results merged per rank."""
+    merged: list[dict] = [{s: [] for s in SYSTEMS} for _ in hosts]
+    for _ in range(a["reps"]):
+        for system in SYSTEMS:
+            got = _spawn(len(hosts), _load_phase, {**a, "hosts": hosts, "reps": 1, "systems": [system]})
+            for m, g in zip(merged, got):
+                m[system] += g[system]
+                m["received"] = max(m.get("received", 0), g["received"])
+    return merged
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--staging", choices=("buffered", "direct"), default="buffered", help="MemoryTier(staging=)")
+    ap.add_argument("--fresh", action="store_true", help="each load in a new job (a restart's first and only load)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-memory-", dir=os.environ.get("UCP_BENCH_DISK") or None)
@@ -197,10 +256,12 @@ def main() -> None:
     try:
         saved = _spawn(4, _save_phase, a)[0]
         shutil.rmtree(host_dir(shm, "node1"))  # node1 is lost
-        scenarios = {
-            "node0 + a fresh node2": _spawn(2, _load_phase, {**a, "hosts": ["node0", "node2"]}),
-            "2 ranks on node0": _spawn(2, _load_phase, {**a, "hosts": ["node0", "node0"]}),
-        }
+        places = {"node0 + a fresh node2": ["node0", "node2"], "2 ranks on node0": ["node0", "node0"]}
+        if args.fresh:  # a restarted job loads once, in new processes: one job per load
+            scenarios = {name: _fresh_loads(a, hosts) for name, hosts in places.items()}
+        else:
+            scenarios = {name: _spawn(2, _load_phase, {**a, "hosts": hosts}) for name, hosts in places.items()}
+        raw = _spawn(2, _raw_phase, {**a, "hosts": ["node0", "node0"]})[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -214,7 +275,10 @@ def main() -> None:
         "blocked_s": med(saved["blocked"]),
         "blocked_over_copy": med(saved["blocked"]) / med(saved["copy"]),
         "background_s": med(saved["background"]),
+        "paced_step_s": saved["step_s"],
+        "paced_waited_and_blocked_s": med(saved["paced"]),
         "staging": args.staging,
+        "fresh_process_loads": args.fresh,
         "memory_per_host_bytes": saved["per_host"],
         "staged_per_host_bytes": saved["staged_per_host"],
         "state_bytes": saved["state"],
@@ -222,6 +286,7 @@ def main() -> None:
         "dcp_over": {n: {s: d["dcp disk"] / v for s, v in d.items()} for n, d in load.items()},
         "ucp_over": {n: {s: d["ucp disk"] / v for s, v in d.items()} for n, d in load.items()},
         "received_from_peers": {n: [r["received"] for r in got] for n, got in scenarios.items()},
+        "raw_read_s": {k: med(v) for k, v in raw.items()},
     }
     print(
         f"state {fig['state_bytes'] / 2**20:.0f} MiB on 4 ranks / 2 hosts, torch {fig['torch']}, medians of {args.reps}"
@@ -230,6 +295,11 @@ def main() -> None:
         f"save: host copy alone {fig['host_copy_s']:.3f} s, memory tier blocked {fig['blocked_s']:.3f} s "
         f"({fig['blocked_over_copy']:.2f}x the copy), replication in the background {fig['background_s']:.3f} s"
     )
+    print(
+        f"saves {fig['paced_step_s']:.3f} s apart (the background's time): training waits "
+        f"{fig['paced_waited_and_blocked_s']:.3f} s per save ({fig['paced_waited_and_blocked_s'] / fig['host_copy_s']:.2f}x "
+        "the copy), waiting for earlier saves included"
+    )
     for h, n in fig["memory_per_host_bytes"].items():
         b = fig["staged_per_host_bytes"].get(h, 0)
         print(
@@ -237,12 +307,18 @@ def main() -> None:
             f"{b / 2**20:.0f} MiB of staging buffers ({args.staging}) = {(n + b) / fig['state_bytes']:.2f}x the state"
         )
     for name, d in load.items():
-        print(f"restart at 2 ranks ({name}) after node1 is lost, slowest rank:")
+        how = "each load a new job" if args.fresh else f"{args.reps} loads in one job"
+        print(f"restart at 2 ranks ({name}) after node1 is lost, slowest rank, {how}:")
         for s, v in d.items():
             print(
                 f"  {s:26s} {v:.3f} s  ({fig['ucp_over'][name][s]:.2f}x faster than ucp disk, "
                 f"{fig['dcp_over'][name][s]:.2f}x faster than dcp disk)"
             )
+    rd, rm = fig["raw_read_s"]["raw disk read"], fig["raw_read_s"]["raw memory read"]
+    print(
+        f"ceiling (2 ranks on node0, plain preadv of the data files' bytes): cold disk {rd:.3f} s, memory "
+        f"{rm:.3f} s: reading the bytes alone is {rd / rm:.2f}x faster from memory than from this disk"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(fig, f, indent=1)
