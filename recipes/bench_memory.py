@@ -267,6 +267,7 @@ def main() -> None:
         shutil.rmtree(shm, ignore_errors=True)
     med = statistics.median
     load = {name: {s: med(got[0][s]) for s in SYSTEMS} for name, got in scenarios.items()}
+    slowest = {name: {s: max(got[0][s]) for s in SYSTEMS} for name, got in scenarios.items()}
     fig = {
         "torch": torch.__version__,
         "mib": args.mib,
@@ -283,6 +284,7 @@ def main() -> None:
         "staged_per_host_bytes": saved["staged_per_host"],
         "state_bytes": saved["state"],
         "load_s": load,
+        "slowest_load_s": slowest,
         "dcp_over": {n: {s: d["dcp disk"] / v for s, v in d.items()} for n, d in load.items()},
         "ucp_over": {n: {s: d["ucp disk"] / v for s, v in d.items()} for n, d in load.items()},
         "received_from_peers": {n: [r["received"] for r in got] for n, got in scenarios.items()},
@@ -312,7 +314,7 @@ def main() -> None:
         for s, v in d.items():
             print(
                 f"  {s:26s} {v:.3f} s  ({fig['ucp_over'][name][s]:.2f}x faster than ucp disk, "
-                f"{fig['dcp_over'][name][s]:.2f}x faster than dcp disk)"
+                f"{fig['dcp_over'][name][s]:.2f}x faster than dcp disk; slowest {slowest[name][s]:.3f} s)"
             )
     rd, rm = fig["raw_read_s"]["raw disk read"], fig["raw_read_s"]["raw memory read"]
     print(

@@ -225,3 +225,61 @@ def test_a_drain_that_died_before_its_commit_is_removed_by_the_next_jobs_drain()
     again = D.run(_save, 4, FOUR_HOSTS, root, disk, "dp=2,tp=2", None, 1)[0]
     assert again["statuses"][0]["gen"] == 3 and again["statuses"][0]["drained"]
     assert sorted(os.listdir(disk)) == ["gen-00000001", "gen-00000003"]
+
+
+def _resume_counting_mapped(rank, world, hosts, root, durable, topo, oracle):
+    """``_resume``, counting this rank's fragments served from a mapping: sent, or refused by its checksums."""
+    from ucp_dcp.errors import CorruptCheckpointError
+    from ucp_dcp.memory.reader import MemoryReader
+
+    real = MemoryReader._serve_mapped
+    count = {"sent": 0, "refused": 0}
+
+    def counting(self, item):
+        try:
+            out = real(self, item)
+        except CorruptCheckpointError:
+            count["refused"] += 1
+            raise
+        count["sent"] += out is not None
+        return out
+
+    D.patch(MemoryReader, "_serve_mapped", counting)
+    return _resume(rank, world, hosts, root, durable, topo, oracle), count
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """A tp=2 job on node0 and node1, k = 1, two generations and a durable folder (saved once)."""
+    if not _TWO_HOSTS:
+        _TWO_HOSTS.append(saved(hosts="0,1", topo="tp=2"))
+    return _TWO_HOSTS[0]
+
+
+_TWO_HOSTS: list[tuple] = []
+
+
+@FULL
+def test_a_fresh_host_gets_whole_records_sent_straight_from_the_servers_mapping(two_hosts):
+    root, disk, out = copy_of(two_hosts)
+    lose_hosts(root, ["node1"])
+    os.rename(disk, disk + ".gone")
+    res = D.run(_resume_counting_mapped, 2, "0,5", root, disk, "tp=2", out["oracles"][1])
+    got, served = res[0][0], [c for _, c in res]
+    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
+    assert served[0]["sent"] > 0 and served[1] == {"sent": 0, "refused": 0}  # node5 holds nothing to serve
+
+
+def test_a_damaged_copy_served_from_a_mapping_is_caught_before_it_is_sent(two_hosts):
+    """node5 (fresh) needs node1's pieces, which only node0's replica holds: node0 serves them from a mapping
+    of that file, whose bytes were damaged in memory; its block checksums refuse them before sending, and
+    the restart reads the durable copy instead."""
+    root, disk, out = copy_of(two_hosts)
+    lose_hosts(root, ["node1"])
+    folder = gen_dir(root, "node0", 2)
+    replica = next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))
+    _damage(os.path.join(folder, replica))
+    res = D.run(_resume_counting_mapped, 2, "0,5", root, disk, "tp=2", out["oracles"][1])
+    got, served = res[0][0], res[0][1]
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
+    assert served["refused"] >= 1 and "found damaged during the load" in got["notes"][0]

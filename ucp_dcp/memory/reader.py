@@ -3,28 +3,34 @@
 A ``UCPFileSystemReader`` on this host's folder of the generation: the fragments in files this host
 holds (its own pieces and the replicas it keeps) are read from host memory with the same ranged,
 checksummed reads as from disk; the fragments in files it lacks are read, verified, by a rank of a
-host that holds them (:mod:`ucp_dcp.memory.serving`) and sent over the process group with the
-read-once exchange (:mod:`ucp_dcp.storage.exchange`: bounded waits, a failing server's error sent in
-place of the bytes). Nothing is read from durable storage.
+host that holds them (:mod:`ucp_dcp.memory.serving`; a fragment that is one contiguous run of a saved
+record goes straight from a read-only mapping of the file, verified there, without a scratch copy) and
+sent over the process group with the read-once exchange (:mod:`ucp_dcp.storage.exchange`: bounded
+waits, a failing server's error sent in place of the bytes). Nothing is read from durable storage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import uuid
+import warnings
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, UCPError
 from ..planning.collectives import p2p_group
 from ..storage.commit import Integrity
 from ..storage.exchange import Payload, drain_only, exchange, size_error
+from ..storage.file_ranges import map_window, regular_fd
+from ..storage.format import block_hash, box_grid, item_key
 from ..storage.liveness import Liveness, peer_timeout
 from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
@@ -59,6 +65,8 @@ class MemoryReader(UCPFileSystemReader):
         """Data files this host holds intact (read here); the others are served by peers."""
         self.served_bytes = 0
         """Bytes this rank read for other ranks during the last load."""
+        self.mapped_serves = 0
+        """Fragments this rank sent straight from a mapping of its store's files (no scratch copy)."""
 
     def _open(self) -> tuple[Metadata, Integrity]:
         md_bytes, sidecar = self.source.md, self.source.sidecar
@@ -146,6 +154,7 @@ class MemoryReader(UCPFileSystemReader):
         job: ReadJob | None = None
         serving: list[ReadJob] = []
         self.served_bytes = 0
+        self.mapped_serves = 0
         with Liveness(sp.token, sp.members) as live:
             recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
             incoming: dict[int, list[Incoming]] = {}
@@ -157,6 +166,16 @@ class MemoryReader(UCPFileSystemReader):
                 incoming = {src: [drain_only() for _ in msgs] for src, msgs in sp.recv.items()}
 
             def serve(msg: list) -> torch.Tensor:
+                views = []
+                for it in msg:  # every fragment a contiguous run: sent from the mappings (packed if several)
+                    v = self._serve_mapped(it)
+                    if v is None:
+                        break
+                    views.append(v)
+                if len(views) == len(msg):
+                    out = _from_mapping(views[0]) if len(views) == 1 else as_bytes_tensor(views)
+                    self.served_bytes += int(out.numel())
+                    return out
                 sj = self._job(LoadPlan(msg), ScratchPlanner(self._chunk_meta), set(range(len(msg))), self.stats)
                 serving.append(sj)
                 self._read_local(sj, set())
@@ -184,3 +203,44 @@ class MemoryReader(UCPFileSystemReader):
             raise out.peers[0]
         if out.bad_size:
             raise size_error(out.bad_size)
+
+    def _serve_mapped(self, item: ReadItem) -> np.ndarray | None:
+        """The bytes of a fragment that is one contiguous run of a record in this host's store, as a
+        view of a read-only mapping of the file (no scratch, no copy). The checksum blocks it touches
+        are verified from the mapping first. None when the fragment is not such a run (the scratch read
+        serves it, with the same checks and errors)."""
+        if item.type != LoadItemType.TENSOR or not self._crc:
+            return None
+        info = self.storage_data[item.storage_index]
+        crcs = self._crc.get(item_key(item.storage_index), [None, []])[1]
+        if info.transform_descriptors or not crcs:
+            return None
+        rel = info.relative_path
+        with self._open_file(rel) as f:
+            fd = regular_fd(f)
+            record = self._record(f, item.storage_index, info)
+            if fd is None or record is None or not record.contiguous:
+                return None
+            grid = box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths)
+            base = int(info.offset) + record.data_offset
+            if grid.nruns != 1 or base + record.nbytes > os.fstat(fd).st_size:
+                return None  # strided, or a short file: the read path names what is wrong
+            B = self._block
+            lo, hi = grid.first // B * B, min(record.nbytes, -(-grid.end // B) * B)
+            window = map_window(fd, base + lo, hi - lo)
+        for b in range(lo // B, -(-hi // B)):
+            blk = window[b * B - lo : min((b + 1) * B, record.nbytes) - lo]
+            self._checker.check(b, block_hash(blk, self._algo or ""), crcs, rel, item.storage_index)
+        with self._lock:
+            self.stats.bytes_read += hi - lo
+            self.stats.ranges += 1
+            self.stats.items.append(item_key(item.storage_index))
+            self.mapped_serves += 1
+        return window[grid.first - lo : grid.end - lo]
+
+
+def _from_mapping(view: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only mapping (gloo only reads what it sends; torch warns it is not writable)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(view)
