@@ -4,7 +4,8 @@
 
 1. A 4-rank job (``dp=2,tp=2``) on two simulated hosts (``node0``: ranks 0-1, ``node1``: ranks 2-3)
    trains the toy model and saves into the memory tier every step (k = 1 replica, drained to
-   ``OUT/durable``), keeping an oracle of the logical state (no ucp_dcp code) at each save.
+   ``OUT/durable``; a save does not wait for the previous generation's replication and drain), keeping an
+   oracle of the logical state (no ucp_dcp code) at each save.
 2. After the last save completes, host ``node1`` dies: its ranks are SIGKILLed and its memory store is
    gone (its folder removed); the survivors exit (the job has failed). With ``--kill-during
    replication`` node1's ranks are SIGKILLed while the last generation replicates instead (in the tier's
@@ -63,16 +64,23 @@ def _train(rank: int, out: str, kill: str) -> str:
         train_step(tr)
         oracles.append(logical_state(tr))
         if kill == "replication" and i == STEPS - 1 and os.environ["UCP_DCP_HOST"] == "node1":
-            tier_module.replicate = _die  # type: ignore[assignment]
+            real, last = tier_module.replicate, tier.next_gen
+
+            def replicate_or_die(g, *args, **kwargs):  # the one before may still replicate: it completes
+                return _die() if g.gen == last else real(g, *args, **kwargs)
+
+            tier_module.replicate = replicate_or_die  # type: ignore[assignment]
+        # no wait: the next step trains while this generation completes (two generations in flight)
         gen = tier.save(tr.state_dict(), planner=UCPSavePlanner(**trainer_options(cfg, tr)), step=tr.step)
-        status = tier.wait()
-        assert status is not None
-        if kill == "replication" and i == STEPS - 1:  # only the survivors get here
-            assert not status.complete, status
-            if rank == 0:
-                torch.save(oracles[-2], f"{out}/oracle.pt")
-            return f"generation {gen} incomplete after node1 died replicating it ({type(status.error).__name__})"
-        assert status.complete, status
+    status = tier.wait()  # only the survivors get past it when node1 dies replicating
+    assert status is not None and status.gen == gen
+    assert all(s.complete for s in tier.statuses[:-1]), tier.statuses
+    if kill == "replication":
+        assert not status.complete, status
+        if rank == 0:
+            torch.save(oracles[-2], f"{out}/oracle.pt")
+        return f"generation {gen} incomplete after node1 died replicating it ({type(status.error).__name__})"
+    assert status.complete, status
     if rank == 0:
         torch.save(oracles[-1], f"{out}/oracle.pt")
     blocked = tier.blocked_s

@@ -226,7 +226,8 @@ class MemoryTier:
         with self._lock:
             self._pending.append(step)
             self._staged_unwritten = staged is not None
-        self._queue.put((Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain), staged))
+        # the fault as set for this save (a test sets it per save; two generations may be in flight)
+        self._queue.put((Generation(gen, self.root, self.hosts, self.replicas, step, drain=drain), staged, self.fault))
         return gen
 
     @property
@@ -271,7 +272,7 @@ class MemoryTier:
             item = self._queue.get()
             if item is None:
                 return
-            g, staged = item
+            g, staged, fault = item
             status = GenerationStatus(g.gen)
             t0 = time.perf_counter()
             try:
@@ -285,7 +286,7 @@ class MemoryTier:
                         with self._lock:  # the buffers are free for the next save's copy
                             self._staged_unwritten = False
                             self._lock.notify_all()
-                self._complete(g, status)
+                self._complete(g, status, fault)
             except BaseException as e:  # noqa: BLE001 (reported through the status and a warning)
                 status.error = e
                 if isinstance(e, PeerLostError):
@@ -307,7 +308,7 @@ class MemoryTier:
         with ucp_errors(), controlled(self._ctl, False) as group:
             dcp.save(staged.state_dict, storage_writer=staged.writer, planner=staged.planner, process_group=group)
 
-    def _complete(self, g: Generation, status: GenerationStatus) -> None:
+    def _complete(self, g: Generation, status: GenerationStatus, fault: FaultStep | None) -> None:
         ctl = self._ctl
         watch = ctl.lose if isinstance(ctl, ControlGroup) else None
         publish_commit(g, ctl)
@@ -319,7 +320,7 @@ class MemoryTier:
             raise  # the groups are spent: nothing more to agree on
         except Exception as e:  # noqa: BLE001 (agreed in mark_complete: every rank learns it)
             failed = e
-        if self.fault == "replicate":
+        if fault == "replicate":
             raise MemoryFault("fault injected during replication (replicas sent, no completion marker)")
         try:
             status.complete = mark_complete(g, ctl, failed, own)
@@ -329,7 +330,7 @@ class MemoryTier:
             status.error = e
             warnings.warn(f"memory generation {g.gen} is incomplete: {e}", MemoryTierWarning, stacklevel=1)
             return
-        if self.fault == "complete":
+        if fault == "complete":
             raise MemoryFault("fault injected after the completion marker (not drained)")
         if self.target is None or not g.drain or g.gen % self.drain_every:
             return
@@ -341,7 +342,7 @@ class MemoryTier:
             drain_files(g, self.target)
         except Exception as e:  # noqa: BLE001 (the ranks agree on the outcome before any commit)
             drain_failed = e
-        if self.fault == "drain":
+        if fault == "drain":
             raise MemoryFault("fault injected during the drain (durable files copied, not committed)")
         if not commit_drain(g, self.target, ctl, self.keep_durable, drain_failed is None):
             raise drain_failed or UCPError(f"memory generation {g.gen}: another rank's drain failed (not committed)")
