@@ -95,9 +95,11 @@ def test_a_lost_host_at_fewer_ranks_loads_the_last_generation_from_memory_with_p
     assert [s["complete"] for s in out["statuses"]] == [True, True]
     lose_hosts(root, ["node1"])  # node1's pieces survive as node2's replica
     os.rename(disk, disk + ".gone")  # no durable read can happen
-    got = resume(root, disk, out["oracles"][1], "0,2", "tp=2")
+    res = D.run(_resume_counting_mapped, 2, "0,2", root, disk, "tp=2", out["oracles"][1])
+    got, served = res[0][0], [c for _, c in res]
     assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 2, [])
     assert all(received > 0 for _, received in got["bytes"])  # each rank got fragments its host lacks
+    assert all(c["sent"] > 0 for c in served)  # whole records sent from the servers' mappings of their files
 
 
 def test_no_complete_generation_anywhere_is_refused():
@@ -248,38 +250,16 @@ def _resume_counting_mapped(rank, world, hosts, root, durable, topo, oracle):
     return _resume(rank, world, hosts, root, durable, topo, oracle), count
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
-    """A tp=2 job on node0 and node1, k = 1, one generation drained to a durable folder (saved once)."""
-    if not _TWO_HOSTS:
-        _TWO_HOSTS.append(saved(hosts="0,1", topo="tp=2", saves=1))
-    return _TWO_HOSTS[0]
-
-
-_TWO_HOSTS: list[tuple] = []
-
-
-@FULL
-def test_a_fresh_host_gets_whole_records_sent_straight_from_the_servers_mapping(two_hosts):
-    root, disk, out = copy_of(two_hosts)
+def test_a_damaged_copy_served_from_a_mapping_is_caught_before_it_is_sent(two_generations):
+    """node0's rank needs rank 2's pieces, which node2 holds (its replica host node3 is not in the restart):
+    node2 serves them from a mapping of its file, whose bytes were damaged in memory; its block checksums
+    refuse them before sending, and the restart reads the durable copy instead."""
+    root, disk, out = copy_of(two_generations)
     lose_hosts(root, ["node1"])
-    os.rename(disk, disk + ".gone")
-    res = D.run(_resume_counting_mapped, 2, "0,5", root, disk, "tp=2", out["oracles"][0])
-    got, served = res[0][0], [c for _, c in res]
-    assert (got["tier"], got["generation"], got["diffs"]) == ("memory", 1, [])
-    assert served[0]["sent"] > 0 and served[1] == {"sent": 0, "refused": 0}  # node5 holds nothing to serve
-
-
-def test_a_damaged_copy_served_from_a_mapping_is_caught_before_it_is_sent(two_hosts):
-    """node5 (fresh) needs node1's pieces, which only node0's replica holds: node0 serves them from a mapping
-    of that file, whose bytes were damaged in memory; its block checksums refuse them before sending, and
-    the restart reads the durable copy instead."""
-    root, disk, out = copy_of(two_hosts)
-    lose_hosts(root, ["node1"])
-    folder = gen_dir(root, "node0", 1)
-    replica = next(n for n in sorted(os.listdir(folder)) if n.startswith("__1_"))
-    _damage(os.path.join(folder, replica))
-    res = D.run(_resume_counting_mapped, 2, "0,5", root, disk, "tp=2", out["oracles"][0])
-    got, served = res[0][0], res[0][1]
-    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 1, [])
+    folder = gen_dir(root, "node2", 2)
+    own = next(n for n in sorted(os.listdir(folder)) if n.startswith("__2_"))
+    _damage(os.path.join(folder, own))
+    res = D.run(_resume_counting_mapped, 2, "0,2", root, disk, "tp=2", out["oracles"][1])
+    got, served = res[0][0], res[1][1]
+    assert (got["tier"], got["generation"], got["diffs"]) == ("durable", 2, [])
     assert served["refused"] >= 1 and "found damaged during the load" in got["notes"][0]
