@@ -30,7 +30,7 @@ from ..planning.collectives import p2p_group
 from ..storage.commit import Integrity
 from ..storage.exchange import Payload, drain_only, exchange, size_error
 from ..storage.file_ranges import map_window, regular_fd
-from ..storage.format import block_hash, box_grid, item_key
+from ..storage.format import box_grid, item_key
 from ..storage.liveness import Liveness, peer_timeout
 from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
@@ -65,8 +65,6 @@ class MemoryReader(UCPFileSystemReader):
         """Data files this host holds intact (read here); the others are served by peers."""
         self.served_bytes = 0
         """Bytes this rank read for other ranks during the last load."""
-        self.mapped_serves = 0
-        """Fragments this rank sent straight from a mapping of its store's files (no scratch copy)."""
 
     def _open(self) -> tuple[Metadata, Integrity]:
         md_bytes, sidecar = self.source.md, self.source.sidecar
@@ -154,7 +152,6 @@ class MemoryReader(UCPFileSystemReader):
         job: ReadJob | None = None
         serving: list[ReadJob] = []
         self.served_bytes = 0
-        self.mapped_serves = 0
         with Liveness(sp.token, sp.members) as live:
             recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
             incoming: dict[int, list[Incoming]] = {}
@@ -228,14 +225,11 @@ class MemoryReader(UCPFileSystemReader):
             B = self._block
             lo, hi = grid.first // B * B, min(record.nbytes, -(-grid.end // B) * B)
             window = map_window(fd, base + lo, hi - lo)
-        for b in range(lo // B, -(-hi // B)):
-            blk = window[b * B - lo : min((b + 1) * B, record.nbytes) - lo]
-            self._checker.check(b, block_hash(blk, self._algo or ""), crcs, rel, item.storage_index)
+        self._checker.verify(window.data, lo, crcs, rel, item.storage_index)
         with self._lock:
             self.stats.bytes_read += hi - lo
             self.stats.ranges += 1
             self.stats.items.append(item_key(item.storage_index))
-            self.mapped_serves += 1
         return window[grid.first - lo : grid.end - lo]
 
 
