@@ -48,7 +48,7 @@ PY     := PYTHONPATH=$(CURDIR) $(PIP)
 endif
 endif
 
-.PHONY: demo demo-run lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench-s3-s3rver bench bench-quick bench-gpu bench-trust gpu-check setup clean
+.PHONY: demo demo-run lint test test-e2e test-e2e-ci plan-scale test-full test-quick test-gpu test-torch torch-venvs wheels faults chaos soak reconfig titan-demo moe-demo memory-demo plan-demo hf-demo foreign-demo s3-demo bench-s3 bench-s3-s3rver bench bench-quick bench-gpu bench-trust scale gpu-check setup clean
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
@@ -217,6 +217,13 @@ bench: $(STAMP)
 # what atomic commit + checksums cost at save, and verify's rate vs a raw read (docs/reliability.md)
 bench-trust: $(STAMP)
 	$(PY) recipes/bench_trust.py --json runs/bench_trust.json
+
+# where the checkpoint protocol's cost grows with the rank count: ucp_dcp.save/load against stock DCP at 2, 4, 8, 16
+# gloo ranks, the job's TCPStore behind a counting proxy (recipes/store_meter.py): store requests, bytes and
+# connections per call (total, busiest rank), rank 0's gathered bytes, time; their growth exponents, the idle traffic,
+# the keys left, the goals met / not met; table + runs/scale.json, last line SCALE: ... (~2 min)
+scale: $(STAMP)
+	$(PY) recipes/scale.py
 
 # the GPU figures (docs/performance.md, GPU): one process on one GPU, then 4 ranks sharing it; JSON + plot in runs/bench_gpu
 bench-gpu: $(STAMP)

@@ -6,7 +6,7 @@ Four ranks save ``mib`` MiB (16 fp32 tensors, ``Shard(0)``) with ucp_dcp, then l
 cache) ``reps`` times, at the same layout or (``--tp-dim``) as ``Shard(1)``, interleaved with a raw read of the same number of bytes per rank (each rank its own
 file, read into a touched buffer: the data path with no protocol). Every step of DCP's load is timed on
 every rank by wrapping it (DCP's ``_DistWrapper`` collectives, the planner's and reader's hooks, the
-reader's file reads and its liveness wait), and the table prints the median per load of the slowest rank
+reader's file reads, the checkpoint group's gates), and the table prints the median per load of the slowest rank
 for each step. ``plan collectives`` is DCP's ``reduce_scatter`` (local plans, gather, global plan,
 scatter); ``final gather`` is DCP's ``all_gather`` after ``read_data`` (the wait for the slowest rank and
 the result exchange). The loaded state is checked bitwise. The last line is ``LOAD PHASES: ...``.
@@ -30,14 +30,14 @@ from typing import Any
 
 STEPS: list[tuple[str, str, str]] = [
     # (label, owner, attribute): owner "dist" is DCP's _DistWrapper, "planner" UCPLoadPlanner,
-    # "reader" UCPFileSystemReader, "live" the reader's liveness protocol
+    # "reader" UCPFileSystemReader, "watch" the checkpoint group's gates (ucp_dcp.planning.watch)
     ("plan collectives", "dist", "reduce_scatter"),
     ("  read_metadata", "reader", "read_metadata"),
     ("  set_up_planner", "planner", "set_up_planner"),
     ("  create_local_plan", "planner", "create_local_plan"),
     ("read_data", "reader", "read_data"),
     ("  file reads", "reader", "_read_local"),
-    ("  liveness: done wait", "live", "done"),
+    ("  gates (all of the load's)", "watch", "gate"),
     ("read_data + final gather", "dist", "all_gather"),
 ]
 
@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import ucp_dcp
-    from ucp_dcp.storage import liveness
+    from ucp_dcp.planning import watch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=600))
@@ -109,7 +109,7 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
         "dist": dcp_utils._DistWrapper,
         "planner": ucp_dcp.UCPLoadPlanner,
         "reader": ucp_dcp.UCPFileSystemReader,
-        "live": liveness.Liveness,
+        "watch": watch.Watch,
     }
     for label, owner, name in STEPS:
         _wrap(owners[owner], name, label, times)
@@ -120,10 +120,8 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             if case == "ucp":
-                reader = ucp_dcp.UCPFileSystemReader(
-                    f"{root}/ucp", verify_checksums=cfg["verify"], thread_count=cfg["threads"]
-                )
-                dcp.load(target, storage_reader=reader, planner=ucp_dcp.UCPLoadPlanner())
+                # ucp_dcp.load: DCP's collectives on the checkpoint group, behind the watch's gates
+                ucp_dcp.load(target, f"{root}/ucp", verify_checksums=cfg["verify"], thread_count=cfg["threads"])
             else:
                 raw()
             took = time.perf_counter() - t0

@@ -50,7 +50,7 @@ from .layout.naming import NameRules  # noqa: E402
 from .layout.patterns import Fused, Padded, Reduce, Replicated, Rule, Tied  # noqa: E402
 from .options import UCPOptions  # noqa: E402
 from .planning.catalog import CATALOG_KEY, read_catalog  # noqa: E402
-from .planning.control_group import controlled as control_group  # noqa: E402
+from .planning.checkpoint_group import guarded as control_group  # noqa: E402
 from .planning.load_planner import UCPLoadPlanner  # noqa: E402
 from .planning.save_planner import UCPSavePlanner  # noqa: E402
 from .sources.foreign import DeepSpeedReader, ForeignReader, MegatronReader  # noqa: E402

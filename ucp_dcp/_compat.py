@@ -360,3 +360,9 @@ def metadata_path(writer: Any) -> Any:
 def state_dict_hooks(module: Any) -> dict[int, Any]:
     """A module's ``state_dict`` post-hooks, by handle id (``nn.Module._state_dict_hooks``: removable in place)."""
     return module._state_dict_hooks
+
+
+def allgather_into(backend: Any, output: torch.Tensor, input: torch.Tensor, *opts: Any) -> Any:
+    """A backend's allgather into one tensor (``ProcessGroupGloo._allgather_base``, bound under that name in
+    every release 2.11-2.15): what a Python process group's ``all_gather_single`` hands to gloo."""
+    return backend._allgather_base(output, input, *opts)

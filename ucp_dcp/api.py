@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
 from ._compat import group_has_cpu_backend
 from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors
-from .planning.control_group import controlled, mark
+from .planning.checkpoint_group import guarded
 from .planning.load_planner import UCPLoadPlanner
 from .planning.save_planner import UCPSavePlanner
 from .storage.reader import ReadStats, UCPFileSystemReader
@@ -42,18 +42,17 @@ def save(
 
     A checkpoint already in ``path`` stays loadable until this one commits. ``planner_options``
     go to :class:`UCPSavePlanner` (``patterns``, ``stage_map``, ``check_replicas``, ...).
-    ``control_group`` (default ``$UCP_DCP_CONTROL_GROUP``, on): DCP's collectives run through the
-    job's store, so a rank that dies ends every other rank with a ``PeerLostError`` within
-    ``UCP_DCP_PEER_TIMEOUT_S`` instead of the process group's timeout (``docs/reliability.md``).
+    ``control_group`` (default ``$UCP_DCP_CONTROL_GROUP``, on): DCP's collectives run on ucp_dcp's
+    checkpoint group (gloo, each collective behind a gate of a few store keys), so a rank that dies or
+    freezes ends every other rank with a ``PeerLostError`` within about ``UCP_DCP_PEER_TIMEOUT_S``
+    instead of the process group's timeout (``docs/reliability.md``).
     """
     _check_call("save", state_dict, path)
-    mark("save", "start")
     writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
     if checksums:  # replicas are compared from the block checksums the writer computes anyway
         planner_options.setdefault("replica_digests", "writer")
-    with ucp_errors(), controlled(process_group, control_group) as group:
+    with ucp_errors(), guarded(process_group, control_group, "save") as group:
         dcp.save(state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=group)
-    mark("save", "done")
 
 
 def async_save(
@@ -153,16 +152,14 @@ def load(
     :class:`UCPLoadPlanner`. Returns this rank's I/O figures. ``control_group``: as for :func:`save`.
     """
     _check_call("load", state_dict, path)
-    mark("load", "start")
     reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
-    with ucp_errors(), controlled(process_group, control_group) as group:
+    with ucp_errors(), guarded(process_group, control_group, "load") as group:
         dcp.load(
             state_dict,
             storage_reader=reader,
             planner=UCPLoadPlanner(trust=trust, **planner_options),
             process_group=group,
         )
-    mark("load", "done")
     return reader.stats
 
 

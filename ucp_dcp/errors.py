@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -283,9 +284,8 @@ def ucp_errors() -> Iterator[None]:
 def ucp_error_of(exc: BaseException) -> BaseException:
     """The ``UCPError`` to raise for ``exc`` (else ``exc``), without DCP's wrapper chained to it: the wrapper's
     text holds every rank's traceback, so chaining printed each rank's error three times on every rank. The
-    wrapper stays on ``err.checkpoint_exception``. When DCP's collective failed after this load saw a rank die
-    (no ``UCPError`` inside), the error naming that rank."""
-    err = first_ucp_error(exc) or lost_peer(exc)
+    wrapper stays on ``err.checkpoint_exception``."""
+    err = first_ucp_error(exc)
     if err is None or err is exc:
         return exc
     err.checkpoint_exception = exc
@@ -378,6 +378,32 @@ def peer_error(rank: int, cause: BaseException, found: bool = False) -> PeerFail
     return _build(_peer_class(type(cause)), rank, text, fields)
 
 
+def wire_error(exc: BaseException) -> str:
+    """``exc`` as text another rank can turn back into an error (:func:`error_from_wire`): JSON of its
+    module, class name and first line, never a pickle (a peer's bytes are untrusted). A peer error
+    passes its root cause on, not "a peer failed"."""
+    cls = type(exc)
+    if isinstance(exc, PeerFailedError):
+        base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
+        return json.dumps({"module": base.__module__, "cls": base.__qualname__, "msg": str(exc), "rank": exc.rank})
+    msg = exc.message if isinstance(exc, UCPError) else str(exc)
+    return json.dumps({"module": cls.__module__, "cls": cls.__qualname__, "msg": _first_line(msg)})
+
+
+def error_from_wire(src: int, data: bytes | str) -> PeerFailedError:
+    """The error a rank raises for the failure rank ``src`` sent (``data`` from :func:`wire_error`): one
+    line naming ``src``, an instance of the cause's class when that is ucp_dcp's or a builtin."""
+    try:
+        d = json.loads(data.decode() if isinstance(data, bytes) else data)
+        cls = _lookup(str(d["module"]), str(d["cls"]))
+        if "rank" in d:  # src forwarded another rank's failure
+            return _build(_peer_class(cls), int(d["rank"]), str(d["msg"]), {})
+        text = f"rank {src} failed: {cls.__name__}: {d['msg']}"
+    except (ValueError, KeyError, TypeError):
+        cls, text = UCPError, f"rank {src} failed (see its errors)"
+    return _build(_peer_class(cls), src, text, {"hint": f"rank {src} reports the cause in full"})
+
+
 def peer_lost(rank: int, why: str, during: str = "the load") -> PeerLostError:
     """Rank ``rank`` stopped answering during ``during`` (``why``: what was seen)."""
     return _build(  # type: ignore[return-value]
@@ -417,19 +443,3 @@ def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) ->
         rank, e = own[0]
         return peer_error(rank, e)
     return peers[0] if peers else None
-
-
-_LOST: list[PeerLostError] = []
-
-
-def record_lost(err: PeerLostError) -> None:
-    """Remember that this load saw ``err``'s rank die: DCP's next collective then fails with a
-    backend error, which :func:`ucp_dcp.errors.ucp_errors` replaces with ``err``."""
-    _LOST[:] = [err]
-
-
-def lost_peer(exc: BaseException) -> PeerLostError | None:
-    """The rank this process saw die, for a failure ``exc`` that does not say (then forgotten)."""
-    if not _LOST or not isinstance(exc, Exception):
-        return None
-    return _LOST.pop()

@@ -1,6 +1,6 @@
-"""The memory tier's collectives on control groups (issue 36): a failure on one rank during a memory save's
+"""The memory tier's collectives on checkpoint groups (issues 36, 45): a failure on one rank during a memory save's
 replication or a memory load's choice ends every rank with an error naming that rank, instead of leaving the
-others in a gloo collective until its timeout; a rank lost in the background work (its heartbeat stands
+others in a gloo collective until its timeout; a rank lost in the background work (its beat stands
 still) ends every other rank with a ``PeerLostError`` within the peer timeout. Two simulated hosts
 (``UCP_DCP_HOST``) of the shared gloo pool, one rank each."""
 
@@ -14,7 +14,7 @@ import torch
 from ucp_dcp.errors import PeerLostError, UCPError
 from ucp_dcp.memory import MemoryTier, replicate
 from ucp_dcp.memory import load as memory_load
-from ucp_dcp.planning import control_group as cg
+from ucp_dcp.planning import checkpoint_group as cg
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def _replication_fails_on_rank_1(rank, world, root):
             tier.save(_state(rank, world, seed), step=seed)
             s = tier.wait()
             out.append((s.complete, None if s.error is None else f"{type(s.error).__name__}: {s.error}"))
-        ops = cg.control_group([0, 1]).seq
+        ops = cg.checkpoint_group([0, 1]).watch.calls
     return out, ops
 
 
@@ -61,7 +61,7 @@ def test_a_replication_failure_on_one_rank_ends_the_generation_on_every_rank_nam
     res = D.run(_replication_fails_on_rank_1, 2, D.tmpdir(), timeout=HANG_S)
     for rank, (out, ops) in enumerate(res):
         assert out[0][0] is False and out[1] == (True, None), (rank, out)  # the protocol stayed in step
-        assert ops > 0, "the tier's saves ran DCP's collectives on the control group"
+        assert ops > 0, "the tier's saves ran DCP's collectives on the checkpoint group"
     assert res[1][0][0][1].startswith("OSError: simulated read failure"), res[1]
     assert "rank 1" in res[0][0][0][1] and "simulated read failure" in res[0][0][0][1], res[0]
 
@@ -102,7 +102,7 @@ def _frozen_in_replication(rank, world, root):
 
     def freeze(path, size):  # rank 1's background work stops answering (as a frozen process) in generation 2
         if rank == 1 and "gen-00000002" in path:
-            holder["tier"]._ctl.stop()
+            holder["tier"]._ctl.watch.stop()  # its beat stops, as a frozen process's
             time.sleep(3 * float(PEER_TIMEOUT_S))
         return real(path, size)
 

@@ -78,7 +78,7 @@ def test_a_staged_dtensor_keeps_its_mesh_placements_and_global_shape_over_a_buff
 
 
 def _staged_saves_without_control_groups(rank, world, root):
-    from ucp_dcp.planning import control_group as cg
+    from ucp_dcp.planning import checkpoint_group as cg
 
     D.setenv("UCP_DCP_HOST", f"node{rank}")
     with MemoryTier(root, replicas=1, control_group=False) as tier:
@@ -86,12 +86,12 @@ def _staged_saves_without_control_groups(rank, world, root):
             tier.save(_state(rank, world, seed), step=seed)
             status = tier.wait()
     shared = cg._GROUPS.get((0, 1))
-    return status.complete, None if shared is None else shared[1].seq
+    return status.complete, None if shared is None else shared[1].watch.calls
 
 
 def test_with_control_groups_off_the_background_write_stays_off_the_shared_control_group():
     """MemoryTier(control_group=False): the staged saves' dcp.save runs on the tier's own gloo group, never
-    on the control group DCP's foreground calls get (one sequence of ops per group)."""
+    on the checkpoint group DCP's foreground calls get (one sequence of ops per group)."""
     for complete, shared_ops in D.run(_staged_saves_without_control_groups, 2, D.tmpdir()):
         assert complete and not shared_ops, (complete, shared_ops)
 

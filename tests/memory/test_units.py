@@ -95,15 +95,15 @@ def test_every_fragment_is_served_by_a_rank_on_a_host_holding_its_file_least_loa
         ServeRequest(1),
         ServeRequest(2),
     ]
-    plans = assign_servers(reqs, {"f1": ["b"]}, {0: "a", 1: "b", 2: "b"}, "t")
+    plans = assign_servers(reqs, {"f1": ["b"]}, {0: "a", 1: "b", 2: "b"})
     assert plans[0].recv == {1: [[3]], 2: [[5]]}  # the second fragment goes to the less loaded holder
     assert [it.storage_index.fqn for m in plans[1].serve[0] for it in m] == ["w"]
     assert plans[0].served_bytes == 150 and not plans[0].serve
 
 
 def test_a_load_whose_hosts_hold_everything_has_no_exchange():
-    plans = assign_servers([ServeRequest(0), ServeRequest(1)], {"f1": ["a"]}, {0: "a", 1: "a"}, "t")
-    assert all(not p.members and not p.token and not p.serve and not p.recv for p in plans)
+    plans = assign_servers([ServeRequest(0), ServeRequest(1)], {"f1": ["a"]}, {0: "a", 1: "a"})
+    assert all(not p.members and not p.serve and not p.recv for p in plans)
 
 
 def test_a_drain_that_died_before_its_commit_is_cleaned_up_by_the_next_commit(tmp_path):

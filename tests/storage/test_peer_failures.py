@@ -25,8 +25,9 @@ from ucp_dcp.errors import (
     UCPError,
     first_ucp_error,
     peer_error,
+    wire_error,
 )
-from ucp_dcp.storage.peer_wire import from_wire, wire
+from ucp_dcp.errors import error_from_wire as from_wire
 from ucp_dcp.storage.read_protocol import STEPS
 from ucp_dcp.testing.chaos import Case, judge, one_rank, run_case
 
@@ -48,8 +49,8 @@ def test_a_peer_error_names_the_rank_and_is_the_causes_class():
 
 
 def test_a_cause_on_the_wire_is_rebuilt_only_from_ucp_dcp_and_builtins():
-    assert isinstance(from_wire(2, wire(MissingFileError("gone: __1_0.distcp"))), MissingFileError)
-    assert isinstance(from_wire(2, wire(OSError("disk"))), OSError)
+    assert isinstance(from_wire(2, wire_error(MissingFileError("gone: __1_0.distcp"))), MissingFileError)
+    assert isinstance(from_wire(2, wire_error(OSError("disk"))), OSError)
     forged = b'{"module": "os", "cls": "system", "msg": "x"}'
     err = from_wire(2, forged)
     assert type(err) is PeerFailedError and "rank 2 failed: UCPError: x" in str(err)

@@ -142,7 +142,7 @@ def _manager_calls_worker(rank, world, root, choice):
     import dist as D
     from torchtitan.components.checkpointer import AsyncMode
 
-    from ucp_dcp.planning import control_group as cg
+    from ucp_dcp.planning import checkpoint_group as cg
     from ucp_dcp.planning.load_planner import UCPLoadPlanner
     from ucp_dcp.planning.save_planner import UCPSavePlanner
     from ucp_dcp.torchtitan.planner_dcp import ucp_dcp_load, ucp_dcp_save, ucp_reader
@@ -161,8 +161,8 @@ def _manager_calls_worker(rank, world, root, choice):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", [True, False])
-def test_the_managers_sync_save_and_load_run_dcps_collectives_on_the_control_group(tmp_path, choice):
+def test_the_managers_sync_save_and_load_run_dcps_collectives_on_the_checkpoint_group(tmp_path, choice):
     import dist as D
 
     for seen, equal, groups in D.run(_manager_calls_worker, 2, str(tmp_path / "ckpt"), choice, timeout=90):
-        assert equal and seen == (["ControlGroup"] * 2 if choice else ["NoneType"] * 2) and groups == int(choice)
+        assert equal and seen == (["CheckpointGroup"] * 2 if choice else ["NoneType"] * 2) and groups == int(choice)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UCPError, ucp_errors
-from ..planning.control_group import controlled, dcp_group
+from ..planning.checkpoint_group import dcp_group, guarded
 from ..planning.load_planner import UCPLoadPlanner
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
@@ -53,8 +53,8 @@ def load(
     choice then never meets a damaged copy). ``source``: what :func:`~ucp_dcp.memory.locate.locate` chose
     just before, with the same arguments (a caller that looked first does not locate twice). Returns the
     :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``.
-    ``control_group``: the collectives (the choice, DCP's) on the control group, so a rank that dies ends
-    every other rank within ``UCP_DCP_PEER_TIMEOUT_S`` (None: ``$UCP_DCP_CONTROL_GROUP``, on)."""
+    ``control_group``: the collectives (the choice, DCP's) on the checkpoint group, so a rank that dies ends
+    every other rank within about ``UCP_DCP_PEER_TIMEOUT_S`` (None: ``$UCP_DCP_CONTROL_GROUP``, on)."""
     group = dcp_group(process_group, control_group)
     root = str(root) if root is not None else default_root()
     disk = str(durable) if durable is not None else None
@@ -83,7 +83,7 @@ def load(
 
 
 def _load(state_dict: dict, reader: Any, planner: Any, group: dist.ProcessGroup | None) -> Any:
-    with ucp_errors(), controlled(group) as pg:
+    with ucp_errors(), guarded(group, None, "memory load") as pg:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
     return reader.stats
 

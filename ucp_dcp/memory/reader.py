@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import os
 import time
-import uuid
 import warnings
 from typing import Any
 
@@ -26,12 +25,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, UCPError
-from ..planning.collectives import p2p_group
+from ..planning.collectives import peer_timeout
 from ..storage.commit import Integrity
-from ..storage.exchange import Payload, drain_only, exchange, size_error
+from ..storage.exchange import Outcome, Payload, drain_only, exchange, exchange_link, size_error
 from ..storage.file_ranges import map_window, regular_fd
 from ..storage.format import box_grid, item_key
-from ..storage.liveness import Liveness, peer_timeout
 from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, sidecar_name
@@ -110,7 +108,7 @@ class MemoryReader(UCPFileSystemReader):
         if any(r.rank < 0 for r in requests):
             raise UCPError("MemoryReader needs every rank's plan to pass through its prepare_local_plan")
         rank_hosts = dict(zip(self.source.hosts.ranks, self.source.hosts.hosts))
-        served = assign_servers(requests, self.source.holders, rank_hosts, uuid.uuid4().hex)
+        served = assign_servers(requests, self.source.holders, rank_hosts)
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, served)]
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -152,44 +150,47 @@ class MemoryReader(UCPFileSystemReader):
         job: ReadJob | None = None
         serving: list[ReadJob] = []
         self.served_bytes = 0
-        with Liveness(sp.token, sp.members) as live:
-            recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
-            incoming: dict[int, list[Incoming]] = {}
-            try:
-                job = self._job(plan, planner, set(), self.stats)
-                incoming = {src: [job.incoming(m) for m in msgs] for src, msgs in sp.recv.items()}
-            except Exception as e:  # sent to every rank waiting for this one's bytes
-                error = e
-                incoming = {src: [drain_only() for _ in msgs] for src, msgs in sp.recv.items()}
+        recv_pos = {p for msgs in sp.recv.values() for msg in msgs for p in msg}
+        incoming: dict[int, list[Incoming]] = {}
+        try:
+            job = self._job(plan, planner, set(), self.stats)
+            incoming = {src: [job.incoming(m) for m in msgs] for src, msgs in sp.recv.items()}
+        except Exception as e:  # sent to every rank waiting for this one's bytes
+            error = e
+            incoming = {src: [drain_only() for _ in msgs] for src, msgs in sp.recv.items()}
 
-            def serve(msg: list) -> torch.Tensor:
-                views = []
-                for it in msg:  # every fragment a contiguous run: sent from the mappings (packed if several)
-                    v = self._serve_mapped(it)
-                    if v is None:
-                        break
-                    views.append(v)
-                if len(views) == len(msg):
-                    out = _from_mapping(views[0]) if len(views) == 1 else as_bytes_tensor(views)
-                    self.served_bytes += int(out.numel())
-                    return out
-                sj = self._job(LoadPlan(msg), ScratchPlanner(self._chunk_meta), set(range(len(msg))), self.stats)
-                serving.append(sj)
-                self._read_local(sj, set())
-                out = as_bytes_tensor([sj.keep[j] for j in range(len(msg))])
+        def serve(msg: list) -> torch.Tensor:
+            views = []
+            for it in msg:  # every fragment a contiguous run: sent from the mappings (packed if several)
+                v = self._serve_mapped(it)
+                if v is None:
+                    break
+                views.append(v)
+            if len(views) == len(msg):
+                out = _from_mapping(views[0]) if len(views) == 1 else as_bytes_tensor(views)
                 self.served_bytes += int(out.numel())
                 return out
+            sj = self._job(LoadPlan(msg), ScratchPlanner(self._chunk_meta), set(range(len(msg))), self.stats)
+            serving.append(sj)
+            self._read_local(sj, set())
+            out = as_bytes_tensor([sj.keep[j] for j in range(len(msg))])
+            self.served_bytes += int(out.numel())
+            return out
 
-            sends: dict[int, list[Payload]] = {
-                dst: [functools.partial(serve, msg) for msg in msgs] for dst, msgs in sorted(sp.serve.items())
-            }
-            own = functools.partial(self._read_local, job, recv_pos) if job is not None else None
-            group = p2p_group(sp.members) if len(sp.members) > 1 else None
-            out = exchange(sends, incoming, error, group, live, peer_timeout(), meanwhile=own)
-            try:
-                live.done()
-            except UCPError as e:
-                out.peers.append(e)  # type: ignore[arg-type]
+        sends: dict[int, list[Payload]] = {
+            dst: [functools.partial(serve, msg) for msg in msgs] for dst, msgs in sorted(sp.serve.items())
+        }
+        own = functools.partial(self._read_local, job, recv_pos) if job is not None else None
+        if len(sp.members) > 1:
+            with exchange_link(sp.members, sp.members) as (watch, group):
+                out = exchange(sends, incoming, error, group, watch, peer_timeout(), meanwhile=own)
+        else:  # nothing crosses hosts: this rank's own reads only
+            out = Outcome()
+            if own is not None:
+                try:
+                    own()
+                except Exception as e:  # noqa: BLE001 (raised below, as the exchange's would be)
+                    out.error = e
         for j in (job, *serving):
             if j is not None and j.pool is not None:
                 j.pool.drain()

@@ -69,8 +69,8 @@ def writer_rank(name: str, hosts: HostMap) -> int:
 
 
 Watch = Callable[[int, str], PeerLostError]
-"""``watch(rank, why)``: the error for a transfer with ``rank`` that failed or timed out, told to every
-member of the background's control group (:meth:`~ucp_dcp.planning.control_group.ControlGroup.lose`)."""
+"""``watch(rank, why)``: the error for a transfer with ``rank`` that failed or timed out; raised, it is this
+rank's failure at the next gate of the background's watch (:mod:`ucp_dcp.planning.watch`)."""
 
 
 def agree(group: dist.ProcessGroup, g: Generation, step: str, error: BaseException | None) -> None:

@@ -47,15 +47,13 @@ class ServePlan:
     recv: dict[int, list[list[int]]] = field(default_factory=dict)
     """``server global rank -> messages``: positions of this rank's items, per message, in order."""
     members: list[int] = field(default_factory=list)
-    """Every loading rank (for the liveness of the exchange)."""
-    token: str = ""
-    """One id per load (store keys of the exchange)."""
+    """Every loading rank when some fragment crosses hosts (the exchange's watch gates them all), else empty."""
     served_bytes: int = 0
     """Bytes this rank receives from peers."""
 
 
 def assign_servers(
-    requests: list[ServeRequest], holders: dict[str, list[str]], rank_hosts: dict[int, str], token: str
+    requests: list[ServeRequest], holders: dict[str, list[str]], rank_hosts: dict[int, str]
 ) -> list[ServePlan]:
     """A server per requested fragment: the rank on a host holding its file that has been given the
     fewest bytes so far (ties: the lowest rank). Returns one plan per request, in order."""
@@ -72,10 +70,9 @@ def assign_servers(
             server = min(cands, key=lambda r: (load[r], r))
             load[server] += size
             pairs.setdefault((server, req.rank), []).append((pos, item, size))
-    # no fragment crosses hosts (every rank's host holds what it needs): no exchange, so no heartbeat
+    # no fragment crosses hosts (every rank's host holds what it needs): no exchange, so no gates
     # or exchange group either (a failing read reaches every rank through DCP's gather of the results)
     members = sorted(rank_hosts) if pairs else []
-    token = token if pairs else ""
     serve: dict[int, dict[int, list[list[ReadItem]]]] = {}
     recv: dict[int, dict[int, list[list[int]]]] = {}
     got: dict[int, int] = {}
@@ -84,9 +81,7 @@ def assign_servers(
             serve.setdefault(server, {}).setdefault(dst, []).append([it for _, it, _ in msg])
             recv.setdefault(dst, {}).setdefault(server, []).append([p for p, _, _ in msg])
             got[dst] = got.get(dst, 0) + sum(n for _, _, n in msg)
-    return [
-        ServePlan(serve.get(q.rank, {}), recv.get(q.rank, {}), members, token, got.get(q.rank, 0)) for q in requests
-    ]
+    return [ServePlan(serve.get(q.rank, {}), recv.get(q.rank, {}), members, got.get(q.rank, 0)) for q in requests]
 
 
 def _bundles(entries: list[tuple[int, ReadItem, int]]) -> list[list[tuple[int, ReadItem, int]]]:

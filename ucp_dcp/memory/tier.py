@@ -27,9 +27,9 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import InvalidArgumentError, PeerLostError, UCPError, ucp_errors
+from ..errors import InvalidArgumentError, PeerLostError, UCPError, peer_lost, ucp_errors
+from ..planning.checkpoint_group import CheckpointGroup, dcp_group, guarded, private_group
 from ..planning.collectives import peer_timeout
-from ..planning.control_group import ControlGroup, controlled, dcp_group, private_group
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.writer import UCPFileSystemWriter
 from .drain import DrainLayout, DrainTarget, commit_drain, drain_files, drain_wanted, durable_generations
@@ -54,6 +54,12 @@ drained), during the drain (durable files copied, not committed)."""
 
 class MemoryTierWarning(UserWarning):
     """A memory generation could not be completed or drained (training goes on; the last complete one stays)."""
+
+
+def _lost(rank: int, why: str) -> PeerLostError:
+    """A replica transfer with ``rank`` failed or timed out: this rank's failure at the call's next gate,
+    which ends it on every rank with the lost rank's name (:mod:`ucp_dcp.planning.watch`)."""
+    return peer_lost(rank, why, during="memory replication")
 
 
 class MemoryFault(UCPError):
@@ -149,8 +155,9 @@ class MemoryTier:
         self.target = DrainTarget(self.durable, drain_layout) if self.durable is not None else None
         self.group = process_group
         self.control = control_group
-        # the foreground's collectives (these, DCP's in save) on the control group DCP gets; the
-        # background's object collectives on a control group of its own, its file transfers on gloo
+        # the foreground's collectives (these, DCP's in save) on the checkpoint group DCP gets; the
+        # background's object collectives on a checkpoint group of its own (one group is one sequence of
+        # ops), its file transfers on a plain gloo group
         fg = dcp_group(process_group, control_group)
         self.hosts: HostMap = gather_hosts(fg)
         self.replicas = len(next(iter(replica_hosts(self.hosts.names, replicas).values())))
@@ -164,7 +171,7 @@ class MemoryTier:
             ranks=self.hosts.ranks, backend="gloo", timeout=timedelta(seconds=max(60.0, peer_timeout()))
         )
         self._ctl: dist.ProcessGroup = self._bg
-        if isinstance(fg, ControlGroup):
+        if isinstance(fg, CheckpointGroup):
             self._ctl = private_group(self.hosts.ranks, process_group)
         self.broken: BaseException | None = None
         """A peer lost in the background work: the tier's groups are spent, every later save raises it."""
@@ -219,7 +226,7 @@ class MemoryTier:
         if staged_save:  # no collective: the copy is this rank's own
             staged = _Staged(self._stager.stage(state_dict), writer, planner)
         else:
-            with ucp_errors(), controlled(self.group, self.control) as group:
+            with ucp_errors(), guarded(self.group, self.control, "memory save") as group:
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)
         self._saves += 1
         self.blocked_s = time.perf_counter() - t0
@@ -256,8 +263,6 @@ class MemoryTier:
         self.wait()
         self._queue.put(None)
         self._thread.join()
-        if isinstance(self._ctl, ControlGroup):
-            self._ctl.stop()  # its heartbeat: the group has no more ops
 
     def __enter__(self) -> MemoryTier:
         return self
@@ -303,14 +308,19 @@ class MemoryTier:
 
     def _write(self, staged: _Staged) -> None:
         """The staged copy's ``dcp.save`` into this host's store, on the background's group."""
-        # the background's own group as it is (False: never swapped for the control group DCP gets in the
-        # foreground, whose sequence of ops this thread must not share); a ControlGroup is still settled
-        with ucp_errors(), controlled(self._ctl, False) as group:
+        # the background's own group as it is (False: never swapped for the checkpoint group DCP gets in the
+        # foreground, whose sequence of ops this thread must not share); a checkpoint group is watched
+        with ucp_errors(), guarded(self._ctl, False, "memory save") as group:
             dcp.save(staged.state_dict, storage_writer=staged.writer, planner=staged.planner, process_group=group)
 
     def _complete(self, g: Generation, status: GenerationStatus, fault: FaultStep | None) -> None:
+        # one call of the background's watch: its collectives gated, a lost peer named by every rank
+        with guarded(self._ctl, False, "memory replication"):
+            self._replicate(g, status, fault)
+
+    def _replicate(self, g: Generation, status: GenerationStatus, fault: FaultStep | None) -> None:
         ctl = self._ctl
-        watch = ctl.lose if isinstance(ctl, ControlGroup) else None
+        watch = _lost if isinstance(ctl, CheckpointGroup) else None
         publish_commit(g, ctl)
         own: dict = {}
         failed: BaseException | None = None

@@ -372,8 +372,5 @@ class TransportPlan(_Compact):
     """``source global rank -> [positions of this rank's read items, per message]``, in order."""
     ranks: list[int] | None = None
     """The load's global ranks when anybody exchanges (a side group is created over them), else None."""
-    token: str = ""
-    """One id per load, the same on every rank: names this load's keys in the job's store
-    (:mod:`ucp_dcp.storage.liveness`); empty when the coordinator did not set one."""
     members: list[int] | None = None
-    """Every loading rank (global ranks), for the end-of-read check that none died."""
+    """Every loading rank (global ranks): the ranks the exchange's gates wait for (:mod:`ucp_dcp.planning.watch`)."""

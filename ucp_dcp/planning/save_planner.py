@@ -22,7 +22,6 @@ from ..options import UCPOptions, options_first, protocol_error, require_flat, s
 from .averaging import exchange_averages
 from .catalog import merge_raw_optimizers
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
-from .control_group import mark
 from .entries import raw_optimizers
 from .faults import fault_point
 from .hooks import check_state_dict, offered_items, plan_snapshot, snapshot, state_view
@@ -39,6 +38,7 @@ from .save_steps import (
     structures_by_hash,
 )
 from .ties import fold_shared_storage
+from .watch import mark
 
 __all__ = ["UCPSavePlanner"]
 

@@ -5,8 +5,8 @@ out where received bytes go, the side group -- the rank still takes part in the 
 its error to every rank waiting for bytes from it, and receives (into scratch memory) every message
 meant for it. Then it raises its own error; a rank that failed only because another did raises
 that rank's error (:class:`~ucp_dcp.errors.PeerFailedError`: the rank and the cause in one
-line, an instance of the cause's class). A rank that died is found through the store
-(:mod:`ucp_dcp.storage.liveness`), not by a collective timing out.
+line, an instance of the cause's class). A rank that died or froze is named by the gates of the call's watch
+(:mod:`ucp_dcp.planning.watch`), not by a collective timing out.
 
 ``UCP_DCP_FAULT`` (testing, ``recipes/chaos.py``): ``RANK:STEP[:ACTION]`` makes rank ``RANK``
 fail at ``STEP`` (one of :data:`STEPS`); ``ACTION`` is ``raise`` (default), ``exit`` (the process
@@ -22,12 +22,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ..errors import UCPError
-from ..planning.collectives import p2p_group
+from ..planning.collectives import peer_timeout
 from ..planning.faults import FAULT_ENV, FaultInjected, fault_point
 from ..planning.payloads import TransportPlan
-from .exchange import drain_only, exchange, size_error
-from .liveness import Liveness, peer_timeout
+from .exchange import Outcome, drain_only, exchange, exchange_link, size_error
 from .read_job import ReadJob
 from .staging import BUFFERS_PER_THREAD
 from .transport import Incoming, as_bytes_tensor
@@ -46,57 +44,53 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
     stats = reader.stats
     error: BaseException | None = None
     job: ReadJob | None = None
-    with Liveness(transport.token, transport.members) as live:
-        try:
-            recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
-            send_items = {int(i) for pieces, _ in transport.send for i in pieces}
-            fault_point("job")
-            job = ReadJob(
-                plan,
-                planner,
-                send_items,
-                chunk_meta=reader._chunk_meta,
-                storage_data=reader.storage_data,
-                forced=reader._forced,
-                stage_bytes=reader.stage_bytes,
-                buffers=BUFFERS_PER_THREAD * max(1, reader.thread_count),
-                stats=stats,
-            )
-            fault_point("read")
-            reader._read_local(job, recv_items)
-        except Exception as e:  # checksum, missing file, I/O, ...: the consumers are told below
-            error = e
-        sends: dict[int, list[torch.Tensor | None]] = {}
-        for _, dsts in transport.send:  # every message is sent, with data or with this rank's error
+    try:
+        recv_items = {int(i) for msgs in transport.recv.values() for pieces in msgs for i in pieces}
+        send_items = {int(i) for pieces, _ in transport.send for i in pieces}
+        fault_point("job")
+        job = ReadJob(
+            plan,
+            planner,
+            send_items,
+            chunk_meta=reader._chunk_meta,
+            storage_data=reader.storage_data,
+            forced=reader._forced,
+            stage_bytes=reader.stage_bytes,
+            buffers=BUFFERS_PER_THREAD * max(1, reader.thread_count),
+            stats=stats,
+        )
+        fault_point("read")
+        reader._read_local(job, recv_items)
+    except Exception as e:  # checksum, missing file, I/O, ...: the consumers are told below
+        error = e
+    sends: dict[int, list[torch.Tensor | None]] = {}
+    for _, dsts in transport.send:  # every message is sent, with data or with this rank's error
+        for dst in dsts.tolist():
+            sends.setdefault(dst, []).append(None)
+    try:
+        fault_point("pack")
+        at = dict.fromkeys(sends, 0)
+        kept = job.keep if error is None and job is not None else {}
+        for pieces, dsts in transport.send if error is None else ():
+            payload = as_bytes_tensor([kept[int(i)] for i in pieces])  # shared by its consumers
             for dst in dsts.tolist():
-                sends.setdefault(dst, []).append(None)
-        try:
-            fault_point("pack")
-            at = dict.fromkeys(sends, 0)
-            kept = job.keep if error is None and job is not None else {}
-            for pieces, dsts in transport.send if error is None else ():
-                payload = as_bytes_tensor([kept[int(i)] for i in pieces])  # shared by its consumers
-                for dst in dsts.tolist():
-                    sends[dst][at[dst]] = payload
-                    at[dst] += 1
-        except Exception as e:
-            error = error or e
-        incoming = _incoming(job, transport, error)
-        if isinstance(incoming, BaseException):
-            error, incoming = error or incoming, {s: [drain_only() for _ in m] for s, m in transport.recv.items()}
-        group = None
-        try:
-            fault_point("group")
-            group = p2p_group(transport.ranks) if transport.ranks else None
-        except Exception as e:  # the default group carries the exchange (gloo) or nothing does
-            error = error or e
-        if job is not None and error is None and os.environ.get(FAULT_ENV):
-            incoming = {s: [_faulty(m) for m in msgs] for s, msgs in incoming.items()}
-        out = exchange(sends, incoming, error, group, live, peer_timeout())
-        try:
-            live.done()  # a rank that died anywhere in its read is named here, not by DCP's gather
-        except UCPError as e:
-            out.peers.append(e)  # type: ignore[arg-type]
+                sends[dst][at[dst]] = payload
+                at[dst] += 1
+    except Exception as e:
+        error = error or e
+    incoming = _incoming(job, transport, error)
+    if isinstance(incoming, BaseException):
+        error, incoming = error or incoming, {s: [drain_only() for _ in m] for s, m in transport.recv.items()}
+    if job is not None and error is None and os.environ.get(FAULT_ENV):
+        incoming = {s: [_faulty(m) for m in msgs] for s, msgs in incoming.items()}
+    out = Outcome()
+    if transport.ranks:  # somebody exchanges (the same answer on every rank: the coordinator's)
+        with exchange_link(transport.members or transport.ranks, transport.ranks) as (watch, group):
+            try:
+                fault_point("group")
+            except Exception as e:  # sent in place of this rank's data
+                error = error or e
+            out = exchange(sends, incoming, error, group, watch, peer_timeout())
     if job is not None and job.pool is not None:  # the one wait for device copies in flight
         job.pool.drain()
         stats.staged_bytes = job.pool.stats.staged_bytes

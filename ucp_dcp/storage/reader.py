@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_args
@@ -30,12 +29,12 @@ from torch.futures import Future
 from .._compat import fsspec_filesystem
 from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
-from ..planning.control_group import mark
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
 from ..planning.faults import fault_point
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode, ReadSummary
+from ..planning.watch import mark
 from ..progress import BytesProgress
 from . import read_protocol
 from .checksums import BlockChecker
@@ -252,11 +251,10 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
         summaries = [p.storage_data if isinstance(p.storage_data, ReadSummary) else None for p in plans]
-        # one id per load for its keys in the store, and who loads (ucp_dcp.storage.liveness)
+        # who loads: the ranks the exchange's gates wait for (ucp_dcp.planning.watch)
         members = [int(s.rank) for s in summaries] if all(s is not None for s in summaries) else None  # type: ignore[union-attr]
-        token = uuid.uuid4().hex
         return [
-            dataclasses.replace(p, storage_data=dataclasses.replace(t, token=token, members=members))
+            dataclasses.replace(p, storage_data=dataclasses.replace(t, members=members))
             for p, t in zip(plans, plan_transport(summaries))
         ]
 

@@ -15,7 +15,7 @@ at a step of a save (:data:`SAVE_STEPS`), saves again over it with other values.
   failed, the folder must still load, bitwise, as the checkpoint saved before it (``previous``).
 
 A case passes when every rank that was not killed or stopped on purpose ends within the bound
-(``UCP_DCP_PEER_TIMEOUT_S`` plus the fail-fast timeout plus slack) with an error of the cause's class,
+(twice ``UCP_DCP_PEER_TIMEOUT_S`` plus slack) with an error of the cause's class,
 the failing rank with its own error and every other rank with one naming a failing rank. A rank
 without a result is a *hang*; a rank that died by a signal (SIGABRT: "terminate called without an
 active exception") is an *abort*.
@@ -83,9 +83,9 @@ class Case:
 
     @property
     def bound(self) -> float:
-        from ..storage.liveness import FAIL_FAST_S
-
-        return self.peer_timeout + FAIL_FAST_S + SLACK_S
+        # a rank lost inside a collective: its peers' gloo ops end after the peer timeout at most, the
+        # watchers see its beat stand still for as long again at the next gate
+        return 2 * self.peer_timeout + SLACK_S
 
 
 def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "off")) -> list[Case]:

@@ -33,7 +33,7 @@ from ..memory import load as memory_load
 from ..memory.reader import MemoryReader
 from ..memory.store import default_root
 from ..memory.tier import Staging
-from ..planning.control_group import dcp_group
+from ..planning.checkpoint_group import dcp_group
 
 __all__ = ["ManagerMemory", "memory_root"]
 

@@ -33,7 +33,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.utils import GarbageCollection
 
 from ..errors import UCPError
-from ..planning.control_group import controlled, enabled
+from ..planning.checkpoint_group import enabled, guarded
 from ..planning.load_planner import UCPLoadPlanner
 from ..planning.save_planner import UCPSavePlanner
 from ..storage.object_store import OBJECT_PROTOCOLS, object_protocol
@@ -76,7 +76,7 @@ def ucp_dcp_save(
             **common,
         )
     else:
-        with controlled(None, _choice(manager)) as group:
+        with guarded(None, _choice(manager), "save") as group:
             ret = dcp.save(state_dict, process_group=group, **common)
     if gc:
         GarbageCollection.collect("GC collection invoked by checkpointer.")
@@ -98,14 +98,14 @@ def ucp_dcp_load(
 ) -> None:
     """torchtitan 0.3.0's ``dcp_load`` (not from Hugging Face) with ``planner`` and ``reader``
     (:func:`ucp_reader`); the model is reloaded from the flattened state afterwards, as torchtitan does."""
-    with controlled(None, _choice(manager)) as group:
+    with guarded(None, _choice(manager), "load") as group:
         dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner, process_group=group)
     if MODEL in manager.states:
         manager.states[MODEL].load_state_dict(state_dict)
 
 
 def _choice(manager: Any) -> bool:
-    """Whether a synchronous save or load runs DCP's collectives on the control group over the world:
+    """Whether a synchronous save or load runs DCP's collectives on the checkpoint group over the world:
     unless ``checkpoint.control_group`` or ``$UCP_DCP_CONTROL_GROUP`` turns it off (then DCP's default)."""
     config = getattr(manager, "ucp", None)
     return enabled(getattr(config, "control_group", None)) and enabled()

@@ -1,7 +1,8 @@
-"""DCP's collectives on the control group (issue 32): a rank that dies outside ``read_data`` -- while DCP plans a
-save or a load, while it writes, before the commit -- ends every survivor with a ``PeerLostError`` naming it
-within the peer timeout, not the process group's; a save in flight never commits. Normal saves and loads go
-through the group and round-trip bitwise. The group's ops in one process: tests/planning/test_control_group.py.
+"""DCP's collectives on the checkpoint group (issues 32, 45): a rank that dies outside ``read_data`` -- while DCP
+plans a save or a load, while it writes, before the commit -- ends every survivor with a ``PeerLostError``
+naming it within about the peer timeout, not the process group's; a save in flight never commits. Normal
+saves and loads go through the group -- gloo, behind the gates -- round-trip bitwise, and leave no key in the
+job's store. The gates in one process: tests/planning/test_watch.py.
 
 Deaths run in fresh processes (``ucp_dcp.testing.chaos.run_case``: PG timeout 300 s, far above the bound);
 the round trips on the pool (a hang there fails at ``HANG_S``, below the pool's 180 s PG timeout).
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ucp_dcp.api import load, save
-from ucp_dcp.planning import control_group as cg
+from ucp_dcp.planning import checkpoint_group as cg
 from ucp_dcp.testing.chaos import Case, judge, one_rank, previous, run_case
 
 HANG_S = 90
@@ -36,19 +37,32 @@ def _round_trip(rank, world, root, control):
         D.setenv(cg.CONTROL_ENV, "off")
     sd, w = _state(rank, world, 3)
     save(sd, root)
-    ops_save = cg.control_group(list(range(world))).seq if control else 0
+    group = cg.checkpoint_group(list(range(world))) if control else None
+    calls_save = (group.watch.calls, group.watch.seq) if group else (0, 0)
     got = {"w": torch.zeros_like(w), "b": torch.zeros(5), "step": 0}
     load(got, root)
-    ops = cg.control_group(list(range(world))).seq if control else 0
-    return ops_save, ops, torch.equal(got["w"], w), torch.equal(got["b"], sd["b"]), got["step"]
+    calls = (group.watch.calls, group.watch.seq) if group else (0, 0)
+    dist.barrier()
+    left = _keys_left(group.watch) if group else []
+    return calls_save, calls, left, torch.equal(got["w"], w), torch.equal(got["b"], sd["b"]), got["step"]
+
+
+def _keys_left(watch):
+    """Which keys any call of ``watch`` could have made still exist in the job's store."""
+    names = ["left"] + [f"b/{r}" for r in range(watch.size)]
+    names += [f"{x}/{k}" for k in range(1, watch.seq + 3) for x in ("a", "g")]
+    keys = [f"ucp_dcp/{watch.name}/{call}/{n}" for call in range(1, watch.calls + 1) for n in names]
+    return [k for k in keys if watch._store.check([k])]
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.full), 4])
-def test_save_and_load_go_through_the_control_group_and_round_trip_bitwise(world):
+def test_save_and_load_go_through_the_checkpoint_group_round_trip_bitwise_and_leave_no_key(world):
     res = D.run(_round_trip, world, D.tmpdir(), True, timeout=HANG_S)
-    for ops_save, ops, w_equal, b_equal, step in res:
+    for (calls_save, gates_save), (calls, gates), left, w_equal, b_equal, step in res:
         assert w_equal and b_equal and step == 3, res
-        assert 0 < ops_save < ops, res  # DCP's collectives ran on the control group, at save and at load
+        # DCP's collectives ran on the checkpoint group, each behind a gate: one call per save and load
+        assert calls_save == 1 and calls == 2 and gates_save > 0 and gates > 0, res
+        assert left == [], res  # no key of either call left in the job's store
 
 
 def _off_worker(rank, world, root):
@@ -58,7 +72,7 @@ def _off_worker(rank, world, root):
     return len(cg._GROUPS)
 
 
-def test_the_control_group_can_be_turned_off():
+def test_the_checkpoint_group_can_be_turned_off():
     assert D.run(_off_worker, 2, D.tmpdir(), timeout=HANG_S) == [0, 0]
 
 
@@ -92,7 +106,7 @@ def _lost(fault, world=4):
 def test_a_rank_killed_after_writing_its_data_never_lets_the_save_commit():
     out = _lost("exit@written")
     assert out.previous == "previous"  # the folder still loads, bitwise, as the checkpoint saved before
-    assert all("its last step: save written" in rep["message"] for rep in out.results.values()), out.results
+    assert all("its last step: save: written" in rep["message"] for rep in out.results.values()), out.results
 
 
 @pytest.mark.slow
@@ -122,13 +136,13 @@ def _restart_worker(rank, world, root):
         got = {"w": torch.zeros_like(w), "b": torch.zeros(5), "step": -1}
         load(got, f"{root}/{store}")
         assert torch.equal(got["w"], w) and got["step"] == gen
-        seqs.append(cg.control_group(list(range(size))).seq)  # this generation's group did the work
+        seqs.append(cg.checkpoint_group(list(range(size))).watch.calls)  # this generation's group did the work
     return seqs
 
 
 @pytest.mark.slow
 @pytest.mark.full  # fresh processes; make test's test_destroy_and_init_process_group_then_load_again_in_the_same_process
-# (tests/storage/test_peer_failures.py) restarts through the control group too
-def test_destroy_and_init_then_save_and_load_again_on_a_new_control_group():
+# (tests/storage/test_peer_failures.py) restarts through the checkpoint group too
+def test_destroy_and_init_then_save_and_load_again_on_a_new_checkpoint_group():
     res = D.run(_restart_worker, 4, D.tmpdir(), timeout=HANG_S, backend="cpu:gloo")
     assert all(len(s) == 2 and all(n > 0 for n in s) for s in res), res

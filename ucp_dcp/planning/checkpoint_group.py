@@ -1,0 +1,207 @@
+"""The process group DCP's collectives run on: gloo, each collective behind a gate of the call's watch.
+
+``ucp_dcp.save``/``load``, the torchtitan manager and the memory tier give DCP a *checkpoint group* by
+default: a group over the caller's ranks whose collectives run on a gloo backend of its own, created once
+per default group and member set (and again after a call that failed: gloo cannot be aborted, and a group
+that timed out is dead). Nothing of its collectives' data goes through the store.
+
+What makes it bound failures is the gate before each of its collectives (:class:`~ucp_dcp.planning.watch.Watch`):
+every member is known to be there before gloo is asked to move anything, so the gloo backend's timeout can be
+the peer timeout (``UCP_DCP_PEER_TIMEOUT_S``), not the caller's (often 30 minutes), and a rank that is merely slow
+-- the coordinator planning a 4,096-rank save, a rank writing a large shard -- keeps the others waiting at a
+gate, where its beat shows it is alive, not inside gloo. A rank that dies or freezes is found at the gate by its
+beat; one that dies inside a collective closes its gloo pairs (its peers fail at once), one that freezes there
+makes the op time out after the peer timeout (gloo then closes that rank's pairs, so its peers fail too); both
+then end at the next gate with the lost rank's name.
+
+It is a Python ``ProcessGroup`` because c10d has no hook before a collective; each op calls the gate and hands
+the tensors to gloo's own backend (``ProcessGroupGloo``) unchanged. ``control_group=False`` (or
+``UCP_DCP_CONTROL_GROUP=off``) gives DCP the caller's group instead: stock DCP's behaviour, a lost rank then
+waits out that group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._compat import allgather_into, default_group, group_registered, group_timeout
+from .collectives import peer_timeout
+from .watch import Watch
+
+__all__ = ["BACKEND", "CONTROL_ENV", "CheckpointGroup", "checkpoint_group", "dcp_group", "enabled", "guarded"]
+__all__ += ["private_group"]
+
+BACKEND = "ucp_dcp_gated_gloo"
+CONTROL_ENV = "UCP_DCP_CONTROL_GROUP"
+"""``off`` (or ``0``): ``ucp_dcp.save``/``load`` and the torchtitan manager give DCP the caller's group."""
+DEFAULT_WAIT_S = 1800.0
+"""How long a gate waits for a rank that never arrives but whose beat moves, when the caller's group says
+nothing: c10d's default collective timeout."""
+
+
+class CheckpointGroup(dist.ProcessGroup):
+    """A process group over ``members`` (global ranks) whose collectives are ``gloo``'s, each behind a gate of
+    :attr:`watch`; point-to-point ops (the read-once exchange) go straight to gloo."""
+
+    def __init__(self, gloo: Any, rank: int, size: int, members: list[int], name: str, wait_limit: float) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload, as torch's own Python groups
+        self.gloo = gloo
+        self.members = list(members)
+        self.name_ = name
+        self.watch = Watch(name, self.members, rank, wait_limit)
+        self.watch.group = self
+        self.spent = False
+        """A call on it failed: gloo may hold a broken pair, so the next call gets a new group."""
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]  # c10d reads it from a backend, and this group has none
+        return self.name_
+
+    def _run(self, kind: str, op: Any) -> Any:
+        """Gloo's op ``op()`` behind the gate; a collective outside a call (the memory tier's set-up) is a
+        call of its own, the op waited for inside it so that a failure there is judged there."""
+        w = self.watch
+        if w.active:
+            w.gate(f"{w.step.split(':', 1)[0]}: {kind} (DCP's collectives)")
+            return op()
+        try:
+            with w.running(f"collective {kind}"):
+                w.gate(f"collective {kind}")
+                work = op()
+                work.wait()
+                return work
+        except BaseException:
+            self.spent = True
+            raise
+
+    # -- the collectives DCP's object collectives are made of: gate, then gloo's op ---------------------------
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        return self._run("allgather", lambda: self.gloo.allgather(output_tensors, input_tensors, *_opts(opts)))
+
+    def all_gather_single(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, opts: Any = None) -> Any:
+        """Into one tensor (what torch 2.15's ``all_gather_object`` calls): gloo's ``_allgather_base``."""
+        return self._run("allgather", lambda: allgather_into(self.gloo, output_tensor, input_tensor, *_opts(opts)))
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the overload c10d calls
+        return self._run("allreduce", lambda: self.gloo.allreduce(tensors, *_opts(opts)))
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._run("barrier", lambda: self.gloo.barrier(*_opts(opts)))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the overload c10d calls
+        return self._run("broadcast", lambda: self.gloo.broadcast(tensors, *_opts(opts)))
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the overload c10d calls
+        return self._run("gather", lambda: self.gloo.gather(output_tensors, input_tensors, *_opts(opts)))
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]  # the overload c10d calls
+        return self._run("scatter", lambda: self.gloo.scatter(output_tensors, input_tensors, *_opts(opts)))
+
+    # -- point to point: the read-once exchange gates its own transfers ---------------------------------------
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        return self.gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        return self.gloo.recv(tensors, src, tag)
+
+
+def _opts(opts: Any) -> tuple:
+    return () if opts is None else (opts,)
+
+
+def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
+    """c10d's creator for :data:`BACKEND`: gloo's backend over the group's own store prefix (what ``new_group``
+    would build for ``backend="gloo"``), with the peer timeout, behind the gates."""
+    gloo = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timedelta(seconds=peer_timeout()))
+    wait = opts.timeout.total_seconds() if opts.timeout is not None else DEFAULT_WAIT_S
+    ranks = list(opts.global_ranks_in_group)
+    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, str(opts.group_id), wait)
+
+
+def _register() -> None:
+    if not hasattr(dist.Backend, BACKEND.upper()):  # what register_backend sets
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+def _new(members: list[int], like: dist.ProcessGroup | None) -> CheckpointGroup:
+    _register()
+    timeout = group_timeout(like or default_group())  # the caller's bound for a rank that never arrives
+    return dist.new_group(ranks=sorted(members), backend=BACKEND, use_local_synchronization=True, timeout=timeout)
+
+
+_GROUPS: dict[tuple[int, ...], tuple[object, CheckpointGroup]] = {}
+"""``members -> (default group, checkpoint group)``: an entry serves only while its default group is the
+current one, its group is registered (a destroyed and re-initialized job gets a new group) and not spent."""
+
+
+def checkpoint_group(members: list[int], like: dist.ProcessGroup | None = None) -> CheckpointGroup:
+    """The checkpoint group over ``members`` (global ranks, this rank among them), created on first use per
+    default group, and anew after a failed call. Every member calls this in the same order (group creation
+    synchronizes the members, as DCP's collectives do)."""
+    key = tuple(sorted(members))
+    current = default_group()
+    hit = _GROUPS.get(key)
+    if hit is None or hit[0] is not current or not group_registered(hit[1]) or hit[1].spent:
+        if hit is not None and group_registered(hit[1]):
+            with contextlib.suppress(Exception):  # a spent group: its gloo pairs may be broken already
+                dist.destroy_process_group(hit[1])
+        hit = _GROUPS[key] = (current, _new(list(key), like))
+    return hit[1]
+
+
+def private_group(members: list[int], like: dist.ProcessGroup | None = None) -> CheckpointGroup:
+    """A checkpoint group over ``members`` of its own, not the one :func:`checkpoint_group` hands DCP: for a
+    thread whose collectives run beside the caller's (the memory tier's background work: one group is one
+    sequence of ops). Every member creates it at the same point of its sequence of group creations."""
+    return _new(members, like)
+
+
+def enabled(choice: bool | None = None) -> bool:
+    """Whether to use the checkpoint group: ``choice`` if given, else ``$UCP_DCP_CONTROL_GROUP`` (on)."""
+    return choice if choice is not None else os.environ.get(CONTROL_ENV, "on").lower() not in ("off", "0", "false")
+
+
+def dcp_group(process_group: dist.ProcessGroup | None, choice: bool | None = None) -> dist.ProcessGroup | None:
+    """The process group to give DCP for a save or load over ``process_group`` (None: the world): the
+    checkpoint group over its ranks, or ``process_group`` itself when it is off, outside a process group, or
+    for one rank."""
+    if not enabled(choice) or not dist.is_initialized() or isinstance(process_group, CheckpointGroup):
+        return process_group
+    ranks = dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD)
+    if len(ranks) < 2:
+        return process_group
+    return checkpoint_group(ranks, process_group)
+
+
+@contextlib.contextmanager
+def guarded(
+    process_group: dist.ProcessGroup | None = None, choice: bool | None = None, what: str = "checkpoint call"
+) -> Iterator[dist.ProcessGroup | None]:
+    """``with ucp_dcp.control_group() as pg: dcp.save(..., process_group=pg)``: one call on the checkpoint
+    group over ``process_group``'s ranks (:func:`dcp_group`), watched while it runs. A call that raised leaves
+    the group spent: the next one gets a new group (every rank raised, so every rank does so)."""
+    group = dcp_group(process_group, choice)
+    if not isinstance(group, CheckpointGroup):
+        yield group
+        return
+    if group.watch.active:  # inside a call on it already (a load inside the memory tier's): one watch, one call
+        yield group
+        return
+    try:
+        with group.watch.running(what):
+            yield group
+    except BaseException:
+        group.spent = True
+        raise

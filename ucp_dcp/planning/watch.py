@@ -1,0 +1,373 @@
+"""Is every rank of this checkpoint call still there? One watch per checkpoint group, O(1) store requests per rank.
+
+DCP's collectives run on gloo (:mod:`ucp_dcp.planning.checkpoint_group`). On its own, gloo cannot tell a rank
+that is slow (planning a 4,096-rank load, writing a large shard) from one that died or froze: either it waits
+out a long timeout, or a short one fails slow ranks. So each collective of a call is preceded by a *gate*
+through the job's store, where waiting is cheap and a loss can be told apart from slowness:
+
+* **beats**: while a call runs (never between calls) each rank sets one key, ``b/<rank>``, every
+  ``beat_s`` seconds from a thread: its beat count, the gate it last reached and its step;
+* **arrival**: at gate ``k`` a rank writes its beat (now saying ``k``) and adds 1 to ``a/<k>``; the rank
+  whose add completes the count sets ``g/<k>`` to ``go``;
+* **waiting**: every rank blocks on one key, ``g/<k>`` (a ``get`` the store answers when the key is set:
+  no polling), except two *watchers*: the coordinator (group rank 0), which polls that key while it reads
+  the beats of the ranks not yet there once a second, and its deputy (group rank 1), which watches the
+  coordinator's beat the same way. A beat that stood still for the peer timeout is a *lost* rank (its
+  process died or froze; a slow rank's beat thread keeps beating); a watcher then sets ``g/<k>`` to the
+  loss, once, and every rank waiting there is released with it;
+* **failing**: a rank whose collective failed (gloo closes a pair when a peer dies, and fails an op
+  after the group's short timeout) arrives at the next gate *failing*: that gate never opens; it ends
+  with the lost rank the watchers find, or, once every rank has arrived, with the lowest failing rank's
+  error. A rank that leaves a call with an error it alone had publishes it on the next gate;
+* **the end**: every rank adds 1 to ``left``; the last one removes every key of the call. A finished or
+  failed call leaves nothing in the store, and nothing of it in this process.
+
+So per collective a rank makes about three store requests (its beat, the add, the get), the watchers a
+few polls, and one scan of the beats per second of waiting: O(N) for the job, O(1) per rank.
+
+Each watch holds one store connection of its own, opened on first use and kept: its blocking ``get`` must not
+hold up other users of the job's connection (NCCL's monitor threads use it), and its beat thread shares it with
+the gate's waits (a rank waiting at a gate has arrived, so its beat is not read there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .._compat import default_store
+from ..errors import PeerFailedError, PeerLostError, UCPError, error_from_wire, peer_lost, wire_error
+from .collectives import peer_timeout
+from .exit_threads import stop_at_exit
+
+__all__ = ["BEAT_ENV", "Watch", "beat_s", "current", "mark"]
+
+BEAT_ENV = "UCP_DCP_BEAT_S"
+SCAN_S = 1.0
+"""How often a watcher reads the beats of the ranks a gate still waits for."""
+MAX_PAUSE_S = 0.005
+"""The longest pause between a watcher's polls of its gate (its added latency when it is not the last to arrive)."""
+GO = b"go"
+
+
+def beat_s() -> float:
+    """Seconds between beats (``$UCP_DCP_BEAT_S``, default 0.5)."""
+    return float(os.environ.get(BEAT_ENV) or 0.5)
+
+
+_LOCAL = threading.local()
+
+
+def current() -> Watch | None:
+    """The watch of the checkpoint call this thread runs (None outside one): the read-once exchange
+    gates its transfers on it."""
+    return getattr(_LOCAL, "watch", None)
+
+
+def mark(call: str, step: str) -> None:
+    """Name the step of ``call`` (``save``, ``load``) this thread has reached, in a beat at once: a peer that
+    finds this rank lost names its last step (a few marks per call: O(1) requests per rank)."""
+    w = current()
+    if w is not None:
+        w.step = f"{call}: {step}"
+        with contextlib.suppress(RuntimeError, OSError):  # the store is gone: the next gate says so
+            w._beat()
+
+
+def _connection(timeout: float) -> Any:
+    """A connection of its own to the job's store (a TCPStore client): a clone of the default group's.
+    Stores without clients (FileStore, HashStore) are used as they are: each call there is short."""
+    base = default_store()
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        conn = dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout))
+        return conn
+    return base
+
+
+class Watch:
+    """The liveness of one checkpoint group's calls (``members``: global ranks; ``me``: this rank's
+    position among them). ``name`` is the group's, the same on every member; ``wait_limit``: seconds a
+    rank whose beat moves, or that never began, may keep a gate waiting (the caller's group timeout:
+    what DCP itself would have waited)."""
+
+    def __init__(self, name: str, members: list[int], me: int, wait_limit: float, store: Any = None) -> None:
+        self.name = name
+        self.members = list(members)
+        self.me = me
+        self.size = len(members)
+        self.wait_limit = wait_limit
+        self.timeout = peer_timeout()
+        self.calls = 0
+        self.active = False
+        self.step = ""
+        self._outer: Watch | None = None
+        self.group: Any = None
+        """The checkpoint group this watch gates (None for an exchange's own watch)."""
+        self._store: Any = store  # None: a connection of its own, opened on the first call
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the beat thread and a gate both write this rank's beat
+        self._reset()
+
+    # -- a call ------------------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self.seq = 0
+        self.beats = 0
+        self.failing: str = ""  # this rank's error, on the wire, once a collective of the call failed here
+        self.verdict: BaseException | None = None
+        self.lost: list[int] = []
+        self.seen: dict[int, tuple[bytes, float]] = {}  # a watcher's last view of each beat, and since when
+
+    @property
+    def thread(self) -> threading.Thread | None:  # exit_threads.StoppableThread
+        return self._thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @contextlib.contextmanager
+    def running(self, what: str) -> Iterator[Watch]:
+        """One call: beats from now until it ends; it raises what :meth:`end` says of its error."""
+        self.begin(what)
+        try:
+            yield self
+        except BaseException as e:
+            out = self.end(e)
+            if out is e or out is None:
+                raise
+            raise out from None  # the verdict names the rank at fault; the symptom here is in its message
+        self.end(None)
+
+    def begin(self, what: str) -> None:
+        if self.active:
+            raise UCPError(
+                f"a checkpoint call on this group began while another ({self.step}) runs",
+                hint="run one save or load at a time per process group (async saves take a group of their own)",
+            )
+        if self._store is None:
+            # its waits are bounded by the gates' own logic; the connection's timeout only ends a wait
+            # on a store that stopped answering
+            self._store = _connection(self.wait_limit + self.timeout)
+        self._reset()
+        self.calls += 1
+        self.prefix = f"ucp_dcp/{self.name}/{self.calls}/"
+        self.step = f"{what}: start"
+        self.active = True
+        self._outer = current()  # an exchange's own watch inside another call's: put the other back after
+        _LOCAL.watch = self
+        self._beat()  # the beat key exists before this rank reaches any gate: watchers read it there
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ucp-dcp-beat", daemon=True)
+        self._thread.start()
+        stop_at_exit(self)  # a beat in a C++ store call while Python finalizes aborted the process
+
+    def end(self, error: BaseException | None) -> BaseException | None:
+        """The call is over here: the error to raise for ``error`` (the call's verdict when this rank's
+        own collective failed), the beats stopped, and the call's keys removed by the last rank out."""
+        out = error
+        if isinstance(error, Exception) and self.verdict is None and not _everyones(error):
+            # this rank alone saw it (a gloo error, a failure outside DCP's wrapped steps): the others
+            # wait at the next gate, or will; arriving there failing ends the call with the true cause
+            try:
+                self.gate(f"{self.step.split(':', 1)[0]}: after a failure", error)
+            except BaseException as verdict:  # noqa: BLE001 (it is what this rank raises)
+                out = verdict
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        _LOCAL.watch = self._outer
+        self.active = False
+        with contextlib.suppress(RuntimeError, OSError):  # the store is gone: nothing left to clean
+            if self._req("add", "left", 1) == self.size - len(self.lost):
+                keys = [f"b/{r}" for r in range(self.size)] + ["left"]
+                for k in range(max(1, self.seq - 2), self.seq + 3):  # ranks are at most a gate apart
+                    keys += [f"a/{k}", f"g/{k}"]
+                for key in keys:
+                    self._req("delete_key", key)
+        return out
+
+    # -- beats -------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(beat_s()):
+            try:
+                self._beat()
+            except (RuntimeError, OSError):  # the store is gone (the job is being torn down): the gate says so
+                return
+
+    def _beat(self, flag: str = "", why: str = "") -> None:
+        with self._lock:
+            self.beats += 1
+            flag = flag or ("x" if self.failing else "")
+            why = why or self.failing
+            self._req("set", f"b/{self.me}", f"{self.beats}|{self.seq}|{flag}|{why or self.step}")
+
+    # -- gates -------------------------------------------------------------------------------------------
+
+    def gate(self, what: str, error: BaseException | None = None) -> None:
+        """Wait until every member reached this point (the next collective), or raise what ended the call.
+        ``error``: this rank failed (its collective raised): it arrives failing, and the call ends with
+        the loss the watchers find or, if every rank arrives, the lowest failing rank's error."""
+        if self.verdict is not None:
+            raise self.verdict
+        if error is not None and not self.failing:
+            self.failing = wire_error(error)
+        self.seq += 1
+        k = self.seq
+        self.step = what
+        self._beat()  # says "at gate k" before the add: a watcher never judges a rank that has arrived
+        n = self._req("add", f"a/{k}", 1 + (self.size if self.failing else 0))
+        if n % self.size == 0:  # the last to arrive (a failing arrival adds size + 1: see the module doc)
+            self._open(k, n)
+        if self.me in (0, 1):
+            self._watch(k)
+        try:
+            value = self._req("get", f"g/{k}")
+        except (RuntimeError, OSError) as e:
+            self.verdict = self._store_error(e)
+            raise self.verdict from None
+        if value == GO and not self.failing:
+            return
+        self.verdict = self._judge(value, error)
+        raise self.verdict
+
+    def _open(self, k: int, n: int) -> None:
+        """Every member has arrived at gate ``k``: open it (``go``), or, when some arrived failing,
+        end the call with the lowest failing rank's error; the keys of gate ``k - 1`` are done with."""
+        if n == self.size:
+            self._set_if_unset(f"g/{k}", GO)
+        else:
+            beats = self._beats()
+            r = min(r for r, b in beats.items() if b[2] == "x")
+            self._set_if_unset(f"g/{k}", self._failure(r, beats[r][3]))
+        if k > 1:
+            self._req("delete_key", f"a/{k - 1}")
+            self._req("delete_key", f"g/{k - 1}")
+
+    def _watch(self, k: int) -> None:
+        """A watcher's wait at gate ``k``: poll it, read the beats it waits on once a second, publish a loss."""
+        pause, started = 0.0001, time.monotonic()
+        scanned = started
+        key = f"g/{k}"
+        while not self._req("check", [key]):
+            now = time.monotonic()
+            if now - scanned >= SCAN_S:
+                scanned = now
+                verdict = self._scan(k, now - started)
+                if verdict is not None:
+                    self._set_if_unset(key, verdict)
+                    return
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_S)
+
+    def _scan(self, k: int, waited: float) -> bytes | None:
+        """The coordinator reads the beats of every rank; its deputy the coordinator's. A verdict when one of
+        those not yet at gate ``k`` left the call with an error, stood still for the peer timeout, or kept
+        the gate waiting longer than the caller's group timeout."""
+        ranks = range(self.size) if self.me == 0 else [0]
+        beats = self._beats(ranks)
+        now = time.monotonic()
+        for r in ranks:
+            if r == self.me:
+                continue
+            b = beats.get(r)
+            if b is not None and b[1] >= k:
+                continue  # there (its beat may stand still now: it waits on the gate, its beat behind it)
+            if b is not None and b[2] == "x":
+                return self._failure(r, b[3])
+            raw = b[4] if b is not None else b""
+            last = self.seen.get(r)
+            if last is None or last[0] != raw:
+                self.seen[r] = (raw, now)
+                still = 0.0
+            else:
+                still = now - last[1]
+            step = b[3] if b is not None else ""
+            if b is not None and still > self.timeout:
+                return self._loss(r, f"no heartbeat for {still:.1f} s (its last step: {step or 'start'})")
+            if waited > self.wait_limit:
+                why = "it never began this call" if b is None else f"its heartbeat moves (its step: {step})"
+                return self._loss(
+                    r, f"it did not reach the collective within the group's timeout ({self.wait_limit:.0f} s; {why})"
+                )
+        return None
+
+    def _beats(self, ranks: Any = None) -> dict[int, tuple[int, int, str, str, bytes]]:
+        """``rank -> (count, gate, flag, step or error, raw)`` for the beats that exist (one multi_get
+        when they all do; a rank that has not begun has none)."""
+        ranks = list(range(self.size) if ranks is None else ranks)
+        keys = [f"b/{r}" for r in ranks]
+        if self._req("check", keys):
+            raws = self._req("multi_get", keys)
+        else:
+            raws = [self._req("get", key) if self._req("check", [key]) else None for key in keys]
+        out = {}
+        for r, raw in zip(ranks, raws):
+            if raw is None:
+                continue
+            n, seq, flag, rest = bytes(raw).decode(errors="replace").split("|", 3)
+            out[r] = (int(n), int(seq), flag, rest, bytes(raw))
+        return out
+
+    # -- verdicts ----------------------------------------------------------------------------------------
+
+    def _loss(self, r: int, why: str) -> bytes:
+        return json.dumps({"lost": [r], "why": why, "by": self.members[self.me]}).encode()
+
+    def _failure(self, r: int, wired: str) -> bytes:
+        return json.dumps({"failed": r, "error": wired}).encode()
+
+    def _judge(self, value: bytes, error: BaseException | None) -> BaseException:
+        """The error this rank raises for the verdict ``value`` of a gate."""
+        try:
+            v = json.loads(bytes(value).decode())
+        except ValueError:
+            v = {"failed": self.me, "error": self.failing or "{}"}
+        if "lost" in v:
+            self.lost = [int(r) for r in v["lost"]]
+            r = self.lost[0]
+            during = self.step.split(":", 1)[0] or "a checkpoint call"
+            return peer_lost(self.members[r], f"{v['why']} (seen by rank {v['by']})", during=f"a {during}")
+        r = int(v["failed"])
+        if r == self.me and error is not None:
+            return error  # its own failure, in full
+        return error_from_wire(self.members[r], str(v["error"]).encode())
+
+    def _store_error(self, e: BaseException) -> PeerLostError:
+        """The store stopped answering a wait: under a plain launch it lives in the coordinator's process."""
+        return peer_lost(
+            self.members[0],
+            f"the job's store stopped answering at {self.step} ({str(e).splitlines()[0][:160]}); under a "
+            "plain launch it runs in that rank's process",
+            during="a checkpoint call",
+        )
+
+    # -- the store ---------------------------------------------------------------------------------------
+
+    def _set_if_unset(self, key: str, value: bytes) -> None:
+        # one verdict per gate: whoever sets it first (the last arrival's "go", a watcher's loss) wins
+        self._req("compare_set", key, "", value)
+
+    def _req(self, op: str, key: Any, *args: Any) -> Any:
+        store = self._store
+        if isinstance(key, list):
+            return getattr(store, op)([self.prefix + k for k in key], *args)
+        return getattr(store, op)(self.prefix + key, *args)
+
+
+def _everyones(error: BaseException) -> bool:
+    """Whether every rank raises ``error`` too: DCP's wrapper of the per-rank failures its collectives
+    carried, and the verdicts of gates (a peer's loss or failure), need no telling."""
+    return isinstance(error, PeerFailedError) or hasattr(error, "failures")
