@@ -4,8 +4,9 @@
 
 Each case (:mod:`ucp_dcp.testing.chaos`) is a fresh gloo job on two simulated hosts whose collective
 timeout (300 s) is far above the bound: one rank finds a checksum mismatch, a missing file, a dtype
-that overflows, or raises, dies or stops at a step of ``read_data``; ``read_once`` on and off, 2 and 4
-ranks. A case passes when every rank not stopped on purpose ends within the bound with an error of the
+that overflows, or raises, dies or stops at a step of ``read_data`` or of a save's or load's planning
+and writes; ``read_once`` on and off, 2 and 4 ranks; the last rank, and the coordinator (rank 0: killed
+with the store its process hosts, or frozen beside a launcher's store). A case passes when every rank not stopped on purpose ends within the bound with an error of the
 cause's class, naming the failing rank. The last line is ``CHAOS OK: N cases, 0 hangs, 0 aborts``
 (exit 0), or ``CHAOS FAILED: ...`` (exit 1).
 """
@@ -13,11 +14,12 @@ cause's class, naming the failing rank. The last line is ``CHAOS OK: N cases, 0 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from ucp_dcp.progress import StepProgress
-from ucp_dcp.testing.chaos import Case, cases, run_case
+from ucp_dcp.testing.chaos import cases, run_case
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default=None, help="run only the faults containing one of these (comma-separated: exit@,dtype)"
     )
     ap.add_argument("--peer-timeout", type=float, default=8.0)
+    ap.add_argument("--coordinator", action="store_true", help="only the cases where rank 0 (DCP's coordinator) fails")
     args = ap.parse_args(argv)
     todo = [
-        Case(c.world, c.fault, c.read_once, args.peer_timeout)
+        dataclasses.replace(c, peer_timeout=args.peer_timeout)
         for c in cases(tuple(int(w) for w in args.worlds.split(",")), tuple(args.modes.split(",")))
-        if args.only is None or any(part in c.fault for part in args.only.split(","))
+        if (args.only is None or any(part in c.fault for part in args.only.split(",")))
+        and (not args.coordinator or c.rank == 0)
     ]
     hangs = aborts = failed = 0
     progress = StepProgress("chaos", len(todo), "cases")  # stderr, when it is a terminal

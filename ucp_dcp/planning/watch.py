@@ -78,8 +78,10 @@ def mark(call: str, step: str) -> None:
     w = current()
     if w is not None:
         w.step = f"{call}: {step}"
-        with contextlib.suppress(RuntimeError, OSError):  # the store is gone: the next gate says so
+        try:
             w._beat()
+        except (RuntimeError, OSError):  # the store is gone: the next gate says so, without asking it again
+            w.store_gone = True
 
 
 def _connection(timeout: float) -> Any:
@@ -128,6 +130,7 @@ class Watch:
         self.verdict: BaseException | None = None
         self.lost: list[int] = []
         self.seen: dict[int, tuple[bytes, float]] = {}  # a watcher's last view of each beat, and since when
+        self.store_gone = False  # the store stopped answering: no more requests (each failed one logs a C++ trace)
 
     @property
     def thread(self) -> threading.Thread | None:  # exit_threads.StoppableThread
@@ -166,7 +169,12 @@ class Watch:
         self.active = True
         self._outer = current()  # an exchange's own watch inside another call's: put the other back after
         _LOCAL.watch = self
-        self._beat()  # the beat key exists before this rank reaches any gate: watchers read it there
+        try:
+            self._beat()  # the beat key exists before this rank reaches any gate: watchers read it there
+        except (RuntimeError, OSError) as e:
+            self.active = False
+            _LOCAL.watch = self._outer
+            raise self._store_error(e) from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ucp-dcp-beat", daemon=True)
         self._thread.start()
@@ -176,7 +184,7 @@ class Watch:
         """The call is over here: the error to raise for ``error`` (the call's verdict when this rank's
         own collective failed), the beats stopped, and the call's keys removed by the last rank out."""
         out = error
-        if isinstance(error, Exception) and self.verdict is None and not _everyones(error):
+        if isinstance(error, Exception) and self.verdict is None and not _everyones(error) and not self.store_gone:
             # this rank alone saw it (a gloo error, a failure outside DCP's wrapped steps): the others
             # wait at the next gate, or will; arriving there failing ends the call with the true cause
             try:
@@ -190,7 +198,7 @@ class Watch:
         _LOCAL.watch = self._outer
         self.active = False
         with contextlib.suppress(RuntimeError, OSError):  # the store is gone: nothing left to clean
-            if self._req("add", "left", 1) == self.size - len(self.lost):
+            if not self.store_gone and self._req("add", "left", 1) == self.size - len(self.lost):
                 keys = [f"b/{r}" for r in range(self.size)] + ["left"]
                 for k in range(max(1, self.seq - 2), self.seq + 3):  # ranks are at most a gate apart
                     keys += [f"a/{k}", f"g/{k}"]
@@ -208,6 +216,8 @@ class Watch:
                 return
 
     def _beat(self, flag: str = "", why: str = "") -> None:
+        if self.store_gone:
+            raise RuntimeError("the job's store stopped answering")
         with self._lock:
             self.beats += 1
             flag = flag or ("x" if self.failing else "")
@@ -227,15 +237,15 @@ class Watch:
         self.seq += 1
         k = self.seq
         self.step = what
-        self._beat()  # says "at gate k" before the add: a watcher never judges a rank that has arrived
-        n = self._req("add", f"a/{k}", 1 + (self.size if self.failing else 0))
-        if n % self.size == 0:  # the last to arrive (a failing arrival adds size + 1: see the module doc)
-            self._open(k, n)
-        if self.me in (0, 1):
-            self._watch(k)
         try:
+            self._beat()  # says "at gate k" before the add: a watcher never judges a rank that has arrived
+            n = self._req("add", f"a/{k}", 1 + (self.size if self.failing else 0))
+            if n % self.size == 0:  # the last to arrive (a failing arrival adds size + 1: see the module doc)
+                self._open(k, n)
+            if self.me in (0, 1):
+                self._watch(k)
             value = self._req("get", f"g/{k}")
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError) as e:  # the store's host is gone (a plain launch: rank 0's process)
             self.verdict = self._store_error(e)
             raise self.verdict from None
         if value == GO and not self.failing:
@@ -347,6 +357,7 @@ class Watch:
 
     def _store_error(self, e: BaseException) -> PeerLostError:
         """The store stopped answering a wait: under a plain launch it lives in the coordinator's process."""
+        self.store_gone = True
         return peer_lost(
             self.members[0],
             f"the job's store stopped answering at {self.step} ({str(e).splitlines()[0][:160]}); under a "

@@ -52,10 +52,17 @@ class Case:
     """``checksum``, ``missing``, ``dtype``, or ``ACTION@STEP``."""
     read_once: str = "hosts"
     peer_timeout: float = 8.0
+    rank: int | None = None
+    """The failing rank (None: the last one); 0 is DCP's coordinator and the gates' watcher."""
+    agent_store: bool = False
+    """The job's store in the parent process, as torchrun's agent hosts it (default: in rank 0's process, a
+    plain launch: rank 0's death takes the store with it, and a freeze of rank 0 would freeze it)."""
 
     @property
     def name(self) -> str:
-        return f"{self.fault} world={self.world} read_once={self.read_once}"
+        where = f" rank={self.faulty}" if self.rank is not None else ""
+        store = " store=agent" if self.agent_store else ""
+        return f"{self.fault} world={self.world} read_once={self.read_once}{where}{store}"
 
     @property
     def step(self) -> str:
@@ -67,7 +74,7 @@ class Case:
 
     @property
     def faulty(self) -> int:
-        return self.world - 1  # not rank 0: it hosts the job's store
+        return self.world - 1 if self.rank is None else self.rank
 
     @property
     def action(self) -> str:
@@ -105,6 +112,14 @@ def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "
         outside = [f"{a}@{s}" for s in (*SAVE_STEPS, "load-plan") for a in ("raise", "exit")]
         outside += ["hang@save-plan", "hang@load-plan"] if world == max(worlds) else []
         out += [Case(world, f, modes[0]) for f in outside]
+    # the coordinator (rank 0): DCP's planner and committer, the gates' watcher; killed under a plain launch (its
+    # process hosts the store), frozen under an agent's store (a frozen store host is the launcher's to end)
+    world = max(worlds)
+    coordinator = [("raise@save-plan", False), ("raise@read", False)]
+    coordinator += [(f"exit@{s}", False) for s in ("save-plan", "written", "load-plan", "read")]
+    coordinator += [(f"exit@{s}", True) for s in ("written", "read")]
+    coordinator += [(f"hang@{s}", True) for s in ("save-plan", "written", "load-plan", "read")]
+    out += [Case(world, f, modes[0], rank=0, agent_store=agent) for f, agent in coordinator]
     return out
 
 
@@ -236,7 +251,9 @@ def _rank_main(case: Case, rank: int, port: int, root: str, results: Any) -> Non
     torch.set_num_threads(1)
     report: dict[str, Any]
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=case.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        timeout = timedelta(seconds=PG_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) if case.agent_store else None
+        dist.init_process_group("gloo", rank=rank, world_size=case.world, timeout=timeout, store=store)
         report = one_rank(case, rank, root)
     except BaseException as e:  # setup failed: reported as such
         report = {"error": "setup", "classes": [], "message": repr(e)[:300], "peer": None, "seconds": 0.0}
@@ -270,6 +287,11 @@ def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
     root = tempfile.mkdtemp(prefix="ucp-chaos-")
     results = ctx.Queue()
     port = _free_port()
+    agent = None
+    if case.agent_store:  # the launcher's store, in this process: it outlives any rank
+        import torch.distributed as dist
+
+        agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     procs = [ctx.Process(target=_rank_main, args=(case, r, port, root, results)) for r in range(case.world)]
     for p in procs:
         p.start()
@@ -295,6 +317,7 @@ def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
             if p.is_alive():
                 p.kill()
             p.join()
+        del agent  # the job is over: its store with it
         try:
             if case.in_save:
                 out.previous = previous(case, root)
