@@ -101,9 +101,13 @@ def _frozen_in_replication(rank, world, root):
     real = replicate._read_file
 
     def freeze(path, size):  # rank 1's background work stops answering (as a frozen process) in generation 2
-        if rank == 1 and "gen-00000002" in path:
-            holder["tier"]._ctl.watch.stop()  # its beat stops, as a frozen process's
+        if rank == 1 and "gen-00000002" in path and "frozen" not in holder:
+            holder["frozen"] = True
+            watch = holder["tier"]._ctl.watch
+            beat = watch._beat
+            watch._beat = lambda *a, **k: None  # its beats stop, as a frozen process's do ...
             time.sleep(3 * float(PEER_TIMEOUT_S))
+            watch._beat = beat  # ... and go on when it resumes (the others ended the call without it)
         return real(path, size)
 
     D.patch(replicate, "_read_file", freeze)

@@ -10,11 +10,11 @@ through the job's store, where waiting is cheap and a loss can be told apart fro
 * **arrival**: at gate ``k`` a rank writes its beat (now saying ``k``) and adds 1 to ``a/<k>``; the rank
   whose add completes the count sets ``g/<k>`` to ``go``;
 * **waiting**: every rank blocks on one key, ``g/<k>`` (a ``get`` the store answers when the key is set:
-  no polling), except two *watchers*: the coordinator (group rank 0), which polls that key while it reads
-  the beats of the ranks not yet there once a second, and its deputy (group rank 1), which watches the
-  coordinator's beat the same way. A beat that stood still for the peer timeout is a *lost* rank (its
-  process died or froze; a slow rank's beat thread keeps beating); a watcher then sets ``g/<k>`` to the
-  loss, once, and every rank waiting there is released with it;
+  no polling). Two ranks also *watch* while they wait, from their beat thread: the coordinator (group rank
+  0) reads the beats of the ranks not yet there once a second, its deputy (group rank 1) the
+  coordinator's. A beat that stood still for the peer timeout is a *lost* rank (its process died or froze;
+  a slow rank's beat thread keeps beating); the watcher then sets ``g/<k>`` to the loss, once, and every
+  rank waiting there is released with it;
 * **failing**: a rank whose collective failed (gloo closes a pair when a peer dies, and fails an op
   after the group's short timeout) arrives at the next gate *failing*: that gate never opens; it ends
   with the lost rank the watchers find, or, once every rank has arrived, with the lowest failing rank's
@@ -22,12 +22,12 @@ through the job's store, where waiting is cheap and a loss can be told apart fro
 * **the end**: every rank adds 1 to ``left``; the last one removes every key of the call. A finished or
   failed call leaves nothing in the store, and nothing of it in this process.
 
-So per collective a rank makes about three store requests (its beat, the add, the get), the watchers a
-few polls, and one scan of the beats per second of waiting: O(N) for the job, O(1) per rank.
+So per collective a rank makes about three store requests (its beat, the add, the get), and, per second of a
+call, two beats and (the two watchers, while they wait) one scan: O(N) for the job, O(1) per rank.
 
-Each watch holds one store connection of its own, opened on first use and kept: its blocking ``get`` must not
-hold up other users of the job's connection (NCCL's monitor threads use it), and its beat thread shares it with
-the gate's waits (a rank waiting at a gate has arrived, so its beat is not read there).
+Each watch holds one store connection of its own, opened on its first call and kept, for the gates' blocking
+``get``: a wait there must not hold up the job's own connection, which the beat thread uses (its requests never
+block) as do NCCL's monitor threads.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._compat import default_store
-from ..errors import PeerFailedError, PeerLostError, UCPError, error_from_wire, peer_lost, wire_error
+from ..errors import PeerLostError, UCPError, error_from_wire, peer_lost, wire_error
 from .collectives import peer_timeout
 from .exit_threads import stop_at_exit
 
@@ -53,8 +53,6 @@ __all__ = ["BEAT_ENV", "Watch", "beat_s", "current", "mark"]
 BEAT_ENV = "UCP_DCP_BEAT_S"
 SCAN_S = 1.0
 """How often a watcher reads the beats of the ranks a gate still waits for."""
-MAX_PAUSE_S = 0.005
-"""The longest pause between a watcher's polls of its gate (its added latency when it is not the last to arrive)."""
 GO = b"go"
 
 
@@ -84,15 +82,19 @@ def mark(call: str, step: str) -> None:
             w.store_gone = True
 
 
-def _connection(timeout: float) -> Any:
-    """A connection of its own to the job's store (a TCPStore client): a clone of the default group's.
-    Stores without clients (FileStore, HashStore) are used as they are: each call there is short."""
+def _job_store() -> Any:
+    """The job's store under the default group's prefixes (c10d's own client of it)."""
     base = default_store()
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
+    return base
+
+
+def _connection(base: Any, timeout: float) -> Any:
+    """A connection of its own to the job's store ``base`` (a TCPStore client like c10d's). Stores without
+    clients (FileStore, HashStore) are used as they are."""
     if isinstance(base, dist.TCPStore):
-        conn = dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout))
-        return conn
+        return dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout))
     return base
 
 
@@ -115,7 +117,8 @@ class Watch:
         self._outer: Watch | None = None
         self.group: Any = None
         """The checkpoint group this watch gates (None for an exchange's own watch)."""
-        self._store: Any = store  # None: a connection of its own, opened on the first call
+        self._store: Any = store  # the gates' connection; None: one of its own, opened on the first call
+        self._shared: Any = store  # the beat thread's: the job's own (c10d's) connection
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the beat thread and a gate both write this rank's beat
@@ -130,6 +133,9 @@ class Watch:
         self.verdict: BaseException | None = None
         self.lost: list[int] = []
         self.seen: dict[int, tuple[bytes, float]] = {}  # a watcher's last view of each beat, and since when
+        self.waiting: tuple[int, float] | None = None  # (gate, since when) while this rank waits at one
+        self._other_seen = False  # the watcher's beat was seen in this call (so its absence means the call ended)
+        self.orphan = False  # the call ended without this rank: the keys it makes now are its own to remove
         self.store_gone = False  # the store stopped answering: no more requests (each failed one logs a C++ trace)
 
     @property
@@ -161,7 +167,8 @@ class Watch:
         if self._store is None:
             # its waits are bounded by the gates' own logic; the connection's timeout only ends a wait
             # on a store that stopped answering
-            self._store = _connection(self.wait_limit + self.timeout)
+            self._shared = _job_store()
+            self._store = _connection(self._shared, self.wait_limit + self.timeout)
         self._reset()
         self.calls += 1
         self.prefix = f"ucp_dcp/{self.name}/{self.calls}/"
@@ -198,7 +205,10 @@ class Watch:
         _LOCAL.watch = self._outer
         self.active = False
         with contextlib.suppress(RuntimeError, OSError):  # the store is gone: nothing left to clean
-            if not self.store_gone and self._req("add", "left", 1) == self.size - len(self.lost):
+            if self.orphan and not self.store_gone:  # what it made after the others left
+                for key in [f"b/{self.me}", f"a/{self.seq}", f"g/{self.seq}"]:
+                    self._req("delete_key", key)
+            elif not self.store_gone and self._req("add", "left", 1) == self.size - len(self.lost):
                 keys = [f"b/{r}" for r in range(self.size)] + ["left"]
                 for k in range(max(1, self.seq - 2), self.seq + 3):  # ranks are at most a gate apart
                     keys += [f"a/{k}", f"g/{k}"]
@@ -209,20 +219,30 @@ class Watch:
     # -- beats -------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        scanned = time.monotonic()
         while not self._stop.wait(beat_s()):
             try:
-                self._beat()
+                self._beat(shared=True)
+                waiting = self.waiting
+                if waiting is not None and time.monotonic() - scanned >= SCAN_S:
+                    scanned = time.monotonic()
+                    k, since = waiting
+                    verdict = self._scan(k, scanned - since) if self.me in (0, 1) else None
+                    verdict = verdict or self._orphaned()
+                    if verdict is not None:  # the gate's waiters, this rank's main thread among them, are released
+                        self._set_if_unset(f"g/{k}", verdict, shared=True)
             except (RuntimeError, OSError):  # the store is gone (the job is being torn down): the gate says so
                 return
 
-    def _beat(self, flag: str = "", why: str = "") -> None:
+    def _beat(self, flag: str = "", why: str = "", shared: bool = False) -> None:
         if self.store_gone:
             raise RuntimeError("the job's store stopped answering")
-        with self._lock:
+        with self._lock:  # one beat at a time from either connection: the store sees them in order
             self.beats += 1
             flag = flag or ("x" if self.failing else "")
             why = why or self.failing
-            self._req("set", f"b/{self.me}", f"{self.beats}|{self.seq}|{flag}|{why or self.step}")
+            value = f"{self.beats}|{self.seq}|{flag}|{why or self.step}"
+            self._req("set", f"b/{self.me}", value, shared=shared)
 
     # -- gates -------------------------------------------------------------------------------------------
 
@@ -242,13 +262,15 @@ class Watch:
             n = self._req("add", f"a/{k}", 1 + (self.size if self.failing else 0))
             if n % self.size == 0:  # the last to arrive (a failing arrival adds size + 1: see the module doc)
                 self._open(k, n)
-            if self.me in (0, 1):
-                self._watch(k)
+            self.waiting = (k, time.monotonic())  # a watcher's beat thread reads the others' beats meanwhile
             value = self._req("get", f"g/{k}")
         except (RuntimeError, OSError) as e:  # the store's host is gone (a plain launch: rank 0's process)
             self.verdict = self._store_error(e)
             raise self.verdict from None
+        finally:
+            self.waiting = None
         if value == GO and not self.failing:
+            self._other_seen = True  # every member had begun: a watcher's beat missing later means the call ended
             return
         self.verdict = self._judge(value, error)
         raise self.verdict
@@ -266,28 +288,12 @@ class Watch:
             self._req("delete_key", f"a/{k - 1}")
             self._req("delete_key", f"g/{k - 1}")
 
-    def _watch(self, k: int) -> None:
-        """A watcher's wait at gate ``k``: poll it, read the beats it waits on once a second, publish a loss."""
-        pause, started = 0.0001, time.monotonic()
-        scanned = started
-        key = f"g/{k}"
-        while not self._req("check", [key]):
-            now = time.monotonic()
-            if now - scanned >= SCAN_S:
-                scanned = now
-                verdict = self._scan(k, now - started)
-                if verdict is not None:
-                    self._set_if_unset(key, verdict)
-                    return
-            time.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE_S)
-
     def _scan(self, k: int, waited: float) -> bytes | None:
         """The coordinator reads the beats of every rank; its deputy the coordinator's. A verdict when one of
         those not yet at gate ``k`` left the call with an error, stood still for the peer timeout, or kept
         the gate waiting longer than the caller's group timeout."""
         ranks = range(self.size) if self.me == 0 else [0]
-        beats = self._beats(ranks)
+        beats = self._beats(ranks, shared=True)
         now = time.monotonic()
         for r in ranks:
             if r == self.me:
@@ -314,15 +320,34 @@ class Watch:
                 )
         return None
 
-    def _beats(self, ranks: Any = None) -> dict[int, tuple[int, int, str, str, bytes]]:
+    def _orphaned(self) -> bytes | None:
+        """A verdict when the call ended without this rank: the others found it lost (a freeze longer than the
+        peer timeout, then it resumed) and the last of them removed the call's keys, the watcher's beat too."""
+        other = f"b/{1 if self.me == 0 else 0}"
+        if self._req("check", [other], shared=True):
+            self._other_seen = True
+            return None
+        if not self._other_seen:  # the watcher has not begun this call yet
+            return None
+        self.orphan = True
+        return self._loss(
+            self.me,
+            "the others ended this call without it (they found it lost: it stood still "
+            "for longer than the peer timeout)",
+        )
+
+    def _beats(self, ranks: Any = None, shared: bool = False) -> dict[int, tuple[int, int, str, str, bytes]]:
         """``rank -> (count, gate, flag, step or error, raw)`` for the beats that exist (one multi_get
         when they all do; a rank that has not begun has none)."""
         ranks = list(range(self.size) if ranks is None else ranks)
         keys = [f"b/{r}" for r in ranks]
-        if self._req("check", keys):
-            raws = self._req("multi_get", keys)
+        if self._req("check", keys, shared=shared):
+            raws = self._req("multi_get", keys, shared=shared)
         else:
-            raws = [self._req("get", key) if self._req("check", [key]) else None for key in keys]
+            raws = [
+                self._req("get", key, shared=shared) if self._req("check", [key], shared=shared) else None
+                for key in keys
+            ]
         out = {}
         for r, raw in zip(ranks, raws):
             if raw is None:
@@ -351,8 +376,8 @@ class Watch:
             during = self.step.split(":", 1)[0] or "a checkpoint call"
             return peer_lost(self.members[r], f"{v['why']} (seen by rank {v['by']})", during=f"a {during}")
         r = int(v["failed"])
-        if r == self.me and error is not None:
-            return error  # its own failure, in full
+        if error is not None:
+            return error  # this rank failed too: its own failure, in full (every rank of an agreed failure)
         return error_from_wire(self.members[r], str(v["error"]).encode())
 
     def _store_error(self, e: BaseException) -> PeerLostError:
@@ -367,18 +392,21 @@ class Watch:
 
     # -- the store ---------------------------------------------------------------------------------------
 
-    def _set_if_unset(self, key: str, value: bytes) -> None:
+    def _set_if_unset(self, key: str, value: bytes, shared: bool = False) -> None:
         # one verdict per gate: whoever sets it first (the last arrival's "go", a watcher's loss) wins
-        self._req("compare_set", key, "", value)
+        self._req("compare_set", key, "", value, shared=shared)
 
-    def _req(self, op: str, key: Any, *args: Any) -> Any:
-        store = self._store
+    def _req(self, op: str, key: Any, *args: Any, shared: bool = False) -> Any:
+        """One request under this call's prefix: on the gates' own connection, or (``shared``: the beat
+        thread's) the job's."""
+        store = self._shared if shared else self._store
         if isinstance(key, list):
             return getattr(store, op)([self.prefix + k for k in key], *args)
         return getattr(store, op)(self.prefix + key, *args)
 
 
 def _everyones(error: BaseException) -> bool:
-    """Whether every rank raises ``error`` too: DCP's wrapper of the per-rank failures its collectives
-    carried, and the verdicts of gates (a peer's loss or failure), need no telling."""
-    return isinstance(error, PeerFailedError) or hasattr(error, "failures")
+    """Whether every rank raises ``error`` too: DCP's wrapper of the per-rank failures its collectives carried
+    needs no telling (a gate's verdict neither: :attr:`Watch.verdict`). Anything else -- a gloo error, a peer
+    this rank found lost in a transfer, an error of this rank alone -- is taken to the next gate."""
+    return hasattr(error, "failures")
