@@ -5,7 +5,6 @@ Each multi-process case runs on the pool with a ``timeout`` far below the pool's
 """
 
 import gc
-import os
 import pickle
 import subprocess
 import sys
