@@ -516,6 +516,51 @@ def _summarize(n: int, records: dict[int, list], snaps: dict, keys: dict, metere
     return out
 
 
+def check_counts(jobs: list[dict]) -> list[str]:
+    """What is wrong with the exact counts of ``ucp_dcp.save``/``load`` (CI's plan tier runs this): per call the
+    same number of gates G at every N, and per gate one add, one blocking get (WAIT then GET on the wire) per
+    rank and one verdict; one ``left`` add per rank; no store connection opened, no key family outside
+    ucp_dcp's, nothing between calls, none of ucp_dcp's keys left after the calls. Beats and the watchers'
+    scans are per second of a call, not per rank pair, and are not counted here (their rate is)."""
+    problems: list[str] = []
+    gates: dict[str, set[int]] = {}
+    for job in jobs:
+        n = job["n"]
+        if "error" in job:
+            problems.append(f"N={n}: the job failed: {job['error'][:300]}")
+            continue
+        for c in job["calls"]:
+            if not c["kind"].startswith("ucp") or c["rep"] < 0:
+                continue
+            f, where = c["families"], f"N={n} {c['kind']} rep {c['rep']}"
+            g, rest = divmod(f.get("ADD /ucp_dcp/#/#/a/#", 0), n)
+            gates.setdefault(c["kind"], set()).add(g)
+            want = {
+                "WAIT /ucp_dcp/#/#/g/#": g * n,
+                "GET /ucp_dcp/#/#/g/#": g * n,
+                "COMPARE_SET /ucp_dcp/#/#/g/#": g,
+                "ADD /ucp_dcp/#/#/left": n,
+            }
+            bad = {k: (f.get(k, 0), v) for k, v in want.items() if f.get(k, 0) != v}
+            if rest or g == 0 or bad:
+                problems.append(f"{where}: {g} gates (+{rest} adds); counts (got, want): {bad}")
+            other = sorted(k for k in f if not k.split(" ", 1)[-1].startswith("/ucp_dcp/"))
+            if other:
+                problems.append(f"{where}: store requests outside ucp_dcp's keys: {other}")
+            if c["store"]["connections_opened"]:
+                problems.append(f"{where}: {c['store']['connections_opened']} store connections opened")
+        idle = job.get("idle", {})
+        if idle.get("requests_per_s", 0):
+            problems.append(f"N={n}: {idle['requests_per_s']:.1f} store requests/s with no call running")
+        ours = {k: v for k, v in job["keys"].get("left_families", {}).items() if "ucp_dcp" in k}
+        if ours:
+            problems.append(f"N={n}: ucp_dcp keys left in the store after the calls: {ours}")
+    for kind, gs in gates.items():
+        if len(gs) != 1:
+            problems.append(f"{kind}: the number of gates per call depends on N: {sorted(gs)}")
+    return problems
+
+
 def slope(ns: list[int], ys: list[float]) -> float | None:
     """Least-squares slope of log y over log N, over the N where y > 0; 0.0 where y is 0 at every N (nothing
     grows); None where fewer than two N have a value."""
@@ -651,7 +696,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/scale_ckpt", help="scratch folder for the checkpoints (removed after)")
     ap.add_argument("--direct", action="store_true", help="no meter: ranks use the store itself (times only)")
     ap.add_argument("--timeout", type=float, default=600.0, help="process group / store timeout, s")
+    ap.add_argument(
+        "--check-counts",
+        action="store_true",
+        help="CI: assert the exact store counts per call (check_counts); exit 1 on a problem (defaults: 2,4 ranks, 1 rep)",
+    )
     a = ap.parse_args(argv)
+    if a.check_counts:  # the counts are exact at any size: the smallest jobs, one rep, a short idle window
+        argv = list(argv if argv is not None else sys.argv[1:])
+        a.ranks = a.ranks if "--ranks" in argv else "2,4"
+        a.reps = a.reps if "--reps" in argv else 1
+        a.idle_s = a.idle_s if "--idle-s" in argv else 1.0
     ns = sorted({int(x) for x in a.ranks.split(",") if x.strip()})
     if not ns or min(ns) < 2:
         ap.error("--ranks: job sizes of 2 or more")
@@ -736,6 +791,19 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(f"FAILED: jobs {failed}, not bitwise at N={not_bitwise}")
     print("SCALE: " + "; ".join(parts))
     log(f"total {time.monotonic() - t0:.0f} s")
+    if a.check_counts:
+        problems = check_counts(jobs)
+        gates = {
+            c["kind"]: c["families"].get("ADD /ucp_dcp/#/#/a/#", 0) // j["n"]
+            for j in ok
+            for c in j["calls"]
+            if c["kind"].startswith("ucp") and c["rep"] == 0
+        }
+        for p in problems:
+            print(f"  {p}")
+        verdict = "OK" if not problems and not failed and not not_bitwise else "FAILED"
+        print(f"SCALE COUNTS {verdict}: N={ns}, gates per call {gates}, {len(problems)} problem(s)")
+        return 0 if verdict == "OK" else 1
     return 1 if failed or not_bitwise else 0
 
 
