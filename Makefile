@@ -119,8 +119,12 @@ test-e2e-ci: $(STAMP)
 
 # planning at scale (CI's plan tier): `ucp_dcp plan` of the recipe's checkpoint at 1,024 ranks in one process,
 # its time printed against its budget (docs/performance.md, "Planning"); last line PLAN SCALE ok / OVER BUDGET
+# and the checkpoint protocol's exact store counts per call at 2 and 4 gloo ranks (`recipes/scale.py --check-counts`:
+# the same gates at every N, O(1) requests per rank per gate, nothing between calls, no key left); last line
+# SCALE COUNTS OK / FAILED
 plan-scale: $(STAMP)
 	$(PY) recipes/plan_demo.py --scale --out runs/plan_scale
+	$(PY) recipes/scale.py --check-counts --json runs/scale_counts.json
 
 # the rest of the large matrices make test samples (marker full): 42 more (dp,tp) pairs, 13 more reconfiguration
 # transitions and their plan checks (~10 min); not in CI, whose e2e tier loads every transition in the mistake set
