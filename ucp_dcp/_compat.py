@@ -366,3 +366,10 @@ def allgather_into(backend: Any, output: torch.Tensor, input: torch.Tensor, *opt
     """A backend's allgather into one tensor (``ProcessGroupGloo._allgather_base``, bound under that name in
     every release 2.11-2.15): what a Python process group's ``all_gather_single`` hands to gloo."""
     return backend._allgather_base(output, input, *opts)
+
+
+def set_backend_timeout(backend: Any, timeout: Any) -> None:
+    """A backend's op timeout for the ops that follow (``ProcessGroupGloo._set_default_timeout``, what
+    ``distributed_c10d._set_pg_timeout`` calls, every release 2.11-2.15; ``set_timeout`` where it is public)."""
+    setter = getattr(backend, "_set_default_timeout", None) or backend.set_timeout
+    setter(timeout)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import allgather_into, default_group, group_registered, group_timeout
+from .._compat import allgather_into, default_group, group_registered, group_timeout, set_backend_timeout
 from .collectives import peer_timeout
 from .watch import Watch
 
@@ -148,8 +148,11 @@ def _opts(opts: Any) -> tuple:
 def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
     """c10d's creator for :data:`BACKEND`: gloo's backend over the group's own store prefix (what ``new_group``
     would build for ``backend="gloo"``), with the peer timeout, behind the gates."""
-    gloo = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timedelta(seconds=peer_timeout()))
     wait = opts.timeout.total_seconds() if opts.timeout is not None else DEFAULT_WAIT_S
+    # the members connect under the caller's timeout (they reach their first call when they do: a rank may
+    # still be writing); the ops run under the peer timeout (behind a gate, every member is there)
+    gloo = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timedelta(seconds=wait))
+    set_backend_timeout(gloo, timedelta(seconds=peer_timeout()))
     ranks = list(opts.global_ranks_in_group)
     return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, str(opts.group_id), wait)
 

@@ -28,6 +28,9 @@ call, two beats and (the two watchers, while they wait) one scan: O(N) for the j
 Each watch holds one store connection of its own, opened on its first call and kept, for the gates' blocking
 ``get``: a wait there must not hold up the job's own connection, which the beat thread uses (its requests never
 block) as do NCCL's monitor threads.
+
+Kept in one module (just over 400 lines): the beats, the gates, the watchers' scans and the verdicts read and
+write one call's state (its sequence of gates, its loss, its keys); split, each part would reach into the others.
 """
 
 from __future__ import annotations
