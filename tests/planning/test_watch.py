@@ -109,7 +109,9 @@ def _frozen_member(ws, frozen):
     return call
 
 
-@pytest.mark.parametrize("frozen", [2, 0], ids=["a member (found by the coordinator)", "the coordinator (by its deputy)"])
+@pytest.mark.parametrize(
+    "frozen", [2, 0], ids=["a member (found by the coordinator)", "the coordinator (by its deputy)"]
+)
 def test_a_member_whose_beat_stands_still_is_lost_and_every_member_ends_naming_it(fast, frozen):
     store = dist.HashStore()
     ws = _watches(store)

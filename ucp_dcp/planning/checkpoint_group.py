@@ -149,12 +149,16 @@ def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
     """c10d's creator for :data:`BACKEND`: gloo's backend over the group's own store prefix (what ``new_group``
     would build for ``backend="gloo"``), with the peer timeout, behind the gates."""
     wait = opts.timeout.total_seconds() if opts.timeout is not None else DEFAULT_WAIT_S
+    # a group over the same members made again (after a failed call) gets c10d's same hashed name, so the same
+    # store prefix: gloo would meet the last one's addresses there. Each making has a prefix of its own.
+    gen = _MAKING[0]
+    store = dist.PrefixStore(f"ucp_dcp.{gen}/", opts.store)
     # the members connect under the caller's timeout (they reach their first call when they do: a rank may
     # still be writing); the ops run under the peer timeout (behind a gate, every member is there)
-    gloo = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timedelta(seconds=wait))
+    gloo = dist.ProcessGroupGloo(store, opts.group_rank, opts.group_size, timedelta(seconds=wait))
     set_backend_timeout(gloo, timedelta(seconds=peer_timeout()))
     ranks = list(opts.global_ranks_in_group)
-    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, str(opts.group_id), wait)
+    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, f"{opts.group_id}.{gen}", wait)
 
 
 def _register() -> None:
@@ -162,10 +166,18 @@ def _register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
+_MAKINGS: dict[tuple[int, ...], int] = {}
+"""How many checkpoint groups over each member set this process made: the same count on every member (they
+make them together), so the prefix of the :data:`_MAKING` one is the same on all."""
+_MAKING = [0]
+
+
 def _new(members: list[int], like: dist.ProcessGroup | None) -> CheckpointGroup:
     _register()
     timeout = group_timeout(like or default_group())  # the caller's bound for a rank that never arrives
-    return dist.new_group(ranks=sorted(members), backend=BACKEND, use_local_synchronization=True, timeout=timeout)
+    key = tuple(sorted(members))
+    _MAKINGS[key] = _MAKING[0] = _MAKINGS.get(key, 0) + 1  # read by _create, inside new_group (this thread)
+    return dist.new_group(ranks=list(key), backend=BACKEND, use_local_synchronization=True, timeout=timeout)
 
 
 _GROUPS: dict[tuple[int, ...], tuple[object, CheckpointGroup]] = {}
