@@ -65,6 +65,27 @@ def test_save_and_load_go_through_the_checkpoint_group_round_trip_bitwise_and_le
         assert left == [], res  # no key of either call left in the job's store
 
 
+def _uneven_groups_worker(rank, world, root):
+    """Rank 0 holds a group the others are not in (c10d then names a locally synchronized group differently
+    on it): the checkpoint group's members must still meet, and the one made again after a failed call too."""
+    dist.new_group([0])
+    sd, w = _state(rank, world, 5)
+    save(sd, root)
+    first = cg.checkpoint_group(list(range(world)))
+    first.spent = True  # as after a call that raised: the next call makes the group again
+    got = {"w": torch.zeros_like(w), "b": torch.zeros(5), "step": 0}
+    load(got, root)
+    again = cg.checkpoint_group(list(range(world)))
+    return first.key, again.key, again is not first, torch.equal(got["w"], w), got["step"]
+
+
+def test_groups_the_others_do_not_hold_and_a_group_made_again_do_not_keep_members_apart():
+    res = D.run(_uneven_groups_worker, 4, D.tmpdir(), timeout=HANG_S)
+    assert all(r[2:] == (True, True, 5) for r in res), res
+    # every member named both makings alike (their rendezvous prefix and watch keys), and the two apart
+    assert len({r[0] for r in res}) == 1 and len({r[1] for r in res}) == 1 and res[0][0] != res[0][1], res
+
+
 def _off_worker(rank, world, root):
     sd, _ = _state(rank, world, 1)
     D.setenv(cg.CONTROL_ENV, "off")

@@ -23,6 +23,7 @@ waits out that group's timeout.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import allgather_into, default_group, group_registered, group_timeout, set_backend_timeout
+from .._compat import allgather_into, default_group, default_store, group_registered, group_timeout, set_backend_timeout
 from .collectives import peer_timeout
 from .watch import Watch
 
@@ -50,11 +51,16 @@ class CheckpointGroup(dist.ProcessGroup):
     """A process group over ``members`` (global ranks) whose collectives are ``gloo``'s, each behind a gate of
     :attr:`watch`; point-to-point ops (the read-once exchange) go straight to gloo."""
 
-    def __init__(self, gloo: Any, rank: int, size: int, members: list[int], name: str, wait_limit: float) -> None:
+    def __init__(
+        self, gloo: Any, rank: int, size: int, members: list[int], c10d_name: str, name: str, wait_limit: float
+    ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload, as torch's own Python groups
         self.gloo = gloo
         self.members = list(members)
-        self.name_ = name
+        self.c10d_name = c10d_name
+        """The name c10d registered it under (this rank's: it may differ between members)."""
+        self.key = name
+        """Its name on every member: its gloo rendezvous prefix and its watch's keys (:func:`_new`)."""
         self.watch = Watch(name, self.members, rank, wait_limit)
         self.watch.group = self
         self.spent = False
@@ -65,7 +71,8 @@ class CheckpointGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]  # c10d reads it from a backend, and this group has none
-        return self.name_
+        # c10d's own name: destroy_process_group unregisters the group by it
+        return self.c10d_name
 
     def _run(self, kind: str, op: Any, *tensors: Any) -> Any:
         """Gloo's op ``op()`` behind the gate; a collective outside a call (the memory tier's set-up) is a
@@ -149,16 +156,19 @@ def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
     """c10d's creator for :data:`BACKEND`: gloo's backend over the group's own store prefix (what ``new_group``
     would build for ``backend="gloo"``), with the peer timeout, behind the gates."""
     wait = opts.timeout.total_seconds() if opts.timeout is not None else DEFAULT_WAIT_S
-    # a group over the same members made again (after a failed call) gets c10d's same hashed name, so the same
-    # store prefix: gloo would meet the last one's addresses there. Each making has a prefix of its own.
-    gen = _MAKING[0]
-    store = dist.PrefixStore(f"ucp_dcp.{gen}/", opts.store)
+    # gloo's rendezvous goes under a prefix of this making (:func:`_new`) on the job's store, not under
+    # c10d's: c10d names a locally synchronized group by a hash of its ranks *and of how many groups this
+    # process holds*, which differs between ranks as soon as one of them made a group the others are not in
+    # (``new_group([0])``): its members would meet at different prefixes and wait forever.
+    ranks = list(opts.global_ranks_in_group)
+    name = _MAKING[0]
+    store = dist.PrefixStore(f"checkpoint_group/{name}/", default_store())
     # the members connect under the caller's timeout (they reach their first call when they do: a rank may
     # still be writing); the ops run under the peer timeout (behind a gate, every member is there)
     gloo = dist.ProcessGroupGloo(store, opts.group_rank, opts.group_size, timedelta(seconds=wait))
     set_backend_timeout(gloo, timedelta(seconds=peer_timeout()))
-    ranks = list(opts.global_ranks_in_group)
-    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, f"{opts.group_id}.{gen}", wait)
+    # the watch's keys are named the same way, for the same reason
+    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, opts.group_id, name, wait)
 
 
 def _register() -> None:
@@ -166,18 +176,26 @@ def _register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
-_MAKINGS: dict[tuple[int, ...], int] = {}
-"""How many checkpoint groups over each member set this process made: the same count on every member (they
-make them together), so the prefix of the :data:`_MAKING` one is the same on all."""
-_MAKING = [0]
+_MAKING = [""]
+"""The name of the group :func:`_new` is making, read by :func:`_create` inside ``new_group`` (this thread)."""
 
 
 def _new(members: list[int], like: dist.ProcessGroup | None) -> CheckpointGroup:
+    """Make a checkpoint group over ``members``; its members call this together.
+
+    Its name (its gloo rendezvous prefix and its watch's keys) is the members' hash and the number of this
+    making, counted in the job's store: every member adds one per making and they make them in the same
+    order, so the ``k``-th ``size`` adds are the ``k``-th making on all of them (a member's add for the next
+    making comes after it met every other member in this one). A group made again after a failed call gets
+    a new name (the last one's addresses are still in the store), and so does one made by a process whose
+    memory is new but whose store is not (a job re-initialized over the same store)."""
     _register()
     timeout = group_timeout(like or default_group())  # the caller's bound for a rank that never arrives
-    key = tuple(sorted(members))
-    _MAKINGS[key] = _MAKING[0] = _MAKINGS.get(key, 0) + 1  # read by _create, inside new_group (this thread)
-    return dist.new_group(ranks=list(key), backend=BACKEND, use_local_synchronization=True, timeout=timeout)
+    key = sorted(members)
+    digest = hashlib.sha1(",".join(map(str, key)).encode(), usedforsecurity=False).hexdigest()[:16]
+    making = (default_store().add(f"checkpoint_group/{digest}/made", 1) - 1) // len(key)
+    _MAKING[0] = f"{digest}.{making}"
+    return dist.new_group(ranks=key, backend=BACKEND, use_local_synchronization=True, timeout=timeout)
 
 
 _GROUPS: dict[tuple[int, ...], tuple[object, CheckpointGroup]] = {}
