@@ -40,11 +40,10 @@ from ucp_dcp.planning.payloads import (
     LocalPlanPayload,
     PackedPlan,
     PlanStructure,
-    ReadSummary,
     RuleUsage,
     dtype_code,
 )
-from ucp_dcp.storage.transport import read_summary
+from ucp_dcp.storage.transport import local_summary
 
 ROWS, COLS = 8, 256  # rows per rank and columns of every sharded tensor
 
@@ -215,11 +214,10 @@ def simulate(ranks: int, tensors: int, system: str, phase: str, caching: bool = 
         md = _FakeMeta(tensors)
         plans = []
         for r in range(ranks):  # what UCPFileSystemReader.prepare_local_plan leaves in a gathered plan
-            keys, sizes = read_summary(_dcp_read_items(r, tensors), md)
             plans.append(
                 LoadPlan(
                     [],
-                    storage_data=ReadSummary(r, "ranks", keys, sizes, "h"),
+                    storage_data=local_summary(_dcp_read_items(r, tensors), md, "ranks", rank=r, host="h"),
                     planner_data=LoadPlanPayload(RuleUsage(), "ranks", keeps_items=True),
                 )
             )

@@ -26,10 +26,15 @@ lives here:
   across saves ask :func:`default_stager_reusable` and build one per save where it is False.
 * ``dcp.async_save`` asserts that its process group has a CPU backend (every release 2.11-2.15):
   under an NCCL-only default group, pass a gloo group (:func:`group_has_cpu_backend`).
+
+Kept in one module (about 530 lines): only this module may name private torch names
+(``tests/test_architecture.py``), so every use of them, the dry run's mesh copies and local shapes included,
+is here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,9 +89,12 @@ __all__ = [
     "fake_store",
     "mesh_for_rank",
     "dtensor_from_local",
+    "dtensor_on_mesh",
     "CheckpointableTensor",
     "is_checkpointable_tensor",
     "strided_shard_indices",
+    "strided_chunk_sizes",
+    "dtensor_local_shape",
     "split_tensor",
     "group_has_cpu_backend",
     "TESTED_TORCH",
@@ -203,12 +211,21 @@ def fake_store() -> torch.distributed.Store:
 
 
 def mesh_for_rank(
-    mesh: torch.distributed.device_mesh.DeviceMesh, rank: int, cache: dict
+    mesh: torch.distributed.device_mesh.DeviceMesh,
+    rank: int,
+    cache: dict,
+    on_twin: Callable[[Any, Any], None] | None = None,
 ) -> torch.distributed.device_mesh.DeviceMesh:
     """``mesh`` as global rank ``rank`` sees it (``ucp_dcp.tools.dryrun``): a copy with the same layout over
     the same root rank map whose stored rank and coordinate are ``rank``'s (DeviceMesh's private
     ``_rank``/``_coordinate_on_dim``/``_root_mesh``; ``DeviceMesh.mesh`` slices at the default
-    group's rank, which must be ``rank``). No process groups are created. ``cache``: id -> copy."""
+    group's rank, which must be ``rank``). No process groups are created. ``cache``: id -> copy.
+
+    The slices of ``mesh``'s layout over its rank map (``DeviceMesh.mesh`` of every rank) are worked out once
+    per ``mesh`` (:class:`_MeshSlices`): the copy's coordinate is read off its slice, and for a copy for a rank
+    in the slice of an earlier copy (the same ranks in the same places, a twin root) ``on_twin(copy, earlier)``
+    is called (``ucp_dcp.tools.dryrun`` declares them twins, :func:`ucp_dcp.layout.placements.declare_twin`,
+    so what ucp_dcp works out per mesh is worked out once per slice, not once per rank)."""
     hit = cache.get(id(mesh))
     if hit is not None:
         return hit
@@ -218,10 +235,71 @@ def mesh_for_rank(
     new._rank = rank
     new._hash = None
     if mesh._root_mesh is not None:
-        new._root_mesh = mesh_for_rank(mesh._root_mesh, rank, cache)
-    new._coordinate_on_dim = new._compute_coordinate_on_dim()
+        new._root_mesh = mesh_for_rank(mesh._root_mesh, rank, cache, on_twin)
+    slices = _MeshSlices.of(mesh)
+    row = slices.row(rank) if slices is not None else None
+    if row is None:
+        new._coordinate_on_dim = new._compute_coordinate_on_dim()
+    else:  # what _compute_coordinate_on_dim computes: the rank's place in its slice (DeviceMesh.mesh)
+        new._coordinate_on_dim = type(mesh)._compute_coordinates_from_mesh(slices.full[row], rank)
+        twin = slices.twins.setdefault(row, new)
+        if twin is not new and on_twin is not None:
+            if mesh._root_mesh is None or _twin_roots(new._root_mesh, twin._root_mesh):
+                on_twin(new, twin)
     cache[id(mesh)] = new
     return new
+
+
+def _twin_roots(a: Any, b: Any) -> bool:
+    slices = _MeshSlices.of(a)
+    return slices is not None and slices is _MeshSlices.of(b) and slices.full.size(0) == 1
+
+
+class _MeshSlices:
+    """A mesh's layout over its rank map, sliced as ``DeviceMesh.mesh`` slices it for each rank: the full
+    tensor (one slice per row), the row each rank's ``mesh`` is, and the first copy made per row."""
+
+    _BY_MESH: dict[int, tuple[Any, Any]] = {}
+    """id of a mesh -> (weak reference to it, its slices); copies share their original's rank map and layout."""
+
+    def __init__(self, full: torch.Tensor) -> None:
+        self.full = full
+        self._row: dict[int, int] = {}
+        if full.size(0) > 1:
+            for i, ranks in enumerate(full.reshape(full.size(0), -1).tolist()):
+                for r in ranks:
+                    self._row.setdefault(int(r), i)  # DeviceMesh.mesh takes the first row holding the rank
+        self.twins: dict[int, Any] = {}
+
+    def row(self, rank: int) -> int | None:
+        """The row ``DeviceMesh.mesh`` is for ``rank`` (None: it raises, or the rank is in none)."""
+        if self.full.size(0) == 1:
+            return 0
+        return self._row.get(rank)
+
+    @classmethod
+    def of(cls, mesh: Any) -> _MeshSlices | None:
+        """The slices of ``mesh`` (shared by its copies: they keep its rank map and layout); None for a
+        DeviceMesh without torch 2.11-2.15's ``_layout``/``_rank_map`` (then copies are computed the plain way)."""
+        import weakref
+
+        layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+        if layout is None or rank_map is None or not hasattr(type(mesh), "_compute_coordinates_from_mesh"):
+            return None
+        key = id(rank_map)
+        hit = cls._BY_MESH.get(key)
+        if hit is None or hit[0]() is not rank_map:
+            try:
+                ref = weakref.ref(rank_map, lambda _ref: cls._BY_MESH.pop(key, None))
+            except TypeError:
+                return None
+            hit = cls._BY_MESH[key] = (ref, {})
+        by_layout: dict[Any, _MeshSlices | None] = hit[1]
+        which = (layout, mesh.mesh_dim_names)
+        if which not in by_layout:
+            full = layout.remap_to_tensor(rank_map)
+            by_layout[which] = cls(full) if full.dim() >= 2 else None
+        return by_layout[which]
 
 
 def dtensor_from_local(
@@ -236,7 +314,29 @@ def dtensor_from_local(
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    # DTensor(...) is DTensor.__new__ then an __init__ that only calls Tensor.__init__, under a dynamo guard
+    # costing ~150 us a call (9/10 of the construction; ``plan`` rebinds ~70 DTensors per simulated rank)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
+def dtensor_on_mesh(
+    t: torch.distributed.tensor.DTensor, local: torch.Tensor, mesh: torch.distributed.device_mesh.DeviceMesh
+) -> torch.distributed.tensor.DTensor:
+    """``t``'s global tensor as another rank holds it (``ucp_dcp.tools.dryrun``): ``local`` on ``mesh`` (a copy of
+    ``t``'s mesh for that rank) with ``t``'s placements, global shape and stride. ``t``'s spec is copied with the
+    mesh replaced, as :func:`dtensor_from_local` would build it: its checks ran when ``t`` was made, and cost
+    more than the rest of the rebinding of a rank."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    old = getattr(t, "_spec", None)
+    meta = getattr(old, "tensor_meta", None)
+    if type(old) is not DTensorSpec or meta is None or meta.dtype != local.dtype or not hasattr(old, "__dict__"):
+        return dtensor_from_local(local, mesh, t.placements, t.shape, t.stride())
+    spec = object.__new__(DTensorSpec)
+    spec.__dict__.update(old.__dict__)
+    spec.__dict__.update(mesh=mesh, _hash=None)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh) -> torch.distributed.device_mesh.DeviceMesh:
@@ -282,6 +382,57 @@ def strided_shard_indices(p: _StridedShard, n: int, k: int, i: int) -> list[int]
     else:  # torch 2.11
         _, offsets = p.local_shard_size_and_offset(n, k, i, return_first_offset=False)
     return [int(o) for o in offsets]
+
+
+def strided_chunk_sizes(p: _StridedShard, n: int, k: int) -> tuple[int, ...]:
+    """The size of each of the ``k`` chunks ``_StridedShard`` ``p`` cuts a dim of size ``n`` into: what
+    ``p.local_shard_size_and_offset(n, k, i)`` returns as the size for every ``i``, by the same call it makes
+    (``_split_tensor`` of the dim's indices), once for all ``i``."""
+    index = torch.arange(n).view([1] * int(p.dim) + [n])
+    return tuple(int(s.numel()) for s in p._split_tensor(index, k, with_padding=False, contiguous=False)[0])
+
+
+_STRIDED_SIZES: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+"""``(dim, split_factor, dim size, chunks)`` -> :func:`strided_chunk_sizes` (:func:`dtensor_local_shape`)."""
+
+
+def dtensor_local_shape(
+    global_shape: Any, mesh: torch.distributed.device_mesh.DeviceMesh, placements: Any
+) -> tuple[int, ...]:
+    """The shape of this rank's local tensor of a DTensor of ``global_shape`` on ``mesh``: DTensor's own
+    ``compute_local_shape_and_global_offset(...)[0]`` (``ucp_dcp.tools.dryrun`` rebinds a state dict to every
+    rank it plans). DTensor works out a ``_StridedShard``'s size at a coordinate by cutting the whole dim into
+    every chunk, O(chunks) per rank (the 4,096-rank plan's largest cost after the meshes); here those sizes are
+    worked out once per dim size and mesh dim for all coordinates, by the same ``_split_tensor`` call
+    (:func:`strided_chunk_sizes`). ``Shard`` sizes come from DTensor's own ``Shard`` method; other placements
+    (and a rank outside the mesh) from DTensor's function itself."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    coord = mesh.get_coordinate()
+    if coord is None or not all(isinstance(p, (Shard, _StridedShard, Replicate)) for p in placements):
+        return tuple(compute_local_shape_and_global_offset(global_shape, mesh, placements)[0])
+    try:
+        return _local_shape(global_shape, tuple(mesh.shape), coord, placements)
+    except (AttributeError, TypeError):  # a torch whose placements lack these private methods: DTensor's own way
+        return tuple(compute_local_shape_and_global_offset(global_shape, mesh, placements)[0])
+
+
+def _local_shape(global_shape: Any, sizes: tuple[int, ...], coord: Any, placements: Any) -> tuple[int, ...]:
+    from torch.distributed.tensor import Shard
+
+    shape = list(global_shape)
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):  # first: not a Shard subclass today, but be explicit
+            key = (int(p.dim), int(p.split_factor), int(shape[p.dim]), int(sizes[m]))
+            every = _STRIDED_SIZES.get(key)
+            if every is None:
+                every = _STRIDED_SIZES[key] = strided_chunk_sizes(p, shape[p.dim], sizes[m])
+            shape[p.dim] = every[coord[m]]
+        elif isinstance(p, Shard):
+            shape[p.dim] = p._local_shard_size_and_offset(
+                curr_local_size=shape[p.dim], num_chunks=sizes[m], rank=coord[m]
+            )[0]
+    return tuple(shape)
 
 
 def split_tensor(p: object, t: torch.Tensor, k: int) -> list[torch.Tensor]:

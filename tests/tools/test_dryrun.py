@@ -223,3 +223,89 @@ def test_the_dry_run_parses_the_catalog_once_whatever_the_world_size(tmp_path, m
         assert report.loads, report.problems
         counts[n] = len(calls)
     assert counts[2] == counts[4] > 0, counts
+
+
+def test_the_plans_gathered_bytes_are_the_plan_the_reader_sends(tmp_path, monkeypatch):
+    """What ``plan`` reports for the coordinator's plan gather is the pickle of the plan the reader's
+    ``prepare_local_plan`` hands DCP in a real load (one process: rank 0, its host named as the plan names it)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucp_dcp
+    from ucp_dcp.tools.dryrun import FunctionTarget
+
+    model, optim = _example().build(device="cpu")
+    ucp_dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optim))), tmp_path)
+    sent: list[int] = []
+
+    class Reader(ucp_dcp.UCPFileSystemReader):
+        def prepare_local_plan(self, plan):
+            out = super().prepare_local_plan(plan)
+            sent.append(len(pickle.dumps(out)))
+            return out
+
+    monkeypatch.setenv("UCP_DCP_HOST", "node0")
+    model2, optim2 = _example().build(device="cpu")
+    target = dict(zip(("model", "optim"), get_state_dict(model2, optim2)))
+    dcp.load(target, storage_reader=Reader(str(tmp_path)), planner=ucp_dcp.UCPLoadPlanner())
+    report = plan_load(tmp_path, FunctionTarget(_one_rank_target, 1, "one rank"), device="cpu")
+    assert report.loads, report.problems
+    assert sent and report.ranks[0].plan_bytes == sent[0] == report.gathered_plan_bytes
+    assert "gathered plans: the coordinator receives" in format_report(report)
+    assert report_json(report)["gathered_plan_bytes"] == sent[0]
+
+
+def test_a_plan_in_two_processes_is_the_plan_in_one(tmp_path):
+    """Ranks planned side by side in forked workers (tools/dryrun/workers.py) give the same report, rank by
+    rank, as one process planning them all."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucp_dcp
+    from ucp_dcp.tools.dryrun import FunctionTarget
+
+    ex = _example()
+    model, optim = ex.build(device="cpu")
+    ucp_dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optim))), tmp_path)
+    reports = [
+        report_json(plan_load(tmp_path, FunctionTarget(ex.target, 24, "fsdp2"), ranks_per_node=4, workers=w))
+        for w in (1, 2, 3)
+    ]
+    for r in reports:
+        r.pop("seconds"), r.pop("peak_memory")
+    assert reports[0]["loads"] and reports[0]["built"] == 2 and reports[0]["gathered_plan_bytes"] > 0
+    assert reports[1] == reports[0] == reports[2]
+    assert any(r["bytes_received"] for r in reports[0]["ranks"])  # read-once across the simulated hosts
+
+
+def test_the_rebound_local_shapes_and_mesh_records_are_dtensors_own():
+    """The dry run's shortcuts (tools/dryrun/world.py): each rebound local shape is DTensor's own
+    ``compute_local_shape_and_global_offset`` (strided shards' sizes worked out once for all coordinates), and a
+    mesh copy declared another's twin records what it would have recorded itself."""
+    import itertools
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ucp_dcp._compat import compute_local_shape_and_global_offset, dtensor_from_local, dtensor_local_shape
+    from ucp_dcp._compat import mesh_for_rank as copy_mesh
+    from ucp_dcp.layout import placements as P
+
+    with fake_rank(0, 12):
+        root = init_device_mesh("cpu", (2, 3, 2), mesh_dim_names=("pp", "dp", "tp"))
+        slices = [root, root["dp"], root["tp"], root["dp", "tp"], root["pp", "tp"]]
+    opts = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
+    for r in range(12):
+        with fake_rank(r, 12):
+            cache: dict = {}
+            for s in slices:
+                m = copy_mesh(s, r, cache, P.declare_twin)
+                assert m.get_coordinate() == m._compute_coordinate_on_dim()
+                t = dtensor_from_local(torch.empty(1, device="meta"), m, [Replicate()] * m.ndim, torch.Size([1]), (1,))
+                assert P.mesh_info(t) == P._mesh_info(m)
+                for shape in [(7, 5), (1, 3), (13, 2)]:
+                    for pl in itertools.product(opts, repeat=m.ndim):
+                        want = tuple(compute_local_shape_and_global_offset(torch.Size(shape), m, pl)[0])
+                        assert dtensor_local_shape(torch.Size(shape), m, pl) == want, (r, shape, pl)

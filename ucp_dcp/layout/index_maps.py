@@ -10,6 +10,7 @@ schedules) namespaces them in its state dict (``{"model": {"c0": ..., "c1": ...}
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,14 @@ class IndexMap:
         if sum(1 for c in self.chunks if not c.prefixes) > 1:
             raise PatternError(f"index map '{self.key}': several chunks without namespaces are ambiguous")
 
+    def __hash__(self) -> int:
+        # the fields' hash, made once (:func:`_rewrite` hashes the map on every call)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.key, self.chunks, self.total))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def _chunk(self, path: Path) -> tuple[Chunk, int] | None:
         best: tuple[Chunk, int] | None = None
         for c in self.chunks:
@@ -80,6 +89,9 @@ class IndexMap:
 
     def rewrite(self, path: Path) -> tuple[Path, int | None]:
         """``path`` with its chunk namespace dropped and ``<key>.<i>`` renumbered, plus the global index."""
+        return _rewrite(self, tuple(path))
+
+    def _rewrite(self, path: Path) -> tuple[Path, int | None]:
         hit = self._chunk(path)
         if hit is None:
             return path, None
@@ -111,6 +123,13 @@ class IndexMap:
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "total": self.total}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rewrite(m: IndexMap, path: Path) -> tuple[Path, int | None]:
+    """:meth:`IndexMap.rewrite`, remembered: a pure function of the map and the path (a frozen, hashable
+    map), asked again for every key of every rank ``plan`` simulates with the same map."""
+    return m._rewrite(path)
 
 
 def stage_map(

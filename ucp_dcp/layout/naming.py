@@ -15,6 +15,7 @@ exactly DCP's flattened key whenever no wrapper was present (default-planner com
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +57,19 @@ class NameRules:
         return ".".join(kept) if kept else None
 
     def canonical_path(self, path: Sequence[PathElem]) -> Path:
-        out = []
-        for e in path:
-            c = self.canonical_elem(e)
-            if c is not None and c != "":
-                out.append(c)
-        return tuple(out)
+        return _canonical_path(self, tuple(path))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _canonical_path(rules: NameRules, path: Path) -> Path:
+    """:meth:`NameRules.canonical_path`, remembered: a pure function of the rules and the path, asked again for
+    every key of every rank ``plan`` simulates."""
+    out = []
+    for e in path:
+        c = rules.canonical_elem(e)
+        if c is not None and c != "":
+            out.append(c)
+    return tuple(out)
 
 
 class OptimizerForm:
@@ -141,11 +149,15 @@ class AtomName:
 
     @property
     def name(self) -> str:
-        parts = [*map(str, self.prefix)]
-        if self.param:
-            parts.append(self.param)
-        parts.extend(map(str, self.suffix))
-        return ".".join(parts)
+        name = self.__dict__.get("_name")  # made once: a load asks for an entry's name many times
+        if name is None:
+            parts = [*map(str, self.prefix)]
+            if self.param:
+                parts.append(self.param)
+            parts.extend(map(str, self.suffix))
+            name = ".".join(parts)
+            object.__setattr__(self, "_name", name)
+        return name
 
     def renamed(self, param: str) -> AtomName:
         """The same entry of another parameter (tied alias -> canonical, fused -> part)."""

@@ -241,6 +241,12 @@ def describe(rule: Rule) -> str:
     return f"{rule.kind}({rule.pattern!r})"
 
 
+_MATCHES: dict[tuple[Any, ...], tuple[dict[str, Any], dict[Any, Any]]] = {}
+"""The regexes and kinds of a :class:`Patterns`' rules -> (name -> the rules matching it, ``(kind, name, declared
+rules)`` -> the one rule of that kind it takes): pure functions of the rules, shared by every ``Patterns`` of
+those rules (``plan`` makes one per simulated rank, each asking the same names)."""
+
+
 @dataclass
 class Patterns:
     """A set of rules with strictness; tracks which rules matched (for the strict check)."""
@@ -262,6 +268,14 @@ class Patterns:
                 self._re.append(re.compile(r.pattern))
             except re.error as e:
                 raise PatternError(f"rule {describe(r)}: bad regex ({e})") from None
+        regexes = tuple((rx.pattern, rx.flags) for rx in self._re)
+        kinds = tuple(r.kind for r in self.rules)
+        shared = _MATCHES.get((regexes, kinds))
+        if shared is None:
+            if len(_MATCHES) > 64:
+                _MATCHES.clear()
+            shared = _MATCHES[(regexes, kinds)] = ({}, {})
+        self._match_cache, self._one_cache = shared
 
     def merged(self, other: Iterable[Rule]) -> Patterns:
         """These rules plus ``other`` (duplicates dropped); strictness applies to ours only."""
@@ -280,7 +294,7 @@ class Patterns:
 
     def _all_matches(self, name: str) -> list[tuple[int, re.Match[str]]]:
         """Every rule matching ``name``: resolving a name asks for several kinds, one scan serves them."""
-        cache = self.__dict__.setdefault("_match_cache", {})
+        cache = self._match_cache
         hit = cache.get(name)
         if hit is None:
             if len(cache) > 65536:  # bounded: names are a state dict's, asked a few times each
@@ -289,6 +303,19 @@ class Patterns:
         return hit
 
     def _one(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[Rule, re.Match[str]] | None:
+        key = (kind, name, len(self.declared))
+        hit = self._one_cache.get(key)
+        if hit is None:
+            hit = self._one_cache[key] = self._first(kind, name, what)  # a conflict raises, and is not kept
+            if len(self._one_cache) > 65536:
+                self._one_cache.clear()
+        if not hit:
+            return None
+        self.used.add(hit[0])
+        return self.rules[hit[0]], hit[1]
+
+    def _first(self, kind: str | tuple[str, ...], name: str, what: str) -> tuple[int, re.Match[str]] | tuple[()]:
+        """The one rule of ``kind`` matching ``name`` (``()``: none), or the conflict :class:`PatternError`."""
         hits = self._matches(kind, name)
         declared = [h for h in hits if h[0] in self.declared]
         if declared and len(declared) < len(hits):
@@ -300,10 +327,16 @@ class Patterns:
                 atom=name,
                 hint="make the patterns disjoint; one layout rule per parameter",
             )
-        if not hits:
-            return None
-        self.used.add(hits[0][0])
-        return self.rules[hits[0][0]], hits[0][1]
+        return hits[0] if hits else ()
+
+    def expand(self, match: re.Match[str], template: str) -> str:
+        """``match.expand(template)`` for a match this object returned (a ``fullmatch`` of one of its rules: its
+        groups are those of the rule's regex over the whole name), remembered with the rule's other answers."""
+        key = ("expand", match.re.pattern, match.re.flags, match.string, template)
+        hit = self._one_cache.get(key)
+        if hit is None:
+            hit = self._one_cache[key] = match.expand(template)
+        return hit
 
     def tie(self, param: str) -> str:
         """The canonical name of a tied parameter (``param`` itself if it is not tied)."""
@@ -324,9 +357,8 @@ class Patterns:
     def note_names(self, names: Iterable[str]) -> None:
         """Mark rules matching any of ``names`` as used (names seen only in a saved catalog)."""
         for name in names:
-            for i, rx in enumerate(self._re):
-                if rx.fullmatch(name):
-                    self.used.add(i)
+            for i, _ in self._all_matches(name):
+                self.used.add(i)
 
     def check_used(self, used: set[int], where: str) -> None:
         """Strict mode: every declared rule must have matched somewhere."""

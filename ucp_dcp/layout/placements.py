@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .._compat import _StridedShard, root_mesh
 from ..errors import AmbiguousLayoutError, CatalogError
 
-__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo"]
+__all__ = ["PlacementKind", "Placement", "Layout", "MeshInfo", "declare_twin"]
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\)|P\((\w+)\))$")
 
@@ -115,14 +115,30 @@ class MeshInfo:
     ranks of a TP-only job each hold a whole copy on their own TP mesh): sibling slices hold replicas."""
 
     def to_json(self) -> dict[str, Any]:
+        """The catalog's record of the mesh (a new dict each call; its ``ranks`` list, O(mesh size), is made
+        once per mesh and shared: every DTensor on the mesh records it, treat it as read-only)."""
+        ranks = self.__dict__.get("_ranks_json")
+        if ranks is None:
+            ranks = list(self.ranks)
+            object.__setattr__(self, "_ranks_json", ranks)
         out: dict[str, Any] = {
             "shape": list(self.shape),
             "dim_names": list(self.dim_names) if self.dim_names is not None else None,
-            "ranks": list(self.ranks),
+            "ranks": ranks,
         }
         if self.position:
             out["position"] = [list(p) for p in self.position]
         return out
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], tuple[tuple[str, int], ...]]:
+        """``(sorted ranks, position)``: what tells two meshes apart in the mesh checks
+        (:mod:`ucp_dcp.layout.structure`), worked out once per mesh."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = (tuple(sorted(self.ranks)), self.position)
+            object.__setattr__(self, "_key", key)
+        return key
 
 
 @dataclass(frozen=True)
@@ -142,12 +158,17 @@ class Layout:
 
     @staticmethod
     def from_dtensor(t: DTensor) -> Layout:
-        mesh = t.device_mesh
-        return Layout(
-            tuple(int(s) for s in mesh.shape),
-            tuple(Placement.from_torch(p) for p in t.placements),
-            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        )
+        # a pure function of the mesh's shape and names and the placements: made once per distinct one
+        # (every DTensor of a state dict asks, and ``plan`` asks again for every rank it simulates)
+        placements = tuple(t.placements)
+        key = (_per_mesh(t.device_mesh, "shape", _mesh_shape), tuple((type(p), p) for p in placements))
+        hit = _LAYOUTS.get(key)
+        if hit is None:
+            if len(_LAYOUTS) > 4096:
+                _LAYOUTS.clear()
+            shape, names = key[0]
+            hit = _LAYOUTS[key] = Layout(shape, tuple(Placement.from_torch(p) for p in placements), names)
+        return hit
 
     @property
     def is_plain(self) -> bool:
@@ -172,14 +193,46 @@ _MESH_CACHE: dict[tuple[int, str], tuple[Any, Any]] = {}
 object. Not an attribute of the mesh: a mesh is pickled with every ``torch.save`` of a DTensor on it, and
 an attribute of ours in that pickle made the file unloadable with ``weights_only=True`` (torch's default)
 and anywhere ucp_dcp is not installed."""
+_TWINS: dict[int, tuple[Any, Any]] = {}
+"""id of a mesh -> (weak reference to it, its twin): a mesh object declared to hold the same ranks in the same
+places as another one (:func:`declare_twin`), whose per-mesh values it shares."""
 
 
-def _per_mesh(mesh: Any, what: str, compute: Callable[[], Any]) -> Any:
+def declare_twin(mesh: Any, twin: Any) -> None:
+    """``mesh`` is another object for the mesh ``twin`` is, as this process's rank sees it: the same layout over
+    the same rank map, the same dim names, a twin root, and the same slice of the root holding the rank (what
+    ``DeviceMesh.mesh`` returns). What ucp_dcp works out per mesh (:func:`mesh_info`, the root's rank index) is
+    then worked out once for both. ``ucp_dcp.tools.dryrun`` rebuilds each mesh for every rank it plans
+    (:func:`ucp_dcp._compat.mesh_for_rank`); a rank in the same slice as an earlier one declares the copy a twin
+    (each computed once, 2 per rank of a 4,096-rank plan, is O(world) each)."""
+    while twin is not mesh and id(twin) in _TWINS:  # a chain resolves to its first mesh
+        ref, first = _TWINS[id(twin)]
+        if ref() is not twin:
+            break
+        twin = first
+    if twin is mesh:
+        return
+    key = id(mesh)
+
+    def forget(_ref: Any) -> None:
+        _TWINS.pop(key, None)
+
+    try:
+        _TWINS[key] = (weakref.ref(mesh, forget), twin)
+    except TypeError:  # not weakly referenceable: computed for itself
+        pass
+
+
+def _per_mesh(mesh: Any, what: str, compute: Callable[[Any], Any]) -> Any:
     key = (id(mesh), what)
     hit = _MESH_CACHE.get(key)
     if hit is not None and hit[0]() is mesh:
         return hit[1]
-    value = compute()
+    twin = _TWINS.get(id(mesh))
+    if twin is not None and twin[0]() is mesh:
+        value = _per_mesh(twin[1], what, compute)
+    else:
+        value = compute(mesh)
 
     def forget(_ref: Any) -> None:
         _MESH_CACHE.pop(key, None)
@@ -192,17 +245,24 @@ def _per_mesh(mesh: Any, what: str, compute: Callable[[], Any]) -> Any:
     return value
 
 
+def _mesh_shape(mesh: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    return tuple(int(s) for s in mesh.shape), tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+
+
+_LAYOUTS: dict[tuple[Any, tuple[Any, ...]], Layout] = {}
+"""``((mesh shape, dim names), ((type, placement), ...))`` -> its :class:`Layout` (:meth:`Layout.from_dtensor`)."""
+
+
+def _mesh_info(mesh: Any) -> MeshInfo:
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    position, siblings = _slice_position(mesh, ranks)
+    return MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
+
+
 def mesh_info(t: DTensor) -> MeshInfo:
-    mesh = t.device_mesh
-
-    def compute() -> MeshInfo:
-        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
-        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        position, siblings = _slice_position(mesh, ranks)
-        return MeshInfo(tuple(int(s) for s in mesh.shape), names, ranks, position, siblings)
-
     # a mesh object's ranks never change, and every DTensor on it asks: O(mesh size) once
-    return _per_mesh(mesh, "info", compute)
+    return _per_mesh(t.device_mesh, "info", _mesh_info)
 
 
 _STAGE_DIMS = {"pp", "pipe", "pipeline", "stage", "stages"}
@@ -241,17 +301,17 @@ def _rank_coordinates(root: Any) -> dict[int, tuple[int, ...]]:
     """Every rank's coordinate in the root mesh ``root``, built once per root mesh and cached on it: a
     ``grid == r`` scan per rank made each slice O(slice x root), which ``plan`` pays for every simulated rank
     (4,096 ranks: 253 s became 1,170 s)."""
+    return _per_mesh(root, "coordinates", _coordinates)
 
-    def compute() -> dict[int, tuple[int, ...]]:
-        grid = root.mesh
-        flat = [int(r) for r in grid.flatten().tolist()]
-        shape = tuple(int(s) for s in grid.shape)
-        strides = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        return {r: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, r in enumerate(flat)}
 
-    return _per_mesh(root, "coordinates", compute)
+def _coordinates(root: Any) -> dict[int, tuple[int, ...]]:
+    grid = root.mesh
+    flat = [int(r) for r in grid.flatten().tolist()]
+    shape = tuple(int(s) for s in grid.shape)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return {r: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, r in enumerate(flat)}
 
 
 def dtensor_coordinate(t: DTensor) -> tuple[int, ...] | None:

@@ -128,11 +128,14 @@ def tied_atoms(patterns: Any, structures: Iterable[Any]) -> set[str]:
 def target_meshes(resolved: Iterable[Any]) -> dict[MeshKey, bytes]:
     """A loading rank's DTensor target atoms by the rank set of their mesh (names zlib-packed: the
     coordinator compares them with every other rank's). Tied copies may sit on any mesh."""
-    by: dict[MeshKey, list[str]] = {}
+    per_mesh: dict[int, tuple[Any, list[str]]] = {}  # by mesh record object: a key of ranks is O(mesh) to hash
     for r in resolved:
         if r.present and not r.tied and isinstance(r.value, DTensor):
             info = mesh_info(r.value)
-            by.setdefault((tuple(sorted(info.ranks)), info.position), []).extend(r.atoms)
+            per_mesh.setdefault(id(info), (info, []))[1].extend(r.atoms)
+    by: dict[MeshKey, list[str]] = {}
+    for info, names in per_mesh.values():
+        by.setdefault(info.key, []).extend(names)
     return {k: zlib.compress("\n".join(sorted(v)).encode(), 1) for k, v in by.items()}
 
 

@@ -245,9 +245,14 @@ class Catalog:
         """Alias key -> the atom saved for it."""
         return {alias: name for name, rec in self.atoms.items() for alias in rec.aliases}
 
-    def saved_names(self) -> set[str]:
-        """Every name the catalog knows a saved value by: atoms, their parameters and live tensors."""
-        return {x for name, rec in self.atoms.items() for x in (name, rec.param, rec.live) if x}
+    def saved_names(self) -> frozenset[str]:
+        """Every name the catalog knows a saved value by: atoms, their parameters and live tensors (worked out
+        once: a load asks twice, and ``plan`` again for every rank it simulates on one catalog)."""
+        names = self.__dict__.get("_saved_names")
+        if names is None:
+            names = frozenset(x for name, rec in self.atoms.items() for x in (name, rec.param, rec.live) if x)
+            object.__setattr__(self, "_saved_names", names)
+        return names
 
 
 def _list(v: Any, prefix: str) -> list[Any]:

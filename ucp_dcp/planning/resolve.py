@@ -255,7 +255,7 @@ class Resolver:
         if isinstance(rule.blocks, int):
             r.unsplit = pieces
         for tmpl, _ in rule.parts:
-            part = r.atom.renamed(match.expand(tmpl))
+            part = r.atom.renamed(self.patterns.expand(match, tmpl))
             r.atoms[part.name] = {
                 **rec,
                 "param": part.param,
@@ -305,7 +305,7 @@ class Resolver:
                 wanted=f"{blocks} blocks of dim {rule.dim} = {shape[rule.dim]}",
                 hint="e.g. the KV heads must be divisible by the TP degree; pick a degree dividing every part",
             )
-        parts = [r.atom.renamed(match.expand(t)) for t, _ in rule.parts]
+        parts = [r.atom.renamed(self.patterns.expand(match, t)) for t, _ in rule.parts]
         for part, n in zip(parts, sizes):
             pshape = list(shape)
             pshape[rule.dim] = n

@@ -16,9 +16,11 @@ group, or a gloo side group when the default group is NCCL only).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import socket
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
-from .format import read_key
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BUNDLE",
@@ -38,6 +41,9 @@ __all__ = [
     "READ_ONCE_MODES",
     "Incoming",
     "assign_readers",
+    "piece_ids",
+    "read_rows",
+    "read_sizes",
     "as_bytes_tensor",
     "read_summary",
     "local_summary",
@@ -59,8 +65,9 @@ def assign_readers(
     solo_bytes: int = SOLO,
     hosts: np.ndarray | None = None,
 ) -> list[dict]:
-    """For pieces needed by several ranks, pick one reader each. ``keys_by_rank[r]`` are 128-bit
-    keys (``(n, 2)`` uint64) of rank r's pieces, ``sizes_by_rank[r]`` their byte sizes.
+    """For pieces needed by several ranks, pick one reader each. ``keys_by_rank[r]`` are the key rows
+    (``(n, w)`` integers, :func:`read_rows`; equal rows: the same piece, :func:`piece_ids`) of rank r's
+    pieces, ``sizes_by_rank[r]`` their byte sizes.
 
     Pieces of at least ``solo_bytes`` are bundles of their own; smaller pieces with the same holders
     are packed into bundles of at most ``bundle_bytes``. Each bundle, largest first, goes to the
@@ -79,11 +86,10 @@ def assign_readers(
     counts = [len(k) for k in keys_by_rank]
     if sum(counts) == 0:
         return out
-    keys = np.concatenate([k.reshape(-1, 2) for k in keys_by_rank]).view(np.dtype((np.void, 16))).reshape(-1)
     sizes = np.concatenate(sizes_by_rank).astype(np.int64)
     owner = np.repeat(np.arange(n), counts)
     local = np.concatenate([np.arange(c) for c in counts])
-    _, inverse, cnt = np.unique(keys, return_inverse=True, return_counts=True)
+    inverse, cnt = piece_ids(keys_by_rank)
     shared = cnt[inverse] > 1
     if not shared.any():
         return out
@@ -94,6 +100,57 @@ def assign_readers(
     for nbytes, holders, entries in sorted(bundles, key=lambda b: -b[0]):
         _assign(out, load, nbytes, holders, local[entries], hosts)
     return out
+
+
+def piece_ids(keys_by_rank: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One id per distinct key row over all ranks' rows (concatenated in rank order), and each id's count.
+
+    Rows (integers, ``(n, w)``; ranks' widths may differ: narrower rows are padded with -1) are sorted by a
+    64-bit mix of their columns and compared whole with their neighbours, so equal rows share an id and
+    unequal ones never do (two rows whose mixes collide may get two ids: a piece read twice, never one
+    piece mistaken for another). Ids follow the order of the mixes."""
+    keys = [k.reshape(len(k), k.shape[1] if k.ndim == 2 else 1) for k in keys_by_rank]
+    keys = [k.view(np.int64) if k.dtype == np.uint64 else k.astype(np.int64, copy=False) for k in keys]
+    n = sum(len(k) for k in keys)
+    if not n:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    width = max(k.shape[1] for k in keys)
+    # one column at a time, filled rank by rank (each rank's rows are small: in cache), int32 when every value
+    # fits (a 4,096-rank gather of 2,000 items each is 8M rows: touching less memory is most of the time here)
+    small = all(len(k) == 0 or (int(k.min()) >= -(2**31) and int(k.max()) < 2**31) for k in keys)
+    dtype = np.int32 if small else np.int64
+    cols: list[np.ndarray] = []
+    for j in range(width):
+        col = np.empty(n, dtype=dtype)
+        start = 0
+        for k in keys:
+            col[start : start + len(k)] = k[:, j] if j < k.shape[1] else -1
+            start += len(k)
+        if not (col == col[0]).all():  # a column equal in every row tells none apart
+            cols.append(col)
+    cols = cols or [np.zeros(n, dtype=dtype)]
+    mix, tmp = np.zeros(n, dtype=np.uint64), np.empty(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j, col in enumerate(cols):
+            np.bitwise_xor(mix, col.view(np.uint32 if col.dtype == np.int32 else np.uint64), out=mix)
+            np.multiply(mix, np.uint64(0x9E3779B97F4A7C15 + 2 * j), out=mix)
+            np.right_shift(mix, np.uint64(29), out=tmp)
+            np.bitwise_xor(mix, tmp, out=mix)
+    order = np.argsort(mix)
+    sm = mix[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = sm[1:] != sm[:-1]
+    same = np.flatnonzero(~new[1:])  # neighbours whose mixes agree: their rows must too
+    if len(same):
+        a, b = order[same], order[same + 1]
+        differ = np.zeros(len(same), dtype=bool)
+        for col in cols:
+            differ |= col[a] != col[b]
+        new[same + 1] = differ
+    ids = np.cumsum(new) - 1
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = ids
+    return inverse, np.bincount(ids)
 
 
 def _holder_classes(
@@ -191,32 +248,101 @@ def as_bytes_tensor(parts: Sequence[Any]) -> torch.Tensor:
     return out
 
 
-def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
-    """128-bit keys and byte sizes of the saved bytes each read item needs (for read-once)."""
-    keys = np.empty((len(reads), 2), dtype=np.uint64)
-    sizes = np.empty(len(reads), dtype=np.int64)
-    itemsize: dict[torch.dtype, int] = {}
+def read_rows(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, bytes]:
+    """The saved bytes each read item needs, as one row of numbers per item, and the digest of the name
+    numbering the rows use. A row is ``(name, kind, chunk offsets, offsets in the chunk, lengths)``: the name
+    numbered in sorted order of the checkpoint's names (the same on every rank that opened the checkpoint, as
+    the digest shows), ``kind`` 0 for a tensor piece, 1 for an object, 2 for a tensor piece with no chunk
+    offset, -1 padding to the widest row. Two items need the same saved bytes exactly when their rows are
+    equal (what :func:`ucp_dcp.storage.format.read_key` tells apart, they tell apart)."""
+    rows, _, digest = _rows(reads, md, sizes=False)
+    return rows, digest
+
+
+def _rows(reads: list[ReadItem], md: Metadata, sizes: bool) -> tuple[np.ndarray, np.ndarray | None, bytes]:
+    """:func:`read_rows`, and with ``sizes`` :func:`read_sizes` too, in one pass over the items."""
+    index, digest, lengths = _name_index(md)
+    width = 2 + 3 * max((len(it.lengths) for it in reads if it.type != LoadItemType.BYTE_IO), default=0)
+    rows = []
+    nbytes = np.empty(len(reads), dtype=np.int64) if sizes else None
+    storage = md.storage_data or {}
+    tensors = md.state_dict_metadata
     for i, item in enumerate(reads):
-        keys[i] = np.frombuffer(hashlib.blake2b(read_key(item).encode(), digest_size=16).digest(), dtype=np.uint64)
+        s = item.storage_index
+        if item.type == LoadItemType.BYTE_IO:
+            row = [index[s.fqn], 1]
+            if nbytes is not None:
+                where = s.fqn if s.offset is None else (s.fqn, tuple(s.offset))  # an object's: its name alone
+                n = lengths.get(where)
+                if n is None:
+                    n = lengths[where] = int(getattr(storage.get(s), "length", 0))
+                nbytes[i] = n
+        else:
+            ln = item.lengths
+            off = s.offset if s.offset is not None else (0 for _ in ln)
+            row = [index[s.fqn], 0 if s.offset is not None else 2, *off, *item.storage_offsets, *ln]
+            if nbytes is not None:
+                nbytes[i] = math.prod(ln) * tensors[s.fqn].properties.dtype.itemsize
+        rows.append(row + [-1] * (width - len(row)))
+    return np.array(rows, dtype=np.int64).reshape(len(rows), width), nbytes, digest
+
+
+_NAME_INDEX: dict[int, tuple[Any, Any, tuple[dict[str, int], bytes, dict[Any, int]]]] = {}
+"""id of a checkpoint's ``Metadata`` -> (weak reference, its ``state_dict_metadata``, :func:`_name_index`)."""
+
+
+def _name_index(md: Metadata) -> tuple[dict[str, int], bytes, dict[Any, int]]:
+    """The checkpoint's names numbered in sorted order, a digest of that numbering, and the stored length of
+    each object read so far (filled as asked: a storage lookup hashes a ``MetadataIndex`` in Python), once per
+    metadata object (``plan`` asks for every rank it simulates)."""
+    hit = _NAME_INDEX.get(id(md))
+    if hit is not None and hit[0]() is md and hit[1] is md.state_dict_metadata:
+        return hit[2]
+    names = sorted(md.state_dict_metadata)
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
+    out: tuple[dict[str, int], bytes, dict[Any, int]] = ({n: i for i, n in enumerate(names)}, digest, {})
+    key = id(md)
+    try:
+        ref = weakref.ref(md, lambda _ref: _NAME_INDEX.pop(key, None))
+    except TypeError:
+        return out
+    _NAME_INDEX[key] = (ref, md.state_dict_metadata, out)
+    return out
+
+
+def read_summary(reads: list[ReadItem], md: Metadata) -> tuple[np.ndarray, np.ndarray]:
+    """The saved bytes each read item needs (:func:`read_rows`) and their byte sizes (for read-once)."""
+    keys, _ = read_rows(reads, md)
+    return keys, read_sizes(reads, md)
+
+
+def read_sizes(reads: list[ReadItem], md: Metadata) -> np.ndarray:
+    """Byte size of the saved bytes each read item needs."""
+    sizes = np.empty(len(reads), dtype=np.int64)
+    for i, item in enumerate(reads):
         if item.type == LoadItemType.BYTE_IO:
             info = (md.storage_data or {}).get(item.storage_index)
             sizes[i] = int(getattr(info, "length", 0))
         else:
-            dtype = md.state_dict_metadata[item.storage_index.fqn].properties.dtype
-            if dtype not in itemsize:
-                itemsize[dtype] = dtype.itemsize
-            sizes[i] = math.prod(item.lengths) * itemsize[dtype]
-    return keys, sizes
+            sizes[i] = (
+                math.prod(item.lengths) * md.state_dict_metadata[item.storage_index.fqn].properties.dtype.itemsize
+            )
+    return sizes
 
 
-def local_summary(reads: list[ReadItem], md: Metadata, mode: ReadOnceMode) -> ReadSummary:
+def local_summary(
+    reads: list[ReadItem], md: Metadata, mode: ReadOnceMode, rank: int | None = None, host: str | None = None
+) -> ReadSummary:
     """What one loading rank tells the coordinator for read-once: its global rank, its host and
-    the keys and sizes of its reads (no read items)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    the saved bytes its reads need and their sizes (no read items). ``rank`` and ``host`` default to this
+    process's (``ucp_dcp.tools.dryrun`` passes the simulated rank's)."""
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     if mode == "off":
         return ReadSummary(rank, mode)
-    keys, sizes = read_summary(reads, md)
-    return ReadSummary(rank, mode, keys, sizes, os.environ.get("UCP_DCP_HOST") or socket.gethostname())
+    keys, sizes, names = _rows(reads, md, sizes=True)
+    host = host or os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    return ReadSummary(rank, mode, keys, sizes, host, names)
 
 
 def plan_transport(summaries: list[ReadSummary | None]) -> list[TransportPlan]:
@@ -224,6 +350,11 @@ def plan_transport(summaries: list[ReadSummary | None]) -> list[TransportPlan]:
     receives (global ranks), and, for all, the ranks that exchange (None if nobody does: then no
     side group is created)."""
     if not summaries or any(s is None or s.mode == "off" or s.keys is None for s in summaries):
+        return [TransportPlan() for _ in summaries]
+    if len({s.names for s in summaries if s is not None}) > 1:
+        # ranks numbered the checkpoint's names differently (they opened different metadata): their rows
+        # cannot be compared, so every rank reads what it needs
+        logger.warning("UCP read-once: the loading ranks opened different checkpoint metadata; every rank reads itself")
         return [TransportPlan() for _ in summaries]
     ranks = [int(s.rank) for s in summaries]
     hosts = None

@@ -94,6 +94,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="ranks planned so far on stderr, after 2 s (default: when stderr is a terminal; UCP_DCP_PROGRESS=0/1)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes planning ranks side by side (default: one per 256 ranks up to this machine's cores, or "
+        "UCP_DCP_PLAN_WORKERS; 1: this process only); the answer does not depend on it",
+    )
     p.add_argument("--json", metavar="OUT", help="also write the full report (every rank) as JSON to OUT ('-': stdout)")
     return p
 
@@ -198,6 +205,7 @@ def _plan(a: argparse.Namespace, target: Any, path: str) -> Any:
         allow_lossy_dtype=a.allow_lossy_dtype,
         progress=_progress(a.progress),
         store_ranges=a.store_ranges,
+        workers=a.workers,
     )
 
 

@@ -142,6 +142,11 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
             f"{_mib(sum(r.bytes_received for r in rs))} sent between ranks, "
             f"{len({f for r in rs for f in r.files})} file(s)",
         ]
+        big = max(rs, key=lambda r: (r.plan_bytes, -r.rank))
+        lines.append(
+            f"gathered plans: the coordinator receives {_mib(report.gathered_plan_bytes)} of pickled local plans "
+            f"in DCP's plan gather ({n} ranks; largest {big.plan_bytes / 2**10:.1f} KiB, rank {big.rank})"
+        )
         sources: dict[str, list[int]] = {}
         for r in rs:
             if r.source is not None:
@@ -169,7 +174,7 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
             )
     lines.append(
         f"planned in {report.seconds:.1f} s ({report.built} rank(s) built, {n - report.built} rebound), "
-        f"peak memory of this process {_mib(report.peak_memory)}"
+        f"peak memory {_mib(report.peak_memory)} (this process and its workers)"
     )
     return "\n".join(lines)
 

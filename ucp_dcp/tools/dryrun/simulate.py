@@ -1,37 +1,37 @@
-"""``plan_load``: run a load's planning for every rank of a target job in one CPU process.
+"""``plan_load``: run a load's planning for every rank of a target job, on this machine's CPUs.
 
-For each rank: its state dict (built, or rebound from its class's representative), the real
-``UCPLoadPlanner`` set-up, validation and local plan, and the reader's read-once summary; then the
-coordinator's global checks and read-once assignment over all ranks, and per rank what the reader
-would request from storage (:mod:`ucp_dcp.tools.dryrun.read_cost`). No tensor memory is allocated for
-targets, no byte of tensor data is read, no process group talks to anyone."""
+For each rank (:mod:`.ranks`; runs of ranks side by side in forked workers, :mod:`.workers`): its state dict
+(built, or rebound from its class's representative), the real ``UCPLoadPlanner`` set-up, validation and
+local plan, and the reader's read-once summary; then the coordinator's global checks and read-once
+assignment over all ranks, and per rank what the reader would request from storage
+(:mod:`ucp_dcp.tools.dryrun.read_cost`) and what its plan adds to the coordinator's plan gather. No tensor
+memory is allocated for targets, no byte of tensor data is read, no process group talks to anyone."""
 
 from __future__ import annotations
 
 import os
 import resource
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from ...errors import MissingFileError, TruncatedFileError, UCPError
 from ...planning.device import STAGE_BYTES, staging_forced
-from ...planning.load_planner import UCPLoadPlanner
 from ...planning.opened import checked
-from ...planning.payloads import ReadOnceMode, ReadSummary
+from ...planning.payloads import ReadOnceMode
 from ...storage.file_ranges import REMOTE_GAP, StoreRanges
 from ...storage.format import check_tables
 from ...storage.opening import open_path
 from ...storage.staging import BUFFERS_PER_THREAD
 from ...storage.threads import reading_threads
-from ...storage.transport import plan_transport, read_summary
-from .read_cost import CostModel, Piece, pieces
+from ...storage.transport import plan_transport
+from .ranks import Problem, Ranks, problem_of
+from .read_cost import CostModel, Piece
 from .targets import Target
-from .world import fake_rank, rebind, structure
+from .workers import Split, plan_workers
 
 __all__ = ["RankPlan", "Problem", "PlanReport", "plan_load"]
 
@@ -66,21 +66,9 @@ class RankPlan:
     and the largest bundle it receives."""
     source: str | None = None
     """Planned on a memory-tier root: the tier serving this rank (:mod:`.memory_source`)."""
-
-
-@dataclass
-class Problem:
-    """An error a real load would raise, and the ranks it would raise on."""
-
-    error: str
-    """The ``UCPError`` subclass (``ShapeMismatchError``, ``MissingAtomsError``, ...)."""
-    message: str
-    """Its text (the first rank's, when ranks differ only in details)."""
-    ranks: list[int]
-    """Ranks that raise it; empty for the coordinator's global checks (raised on every rank)."""
-    where: str = "local plan"
-    """``open``, ``preflight`` (the target job's own checks before ``dcp.load``), ``target`` (the
-    target cannot be built), ``local plan``, ``global plan`` or ``files``."""
+    plan_bytes: int = 0
+    """Its local plan in DCP's plan gather: the plan ``UCPFileSystemReader.prepare_local_plan`` returns,
+    pickled as ``gather_object`` pickles it (what the coordinator receives from this rank)."""
 
 
 @dataclass
@@ -103,42 +91,13 @@ class PlanReport:
     peak_memory: int = 0
     """Peak resident memory of the planning process (``ru_maxrss``, whole process), bytes."""
     warnings: list[str] = field(default_factory=list)
+    gathered_plan_bytes: int = 0
+    """The coordinator's gathered plans: every rank's :attr:`RankPlan.plan_bytes` (what rank 0 receives in
+    DCP's plan gather for this load)."""
 
     @property
     def loads(self) -> bool:
         return not self.problems
-
-
-class _DryLoadPlanner(UCPLoadPlanner):
-    """The real planner, minus memory for targets; staging decided by the simulated device."""
-
-    _materialize = False
-    _check_meshes = False
-    """The per-rank mesh copies the dry run rebinds do not carry their slice position faithfully yet, so
-    the load-side mesh-collision check (ucp_dcp.layout.structure) runs in real loads only (docs/plan.md)."""
-    device = "cuda"
-    shared: dict[str, Any] = {}
-    """Per-checkpoint work every rank would repeat (the saved-key index), set by :func:`plan_load`."""
-
-    def _read_catalog(self, metadata: Any) -> Any:
-        if "catalog" not in self.shared:  # one parse, not one per simulated rank (22 ms each at 800 atoms)
-            self.shared["catalog"] = super()._read_catalog(metadata)
-        return self.shared["catalog"]
-
-    def _saved_index(self) -> Any:
-        key = repr(self.name_rules)
-        if key not in self.shared:
-            self.shared[key] = super()._saved_index()
-        return self.shared[key]
-
-    def _staged(self, item: ReadItem, forced: bool) -> bool:
-        return forced or self.device != "cpu"
-
-
-def _problem(err: BaseException, rank: int | None, where: str) -> Problem:
-    if isinstance(err, UCPError):
-        return Problem(type(err).__name__, str(err), [] if rank is None else [rank], where)
-    return Problem(type(err).__name__, f"{type(err).__name__}: {err}", [] if rank is None else [rank], where)
 
 
 def _merge(problems: list[Problem]) -> list[Problem]:
@@ -169,6 +128,7 @@ def plan_load(
     keep_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
     store_ranges: StoreRanges = "few",
+    workers: int | None = None,
 ) -> PlanReport:
     """Plan the load of ``checkpoint`` into every rank of ``target`` (see the module docstring).
 
@@ -176,7 +136,9 @@ def plan_load(
     load's own settings (``UCPLoadPlanner`` / ``UCPFileSystemReader``); ``device`` is where the job's
     state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place);
     ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default);
-    ``thread_count`` None: the reader's own choice for ``ranks_per_node`` ranks on this machine's cores."""
+    ``thread_count`` None: the reader's own choice for ``ranks_per_node`` ranks on this machine's cores.
+    ``workers``: processes planning runs of ranks side by side (:mod:`.workers`; None: one per 256 ranks up
+    to the cores this process may use, or ``UCP_DCP_PLAN_WORKERS``); the answer does not depend on it."""
     t0 = time.perf_counter()
     if thread_count is None:
         thread_count = reading_threads(local_ranks=ranks_per_node)
@@ -202,9 +164,14 @@ def plan_load(
             keep_items,
             progress,
             REMOTE_GAP if store_ranges == "few" else 0,
+            workers,
         )
     finally:
-        report.peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # this process and its workers (:mod:`.workers`; each at most what this one held when it forked, plus its ranks)
+        peak = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        )
+        report.peak_memory = peak * 1024
         report.seconds = time.perf_counter() - t0
     return report
 
@@ -222,12 +189,13 @@ def _plan(
     keep_items: bool,
     progress: Callable[[int, int], None] | None,
     store_gap: int = REMOTE_GAP,
+    workers: int | None = None,
 ) -> None:
     try:
         md, integrity = open_path(checkpoint, trust=trust)
         check_tables(md)
     except UCPError as e:
-        report.problems.append(_problem(e, None, "open"))
+        report.problems.append(problem_of(e, None, "open"))
         return
     report.integrity = integrity.status
     md = checked(md, integrity.status)  # as UCPFileSystemReader hands it to the planner
@@ -238,102 +206,47 @@ def _plan(
             errors = list(preflight(md))
         except UCPError as e:
             errors = [e]
-        report.problems += [_problem(e, None, "preflight") for e in errors]
+        report.problems += [problem_of(e, None, "preflight") for e in errors]
     n, rpn = target.world_size, report.ranks_per_node
-    reps: dict[Any, tuple[int, dict[str, Any]]] = {}
-    last_of: dict[Any, int] = {}
     try:
         classes = [target.symmetry(r) for r in range(n)]
     except UCPError as e:
-        report.problems.append(_problem(e, None, "target"))
+        report.problems.append(problem_of(e, None, "target"))
         return
-    for r, key in enumerate(classes):
-        if key is not None:
-            last_of[key] = r
-    reads: list[list[Piece]] = [[] for _ in range(n)]
-    summaries: list[ReadSummary | None] = [None] * n
-    payloads: list[Any] = [None] * n
-    local: list[Problem] = []
-    coordinator: _DryLoadPlanner | None = None
-    forced = staging_forced()
-    shared: dict[str, Any] = {}
-    for r in range(n):
-        with fake_rank(r, n), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                sd, built = _state_dict(target, r, classes[r], reps, last_of, check_symmetry)
-                report.built += built
-                planner = _DryLoadPlanner(
-                    read_once=report.read_once,
-                    allow_partial_load=allow_partial_load,
-                    allow_lossy_dtype=allow_lossy_dtype,
-                    trust=trust,
-                    **target.options(r),
-                )
-                planner.device, planner.shared = report.device, shared
-                planner.set_up_planner(sd, md, is_coordinator=r == 0)
-                plan = planner.create_local_plan()
-            except UCPError as e:
-                local.append(_problem(e, r, "local plan"))
-                continue
-            finally:
-                for w in caught:
-                    text = f"{w.category.__name__}: {w.message}"
-                    if text not in report.warnings:
-                        report.warnings.append(text)
-        if r == 0:
-            coordinator = planner
-        reads[r] = pieces(planner._reads)  # compact: 4096 ranks of read items would not fit
-        payloads[r] = plan.planner_data
-        keys, sizes = read_summary(planner._reads, md)
-        summaries[r] = ReadSummary(r, report.read_once, keys, sizes, f"node{r // rpn}")
-        if progress is not None:
-            progress(r + 1, n)
-    if local:
-        report.problems += _merge(local)
-        return
-    assert coordinator is not None
-    try:
-        coordinator.create_global_plan([LoadPlan([], planner_data=p) for p in payloads])
-    except UCPError as e:
-        report.problems.append(_problem(e, None, "global plan"))
-        return
-    transport = plan_transport(summaries)
+    ranks = Ranks(report, md, target, classes, check_symmetry, trust, allow_partial_load, allow_lossy_dtype)
     model = CostModel(md, str(checkpoint), verify=verify, local_files="://" not in str(checkpoint), store_gap=store_gap)
+    staged = staging_forced() or report.device != "cpu"
+
+    def finish(r: int, transport: Any) -> RankPlan:
+        summary = ranks.summaries[r]
+        sizes = summary.sizes if summary is not None else None
+        return _rank_plan(r, rpn, ranks.reads.pop(r), sizes, transport, model, threads, staged, keep_items)
+
+    split = Split(n, plan_workers(n, workers), ranks.plan, finish, progress)
+    try:
+        outs = split.planned()
+        local = [o.problem for o in outs if o.problem is not None]
+        for o in outs:
+            report.built += o.built
+            report.warnings += [w for w in o.warnings if w not in report.warnings]
+        if local:
+            report.problems += _merge(local)
+            return
+        assert ranks.coordinator is not None
+        try:
+            ranks.coordinator.create_global_plan([LoadPlan([], planner_data=o.payload) for o in outs])
+        except UCPError as e:
+            report.problems.append(problem_of(e, None, "global plan"))
+            return
+        report.ranks = split.finish(plan_transport([o.summary for o in outs]))
+    finally:
+        split.close()
     touched: set[str] = set()
-    for r in range(n):
-        sizes = summaries[r].sizes if summaries[r] is not None else None
-        report.ranks.append(
-            _rank_plan(
-                r, rpn, reads[r], sizes, transport[r], model, threads, forced or report.device != "cpu", keep_items
-            )
-        )
-        touched.update(report.ranks[-1].files)
+    for o, rp in zip(outs, report.ranks):
+        rp.plan_bytes = o.plan_bytes
+        touched.update(rp.files)
+    report.gathered_plan_bytes = sum(o.plan_bytes for o in outs)
     report.problems += _file_problems(checkpoint, touched, integrity)
-
-
-def _state_dict(
-    target: Target, r: int, key: Any, reps: dict[Any, tuple[int, dict[str, Any]]], last_of: dict[Any, int], check: bool
-) -> tuple[dict[str, Any], bool]:
-    """Rank ``r`` (symmetry class ``key``)'s state dict, and whether the target built it (else: rebound)."""
-    if key is None:
-        return rebind(target.build(r), r, keep_local=True), True
-    if key not in reps:
-        reps[key] = (r, rebind(target.build(r), r, keep_local=True))
-        return reps[key][1], True
-    sd = rebind(reps[key][1], r)
-    if check and last_of.get(key) == r:  # the symmetry claim, checked on the class's last rank
-        built = rebind(target.build(r), r, keep_local=True)
-        a, b = structure(sd), structure(built)
-        if a != b:
-            diff = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
-            raise UCPError(
-                f"target {target.name}: rank {r}'s state dict differs from rank {reps[key][0]}'s rebound "
-                f"to it at '{diff}' (built {b.get(diff)}, rebound {a.get(diff)})",
-                hint="the target's symmetry() groups ranks whose state dicts differ; fix it or return None",
-            )
-        return built, True
-    return sd, False
 
 
 def _rank_plan(

@@ -23,13 +23,14 @@ from torch.distributed.tensor import DTensor
 
 from ..._compat import (
     ShardedTensor,
-    compute_local_shape_and_global_offset,
-    dtensor_from_local,
+    dtensor_local_shape,
+    dtensor_on_mesh,
     fake_store,
     local_tensor,
     mesh_for_rank,
 )
 from ...errors import UCPError
+from ...layout.placements import declare_twin
 
 __all__ = ["fake_rank", "rebind", "structure"]
 
@@ -51,16 +52,16 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 
 def _rebind_tensor(t: DTensor, rank: int, cache: dict[Any, Any], keep_local: bool) -> DTensor:
-    mesh = mesh_for_rank(t.device_mesh, rank, cache)
+    mesh = mesh_for_rank(t.device_mesh, rank, cache, declare_twin)
     if keep_local:
         local = local_tensor(t)
     else:
         key = (id(mesh), tuple(t.shape), tuple(t.placements))
         shape = cache.get(key)
         if shape is None:  # a parameter and its moments share it
-            shape = cache[key] = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)[0]
+            shape = cache[key] = dtensor_local_shape(t.shape, mesh, t.placements)
         local = torch.empty(shape, dtype=t.dtype, device="meta")
-    return dtensor_from_local(local, mesh, t.placements, t.shape, t.stride())
+    return dtensor_on_mesh(t, local, mesh)
 
 
 def rebind(state_dict: Any, rank: int, keep_local: bool = False) -> Any:
