@@ -20,6 +20,7 @@ from ._compat import group_has_cpu_backend
 from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors
 from .planning.checkpoint_group import guarded
 from .planning.load_planner import UCPLoadPlanner
+from .planning.plan_cache import PlanCacheMissError
 from .planning.save_planner import UCPSavePlanner
 from .storage.reader import ReadStats, UCPFileSystemReader
 from .storage.writer import UCPFileSystemWriter
@@ -143,6 +144,7 @@ def load(
     trust: bool = False,
     verify_checksums: bool = True,
     thread_count: int | None = None,
+    cache_plans: bool = True,
     **planner_options: Any,
 ) -> ReadStats:
     """Load the checkpoint at ``path`` into ``state_dict`` in place (collective), at any layout.
@@ -150,17 +152,24 @@ def load(
     Every byte read is verified against the checksums written at save; the checkpoint's metadata
     and values are decoded without running code unless ``trust=True``. ``planner_options`` go to
     :class:`UCPLoadPlanner`. Returns this rank's I/O figures. ``control_group``: as for :func:`save`.
+    ``cache_plans`` (default on): a load of the same checkpoint into the same layout as an earlier one of
+    this process reuses its plans (``UCPLoadPlanner(cache_plans=...)``; ``stats.plan_cached`` says so).
     """
     _check_call("load", state_dict, path)
-    reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
-    with ucp_errors(), guarded(process_group, control_group, "load") as group:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=UCPLoadPlanner(trust=trust, **planner_options),
-            process_group=group,
-        )
-    return reader.stats
+
+    def once(cache: bool) -> ReadStats:
+        reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
+        planner = UCPLoadPlanner(trust=trust, cache_plans=cache, **planner_options)
+        with ucp_errors(), guarded(process_group, control_group, "load") as group:
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+        return reader.stats
+
+    try:
+        return once(cache_plans)
+    except PlanCacheMissError:  # raised on every rank, before anything was read: plan afresh
+        if not cache_plans:
+            raise
+        return once(False)
 
 
 def _check_call(what: str, state_dict: Any, path: Any) -> None:

@@ -36,6 +36,7 @@ from .device import needs_staging, split_reads, staging_forced
 from .entries import raw_optimizers, set_value
 from .forgotten_maps import check_forgotten_maps, map_reads
 from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
+from .load_cache import CachedLoadPlans
 from .load_steps import (
     SavedIndex,
     combine_problems,
@@ -57,7 +58,7 @@ __all__ = ["UCPLoadPlanner"]
 logger = logging.getLogger(__name__)
 
 
-class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
+class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
     """Load planner that fills any target layout from the atoms of a checkpoint.
 
     A drop-in for ``DefaultLoadPlanner``: the first three parameters are DCP's, in DCP's order and
@@ -97,6 +98,10 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts, tuples and
             the types registered with ``torch.serialization.add_safe_globals``; anything else is
             refused with :class:`UnsafeCheckpointError`, since unpickling it could run code.
+        cache_plans: plan a repeated load once (``ucp_dcp.load`` turns it on): the same checkpoint into the
+            same target layout with the same options as an earlier load of this process sends DCP's plan gather
+            a few bytes per rank and plans nothing again (:mod:`ucp_dcp.planning.plan_cache`: what the key
+            covers; ``plan_cache_hit``, ``global_plan_cached``). Anything different plans afresh.
 
     Call order (DCP's): ``set_up_planner`` → ``create_local_plan`` → [coordinator:
     ``create_global_plan``] → ``finish_plan`` → ``load_bytes``/``resolve_tensor``/``commit_tensor``.
@@ -124,6 +129,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         read_once: ReadOnceMode | bool = "hosts",
         allow_lossy_dtype: bool = False,
         trust: bool = False,
+        cache_plans: bool = False,
         **layout: Any,
     ) -> None:
         options = options_first(flatten_state_dict, options, "UCPLoadPlanner")
@@ -140,7 +146,9 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
             "allow_partial_load": allow_partial_load,
             "allow_lossy_dtype": allow_lossy_dtype,
             "trust": trust,
+            "cache_plans": cache_plans,
         }
+        self._init_plan_cache(cache_plans)
         self.allow_lossy_dtype = bool(allow_lossy_dtype)
         self.trust = bool(trust)
         self.read_once = (
@@ -208,6 +216,9 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         check_state_dict(self, "UCPLoadPlanner")
         if not hasattr(self, "_targets"):
             raise protocol_error("create_local_plan", "set_up_planner(state_dict, metadata)")
+        cached = self._cached_local_plan()
+        if cached is not None:
+            return cached
         saved = self._saved_index()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._zero: list[Resolved] = []
@@ -292,7 +303,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         # an override of create_global_plan sees the items, as DCP's does (else they stay on the rank)
         keeps = not overrides(self, self._hook_base, "create_global_plan")
         payload = LoadPlanPayload(usage, self.read_once, keeps_items=keeps, meshes=meshes, map_reads=mapped)
-        self._payload = payload
+        self._payload = payload = self._remember_plan(payload)  # cache_plans: keyed, kept once answered
         return LoadPlan(reads, planner_data=payload)
 
     def _read_catalog(self, metadata: Metadata) -> Catalog | None:
@@ -309,28 +320,32 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         self._check_unedited(global_plan)
-        foreign = [i for i, p in enumerate(global_plan) if not isinstance(p.planner_data, LoadPlanPayload)]
+        answers = [LoadPlan([], storage_data=p.storage_data) for p in global_plan]  # the storage layer's, kept
+        if (checked := self._reused_checks(global_plan)) and self.global_plan_cached:
+            return answers  # every rank's plan is one these checks passed for (cache_plans)
+        payloads = self._payloads(global_plan)  # cached plans' from the cache
+        foreign = [i for i, p in enumerate(payloads) if not isinstance(p, LoadPlanPayload)]
         if foreign:
             raise UCPError(
                 f"create_global_plan: the plan(s) of rank(s) {foreign} were not made by UCPLoadPlanner.create_local_plan",
                 hint="give every rank a UCPLoadPlanner and pass create_global_plan the plans their create_local_plan "
                 "returned",
             )
-        usages = [p.planner_data.usage for p in global_plan]
+        usages = [p.usage for p in payloads]
         # a coordinator that planned nothing itself still checks the usage of its own rules
         patterns = getattr(self, "_patterns", None)
         if patterns is None:
             patterns = Patterns(self.rules, strict=self.strict)
         # facts before declarations: one atom wanted whole on two meshes is a forgotten map
         if self._check_meshes:
-            check_mesh_collisions(unpack_meshes(p.planner_data.meshes for p in global_plan), set(), "at load")
+            check_mesh_collisions(unpack_meshes(p.meshes for p in payloads), set(), "at load")
         check_rule_usage(patterns, usages, {m.key: m.total for m in self.maps}, "at load")
         if getattr(self, "_catalog", None):
             check_map_orders(self._catalog.map_orders, map_orders(usages))
-            reads = [p.planner_data.map_reads for p in global_plan]  # plain tensors: no mesh shows a lost map
+            reads = [p.map_reads for p in payloads]  # plain tensors: no mesh shows a lost map
             check_forgotten_maps(self._catalog, self.metadata, self.maps, reads, self.allow_partial_load)
-        # what the storage layer asked for stays with each plan (its prepare_global_plan reads it)
-        return [LoadPlan([], storage_data=p.storage_data) for p in global_plan]
+        self._passed_checks(checked)
+        return answers
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -339,6 +354,7 @@ class UCPLoadPlanner(LoadHooks, DefaultLoadPlanner):
         # the local plan itself (DCP's planner accepts it here too, with no global step) carries them
         if not hasattr(self, "_reads"):
             raise protocol_error("finish_plan", "create_local_plan()")
+        self._commit_plan(new_plan)  # cache_plans: the coordinator holds this rank's plan now
         new_plan = LoadPlan(self._reads, storage_data=new_plan.storage_data, planner_data=new_plan.planner_data)
         self._final = plan_snapshot(self._reads)
         # the load is validated on every rank: now it is safe to touch the target

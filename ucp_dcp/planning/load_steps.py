@@ -47,6 +47,7 @@ __all__ = [
     "SavedIndex",
     "GroupCollector",
     "entry_reads",
+    "use_unsplit",
     "group_reads",
     "bytes_read",
     "check_tensor",
@@ -344,14 +345,21 @@ def _fall_back_to_unsplit(r: Resolved, saved: SavedIndex) -> None:
     """Fused parts absent but the fused tensor itself saved (stock DCP / torchtitan): its block
     layout does not depend on the parallel layout, so it loads as one atom."""
     if r.unsplit is not None and not any(saved.lookup(a) for a in r.atoms) and saved.lookup(r.name):
-        r.fragments = r.unsplit
-        r.atoms = {
-            r.name: {
-                **next(iter(r.atoms.values())),
-                "shape": list(r.value.shape) if isinstance(r.value, torch.Tensor) else None,
-            }
+        use_unsplit(r)
+
+
+def use_unsplit(r: Resolved) -> None:
+    """Load fused entry ``r`` as its unsplit tensor, one atom (a cached plan that did so does it again)."""
+    if r.unsplit is None or r.fragments is r.unsplit:
+        return
+    r.fragments = r.unsplit
+    r.atoms = {
+        r.name: {
+            **next(iter(r.atoms.values())),
+            "shape": list(r.value.shape) if isinstance(r.value, torch.Tensor) else None,
         }
-        r.fanout = False
+    }
+    r.fanout = False
 
 
 def _saved_keys(r: Resolved, saved: SavedIndex) -> tuple[dict[str, str], list[str]]:

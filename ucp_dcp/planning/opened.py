@@ -42,11 +42,15 @@ class CheckedMetadata(Metadata):
 
     integrity: IntegrityStatus = "none"
     """The integrity status the reader found when opening (``Integrity.status``)."""
+    digest: str | None = None
+    """A hash of the checkpoint's ``.metadata`` bytes (None: unknown); cached load plans are keyed by it."""
 
 
-def checked(md: Metadata, integrity: IntegrityStatus) -> CheckedMetadata:
+def checked(md: Metadata, integrity: IntegrityStatus, digest: str | None = None) -> CheckedMetadata:
     """``md`` as :class:`CheckedMetadata` (the same field values, not copies)."""
-    return CheckedMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)}, integrity=integrity)
+    return CheckedMetadata(
+        **{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)}, integrity=integrity, digest=digest
+    )
 
 
 def raise_if_unopened(md: Metadata) -> None:

@@ -180,6 +180,8 @@ class Integrity:
     strays: list[str] = field(default_factory=list)
     """Files that are not part of this checkpoint: an interrupted save's, or those of a ucp_dcp checkpoint
     another writer saved over (its data files and integrity records); the next ucp_dcp save removes them."""
+    metadata_hash: str | None = None
+    """The hash of the ``.metadata`` bytes opened (:func:`~ucp_dcp.storage.sidecar.metadata_hash`); None: not known."""
 
     def describe(self) -> str:
         if self.status == "verified":
@@ -268,7 +270,7 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False, list_strays: boo
         io = body.get("io") or {}
         strays = [n for n in st.data_files if n not in files] + [n for n in st.sidecars if n != side] + st.tmp_files
         # a writer with checksums=False: the tables are checked, the data cannot be
-        return md, Integrity("verified" if io.get("algo") else "none", side, io.get("algo"), files, strays)
+        return md, Integrity("verified" if io.get("algo") else "none", side, io.get("algo"), files, strays, h)
     if st.sidecars:
         # none of the integrity records was committed with this .metadata: a damaged or rewritten
         # one of ours (refused), or another writer's checkpoint saved over ours (loads unverified)
@@ -283,7 +285,7 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False, list_strays: boo
     algo = io.get("algo") if isinstance(io, dict) else None
     referenced = {getattr(i, "relative_path", None) for i in (md.storage_data or {}).values()}
     strays = [n for n in st.data_files if n not in referenced] + st.tmp_files
-    return md, Integrity("partial" if algo else "none", None, algo, None, strays)
+    return md, Integrity("partial" if algo else "none", None, algo, None, strays, h)
 
 
 def _unrecorded(fs: Any, path: Any, st: DirState, md_bytes: bytes, h: str, trust: bool) -> tuple[Metadata, Integrity]:
@@ -323,7 +325,7 @@ def _unrecorded(fs: Any, path: Any, st: DirState, md_bytes: bytes, h: str, trust
         )
     referenced = {getattr(i, "relative_path", None) for i in (md.storage_data or {}).values()}
     strays = [n for n in st.data_files if n not in referenced] + st.sidecars + st.tmp_files
-    return md, Integrity("none", None, None, None, strays)
+    return md, Integrity("none", None, None, None, strays, h)
 
 
 def signs_of_a_record(md: Metadata, listed: dict[str, str]) -> list[str]:

@@ -53,6 +53,11 @@ class ReadStats:
     """Times a read waited for a device copy to free a staging buffer."""
     tasks: int = 0
     """Reading tasks (a file, or a run of whole chunks of one) spread over the reading threads."""
+    plan_cached: bool = False
+    """This rank planned nothing: its load plan and read-once summary came from this process's plan cache
+    (``cache_plans``, :mod:`ucp_dcp.planning.plan_cache`) and DCP's plan gather carried a marker of them."""
+    global_plan_cached: bool = False
+    """The coordinator answered with a marker of this rank's cached read-once plan (nothing re-planned)."""
 
 
 @dataclass

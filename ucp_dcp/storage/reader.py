@@ -33,7 +33,7 @@ from ..planning.device import StagingMode, needs_staging, split_reads, staging_f
 from ..planning.faults import fault_point
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
-from ..planning.payloads import ReadOnceMode, ReadSummary
+from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
 from ..planning.watch import mark
 from ..progress import BytesProgress
 from . import read_protocol
@@ -42,16 +42,17 @@ from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
 from .file_ranges import REMOTE_GAP, StoreRanges
 from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
+from .keyed_plans import KeyedReadPlans
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .object_streams import ObjectSizes
 from .read_job import ReadJob, ReadStats
 from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
-from .transport import READ_ONCE_MODES, local_summary, plan_transport
+from .transport import READ_ONCE_MODES, plan_transport
 
 __all__ = ["UCPFileSystemReader", "ReadStats"]
 
 
-class UCPFileSystemReader(ChunkReads, FileSystemReader):
+class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
     """Ranged, checksummed, read-once ``StorageReader`` for DCP checkpoints (local or fsspec paths).
 
     Opening a checkpoint never runs code from it: the metadata is rebuilt from its JSON sidecar
@@ -197,7 +198,8 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
             return UnopenedMetadata(state_dict_metadata={}, storage_data={}, error=e)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
-        return checked(md, self.integrity.status)  # its integrity is seen by UCPLoadPlanner
+        # its integrity is seen by UCPLoadPlanner; the hash of its bytes keys cached load plans
+        return checked(md, self.integrity.status, self.integrity.metadata_hash or self.integrity.sidecar)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         mark("load", "planning")  # DCP's local planning step starts here, before the planner's
@@ -242,21 +244,20 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
         mode = self.read_once or (request.read_once if request is not None else None) or "hosts"
         if mode not in READ_ONCE_MODES:
             raise UCPError(f"read_once={mode!r}: expected one of {READ_ONCE_MODES}")
-        summary = local_summary(plan.items, self._md, mode)
         keeps = request is not None and request.keeps_items
         # a planner that said it keeps its items must hand them all to read_data (else nothing is read)
         self._kept_items = len(plan.items) if keeps else None
-        return LoadPlan([] if keeps else plan.items, storage_data=summary, planner_data=pd)
+        return LoadPlan([] if keeps else plan.items, storage_data=self._summary(plan, mode), planner_data=pd)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`)."""
-        summaries = [p.storage_data if isinstance(p.storage_data, ReadSummary) else None for p in plans]
+        """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`); keyed
+        summaries (cached plans) get the cached answers (:class:`~ucp_dcp.storage.keyed_plans.KeyedReadPlans`)."""
+        return self._keyed_answers(plans)
+
+    def _plan_transport(self, summaries: list[ReadSummary | None]) -> list[TransportPlan]:
         # who loads: the ranks the exchange's gates wait for (ucp_dcp.planning.watch)
         members = [int(s.rank) for s in summaries] if all(s is not None for s in summaries) else None  # type: ignore[union-attr]
-        return [
-            dataclasses.replace(p, storage_data=dataclasses.replace(t, members=members))
-            for p, t in zip(plans, plan_transport(summaries))
-        ]
+        return [dataclasses.replace(t, members=members) for t in plan_transport(summaries)]
 
     # -- entry point -------------------------------------------------------------------------------
 
@@ -270,6 +271,7 @@ class UCPFileSystemReader(ChunkReads, FileSystemReader):
                 "from finish_plan (UCPLoadPlanner does)",
             )
         self.stats = ReadStats()
+        plan = self._answer(plan)
         mark("load", "reading")
         with BytesProgress("load", lambda: self.stats.bytes_read + self.stats.bytes_received):
             read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
