@@ -522,6 +522,8 @@ def check_counts(jobs: list[dict]) -> list[str]:
     rank and one verdict; one ``left`` add per rank; no store connection opened, no key family outside
     ucp_dcp's, nothing between calls, none of ucp_dcp's keys left after the calls. Beats and the watchers'
     scans are per second of a call, not per rank pair, and are not counted here (their rate is)."""
+    from ucp_dcp.planning.checkpoint_group import GATES, call_requests
+
     problems: list[str] = []
     gates: dict[str, set[int]] = {}
     for job in jobs:
@@ -535,15 +537,19 @@ def check_counts(jobs: list[dict]) -> list[str]:
             f, where = c["families"], f"N={n} {c['kind']} rep {c['rep']}"
             g, rest = divmod(f.get("ADD /ucp_dcp/#/#/a/#", 0), n)
             gates.setdefault(c["kind"], set()).add(g)
-            want = {
-                "WAIT /ucp_dcp/#/#/g/#": g * n,
-                "GET /ucp_dcp/#/#/g/#": g * n,
-                "COMPARE_SET /ucp_dcp/#/#/g/#": g,
-                "ADD /ucp_dcp/#/#/left": n,
+            # the model `ucp_dcp plan` prints (checkpoint_group.call_requests, GATES), against the wire
+            model = call_requests(n, GATES[c["kind"].split("_", 1)[1]])
+            got = {
+                "arrivals (add)": f.get("ADD /ucp_dcp/#/#/a/#", 0),
+                "waits (wait + get)": f.get("WAIT /ucp_dcp/#/#/g/#", 0) + f.get("GET /ucp_dcp/#/#/g/#", 0),
+                "verdicts (compare_set)": f.get("COMPARE_SET /ucp_dcp/#/#/g/#", 0),
+                "leaving (add)": f.get("ADD /ucp_dcp/#/#/left", 0),
             }
-            bad = {k: (f.get(k, 0), v) for k, v in want.items() if f.get(k, 0) != v}
+            bad = {k: (got[k], v) for k, v in model.items() if got[k] != v}
+            if f.get("WAIT /ucp_dcp/#/#/g/#", 0) != f.get("GET /ucp_dcp/#/#/g/#", 0):
+                bad["a wait without its get"] = (f.get("WAIT /ucp_dcp/#/#/g/#", 0), f.get("GET /ucp_dcp/#/#/g/#", 0))
             if rest or g == 0 or bad:
-                problems.append(f"{where}: {g} gates (+{rest} adds); counts (got, want): {bad}")
+                problems.append(f"{where}: {g} gates (+{rest} adds); counts (got, model): {bad}")
             other = sorted(k for k in f if not k.split(" ", 1)[-1].startswith("/ucp_dcp/"))
             if other:
                 problems.append(f"{where}: store requests outside ucp_dcp's keys: {other}")

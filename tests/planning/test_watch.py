@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ucp_dcp.errors import PeerFailedError, PeerLostError
 from ucp_dcp.planning import watch as W
+from ucp_dcp.planning.checkpoint_group import call_requests
 from ucp_dcp.planning.watch import Watch
 
 MEMBERS = [10, 11, 12]  # global ranks: errors name these, not the positions
@@ -84,6 +85,10 @@ def test_gates_open_for_every_member_with_a_few_requests_each_and_leave_no_key(f
     ops = ws[2]._store.ops
     assert ops["get"] == 20 and ops["add"] == 21 and "check" not in ops and "multi_get" not in ops, ops
     assert ops.get("compare_set", 0) <= 20 and ops["set"] >= 21, ops
+    # the model `ucp_dcp plan` prints: every member's adds and the verdicts, exactly
+    model = call_requests(3, 20)
+    assert sum(w._store.ops["add"] for w in ws) == model["arrivals (add)"] + model["leaving (add)"]
+    assert sum(w._store.ops.get("compare_set", 0) for w in ws) == model["verdicts (compare_set)"]
 
 
 def test_nothing_is_sent_between_calls(fast):

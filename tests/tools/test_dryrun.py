@@ -279,6 +279,32 @@ def test_a_plan_in_two_processes_is_the_plan_in_one(tmp_path):
     assert any(r["bytes_received"] for r in reports[0]["ranks"])  # read-once across the simulated hosts
 
 
+def test_plan_prints_the_control_messages_of_the_load(tmp_path):
+    """``plan`` names the store requests the load would make (its gates, two more for the read-once exchange),
+    from the model CI's plan tier checks against real calls (``recipes/scale.py --check-counts``): O(1) a rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ucp_dcp
+    from ucp_dcp.planning.checkpoint_group import EXCHANGE_GATES, GATES, call_requests
+    from ucp_dcp.tools.dryrun import FunctionTarget
+
+    ex = _example()
+    model, optim = ex.build(device="cpu")
+    ucp_dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optim))), tmp_path)
+    per_rank = set()
+    for world, read_once in ((8, "hosts"), (24, "hosts"), (8, "off")):
+        report = plan_load(tmp_path, FunctionTarget(ex.target, world, "fsdp2"), ranks_per_node=4, read_once=read_once)
+        c = report_json(report)["control"]
+        exchange = any(r.bytes_received for r in report.ranks)
+        assert exchange == (read_once == "hosts"), read_once
+        assert c["gates"] == GATES["load"] + (EXCHANGE_GATES if exchange else 0)
+        assert c["requests"] == call_requests(world, c["gates"])
+        per_rank.add((read_once, c["requests_per_rank"]))
+        assert f"control messages: {c['gates']} gates" in format_report(report)
+    hosts = [p for m, p in per_rank if m == "hosts"]
+    assert len(hosts) == 2 and max(hosts) - min(hosts) < 1  # per rank alike at 8 and 24 ranks (verdicts: per call)
+
+
 def test_the_rebound_local_shapes_and_mesh_records_are_dtensors_own():
     """The dry run's shortcuts (tools/dryrun/world.py): each rebound local shape is DTensor's own
     ``compute_local_shape_and_global_offset`` (strided shards' sizes worked out once for all coordinates), and a

@@ -37,7 +37,7 @@ from .collectives import peer_timeout
 from .watch import Watch
 
 __all__ = ["BACKEND", "CONTROL_ENV", "CheckpointGroup", "checkpoint_group", "dcp_group", "enabled", "guarded"]
-__all__ += ["private_group"]
+__all__ += ["private_group", "GATES", "EXCHANGE_GATES", "call_requests"]
 
 BACKEND = "ucp_dcp_gated_gloo"
 CONTROL_ENV = "UCP_DCP_CONTROL_GROUP"
@@ -45,6 +45,29 @@ CONTROL_ENV = "UCP_DCP_CONTROL_GROUP"
 DEFAULT_WAIT_S = 1800.0
 """How long a gate waits for a rank that never arrives but whose beat moves, when the caller's group says
 nothing: c10d's default collective timeout."""
+
+
+GATES = {"save": 5, "load": 4}
+"""Gates per call: DCP's collectives of a ``dcp.save`` (nine, the pickled bytes of each object collective riding
+on its sizes' gate: :meth:`CheckpointGroup._run`) and of a ``dcp.load`` (in torch 2.11-2.15). CI's plan tier
+checks them against real calls (``recipes/scale.py --check-counts``)."""
+EXCHANGE_GATES = 2
+"""The read-once exchange's gates, in a load where ranks send each other bytes (ready, received)."""
+
+
+def call_requests(size: int, gates: int) -> dict[str, int]:
+    """The store requests a call of ``size`` ranks through ``gates`` gates makes at its gates, by kind, as the
+    store's wire sees them (a blocking ``get`` is a WAIT, then a GET): per gate one arrival and one wait per
+    rank, one verdict; one ``left`` per rank on the way out. Besides these, per rank one beat per gate and step
+    and two a second (``beat_s``), and, while they wait, the coordinator's scan of every beat and its deputy's
+    of the coordinator's once a second (:class:`~ucp_dcp.planning.watch.Watch`): ``ucp_dcp plan`` prints them
+    and CI's plan tier compares them with a real call's."""
+    return {
+        "arrivals (add)": gates * size,
+        "waits (wait + get)": 2 * gates * size,
+        "verdicts (compare_set)": gates,
+        "leaving (add)": size,
+    }
 
 
 class CheckpointGroup(dist.ProcessGroup):

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import UCPError
+from ...planning.checkpoint_group import EXCHANGE_GATES, GATES, call_requests
+from ...planning.watch import beat_s
 from .simulate import PlanReport, RankPlan
 
 __all__ = ["Bandwidths", "parse_rate", "estimate", "format_report", "report_json", "rank_ranges"]
@@ -147,6 +149,7 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
             f"gathered plans: the coordinator receives {_mib(report.gathered_plan_bytes)} of pickled local plans "
             f"in DCP's plan gather ({n} ranks; largest {big.plan_bytes / 2**10:.1f} KiB, rank {big.rank})"
         )
+        lines += control_lines(report)
         sources: dict[str, list[int]] = {}
         for r in rs:
             if r.source is not None:
@@ -179,8 +182,41 @@ def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
     return "\n".join(lines)
 
 
+def control(report: PlanReport) -> dict[str, Any]:
+    """The store requests the load would make besides DCP's collectives (which run on gloo): its gates
+    (:data:`~ucp_dcp.planning.checkpoint_group.GATES`, two more when ranks send each other bytes) and what each
+    costs (:func:`~ucp_dcp.planning.checkpoint_group.call_requests`, the model CI checks against real calls)."""
+    n = report.world_size
+    exchange = any(r.bytes_received for r in report.ranks)
+    gates = GATES["load"] + (EXCHANGE_GATES if exchange else 0)
+    requests = call_requests(n, gates)
+    return {
+        "gates": gates,
+        "read_once_exchange": exchange,
+        "requests": requests,
+        "requests_total": sum(requests.values()),
+        "requests_per_rank": sum(requests.values()) / n if n else 0.0,
+        "beats_per_s_per_rank": 1 / beat_s(),
+    }
+
+
+def control_lines(report: PlanReport) -> list[str]:
+    c = control(report)
+    n = report.world_size
+    kinds = ", ".join(f"{v} {k}" for k, v in c["requests"].items())
+    return [
+        f"control messages: {c['gates']} gates"
+        + (" (2 of them the read-once exchange's)" if c["read_once_exchange"] else "")
+        + f": {c['requests_total']} store requests ({c['requests_per_rank']:.1f} a rank: {kinds});",
+        f"          while the call runs each rank beats {c['beats_per_s_per_rank']:g} times a second and at each "
+        f"gate and step, and the coordinator reads the {n} beats once a second while it waits; nothing between "
+        "calls; DCP's plan gather and scatter run on gloo, not through the store",
+    ]
+
+
 def report_json(report: PlanReport, bw: Bandwidths = Bandwidths()) -> dict[str, Any]:
     out = asdict(report)
     out["loads"] = report.loads
     out["estimate"] = estimate(report, bw)
+    out["control"] = control(report)
     return out
