@@ -516,6 +516,20 @@ def _summarize(n: int, records: dict[int, list], snaps: dict, keys: dict, metere
     return out
 
 
+def _watch_families(families: dict[str, int]) -> dict[str, int]:
+    """``families`` with the watch's name masked whatever its form (a group's name is a hash and a making
+    number: ``ucp_dcp/<name>/<call>/...``), other families as they are."""
+    out: dict[str, int] = {}
+    for k, v in families.items():
+        op, _, key = k.partition(" ")
+        parts = key.split("/")
+        if len(parts) > 3 and parts[1] == "ucp_dcp":
+            parts[2] = "#"
+        name = f"{op} {'/'.join(parts)}"
+        out[name] = out.get(name, 0) + v
+    return out
+
+
 def check_counts(jobs: list[dict]) -> list[str]:
     """What is wrong with the exact counts of ``ucp_dcp.save``/``load`` (CI's plan tier runs this): per call the
     same number of gates G at every N, and per gate one add, one blocking get (WAIT then GET on the wire) per
@@ -534,7 +548,8 @@ def check_counts(jobs: list[dict]) -> list[str]:
         for c in job["calls"]:
             if not c["kind"].startswith("ucp") or c["rep"] < 0:
                 continue
-            f, where = c["families"], f"N={n} {c['kind']} rep {c['rep']}"
+            where = f"N={n} {c['kind']} rep {c['rep']}"
+            f = _watch_families(c["families"])
             g, rest = divmod(f.get("ADD /ucp_dcp/#/#/a/#", 0), n)
             gates.setdefault(c["kind"], set()).add(g)
             # the model `ucp_dcp plan` prints (checkpoint_group.call_requests, GATES), against the wire
@@ -800,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.check_counts:
         problems = check_counts(jobs)
         gates = {
-            c["kind"]: c["families"].get("ADD /ucp_dcp/#/#/a/#", 0) // j["n"]
+            c["kind"]: _watch_families(c["families"]).get("ADD /ucp_dcp/#/#/a/#", 0) // j["n"]
             for j in ok
             for c in j["calls"]
             if c["kind"].startswith("ucp") and c["rep"] == 0
