@@ -44,8 +44,15 @@ CASES = {
     "load planner: read_once": (lambda d: u.UCPLoadPlanner(read_once="x"), InvalidArgumentError, ValueError),
     "load planner: unknown keyword": (lambda d: u.UCPLoadPlanner(nope=1), UnexpectedArgumentError, TypeError),
     "load planner: no metadata": (lambda d: u.UCPLoadPlanner().set_up_planner({}, None), u.UCPError, None),
-    "options: bad regex": (lambda d: u.UCPOptions(patterns=[u.Padded("(", size=3)]), u.PatternError, None),
-    "rule: reduce op": (lambda d: u.Reduce("w", "prod"), u.PatternError, None),
+    "options: bad regex": (lambda d: u.UCPOptions(patterns=[u.Padded("(", size=3)]), u.RuleArgumentError, ValueError),
+    "rule: reduce op": (lambda d: u.Reduce("w", "prod"), u.RuleArgumentError, ValueError),
+    "rule: padded size": (lambda d: u.Padded("w", size=-1), u.RuleArgumentError, ValueError),
+    "rule: fused dim": (lambda d: u.Fused("w", [("a", 1), ("b", 1)], dim=-1), u.RuleArgumentError, ValueError),
+    "rule: tied aliases": (lambda d: u.Tied("w", "v"), u.RuleArgumentError, ValueError),
+    "map: stage_map layers": (lambda d: u.stage_map([0, 0]), u.RuleArgumentError, ValueError),
+    "map: index map key": (lambda d: u.IndexMap("", (u.Chunk(0),)), u.RuleArgumentError, ValueError),
+    "name rules: bare string": (lambda d: u.NameRules(wrapper_segments="_orig_mod"), u.RuleArgumentError, ValueError),
+    "HF rule: placeholders": (lambda d: u.HFRule("a.{i}", "b"), u.RuleArgumentError, ValueError),
     "writer: URL without atomic writes": (lambda d: u.UCPFileSystemWriter("ftp://b/x"), u.UCPError, None),
     "writer: staging": (lambda d: u.UCPFileSystemWriter(d, staging="x"), InvalidArgumentError, ValueError),
     "reader: thread_count": (lambda d: u.UCPFileSystemReader(d, thread_count="x"), InvalidArgumentError, ValueError),
@@ -144,5 +151,7 @@ def test_bad_input_raises_a_ucp_error(case, tmp_path):
         with pytest.raises(u.UCPError) as info:
             fn(str(tmp_path))
     assert isinstance(info.value, cls), f"{case}: {type(info.value).__name__}: {info.value}"
+    if cls is u.RuleArgumentError:  # a bad argument, and what such a rule raised before: a PatternError
+        assert isinstance(info.value, u.PatternError) and isinstance(info.value, InvalidArgumentError), case
     if builtin is not None:
         assert isinstance(info.value, builtin), f"{case}: callers catching {builtin.__name__} no longer would"

@@ -31,6 +31,7 @@ __all__ = [
     "CatalogVersionError",
     "CatalogError",
     "PatternError",
+    "RuleArgumentError",
     "ReplicaMismatchError",
     "ChecksumError",
     "CheckpointNotFoundError",
@@ -142,7 +143,9 @@ class ShapeMismatchError(UCPError, ValueError):
 
 class DtypeConversionError(UCPError):
     """Loading an atom into the target's dtype would lose values: a lossy kind of conversion
-    (float -> int, complex -> real, non-bool -> bool), or saved values outside the target's range."""
+    (float -> int, complex -> real, non-bool -> bool), or saved values that torch's cast would change beyond
+    rounding (outside an integer target's range, past a floating target's largest finite value by more than
+    half an ulp, an inf the target cannot hold: ``ucp_dcp.layout.dtypes``)."""
 
 
 class MissingAtomsError(UCPError, RuntimeError):
@@ -170,6 +173,17 @@ class CatalogError(CatalogVersionError, ValueError):
 
 class PatternError(UCPError):
     """A declared pattern rule is malformed, matches nothing, or conflicts with another rule."""
+
+
+class RuleArgumentError(InvalidArgumentError, PatternError):
+    """A pattern rule (``Fused``, ``Padded``, ``Replicated``, ``Reduce``, ``Tied``), index map (``Chunk``,
+    ``IndexMap``, ``stage_map``, ``expert_map``), ``NameRules`` or HF rule (``HFRule``, ``HFMapping``) was built
+    with an argument it cannot take: a negative size or dim, a regex that does not compile, an op outside the
+    allowed set, a bare string where a sequence goes. Raised by the constructor, where the mistake is, naming
+    the rule, the argument, what was given and what is allowed (``wanted``).
+
+    An :class:`InvalidArgumentError` (so a ``ValueError``) and a :class:`PatternError`, the error such a rule
+    raised before, when it was found at all."""
 
 
 class CheckpointNotFoundError(UCPError, FileNotFoundError):

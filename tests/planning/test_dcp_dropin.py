@@ -405,16 +405,21 @@ def test_reader_extension_registry_positional_decodes_dcps_transformed_tensors(t
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["m"], sd["m"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="UCPFileSystemReader._read_object hands an object item's bytes to the "
-    "planner without undoing the item's stream transforms (reader.py, outside this change)",
-)
 def test_reader_extension_registry_decodes_dcps_transformed_objects(tmp_path):
-    dcp.save({"meta": {"k": "v"}}, storage_writer=FileSystemWriter(tmp_path, _extensions=[_Xor()]))
-    back = {"meta": {"k": ""}}
-    dcp.load(back, storage_reader=UCPFileSystemReader(tmp_path, _xor_registry()), planner=UCPLoadPlanner())
-    assert back["meta"] == {"k": "v"}
+    """An object item saved through DCP's stream transforms is decoded by the reader's registry before the
+    planner unpickles it, as DCP's reader does; a reader without the extension refuses it as DCP's does."""
+    dcp.save(
+        {"meta": {"k": "v"}, "w": torch.arange(3.0)}, storage_writer=FileSystemWriter(tmp_path, _extensions=[_Xor()])
+    )
+    back = {"meta": {"k": ""}, "w": torch.zeros(3)}
+    reader = UCPFileSystemReader(tmp_path, _xor_registry())
+    dcp.load(back, storage_reader=reader, planner=UCPLoadPlanner())
+    assert back["meta"] == {"k": "v"} and torch.equal(back["w"], torch.arange(3.0))
+    stock = {"meta": {"k": ""}, "w": torch.zeros(3)}
+    dcp.load(stock, storage_reader=FileSystemReader(tmp_path, _xor_registry()), planner=DefaultLoadPlanner())
+    assert stock["meta"] == back["meta"]
+    with pytest.raises(CheckpointException, match="Unknown extension"):
+        dcp.load({"meta": {"k": ""}}, storage_reader=UCPFileSystemReader(tmp_path), planner=UCPLoadPlanner())
 
 
 def test_storage_classes_with_positional_arguments_pickle(tmp_path):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PatternError
+from .arguments import integer, refuse, strings, text
 from .naming import Path
 
 __all__ = ["Chunk", "IndexMap", "stage_map", "expert_map", "check_ownership", "map_position"]
@@ -35,9 +36,9 @@ class Chunk:
     different owners is an error at save."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.indices, int):
-            object.__setattr__(self, "indices", tuple(int(i) for i in self.indices))
-        object.__setattr__(self, "prefixes", tuple(self.prefixes))
+        object.__setattr__(self, "indices", _indices("Chunk", "indices", self.indices))
+        object.__setattr__(self, "prefixes", _prefixes("Chunk", "prefixes", self.prefixes))
+        object.__setattr__(self, "owner", _owner("Chunk", "owner", self.owner))
 
     def global_index(self, local: int, key: str) -> int:
         if isinstance(self.indices, int):
@@ -62,9 +63,30 @@ class IndexMap:
     """Number of global indices (layers/experts); if set, every one must be owned by some rank."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", tuple(self.chunks))
-        if sum(1 for c in self.chunks if not c.prefixes) > 1:
-            raise PatternError(f"index map '{self.key}': several chunks without namespaces are ambiguous")
+        key = text("IndexMap", "key", self.key, _KEY)
+        if "." in key:
+            raise refuse("IndexMap", "key", key, _KEY)
+        what = f"IndexMap({key!r})"
+        if isinstance(self.chunks, Chunk) or not isinstance(self.chunks, Iterable):
+            raise refuse(what, "chunks", self.chunks, "a sequence of one or more Chunk", hint="wrap it: (chunk,)")
+        chunks = tuple(self.chunks)
+        if not chunks or not all(isinstance(c, Chunk) for c in chunks):
+            raise refuse(what, "chunks", chunks, "a sequence of one or more Chunk")
+        object.__setattr__(self, "chunks", chunks)
+        if self.total is not None:
+            total = integer(what, "total", self.total, 1, "an int >= 1 (the number of global entries) or None")
+            object.__setattr__(self, "total", total)
+            for c in chunks:
+                if not isinstance(c.indices, int):
+                    _indices(f"{what}: a chunk", "indices", c.indices, total)
+        if sum(1 for c in chunks if not c.prefixes) > 1:
+            raise refuse(
+                what,
+                "chunks",
+                chunks,
+                "at most one chunk without namespaces (prefixes)",
+                hint="several chunks without namespaces are ambiguous: give each chunk its prefixes",
+            )
 
     def __hash__(self) -> int:
         # the fields' hash, made once (:func:`_rewrite` hashes the map on every call)
@@ -136,14 +158,48 @@ def stage_map(
     layers: Sequence[int] | int, *, total: int | None = None, stage: int | None = None, prefixes: Sequence[str] = ()
 ) -> IndexMap:
     """One pipeline chunk: ``layers`` is the global index of each local layer (or the first one)."""
-    return IndexMap(
-        "layers", (Chunk(layers if isinstance(layers, int) else tuple(layers), tuple(prefixes), stage),), total
+    what = "stage_map"
+    chunk = Chunk(
+        _indices(what, "layers", layers, total), _prefixes(what, "prefixes", prefixes), _owner(what, "stage", stage)
     )
+    return IndexMap("layers", (chunk,), total)
 
 
 def expert_map(experts: Sequence[int] | int, *, total: int | None = None, owner: int | None = None) -> IndexMap:
     """Local expert lists: ``experts`` is the global index of each local expert (or the first one)."""
-    return IndexMap("experts", (Chunk(experts if isinstance(experts, int) else tuple(experts), (), owner),), total)
+    what = "expert_map"
+    return IndexMap(
+        "experts", (Chunk(_indices(what, "experts", experts, total), (), _owner(what, "owner", owner)),), total
+    )
+
+
+_INDICES = "an int >= 0 (the global index of local entry 0) or a sequence of distinct ints >= 0 (one per local entry)"
+_PREFIXES = "a sequence of dotted state-dict paths (non-empty strings, no empty segment)"
+_KEY = "the name of a ModuleList/ModuleDict (a non-empty string without dots, e.g. 'layers')"
+
+
+def _indices(what: str, arg: str, value: Any, total: Any = None) -> int | tuple[int, ...]:
+    """A chunk's local -> global table, checked: an offset, or distinct global indices (below ``total``
+    when it is an int: a wrong ``total`` is the map's to report)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return integer(what, arg, value, 0, _INDICES)
+    table = tuple(integer(what, arg, i, 0, _INDICES) for i in value)
+    if len(set(table)) < len(table):
+        raise refuse(what, arg, value, _INDICES, hint="two local entries cannot be one global entry")
+    if isinstance(total, int) and not isinstance(total, bool) and any(i >= total for i in table):
+        raise refuse(what, arg, value, f"global indices below total={total}", hint="check the table and the total")
+    return table
+
+
+def _prefixes(what: str, arg: str, value: Any) -> tuple[str, ...]:
+    prefixes = strings(what, arg, value, _PREFIXES)
+    if any("" in p.split(".") for p in prefixes):
+        raise refuse(what, arg, value, _PREFIXES)
+    return prefixes
+
+
+def _owner(what: str, arg: str, value: Any) -> int | None:
+    return None if value is None else integer(what, arg, value, 0, "an int >= 0 (a stage or shard id) or None")
 
 
 def map_position(name: str, key: str) -> tuple[str, int] | None:

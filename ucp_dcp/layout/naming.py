@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .arguments import refuse, strings
+
 __all__ = [
     "AtomName",
     "NameRules",
@@ -46,6 +48,13 @@ class NameRules:
     leading_segments: tuple[str, ...] = ("module",)
     """Segments removed only as the first segment of a key (DDP's ``module.`` prefix)."""
 
+    def __post_init__(self) -> None:
+        for arg in ("wrapper_segments", "leading_segments"):
+            segs = strings("NameRules", arg, getattr(self, arg), _SEGMENTS)
+            if any("." in s for s in segs):
+                raise refuse("NameRules", arg, segs, _SEGMENTS, hint="a dotted path is several segments: list each")
+            object.__setattr__(self, arg, segs)
+
     def canonical_elem(self, elem: PathElem) -> PathElem | None:
         """Strip wrapper segments from one path element; None if nothing is left."""
         if isinstance(elem, int):
@@ -58,6 +67,9 @@ class NameRules:
 
     def canonical_path(self, path: Sequence[PathElem]) -> Path:
         return _canonical_path(self, tuple(path))
+
+
+_SEGMENTS = "a sequence of path segments (non-empty strings without dots)"
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
-from ..errors import PatternError
+from ..errors import InvalidArgumentError, PatternError
+from .arguments import DIM, flag, fused_blocks, fused_parts, integer, one_of, real, regex, regexes, text
 
 __all__ = [
     "Fused",
@@ -50,6 +51,15 @@ class _Rule:
     """Strict mode does not count this rule when it matches nothing (it still applies where it
     matches). Not part of the rule's identity, and not recorded in the catalog."""
 
+    def _checked(self, pattern: str = "pattern") -> tuple[str, re.Pattern[str]]:
+        """The rule's name for messages (``"Padded('emb')"``) and its regex ``pattern``, compiled; the fields every
+        rule has checked (:mod:`ucp_dcp.layout.arguments`)."""
+        name = type(self).__name__
+        rx = regex(name, pattern, getattr(self, pattern))
+        what = f"{name}({rx.pattern!r})"
+        flag(what, "optional", self.optional)
+        return what, rx
+
 
 @dataclass(frozen=True)
 class Fused(_Rule):
@@ -73,9 +83,10 @@ class Fused(_Rule):
     kind: ClassVar[str] = "fused"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple((str(t), int(n)) for t, n in self.parts))
-        if len(self.parts) < 2:
-            raise PatternError(f"fused rule {self.pattern!r} needs at least two parts, got {self.parts}")
+        what, rx = self._checked()
+        object.__setattr__(self, "parts", fused_parts(what, self.parts, rx))
+        object.__setattr__(self, "dim", integer(what, "dim", self.dim, 0, DIM))
+        object.__setattr__(self, "blocks", fused_blocks(what, self.blocks))
 
 
 @dataclass(frozen=True)
@@ -99,11 +110,13 @@ class Padded(_Rule):
     else: a wrong ``size`` would otherwise drop real rows without a word."""
     kind: ClassVar[str] = "padded"
 
-
-def _one_of(rule: Any, field_name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(rule, field_name)
-    if value not in choices:
-        raise PatternError(f"{rule.kind} rule {rule.pattern!r}: {field_name} must be one of {choices}, got {value!r}")
+    def __post_init__(self) -> None:
+        what, _ = self._checked()
+        object.__setattr__(self, "size", integer(what, "size", self.size, 1, "an int >= 1 (the dim's logical size)"))
+        object.__setattr__(self, "dim", integer(what, "dim", self.dim, 0, DIM))
+        object.__setattr__(self, "fill", real(what, "fill", self.fill))
+        object.__setattr__(self, "state_fill", real(what, "state_fill", self.state_fill))
+        flag(what, "discard", self.discard)
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,8 @@ class Replicated(_Rule):
     kind: ClassVar[str] = "replicated"
 
     def __post_init__(self) -> None:
-        _one_of(self, "check", REPLICA_CHECKS)
+        what, _ = self._checked()
+        one_of(what, "check", self.check, REPLICA_CHECKS)
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,8 @@ class Reduce(_Rule):
     kind: ClassVar[str] = "reduce"
 
     def __post_init__(self) -> None:
-        _one_of(self, "op", REDUCE_OPS)
+        what, _ = self._checked()
+        one_of(what, "op", self.op, REDUCE_OPS)
 
 
 @dataclass(frozen=True)
@@ -154,7 +169,9 @@ class Tied(_Rule):
     kind: ClassVar[str] = "tied"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "aliases", tuple(self.aliases))
+        what = f"Tied({text('Tied', 'param', self.param, 'a canonical parameter name (a non-empty string)')!r})"
+        object.__setattr__(self, "aliases", regexes(what, "aliases", self.aliases, low=1))
+        flag(what, "optional", self.optional)
 
     @property
     def pattern(self) -> str:
@@ -189,6 +206,8 @@ def rule_from_json(d: dict[str, Any]) -> Rule:
         return cls(**d)
     except TypeError as e:  # missing or unknown fields (a catalog is untrusted input)
         raise PatternError(f"rule {cls.__name__} in catalog: {e}", saved=d) from None
+    except InvalidArgumentError as e:  # a field its constructor refuses
+        raise PatternError(f"rule {cls.__name__} in catalog: {e.message}", saved=d, wanted=e.wanted) from None
 
 
 def literal_prefix(pattern: str) -> str:

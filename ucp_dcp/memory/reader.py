@@ -136,6 +136,7 @@ class MemoryReader(UCPFileSystemReader):
             forced=self._forced,
             stage_bytes=self.stage_bytes,
             buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
+            transforms=self.transforms,
             stats=stats,
         )
 

@@ -5,10 +5,11 @@ a file's chunks are read in offset order: a tensor chunk's byte runs (see :mod:`
 straight into the target when they are one contiguous run of matching dtype, else through a buffer,
 from a read-only mapping of the file when it is local (:func:`~ucp_dcp.storage.file_ranges.regular_fd`)
 or by ranged reads; widened to whole checksum blocks when verifying; objects whole, checked against
-their checksum. What cannot be read by ranges falls back to DCP's whole-item path. A mixin: the reader
+their checksum as stored, then decoded through their stream transforms (DCP's ``_extension_registry``)
+when delivered. What cannot be read by ranges falls back to DCP's whole-item path. A mixin: the reader
 holds the state (``storage_data``, ``fs``, checksums, stats) these methods use.
 
-Kept in one module (about 490 lines once formatted): one mixin whose methods hand a chunk to each
+Kept in one module (about 510 lines once formatted): one mixin whose methods hand a chunk to each
 other (direct, union, mapped, fallback reads) and share the reader's verification state.
 """
 
@@ -161,6 +162,8 @@ class ChunkReads:
                 atom=c.index.fqn,
                 hint="the checkpoint's tables are damaged",
             )
+        # verified as stored (the writer's checksum covers the file's bytes); kept and sent as stored too, each
+        # rank undoing the item's stream transforms when it delivers the object (ReadJob.decoded)
         job.keep_if_sent(c.items[0], data)
         with self._lock:
             job.objects.append((c.items[0], data))

@@ -93,6 +93,10 @@ class ReadJob:
     """Size of one staging buffer."""
     buffers: int = BUFFERS_PER_THREAD
     """Most staging buffers in the pool."""
+    transforms: Any = None
+    """The reader's stream transforms (DCP's, from its ``_extension_registry``): an object item saved through
+    some (its storage entry's ``transform_descriptors``) is decoded by them before the planner gets its bytes,
+    as DCP's reader does. Objects travel between ranks as stored, each rank decoding what it delivers."""
     stats: ReadStats = field(default_factory=ReadStats)
     pool: StagingPool | None = None
     """Created on the first staged target (pinned for CUDA targets)."""
@@ -154,7 +158,7 @@ class ReadJob:
     def deliver(self, item: ReadItem, data: Any, dtype: torch.dtype | None) -> None:
         """Copy packed bytes of an item into its target (converting dtype) and commit it."""
         if item.type == LoadItemType.BYTE_IO:
-            self.planner.load_bytes(item, io.BytesIO(bytes(data)))
+            self.planner.load_bytes(item, io.BytesIO(self.decoded(item, data)))
             return
         if dtype is None:
             dtype, _ = self.chunk_meta[item.storage_index]
@@ -173,6 +177,14 @@ class ReadJob:
         else:
             target.copy_(src)
         self.planner.commit_tensor(item, target)
+
+    def decoded(self, item: ReadItem, data: bytes | memoryview) -> bytes:
+        """An object item's serialized bytes: those stored, with the item's stream transforms undone by DCP's
+        machinery (``FileSystemReader.read_data``'s own ``transform_load_stream``); as stored when it has none."""
+        descriptors = getattr(self.storage_data.get(item.storage_index), "transform_descriptors", None)
+        if not descriptors or self.transforms is None:
+            return bytes(data)
+        return self.transforms.transform_load_stream(item, descriptors, io.BytesIO(data)).read(-1)
 
     def stage_copy(self, data: Any, dtype: torch.dtype, lengths: tuple[int, ...], target: torch.Tensor) -> None:
         """Copy packed host bytes of a box into a staged target, one staging buffer at a time."""

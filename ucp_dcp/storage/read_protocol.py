@@ -57,6 +57,7 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
             forced=reader._forced,
             stage_bytes=reader.stage_bytes,
             buffers=BUFFERS_PER_THREAD * max(1, reader.thread_count),
+            transforms=getattr(reader, "transforms", None),
             stats=stats,
         )
         fault_point("read")

@@ -70,7 +70,8 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
     Args:
         path: checkpoint folder or fsspec URL.
         _extension_registry: as in DCP: the stream transforms items written with them are decoded
-            by (those items are read whole, DCP's way).
+            by, tensors and objects alike (such tensor items are read whole, DCP's way; an object's
+            checksum, when it has one, is checked over its bytes as stored, before decoding).
         thread_count: reading threads of this rank; None (the default): from the machine, the cores
             this process may use shared among its host's ranks, 2 to 16
             (:func:`~ucp_dcp.storage.threads.reading_threads`). A rank's files, and runs of whole

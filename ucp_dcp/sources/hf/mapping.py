@@ -17,6 +17,7 @@ reads exactly the rows its box needs, whatever the sharding.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from ...errors import UCPError
+from ...layout.arguments import integer, refuse, regexes, text
 
 __all__ = ["HFRule", "HFMapping", "hf_rows", "atom_rows", "zero_fill"]
 
@@ -60,18 +62,22 @@ class HFRule:
     """The atom template as a pattern (set from ``atom``)."""
 
     def __post_init__(self) -> None:
+        text("HFRule", "hf", self.hf, "an HF tensor name template (a non-empty string)")
+        text("HFRule", "atom", self.atom, "an atom name template (a non-empty string)")
+        what = f"HFRule({self.hf!r}, {self.atom!r})"
         hf, atom = sorted(_PLACEHOLDER.findall(self.hf)), sorted(_PLACEHOLDER.findall(self.atom))
         if self.stack is not None:
-            if self.stack not in hf or self.stack in atom:
-                raise UCPError(
-                    f"HF rule {self.hf!r} -> {self.atom!r}: stack={self.stack!r} must be a placeholder "
-                    "of the HF template only"
-                )
+            if not isinstance(self.stack, str) or self.stack not in hf or self.stack in atom:
+                raise refuse(what, "stack", self.stack, "a placeholder of the HF template only, or None")
             hf.remove(self.stack)
         if hf != atom:
-            raise UCPError(f"HF rule {self.hf!r} -> {self.atom!r}: both sides need the same placeholders")
-        if self.stack is not None and self.rotary_heads:
-            raise UCPError(f"HF rule {self.hf!r}: a stacked atom cannot have rotary rows")
+            raise refuse(what, "atom", self.atom, f"the HF template's placeholders {sorted(set(hf))}")
+        if self.rotary_heads is not None:
+            allowed = "an int >= 1 (the projection's heads), or None (or 0) for rows in HF's order"
+            heads = integer(what, "rotary_heads", self.rotary_heads, 0, allowed)
+            object.__setattr__(self, "rotary_heads", heads)
+            if self.stack is not None and heads:
+                raise refuse(what, "rotary_heads", heads, "None for a stacked atom (it cannot have rotary rows)")
         object.__setattr__(self, "_hf_re", _compile(self.hf))
         object.__setattr__(self, "_atom_re", _compile(self.atom))
 
@@ -116,6 +122,19 @@ class HFMapping:
     :func:`~ucp_dcp.sources.hf.load_hf` sets them to zero (:func:`zero_fill`); an export writes
     nothing for them and refuses a checkpoint where they are not all zero (the HF model would
     compute something else)."""
+
+    def __post_init__(self) -> None:
+        what = f"HFMapping(name={self.name!r})"
+        if isinstance(self.rules, (str, bytes, HFRule)) or not isinstance(self.rules, Iterable):
+            raise refuse(what, "rules", self.rules, "a sequence of HFRule", hint="wrap it: (rule,)")
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if not all(isinstance(r, HFRule) for r in self.rules):
+            raise refuse(what, "rules", self.rules, "a sequence of HFRule")
+        text(what, "prefix", self.prefix, "a string (the atoms' prefix, e.g. 'model.' or '')", empty=True)
+        for arg in ("ignore", "zero"):
+            object.__setattr__(self, arg, regexes(what, arg, getattr(self, arg)))
+        if not isinstance(self.config, Mapping):
+            raise refuse(what, "config", self.config, "a dict (the HF config.json an export writes)")
 
     def atom_of(self, hf_name: str) -> tuple[str, HFRule, int | None] | None:
         """The atom an HF tensor holds (with prefix), the rule, and the slice index of a stacked
