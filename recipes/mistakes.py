@@ -3,8 +3,9 @@ both, param groups reordered, one replica perturbed, the writer or reader swappe
 into the folder holding ours, a map forgotten at load on plain tensors) on every transition of the
 reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
 and the fix; then the state-form runs (ties without rules, the raw optimizer form: ``ucp_dcp.testing.mistake_forms``)
-and the subclass-hook runs (DCP's planner extension points overridden: ``ucp_dcp.testing.mistake_hooks``).
-One line per silent, crashed or unclear run, then ``MISTAKES OK: N runs, 0 silent`` or
+the subclass-hook runs (DCP's planner extension points overridden: ``ucp_dcp.testing.mistake_hooks``) and the
+dtype-edge runs (values at and past a narrower target's largest finite value: ``ucp_dcp.testing.mistake_dtypes``).
+One line per silent, crashed, unclear or wrongly refused run, then ``MISTAKES OK: N runs, 0 silent`` or
 ``MISTAKES FAILED: ...``. The set is ``ucp_dcp.testing.mistakes``; each transition runs in fresh processes
 (``ucp_dcp.testing.processes``), where the tests run the same worker on their pool.
 
@@ -25,10 +26,11 @@ from pathlib import Path
 
 from ucp_dcp.progress import StepProgress
 from ucp_dcp.testing.elastic import RECONFIG_SET
+from ucp_dcp.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
 from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
 from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
 from ucp_dcp.testing.mistake_runs import transition_worker
-from ucp_dcp.testing.mistakes import SAME_LAYOUT, plan, summary
+from ucp_dcp.testing.mistakes import FAILING, SAME_LAYOUT, plan, summary
 from ucp_dcp.testing.processes import RanksFailed, run_ranks
 from ucp_dcp.toy import Topology
 
@@ -92,7 +94,7 @@ def main() -> int:
         t1 = time.perf_counter()
         rs = run_transition(save, load, names)
         results += rs
-        bad = sum(1 for r in rs if r["outcome"] in ("silent", "crash", "unclear"))
+        bad = sum(1 for r in rs if r["outcome"] in FAILING)
         print(
             f"# {save} -> {load}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s",
             flush=True,
@@ -106,16 +108,19 @@ def main() -> int:
     classes = [
         ("form", "state forms", form_worker, SCENARIOS),
         ("hooks", "subclass hooks", hooks_worker, HOOK_SCENARIOS),
+        ("dtype", "dtype edges", dtype_worker, DTYPE_SCENARIOS),
     ]
-    # the state-form runs (ties without rules, the raw optimizer form), the subclass-hook runs (issue 31)
+    # the state-form runs (ties without rules, the raw optimizer form), the subclass-hook runs (issue 31), the
+    # dtype-edge runs (issue 46)
     for key, label, worker, scenarios in classes:
         if a.only and a.only not in key:
             continue
         t1 = time.perf_counter()
         rs = run_forms(worker=worker, scenarios=scenarios, label=label)
         results += rs
-        bad = sum(1 for r in rs if r["outcome"] in ("silent", "crash", "unclear"))
-        print(f"# {label}: {len(rs)} runs, {bad} silent/crashed/unclear, {time.perf_counter() - t1:.0f}s", flush=True)
+        bad = sum(1 for r in rs if r["outcome"] in FAILING)
+        took = time.perf_counter() - t1
+        print(f"# {label}: {len(rs)} runs, {bad} silent/crashed/unclear/overrefused, {took:.0f}s", flush=True)
         if a.v:
             for r in rs:
                 print(

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp
 from ucp_dcp import DtypeConversionError, UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.planning.digests import value_digest
+from ucp_dcp.testing.checks import bitwise_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -245,6 +246,107 @@ def test_fp32_to_bf16_in_range_allowed(tmp_path, reader):
     got = _round_trip(tmp_path, saved, torch.zeros(64, 33, dtype=torch.bfloat16), reader)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, saved.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+
+
+EDGE_LOADS = [
+    (65519.0, torch.float16),
+    (3.39e38, torch.bfloat16),
+    (460.0, torch.float8_e4m3fn),
+    (60000.0, torch.float8_e5m2),
+]
+"""Values past the target's largest finite value that torch's cast rounds to it (issue 46): they load."""
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("value,wanted", EDGE_LOADS, ids=lambda x: str(x).removeprefix("torch."))
+def test_values_rounding_to_the_largest_finite_value_load_as_to_gives_them(tmp_path, reader, value, wanted):
+    saved = torch.tensor([[1.0, value, -value], [0.5, float("-inf"), float("nan")]])
+    if wanted == torch.float8_e4m3fn:
+        saved[1, 1] = -2.0  # no inf in float8_e4m3fn
+    got = _round_trip(tmp_path, saved, torch.zeros(2, 3, dtype=wanted), reader)
+    assert bitwise_equal(got, saved.to(wanted)), (got, saved.to(wanted))
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize(
+    "saved,wanted,first,becomes",
+    [
+        ([1.0, float("inf"), 2.0, float("-inf")], torch.float8_e4m3fn, "inf", "448"),  # torch: a silent 448
+        ([1.0, 470.0, 2.0, 1e6], torch.float8_e4m3fn, "470", "448"),  # past the edge (464): saturated by torch
+        ([1.0, 65520.0, 2.0, -7e4], torch.float16, "65520", "inf"),  # the edge: a tie, to inf
+        ([1.0, 3.3962e38, 2.0, -3.4e38], torch.bfloat16, "3.3962e+38", "inf"),
+    ],
+    ids=["inf-e4m3fn", "past-e4m3fn", "edge-fp16", "past-bf16"],
+)
+def test_values_past_the_rounding_edge_are_refused(tmp_path, reader, saved, wanted, first, becomes):
+    target = torch.zeros(4, dtype=wanted)
+    err = _refused(tmp_path, torch.tensor(saved), target, reader)
+    text = str(err)
+    assert err.atom == "model.w" and "'model.w'" in text and ": 2 saved value(s) " in text, text
+    assert f"(e.g. {first}, which would become {becomes})" in text and "allow_lossy_dtype=True" in err.hint, text
+    assert not target.view(torch.uint8).any(), "refused before the copy: no value may reach the target"
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_an_inf_into_a_format_without_one_is_refused_also_when_the_range_is_the_same(tmp_path, reader):
+    saved = torch.tensor([1.0, float("inf"), 57344.0]).to(torch.float8_e5m2)  # e5m2fnuz: same max, NaN for inf
+    err = _refused(tmp_path, saved, torch.zeros(3, dtype=torch.float8_e5m2fnuz), reader)
+    assert ": 1 saved value(s) " in str(err) and "(e.g. inf, which would become nan)" in str(err), str(err)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_values_past_the_rounding_edge_load_as_to_gives_them_when_lossy_is_allowed(tmp_path, reader):
+    saved = torch.tensor([1.0, float("inf"), 470.0, 1e6])
+    got = _round_trip(tmp_path, saved, torch.zeros(4, dtype=torch.float8_e4m3fn), reader, allow_lossy_dtype=True)
+    assert bitwise_equal(got, saved.to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_nan_into_an_int_target_is_refused_at_plan_time(tmp_path, reader):
+    target = torch.full((2,), -5, dtype=torch.int32)
+    err = _refused(tmp_path, torch.tensor([1.0, float("nan")]), target, reader)
+    assert err.saved == torch.float32 and err.wanted == torch.int32 and target.tolist() == [-5, -5]
+
+
+def _dtype_edge_dtensor_worker(rank, world, root):
+    """DTensors (Shard(0) over every rank) of fp32 edge values, loaded into DTensor targets of narrower
+    dtypes: per target dtype, whether this rank's loaded shard's bytes equal ``.to()``'s, or (error name, atom,
+    text). The targets are built from local shards and compared there: gloo has no float8 type."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    cases = {
+        "fp16": ([65519.0, -65519.0, 1.0, 0.5], torch.float16),
+        "bf16": ([3.39e38, -3.39e38, 1.0, 0.5], torch.bfloat16),
+        "e4m3fn": ([460.0, 464.0, -460.0, 1.0], torch.float8_e4m3fn),
+        "e5m2": ([60000.0, -61439.0, 1.0, 0.5], torch.float8_e5m2),
+        "e4m3fn_inf": ([1.0, 2.0, 3.0, float("inf")], torch.float8_e4m3fn),  # the inf on the last rank's shard
+        "fp16_past": ([1.0, 2.0, 3.0, 65520.0], torch.float16),
+    }
+    saved = {k: distribute_tensor(torch.tensor(v), mesh, [Shard(0)]) for k, (v, _) in cases.items()}
+    dcp.save(saved, storage_writer=ucp_dcp.UCPFileSystemWriter(f"{root}/edge"), planner=UCPSavePlanner())
+    out = {}
+    for k, (v, wanted) in cases.items():
+        mine = torch.tensor(v).chunk(world)[rank]
+        target = {k: DTensor.from_local(torch.zeros(len(mine), dtype=wanted), mesh, [Shard(0)], run_check=False)}
+        try:
+            dcp.load(target, storage_reader=UCPFileSystemReader(f"{root}/edge"), planner=UCPLoadPlanner())
+        except CheckpointException as e:
+            err = ucp_failure(e)
+            out[k] = (type(err).__name__.removeprefix("Peer"), err.atom, str(err))
+            continue
+        out[k] = bitwise_equal(target[k].to_local(), mine.to(wanted))
+    return out
+
+
+@pytest.mark.slow
+def test_dtensor_edge_values_load_as_to_gives_them_and_past_the_edge_are_refused():
+    for out in D.run(_dtype_edge_dtensor_worker, 2, D.tmpdir()):
+        assert out["fp16"] is out["bf16"] is out["e4m3fn"] is out["e5m2"] is True, out
+        for k, first in (("e4m3fn_inf", "inf"), ("fp16_past", "65520")):
+            name, atom, text = out[k]
+            assert name == "DtypeConversionError" and atom == k and f"(e.g. {first}, " in text, out
 
 
 @pytest.mark.parametrize("reader", READERS)

@@ -9,8 +9,12 @@ import dataclasses
 
 import dist as D
 import pytest
+import torch
 from test_reconfig import TRANSITIONS, _id
 
+from ucp_dcp.errors import DtypeConversionError
+from ucp_dcp.layout.dtypes import check_range, conversion
+from ucp_dcp.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
 from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
 from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
 from ucp_dcp.testing.mistake_runs import options, rule_key, transition_worker
@@ -131,6 +135,37 @@ def test_the_summary_counts_silent_runs_and_leaves_user_owned_and_stock_ones_apa
     assert any(x.startswith("USER-OWNED") for x in lines) and any(x.startswith("STOCK-SILENT") for x in lines)
 
 
+def test_a_refused_load_that_must_succeed_fails_the_summary_and_dtype_refusals_name_their_cause():
+    r = lambda m, o, **kw: {"save": "fp32", "load": "fp16", "mistake": m, "outcome": o, **kw}
+    lines, good = summary(
+        [
+            r("dtype-fp16-past", "refused", error="E", mentions=["dtype"]),
+            r("dtype-fp16-edge", "overrefused", error="E"),
+        ],
+        0,
+    )
+    assert not good and lines[-1].startswith("MISTAKES FAILED: 2 runs, 0 silent, 0 crashed, 0 unclear, 1 refused")
+    assert lines[0].startswith("OVERREFUSED") and "dtype-fp16-edge" in lines[0]
+    assert not any(x.startswith("REFUSED?") for x in lines)  # the refusal names the dtype
+
+
+@pytest.mark.parametrize("name", list(DTYPE_SCENARIOS))
+def test_each_dtype_edge_run_expects_what_the_guard_does(name):
+    """Without processes: a run that must be refused holds a value the guard refuses (at planning, for a lossy
+    kind of conversion), one that must load holds none, or is loaded with allow_lossy_dtype=True."""
+    sc = DTYPE_SCENARIOS[name]
+    values = torch.tensor(sc.values, dtype=torch.float64).to(sc.saved)
+    if conversion(sc.saved, sc.wanted) == "lossy":
+        assert sc.must_refuse, name
+        return
+    try:
+        check_range(name, values, sc.wanted)
+        refused = False
+    except DtypeConversionError:
+        refused = True
+    assert refused == (sc.must_refuse or sc.load.get("allow_lossy_dtype", False)), name
+
+
 def _run(save: str, load: str, names: list[str]) -> list[dict]:
     world = 4 if max(Topology.parse(save).world, Topology.parse(load).world) <= 4 else 8
     return D.run(transition_worker, world, D.tmpdir(), save, load, names, timeout=1500)[0]
@@ -179,9 +214,11 @@ def test_no_state_form_mistake_is_silent():
     assert not any(x.startswith("REFUSED?") for x in lines), "\n".join(lines)  # every refusal names its cause
     for name in ("form-tied-same", "form-tied-plain", "form-tied-untied", "form-tied-rule", "form-tied-copies"):
         assert by[name]["outcome"] == "ok", by[name]  # correct use without a declaration: loads
+    assert by["form-tied-stockwriter"]["outcome"] == "ok", by["form-tied-stockwriter"]  # copies compared when read
     for name in ("form-raw-same", "form-raw-plain", "form-raw-stockwriter"):
         assert by[name]["outcome"] == "ok", by[name]
-    for name in ("form-tied-differ", "form-tied-differrule", "form-raw-regrouped", "form-raw-named", "form-raw-stages"):
+    differ = ("form-tied-differ", "form-tied-differrule", "form-tied-stockdiffer")  # two values for one tensor
+    for name in (*differ, "form-raw-regrouped", "form-raw-named", "form-raw-stages"):
         assert by[name]["outcome"] == "refused", by[name]
     assert by["form-tied-reader"]["outcome"] == by["form-raw-reader"]["outcome"] == "stock-ok"
 
@@ -199,3 +236,21 @@ def test_no_subclass_hook_mistake_is_silent():
     assert not any(x.startswith("REFUSED?") for x in lines), "\n".join(lines)
     for r in results:  # honoured where documented so, refused where documented so
         assert r["outcome"] == ("refused" if HOOK_SCENARIOS[r["mistake"]].must_refuse else "ok"), r
+
+
+@pytest.mark.slow
+def test_no_dtype_edge_mistake_is_silent():
+    """Values at and past a narrower target's largest finite value (``ucp_dcp.testing.mistake_dtypes``), every run
+    on 2 ranks (DTensor and plain targets): what torch's cast only rounds loads as ``Tensor.to`` gives it, the
+    rest is refused naming the atom."""
+    results = D.run(dtype_worker, WORLD, D.tmpdir(), list(DTYPE_SCENARIOS), timeout=900)[0]
+    lines, ok = summary(results, skipped=0)
+    for r in results:
+        print(f"{r['mistake']:<30} {r['outcome']:<10} {r.get('error', '')[:150]}")
+    print("\n".join(lines))
+    assert len(results) == len(DTYPE_SCENARIOS) and ok, "\n".join(lines)
+    assert not any(x.startswith("REFUSED?") for x in lines), "\n".join(lines)
+    for r in results:
+        sc = DTYPE_SCENARIOS[r["mistake"]]
+        assert r["outcome"] == ("refused" if sc.must_refuse else "ok"), r
+        assert not sc.must_refuse or "DtypeConversionError" in r["error"], r

@@ -1,19 +1,25 @@
 """Ties found from the state (issue 31, item 2), one process: a tied embedding and output head (one
 ``Parameter`` under two names) saved as one atom with an alias, loaded into the same tied model with
 no rule, into an untied model, and by stock DCP; two atoms saved separately tied at load only when
-the checkpoint's digests show they are one value, refused with a hint that works when they differ."""
+the checkpoint's digests show they are one value, refused with a hint that works when they differ; a tied
+model saved by stock DCP (both names written as copies, no digests) loads into a tied model when its copies,
+read and compared bitwise, are equal (issue 46), and is refused with the same hint when they differ."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import ucp_failure
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import ucp_dcp
-from ucp_dcp import Tied, UCPLoadPlanner, UCPSavePlanner
+from ucp_dcp import Tied, UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.planning.ties import saved_equal, storage_identity
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -178,6 +184,158 @@ def test_a_tie_rule_without_digests_to_compare_is_refused(tmp_path):
     untied = LM(False, seed=1)
     ucp_dcp.load({"model": untied.state_dict()}, tmp_path)
     assert _equal_models(untied, model)
+
+
+def _stock_saved(tmp_path, equal: bool = True, tied: bool = True):
+    """A tied model (or, for different copies, an untied one whose head differs) saved by stock DCP: its
+    default planner and FileSystemWriter write both names as copies of their own and no checksums."""
+    model, opt = _trained(tied)
+    if not equal:
+        with torch.no_grad():
+            model.output.weight.copy_(model.tok_embeddings.weight + 1)
+    state = FORMS["get_state_dict"](model, opt)
+    dcp.save(state, checkpoint_id=tmp_path)
+    md = dcp.FileSystemReader(tmp_path).read_metadata()
+    assert "__ucp__" not in md.planner_data and not any(i.fqn == "__ucp_io__" for i in md.storage_data)
+    at = torch.Size([0, 0])
+    assert (
+        md.storage_data[MetadataIndex("model.output.weight", at)]
+        != md.storage_data[MetadataIndex("model.tok_embeddings.weight", at)]
+    ), "written twice"
+    assert saved_equal(md, "model.tok_embeddings.weight", "model.output.weight") is None  # no digests: cannot tell
+    return model, opt
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
+    )
+
+
+def _one_storage(m: nn.Module) -> bool:
+    sd = m.state_dict()
+    return (
+        m.output.weight is m.tok_embeddings.weight
+        and sd["output.weight"].untyped_storage().data_ptr() == sd["tok_embeddings.weight"].untyped_storage().data_ptr()
+    )
+
+
+def _error(exc: BaseException) -> ucp_dcp.UCPError:
+    """ucp_dcp.load raises the UCPError itself, dcp.load DCP's CheckpointException holding it."""
+    return exc if isinstance(exc, ucp_dcp.UCPError) else ucp_failure(exc)
+
+
+LOADS = {
+    "ucp_dcp.load": lambda state, path: ucp_dcp.load(state, path),
+    "dcp.load": lambda state, path: dcp.load(state, checkpoint_id=path, planner=UCPLoadPlanner()),
+    "staged": lambda state, path: dcp.load(
+        state, storage_reader=UCPFileSystemReader(path, staging="always", thread_count=2), planner=UCPLoadPlanner()
+    ),
+}
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("form", FORMS)
+def test_a_stock_saved_tied_checkpoint_loads_into_a_tied_model(tmp_path, form, load, monkeypatch):
+    """Issue 46: the two copies stock DCP wrote are read, compared bitwise and loaded once, the tie kept."""
+    from ucp_dcp.planning import device
+
+    monkeypatch.setattr(device, "STAGE_BYTES", 64)  # the staged load cuts each copy into many reads
+    model, opt = _stock_saved(tmp_path)
+    fresh = LM(True, seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = FORMS[form](fresh, fresh_opt)
+    LOADS[load](state, tmp_path)
+    assert _one_storage(fresh), "the tie is kept"
+    assert _bitwise(fresh.tok_embeddings.weight, model.tok_embeddings.weight)
+    assert _bitwise(fresh.output.weight, model.output.weight)
+    if form == "get_state_dict":
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert _one_storage(fresh)
+        saved, got = opt.state_dict()["state"][0], fresh_opt.state_dict()["state"][0]
+        assert all(torch.equal(saved[k], got[k]) for k in saved)
+    assert _equal_models(fresh, model)
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_stock_saved_different_copies_are_refused_when_read_and_the_hint_works(tmp_path, load):
+    model, _ = _stock_saved(tmp_path, equal=False, tied=False)
+    tied = LM(True, seed=1)
+    before = tied.tok_embeddings.weight.detach().clone()
+    with pytest.raises((ucp_dcp.AmbiguousLayoutError, CheckpointException)) as e:
+        LOADS[load]({"model": tied.state_dict()}, tmp_path)
+    err = _error(e.value)
+    assert isinstance(err, ucp_dcp.AmbiguousLayoutError), e.value
+    assert "share memory" in str(err) and "different values" in str(err) and "compared when read" in str(err)
+    assert "44 of 44 values differ, the first at index (0, 0)" in str(err), str(err)
+    assert err.atom == "model.output.weight" and "untie" in err.hint
+    assert _bitwise(tied.tok_embeddings.weight, before), "nothing of the tied tensor was loaded"
+    untied = LM(False, seed=1)  # following the hint: a tensor of its own for the head
+    LOADS[load]({"model": untied.state_dict()}, tmp_path)
+    assert _bitwise(untied.output.weight, model.output.weight)
+    assert _bitwise(untied.tok_embeddings.weight, model.tok_embeddings.weight)
+
+
+def test_copies_differing_in_one_bit_are_refused(tmp_path):
+    """Bitwise, not by value: -0.0 and 0.0 are equal numbers but different saved bytes."""
+    w = torch.zeros(3, 2)
+    dcp.save({"a": w, "b": w.clone().neg_()}, checkpoint_id=tmp_path)  # -0.0 everywhere
+    shared = torch.ones(3, 2)
+    with pytest.raises(ucp_dcp.AmbiguousLayoutError, match="6 of 6 values differ"):
+        ucp_dcp.load({"a": shared, "b": shared}, tmp_path)
+    assert torch.equal(shared, torch.ones(3, 2))
+    nan = torch.full((3, 2), float("nan"))
+    dcp.save({"a": nan, "b": nan.clone()}, checkpoint_id=tmp_path / "nan")  # NaN == NaN bitwise: one value
+    ucp_dcp.load({"a": shared, "b": shared}, tmp_path / "nan")
+    assert torch.equal(shared.view(torch.int32), nan.view(torch.int32))
+
+
+def test_a_stock_saved_tie_converts_into_a_narrower_tied_target(tmp_path):
+    """The copies are compared as saved (fp32), then the value goes through the range-checked conversion."""
+    model, _ = _stock_saved(tmp_path)
+    half = LM(True, seed=1).half()
+    ucp_dcp.load({"model": half.state_dict()}, tmp_path)
+    assert _one_storage(half) and torch.equal(half.output.weight, model.output.weight.half())
+    w = model.tok_embeddings.weight.detach().clone()
+    w[0, 0] = 1e6  # past float16's range
+    big = {"model": {**model.state_dict(), "tok_embeddings.weight": w, "output.weight": w}}  # saved twice
+    dcp.save(big, checkpoint_id=tmp_path / "big")
+    with pytest.raises(ucp_dcp.DtypeConversionError):
+        ucp_dcp.load({"model": LM(True, seed=1).half().state_dict()}, tmp_path / "big")
+
+
+def test_a_cached_plan_compares_the_copies_again(tmp_path):
+    _stock_saved(tmp_path / "equal")
+    model, _ = _stock_saved(tmp_path / "different", equal=False, tied=False)
+    tied = LM(True, seed=1)
+    for _ in range(2):
+        with pytest.raises(ucp_dcp.AmbiguousLayoutError, match="different values"):
+            ucp_dcp.load({"model": tied.state_dict()}, tmp_path / "different")
+    stats = [ucp_dcp.load({"model": tied.state_dict()}, tmp_path / "equal").plan_cached for _ in range(2)]
+    assert stats == [0, 1] and _one_storage(tied)
+    with torch.no_grad():
+        tied.tok_embeddings.weight.zero_()
+    ucp_dcp.load({"model": tied.state_dict()}, tmp_path / "equal")
+    assert torch.equal(tied.output.weight, _trained()[0].output.weight)
+
+
+def test_an_override_dropping_one_copy_of_a_tie_is_refused(tmp_path):
+    """The copies are compared when read: dropping the reads of one name but not the other cannot load."""
+    _stock_saved(tmp_path)
+
+    class Skip(UCPLoadPlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            return dataclasses.replace(plan, items=[i for i in plan.items if "output" not in i.dest_index.fqn])
+
+    with pytest.raises((ucp_dcp.UCPError, CheckpointException)) as e:
+        dcp.load({"model": LM(True, seed=1).state_dict()}, checkpoint_id=tmp_path, planner=Skip())
+    err = _error(e.value)
+    assert "dropped for some keys but not all" in str(err) and "drop the reads of every key" in err.hint
 
 
 def test_saved_equal_reads_the_chunk_digests(tmp_path):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import AmbiguousLayoutError, PatternError, UCPError
 from ..layout.patterns import Rule, Tied, describe, rule_to_json
@@ -27,6 +28,7 @@ __all__ = [
     "with_map_note",
     "tie_problem",
     "alias_problems",
+    "tie_error",
     "rule_conflicts",
     "reduce_problem",
     "raw_optimizer_problems",
@@ -90,12 +92,15 @@ def tie_problem(r: Any, saved: Any, saved_rules: Sequence[Rule], rules: Sequence
     )
 
 
-def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | None]) -> tuple[list[UCPError], set[str]]:
+def alias_problems(resolved: Sequence[Any], saved: Any) -> tuple[list[UCPError], set[str], dict[str, str]]:
     """Target keys whose local memory overlaps but which load different atoms, unless they view one
-    tensor the same way and the checkpoint holds one value for both (``same``, see
-    :meth:`~ucp_dcp.planning.load_steps.SavedIndex.same_value`): a tied model loading its own tie.
-    Also returns the keys whose reads would only repeat another key's (the later views of one tensor
-    that loads one value): they need no reads of their own."""
+    tensor the same way and the checkpoint holds one value for both (``saved``, the
+    :class:`~ucp_dcp.planning.load_steps.SavedIndex`: one atom with aliases, or equal digests): a tied
+    model loading its own tie. Also returns the keys whose reads would only repeat another key's (the
+    later views of one tensor that loads one value): they need no reads of their own; and the keys of
+    one tensor whose saved copies the checkpoint cannot show equal (stock DCP saved both names,
+    without checksums) but that are saved tensors of one shape and dtype: key -> the key whose value
+    loads. Both copies are then read and compared when read (:mod:`ucp_dcp.planning.tie_reads`)."""
     spans: dict[tuple[str, int], list[tuple[int, int, Any]]] = {}
     for r in resolved:
         if not r.present or not isinstance(r.value, torch.Tensor):
@@ -109,6 +114,7 @@ def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | No
         spans.setdefault((str(t.device), st.data_ptr()), []).append((lo, hi, r))
     out: list[UCPError] = []
     repeats: set[str] = set()
+    compared: dict[str, str] = {}
     for items in spans.values():
         items.sort(key=lambda x: x[0])
         for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
@@ -119,28 +125,50 @@ def alias_problems(resolved: Sequence[Any], same: Callable[[str, str], bool | No
                 if one_view and set(a.atoms) == set(b.atoms) and not a.fills and not b.fills:
                     repeats.add(b.entry.key)  # one tensor, one atom (a declared tie): read once
                 continue
-            equal = same(next(iter(a.atoms)), next(iter(b.atoms))) if one_view else None
+            equal = saved.same_value(next(iter(a.atoms)), next(iter(b.atoms))) if one_view else None
             if equal:
                 repeats.add(b.entry.key)  # both keys view one tensor that receives one value
+                continue
+            if equal is None and one_view and a.entry.key not in repeats and _comparable(a, b, saved):
+                compared[b.entry.key] = compared.get(a.entry.key, a.entry.key)  # read both, compare, load one
                 continue
             why = {
                 False: "the checkpoint holds different values for them",
                 None: "the checkpoint cannot show they hold one value (saved separately, without ucp_dcp's "
                 "checksums or in other chunks)",
             }[equal if one_view else None]
-            out.append(
-                AmbiguousLayoutError(
-                    f"target keys '{a.entry.key}' and '{b.entry.key}' share memory but load different atoms "
-                    f"({sorted(a.atoms)[0]!r} and {sorted(b.atoms)[0]!r}): {why}, and one load would overwrite "
-                    "the other",
-                    atom=sorted(b.atoms)[0],
-                    saved=[sorted(a.atoms)[0], sorted(b.atoms)[0]],
-                    wanted="one value",
-                    hint=f"give '{b.entry.key}' a tensor of its own (untie the tied parameters) to load each saved value "
-                    "into its own key, then tie them with the value you choose",
-                )
-            )
-    return out, repeats
+            out.append(tie_error(a.entry.key, b.entry.key, sorted(a.atoms)[0], sorted(b.atoms)[0], why))
+    return out, repeats, compared
+
+
+def _comparable(a: Any, b: Any, saved: Any) -> bool:
+    """Whether the saved copies of two keys viewing one tensor can be compared when read: both saved as
+    tensors of one shape and dtype (:func:`~ucp_dcp.planning.ties.saved_equal` refuses others), each
+    key's fragments the same boxes, no padding."""
+    keys = [saved.lookup(next(iter(r.atoms))) for r in (a, b)]
+    smd = [saved.md.state_dict_metadata.get(k) if k is not None else None for k in keys]
+    return (
+        all(isinstance(m, TensorStorageMetadata) for m in smd)
+        and not a.fills
+        and not b.fills
+        and not a.fanout
+        and not b.fanout
+        and [f.box for f in a.fragments] == [f.box for f in b.fragments]
+    )
+
+
+def tie_error(a: str, b: str, atom_a: str, atom_b: str, why: str) -> AmbiguousLayoutError:
+    """Target keys ``a`` and ``b`` share memory but load atoms the checkpoint does not hold as one value
+    (``why``): refused at plan time, or when read (:mod:`ucp_dcp.planning.tie_reads`)."""
+    return AmbiguousLayoutError(
+        f"target keys '{a}' and '{b}' share memory but load different atoms ({atom_a!r} and {atom_b!r}): "
+        f"{why}, and one load would overwrite the other",
+        atom=atom_b,
+        saved=[atom_a, atom_b],
+        wanted="one value",
+        hint=f"give '{b}' a tensor of its own (untie the tied parameters) to load each saved value "
+        "into its own key, then tie them with the value you choose",
+    )
 
 
 _LAYOUT_FIELDS = {

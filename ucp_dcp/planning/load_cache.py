@@ -60,6 +60,7 @@ class CachedLoadPlans:
     _zero: list[Any]
     _untouched: set[str]
     _scratch: dict[int, Any]
+    _compared: dict[str, str]
     _payload: Any
     options: Any
     metadata: Any
@@ -124,6 +125,7 @@ class CachedLoadPlans:
         for k in entry.unsplit:
             use_unsplit(self._targets[k])
         self._sinks, self._untouched, self._scratch = sinks, set(), {}
+        self._compared = dict(entry.compared)
         self._zero = [self._targets[k] for k in entry.zero]
         self.missing_atoms = list(entry.missing)
         if self.missing_atoms:
@@ -185,6 +187,7 @@ class CachedLoadPlans:
             unsplit=[k for k, r in self._targets.items() if r.unsplit is not None and r.fragments is r.unsplit],
             object_sinks=[k for k in self._sinks if k in self._targets],
             group_reads=[(it.storage_index.fqn, it.type) for it in group],
+            compared=dict(self._compared),
         )
         return payload
 

@@ -90,10 +90,10 @@ class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
             or ``UCP_DCP_HOST`` when set (to simulate several hosts on one machine).
         allow_lossy_dtype: load atoms into targets of a dtype that loses values, the way
             ``Tensor.copy_`` converts (float -> int truncates, complex -> real drops the imaginary
-            part, values outside the target's range wrap or become inf). By default such loads
-            raise :class:`DtypeConversionError`: kind changes at planning, before any byte is read,
-            out-of-range values when the data is read. Widening and precision-only conversions
-            (fp32 -> bf16 in range, int32 -> int64, int -> float) are always allowed.
+            part, values outside the target's range wrap, become inf or saturate). By default such loads
+            raise :class:`DtypeConversionError`: kind changes at planning, before any byte is read, values
+            torch's cast changes beyond rounding when the data is read. Widening and rounding conversions
+            (fp32 -> bf16, fp32 65519 -> fp16 65504, int32 -> int64, int -> float) are always allowed.
         trust: decode non-tensor values with a full unpickle. By default they are decoded with
             ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts, tuples and
             the types registered with ``torch.serialization.add_safe_globals``; anything else is
@@ -171,7 +171,7 @@ class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         # a reused planner: the previous load's plan is gone
-        for stale in ("_targets", "_reads", "_sinks", "_state_view", "_global_offered"):
+        for stale in ("_targets", "_reads", "_sinks", "_state_view", "_global_offered", "_ties"):
             self.__dict__.pop(stale, None)
         if metadata is None:
             raise UCPError(
@@ -228,7 +228,7 @@ class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
         reads: list[ReadItem] = []
         problems: list[UCPError] = []
         keys: dict[str, str] = {}  # missing atom -> the target key that wants it (for DCP's message)
-        aliased, repeats = alias_problems(list(self._targets.values()), saved.same_value)
+        aliased, repeats, self._compared = alias_problems(list(self._targets.values()), saved)
         problems += aliased
         raw = raw_optimizer_problems(self._raw, self._catalog, (r.name for r in self._targets.values()))
         if raw:  # keys by position that name other parameters: every other problem follows from it
@@ -390,10 +390,10 @@ class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
         if not viewed and (
             saved == target.dtype or self.allow_lossy_dtype or conversion(saved, target.dtype) != "range"
         ):
-            return target  # the reader writes (and converts) straight into the target
+            return self._tie_read(read_item, target)  # the reader writes (and converts) straight into the target
         # a narrowing conversion: read into a scratch tensor of the saved dtype; the values are
         # range-checked and converted into the target before commit_tensor (_outer_commit_tensor)
-        return self._scratch_for(read_item, target, saved)
+        return self._tie_read(read_item, self._scratch_for(read_item, target, saved))
 
 
 def _rebuild(cls: type, options: UCPOptions, config: dict[str, Any]) -> Any:

@@ -30,7 +30,7 @@ changed nothing, and ``ucp_dcp.load`` runs it again without the cache.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner import ReadItem
@@ -137,6 +137,8 @@ class LocalEntry:
     """Keys of non-tensor targets with a read (their sinks are rebuilt)."""
     group_reads: list[tuple[str, Any]]
     """``(saved key, item type)`` of the param-group reads (the last ones): rebuilt on a hit, with their sinks."""
+    compared: dict[str, str] = field(default_factory=dict)
+    """Tied keys whose saved copies are compared when read -> the key whose value loads (``tie_reads``)."""
 
 
 @dataclass

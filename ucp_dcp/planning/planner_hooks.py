@@ -38,6 +38,7 @@ from .hooks import (
 from .payloads import ItemKind
 from .resolve import Resolved
 from .save_steps import tensor_item
+from .tie_reads import TieReads
 
 __all__ = ["SaveHooks", "LoadHooks"]
 
@@ -158,6 +159,9 @@ class LoadHooks:
     _scratch: dict[int, tuple[int, torch.Tensor, str]]
     _untouched: set[str]
     _catalog: Any
+    _compared: dict[str, str]
+    _ties: TieReads | None
+    metadata: Any
     maps: Any
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -195,6 +199,9 @@ class LoadHooks:
     def _outer_finish_plan(self, call: Any, new_plan: LoadPlan) -> LoadPlan:
         plan = call(new_plan)
         check_unchanged(self._final, plan.items, "finish_plan", _LOAD_GLOBAL)
+        # tied keys whose saved copies are compared when read: counted from the final reads
+        compared = self.__dict__.get("_compared")
+        self._ties = TieReads(compared, self._targets, self._reads, self.metadata) if compared else None
         return plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -211,7 +218,24 @@ class LoadHooks:
         self._scratch[id(read_item)] = (scratch.untyped_storage().data_ptr(), target, atom)
         return scratch
 
+    def _tie_read(self, read_item: ReadItem, target: torch.Tensor) -> torch.Tensor:
+        """What ``resolve_tensor`` hands the reader: ``target``, or for a key of a tied tensor whose saved
+        copies are compared when read (:mod:`ucp_dcp.planning.tie_reads`) scratch memory of the saved dtype
+        (``target`` gets the value once the copies compare equal)."""
+        ties = self.__dict__.get("_ties")
+        return target if ties is None or not ties.holds(read_item) else ties.scratch(read_item, target)
+
     def _outer_commit_tensor(self, call: Any, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        ties = self.__dict__.get("_ties")
+        if ties is not None and ties.holds(read_item):
+            # a copy of a tied tensor: committed (every read of its fragment, each into what resolve_tensor
+            # would have returned) once all copies arrived and compared equal
+            for item, dest in ties.arrive(read_item, tensor):
+                self._commit_read(call, item, dest)
+            return None
+        return self._commit_read(call, read_item, tensor)
+
+    def _commit_read(self, call: Any, read_item: ReadItem, tensor: torch.Tensor) -> None:
         # a scratch of resolve_tensor is converted into its target here, where no override skips it,
         # and the override is given the target (what DCP's commit_tensor receives)
         scratch = self._scratch.pop(id(read_item), None) if hasattr(self, "_scratch") else None

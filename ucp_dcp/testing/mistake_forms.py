@@ -5,7 +5,8 @@ run on 2 gloo ranks beside the toy trainer's transitions (:mod:`ucp_dcp.testing.
   ``Parameter`` (most small LLMs), sharded with FSDP2, saved and loaded with no ``Tied`` rule; into the same
   tied model, into an untied one, with a rule declared at load only, from a checkpoint holding the two names
   separately (as ucp_dcp wrote ties before they were found from the state: equal copies, or copies that
-  differ), from stock DCP's writer, and read back by stock DCP;
+  differ), from stock DCP's writer (both names as copies, no checksums: compared when read, equal or
+  different), and read back by stock DCP;
 * **the raw optimizer form** (``form-raw-*``): ``optimizer.state_dict()`` (parameters keyed by position)
   saved and loaded at the same layout, into plain tensors on every rank (positions unchanged), into an
   optimizer grouped otherwise, into ``get_state_dict``'s named form, from each rank's own optimizer
@@ -151,12 +152,20 @@ def _tied_from_copies(differ: bool, rules: list) -> Callable[[str], tuple[dict, 
     return run
 
 
-def _tied_stock_writer(folder: str) -> tuple[dict, dict]:
-    model, _ = _job(True, 0, sharded=True)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
-    m2, _ = _job(True, 1, sharded=True)
-    ucp_load({"model": m2.state_dict()}, folder)
-    return _model_state(model), _model_state(m2)
+def _tied_stock_writer(differ: bool) -> Callable[[str], tuple[dict, dict]]:
+    """Stock DCP's planner and writer: both names written as copies, no checksums (compared when read)."""
+
+    def run(folder: str) -> tuple[dict, dict]:
+        model, _ = _job(not differ, 0, sharded=True)
+        if differ:
+            with torch.no_grad():
+                model.output.weight.copy_(model.tok_embeddings.weight + 1.0)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
+        m2, _ = _job(True, 1, sharded=True)
+        ucp_load({"model": m2.state_dict()}, folder)
+        return _model_state(model), _model_state(m2)
+
+    return run
 
 
 def _tied_stock_reader(folder: str) -> tuple[dict, dict]:
@@ -224,7 +233,10 @@ SCENARIOS: dict[str, Scenario] = {
         "tied fsdp2 dp=2, Tied declared at load",
         must_refuse=True,
     ),
-    "form-tied-stockwriter": Scenario(_tied_stock_writer, "tied fsdp2 dp=2, stock dcp.save", "tied fsdp2 dp=2"),
+    "form-tied-stockwriter": Scenario(_tied_stock_writer(False), "tied fsdp2 dp=2, stock dcp.save", "tied fsdp2 dp=2"),
+    "form-tied-stockdiffer": Scenario(
+        _tied_stock_writer(True), "different copies, stock dcp.save", "tied fsdp2 dp=2", must_refuse=True
+    ),
     "form-tied-reader": Scenario(
         _tied_stock_reader, "tied fsdp2 dp=2", "tied fsdp2 dp=2, stock dcp.load", stock_load=True
     ),

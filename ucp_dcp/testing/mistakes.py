@@ -18,7 +18,9 @@ A *mistake* is one change to a correct save -> load run of the toy trainer (``uc
 
 Each run ends in one :data:`Outcome`: ``ok`` (returned, state bitwise the oracle's), ``refused`` (a ``UCPError``
 with ``atom`` and ``hint``), ``unclear`` (a ``UCPError`` without them), ``crash`` (another exception), ``silent``
-(returned with wrong state; for a ``perturb``: returned at all, the divergence went unreported). Runs loaded
+(returned with wrong state; for a ``perturb``: returned at all, the divergence went unreported), ``overrefused``
+(refused where the run must load: a dtype-edge value ``Tensor.to`` only rounds, :mod:`ucp_dcp.testing.mistake_dtypes`;
+a failure like ``silent``). Runs loaded
 by stock DCP's planner are ours to report, not to fix: their outcomes get a ``stock-`` prefix and count apart.
 
 This module is the set (which mistakes run where: :func:`plan`) and its verdict (:func:`summary`); the runs
@@ -38,13 +40,26 @@ ALTERABLE = ("fused_wqkv", "fused_w13", "tied", "padded", "reduce", "stage_map",
 """Rules with a meaningful wrong value (``mistake_runs._altered``); a ``Replicated`` rule has none (its ``check`` mode
 matters only with a perturbed replica, which ``perturb`` covers)."""
 PERTURB = ("tp_norm", "hsdp", "plain")
-VOCAB = ("fused", "tied", "padded", "replica", "reduce", "stage_map", "expert_map", "param group", "raw optimizer")
+VOCAB = (
+    "fused",
+    "tied",
+    "padded",
+    "replica",
+    "reduce",
+    "stage_map",
+    "expert_map",
+    "param group",
+    "raw optimizer",
+    "dtype",
+)
 """Words a refusal's message or hint may use to name the cause; a refusal that does not name the mistaken
 rule (:func:`names_cause`) still counts as refused but is listed apart ("refused, other cause")."""
 
 Kind = Literal["none", "drop", "alter", "reorder", "perturb", "writer", "reader", "plain"]
 Side = Literal["", "save", "load", "both"]
-Outcome = Literal["ok", "refused", "unclear", "crash", "silent", "stock-ok", "stock-refused", "stock-silent"]
+Outcome = Literal[
+    "ok", "refused", "unclear", "crash", "silent", "overrefused", "stock-ok", "stock-refused", "stock-silent"
+]
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,8 @@ def names_cause(r: dict) -> bool:
         "reorder": "param group",
         "raw": "raw optimizer",  # the state-form runs (ucp_dcp.testing.mistake_forms)
     }.get(target, target)
+    if r["mistake"].startswith("dtype-"):  # the dtype-edge runs (ucp_dcp.testing.mistake_dtypes)
+        word = "dtype"
     return word in r.get("mentions", [word])
 
 
@@ -213,11 +230,13 @@ def counted(r: dict) -> str:
     return r["outcome"]
 
 
-FAILING = ("silent", "crash", "unclear")
+FAILING = ("silent", "crash", "unclear", "overrefused")
+"""Outcomes that fail the set: ``overrefused`` is a load that must succeed refused (the dtype-edge runs:
+a value ``Tensor.to`` only rounds)."""
 
 
 def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
-    """One line per failing run (silent, crash, unclear), per stock-loader surprise and per user-owned
+    """One line per failing run (silent, crash, unclear, overrefused), per stock-loader surprise and per user-owned
     silent run, then the verdict line: ``MISTAKES OK: N runs, 0 silent`` or ``MISTAKES FAILED: ...``."""
     lines = []
     for r in results:
@@ -227,7 +246,7 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
             lines.append(f"{c.upper():<12} {r['save']} -> {r['load']}: {r['mistake']}: {detail}")
     n = {
         k: sum(1 for r in results if counted(r) == k)
-        for k in ("silent", "crash", "unclear", "ok", "refused", "user-owned")
+        for k in ("silent", "crash", "unclear", "overrefused", "ok", "refused", "user-owned")
     }
     stock = sum(1 for r in results if r["outcome"].startswith("stock-"))
     swaps = ("writer", "writer-over")  # a stock checkpoint: its refusal names whatever stock DCP got wrong
@@ -242,12 +261,13 @@ def summary(results: list[dict], skipped: int) -> tuple[list[str], bool]:
         f"{stock} stock-loaded, "
         f"{skipped} skipped as no-ops)"
     )
-    ok = n["silent"] == n["crash"] == n["unclear"] == 0
+    ok = n["silent"] == n["crash"] == n["unclear"] == n["overrefused"] == 0
+    wrongly = f", {n['overrefused']} refused wrongly" if n["overrefused"] else ""
     if ok:
         lines.append(f"MISTAKES OK: {len(results)} runs, 0 silent {tail}")
     else:
         lines.append(
             f"MISTAKES FAILED: {len(results)} runs, {n['silent']} silent, {n['crash']} crashed, "
-            f"{n['unclear']} unclear {tail}"
+            f"{n['unclear']} unclear{wrongly} {tail}"
         )
     return lines, ok
