@@ -33,7 +33,9 @@ slope) of requests, bytes, gathered bytes and per-rank requests per call. After 
 minus at the start of the calls (init and gloo rendezvous keys are there before). Goals (the "after" design, DCP's
 collectives on gloo, a few keys per rank per collective): requests exponent <= 1.1, per-rank requests O(1)
 (exponent <= 0.1), no store traffic between calls, ucp save and load at the largest N within 1.1x DCP's time;
-each printed met / not met. The last line is ``SCALE: ...``.
+each printed met / not met. The time goal is judged on a second job of the largest N run without the meter
+(``--direct``'s way): the meter is a Python proxy sharing this machine's cores, and it delays every store round
+trip -- which only ucp_dcp's gates make, so it would charge ucp_dcp alone. The last line is ``SCALE: ...``.
 
 Exit status 0 whether or not goals are met (a benchmark); 1 when a load was not bitwise or a job failed. The meter
 adds a few tens of microseconds per store round trip: with store-heavy protocols ``--direct`` gives the times
@@ -611,7 +613,10 @@ def _exp(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def report(jobs: list[dict], metered: bool) -> dict:
+def report(jobs: list[dict], metered: bool, timed: dict | None = None) -> dict:
+    """Print the table, the exponents and the goals. ``timed``: a job of the largest N run without the meter,
+    whose times the time goal is judged on (the meter is a Python proxy on this machine's 2 cores: it delays
+    every store round trip, which only ucp_dcp's gates make)."""
     ok = [j for j in jobs if "error" not in j]
     ns = [j["n"] for j in ok]
     print(
@@ -695,9 +700,17 @@ def report(jobs: list[dict], metered: bool) -> dict:
                 all(j["idle"]["requests_per_s"] == 0 for j in ok),
                 f"{worst['idle']['requests_per_s']:.1f} req/s at N={worst['n']}",
             )
+        timing = timed if timed is not None and "error" not in timed else big
+        if timing is not big:
+            print(f"\ntimes at N={timing['n']} without the meter (ranks straight to the store; medians of the reps)")
+            for kind in CALLS:
+                s = timing["summary"][kind]
+                ratio = f"  ucp/dcp {s['ratio_to_dcp']:.2f}x" if "ratio_to_dcp" in s else ""
+                print(f"  {LABELS[kind]:<9} {s['seconds']:7.3f} s{ratio}")
         for op in ("save", "load"):
-            r = big["summary"][f"ucp_{op}"]["ratio_to_dcp"]
-            goals[f"ucp {op} at N={big['n']} within {GOALS['time_ratio']}x DCP's time"] = (
+            r = timing["summary"][f"ucp_{op}"]["ratio_to_dcp"]
+            where = "" if timing is big or not metered else ", without the meter"
+            goals[f"ucp {op} at N={timing['n']} within {GOALS['time_ratio']}x DCP's time{where}"] = (
                 r <= GOALS["time_ratio"],
                 f"{r:.2f}x",
             )
@@ -765,10 +778,27 @@ def main(argv: list[str] | None = None) -> int:
             log(f"N={n}: FAILED\n{job['error']}")
         else:
             log(f"N={n}: done in {job['job_seconds']:.0f} s")
+    timed = None
+    if not a.direct and not a.check_counts and jobs and "error" not in jobs[-1]:
+        # the time goal's own run: the largest N again, straight to the store (the counts came from the meter)
+        n = ns[-1]
+        log(f"N={n}: again without the meter, for the times ({a.reps} reps)")
+        job_dir = out / f"N{n}-direct"
+        shutil.rmtree(job_dir, ignore_errors=True)
+        job_dir.mkdir(parents=True)
+        try:
+            timed = run_job(n, {**cfg, "out": str(job_dir), "ucp_dcp": where}, True)
+        except Exception:
+            timed = {"n": n, "error": traceback.format_exc()}
+            log(f"N={n} without the meter: FAILED\n{timed['error']}")
+        finally:
+            shutil.rmtree(job_dir, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    res = report(jobs, not a.direct)
+    res = report(jobs, not a.direct, timed)
     failed = [j["n"] for j in jobs if "error" in j]
     not_bitwise = [j["n"] for j in jobs if "error" not in j and not j["bitwise"]]
+    if timed is not None and "error" not in timed and not timed["bitwise"]:
+        not_bitwise.append(timed["n"])
     ok = [j for j in jobs if "error" not in j]
     doc = {
         "config": {
@@ -781,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             "moments": list(MOMENTS),
         },
         "jobs": jobs,
+        "timed": timed,
         **res,
         "failed": failed,
         "not_bitwise": not_bitwise,

@@ -59,7 +59,7 @@ def call_requests(size: int, gates: int) -> dict[str, int]:
     """The store requests a call of ``size`` ranks through ``gates`` gates makes at its gates, by kind, as the
     store's wire sees them (a blocking ``get`` is a WAIT, then a GET): per gate one arrival and one wait per
     rank, one verdict; one ``left`` per rank on the way out. Besides these, per rank one beat per gate and step
-    and two a second (``beat_s``), and, while they wait, the coordinator's scan of every beat and its deputy's
+    and one per ``beat_s`` without either (a tenth of the peer timeout), and, while they wait, the coordinator's scan of every beat and its deputy's
     of the coordinator's once a second (:class:`~ucp_dcp.planning.watch.Watch`): ``ucp_dcp plan`` prints them
     and CI's plan tier compares them with a real call's."""
     return {
