@@ -205,8 +205,10 @@ def check_digests(
         f"{len(bad)} value(s) that must be identical across copies differ; DCP would keep one copy and "
         "silently drop the others:\n" + "\n".join(lines) + more,
         atom=bad[min(hard or bad)][0],
-        hint="give per-rank values distinct names, make them DTensors, declare a Reduce rule for per-rank "
-        "counters or Replicated(check='average'), or pass check_replicas='warn' to save anyway",
+        hint="per-rank RNG states and data positions: save them as ucp_dcp.RNGState() and ucp_dcp.GlobalSampler, "
+        "which load at any world size (docs/guide.md#9-save-the-rest-of-the-train-state); per-rank counters: declare "
+        "a Reduce rule; per-rank tensors: make them DTensors, or declare Replicated(check='average'); or pass "
+        "check_replicas='warn' to save anyway",
     )
     if mode == "warn" or not hard:
         logger.warning("%s", err)
