@@ -6,17 +6,21 @@ rank -> (exception, traceback). Every error here therefore survives a pickle rou
 structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors` turn the wrapper
 back into a plain ``UCPError`` for callers who prefer one.
 
-Kept in one module (just over 400 lines): every public error class in one place, the module users import
+Kept in one module (about 500 lines): every public error class in one place, the module users import
 them from; the peer errors are rebuilt after pickling by looking their cause class up in it (:func:`_lookup`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "UCPError",
@@ -48,6 +52,7 @@ __all__ = [
     "PeerFailedError",
     "PeerLostError",
     "peer_error",
+    "same_problem",
     "first_ucp_error",
     "raise_first_ucp_error",
     "ucp_errors",
@@ -295,6 +300,26 @@ def ucp_errors() -> Iterator[None]:
         raise err from None
 
 
+def user_frames(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator of the public calls (``ucp_dcp.save``/``load``): a ``UCPError`` that came out of DCP's wrapper
+    leaves with none of ucp_dcp's frames in its traceback but this one line. Those frames were only the path
+    that re-raised it (``ucp_errors``, ``contextlib``, the call's own: 9 lines on every rank); where it was
+    raised is in DCP's wrapper, ``err.checkpoint_exception``. Other errors keep their traceback."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except UCPError as err:
+            if err.checkpoint_exception is None:
+                raise
+            # a statement of its own: the printed line is the whole statement, so Python adds no ^^^ under it
+            err = err.with_traceback(None)
+            raise err from None
+
+    return call
+
+
 def ucp_error_of(exc: BaseException) -> BaseException:
     """The ``UCPError`` to raise for ``exc`` (else ``exc``), without DCP's wrapper chained to it: the wrapper's
     text holds every rank's traceback, so chaining printed each rank's error three times on every rank. The
@@ -312,18 +337,22 @@ def ucp_error_of(exc: BaseException) -> BaseException:
 
 
 class PeerFailedError(UCPError):
-    """Another rank failed, and this rank could not finish without it. ``rank`` is that rank,
-    ``cause_class`` the name of its error's class (this error is an instance of that class too)."""
+    """Another rank failed, and this rank could not finish without it, or (``same``) this rank failed with the
+    same problem, which that rank prints in full. ``rank`` is that rank, ``cause_class`` the name of its error's
+    class (this error is an instance of that class too)."""
 
     rank: int = -1
     cause_class: str = "UCPError"
+    same: bool = False
+    """This rank failed too, with the same problem as rank ``rank`` (:func:`same_problem`), which prints it in
+    full: this error is one line (its ``atom``, ``saved``, ``wanted`` and ``hint`` are still this rank's own)."""
 
     def __reduce__(self):  # rebuilt through the per-cause class, not pickled by reference to it
         cls = type(self)
         if cls in (PeerFailedError, PeerLostError):
-            return (_build, (cls, self.rank, self.message, self._fields()))
+            return (_build, (cls, self.rank, self.message, self._fields(), self.same))
         base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
-        return (_rebuild_peer, (base.__module__, base.__qualname__, self.rank, self.message, self._fields()))
+        return (_rebuild_peer, (base.__module__, base.__qualname__, self.rank, self.message, self._fields(), self.same))
 
 
 class PeerLostError(PeerFailedError):
@@ -347,17 +376,25 @@ def _peer_class(cause: type) -> type[PeerFailedError]:
     return _CLASSES[cause]
 
 
-def _build(cls: type[PeerFailedError], rank: int, message: str, fields: dict[str, Any]) -> PeerFailedError:
+def _build(
+    cls: type[PeerFailedError], rank: int, message: str, fields: dict[str, Any], same: bool = False
+) -> PeerFailedError:
     err = cls.__new__(cls)
-    UCPError.__init__(err, message, **fields)
+    if same:  # one line: rank `rank` prints the hint with the full text; the field keeps it for code
+        UCPError.__init__(err, message, **{**fields, "hint": None})
+        err.hint, err.same = fields.get("hint"), True
+    else:
+        UCPError.__init__(err, message, **fields)
     err.rank = rank
     base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
     err.cause_class = base.__name__
     return err
 
 
-def _rebuild_peer(module: str, qualname: str, rank: int, message: str, fields: dict[str, Any]) -> PeerFailedError:
-    return _build(_peer_class(_lookup(module, qualname)), rank, message, fields)
+def _rebuild_peer(
+    module: str, qualname: str, rank: int, message: str, fields: dict[str, Any], same: bool = False
+) -> PeerFailedError:
+    return _build(_peer_class(_lookup(module, qualname)), rank, message, fields, same)
 
 
 def _lookup(module: str, qualname: str) -> type:
@@ -390,6 +427,29 @@ def peer_error(rank: int, cause: BaseException, found: bool = False) -> PeerFail
     fields["hint"] = fields.get("hint") or f"rank {rank} reports the cause in full; fix that and load again"
     text = f"rank {rank} {'found' if found else 'failed'}: {type(cause).__name__}: {_first_line(message)}"
     return _build(_peer_class(type(cause)), rank, text, fields)
+
+
+def same_problem(a: BaseException, b: BaseException) -> bool:
+    """Whether two ranks' own errors are one problem, printed in full once: the same class, the same text
+    (message and hint) and the same ``atom``, ``saved`` and ``wanted``. Anything that differs (another atom,
+    another shape, another file, one more problem in an aggregated list) makes them two problems, each printed
+    in full, so the one-line error never stands for a text that was not printed."""
+    if type(a) is not type(b) or not isinstance(a, UCPError) or not isinstance(b, UCPError):
+        return False
+    if isinstance(a, PeerFailedError):  # a peer's error names another rank's problem, not one of its own
+        return False
+    if (a.message, a.hint, a.atom) != (b.message, b.hint, b.atom):
+        return False
+    # saved/wanted are plain values (shapes, dtypes, names, lists): repr compares them without invoking an
+    # __eq__ that may not return a bool (a tensor's)
+    return repr(a.saved) == repr(b.saved) and repr(a.wanted) == repr(b.wanted)
+
+
+def same_as(rank: int, own: UCPError) -> PeerFailedError:
+    """This rank's error ``own`` when rank ``rank`` raised the same problem (:func:`same_problem`) and prints
+    it in full: one line naming that rank, an instance of ``own``'s class, with ``own``'s fields."""
+    text = f"the same as rank {rank}, which prints it in full: {type(own).__name__}: {_first_line(own.message)}"
+    return _build(_peer_class(type(own)), rank, text, own._fields(), same=True)
 
 
 def wire_error(exc: BaseException) -> str:
@@ -437,7 +497,9 @@ def this_rank() -> int:
 
 def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) -> UCPError | None:
     """Of DCP's per-rank failures, the one to raise on rank ``me``: its own error when it failed
-    by itself; else the lowest rank's own (non-peer) ``UCPError``, as a peer error naming that rank;
+    by itself (when lower ranks failed with the same problem, :func:`same_problem`, the lowest of them
+    prints it in full and this rank one line naming it, :func:`same_as`: one full error per job, not one
+    per rank); else the lowest rank's own (non-peer) ``UCPError``, as a peer error naming that rank;
     else the first peer error; None when no rank raised a ``UCPError``. (DCP keys failures by rank
     in its process group: with a subgroup, ``me`` is the global rank, so ranks may differ.)"""
     own: list[tuple[int, UCPError]] = []
@@ -452,7 +514,8 @@ def root_cause(failures: Iterable[tuple[int, BaseException]], me: int | None) ->
             own.append((rank, e))
     for rank, e in own:
         if rank == me:
-            return e
+            first = next(r for r, o in own if r == me or same_problem(o, e))  # own is in rank order
+            return e if first == me else same_as(first, e)
     if own:
         rank, e = own[0]
         return peer_error(rank, e)
