@@ -110,7 +110,7 @@ test: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -m e2e --durations=10 $(RANDOM_ORDER)
 
-# CI's share of it (README, "Testing"): the core items (marker e2e_core: one per capability) and the commit's
+# CI's share of it (docs/testing.md, "Testing"): the core items (marker e2e_core: one per capability) and the commit's
 # rotating shard of the rest (tests/support/e2e_shard.py; E2E_SHARD=K picks shard K). Each item's time goes to
 # runs/e2e.xml: `python tools/e2e_durations.py runs/e2e.xml` records it for the shard balance.
 E2E_SHARD ?= auto

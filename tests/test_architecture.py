@@ -20,7 +20,10 @@ and HF presets), only the tools and ``ucp_dcp.testing`` import it, and its model
 ucp_dcp module. ``ucp_dcp.testing`` (the fixtures tests and recipes share) sits on top of everything: it may
 import any module, no other module imports it, and it may patch torch / torchtitan internals (the CPU launcher)
 without going through ``_compat``.
-The package ``ucp_dcp`` (its ``__init__``) only re-exports and is imported by no module.
+``ucp_dcp.examples`` (the quickstart, shipped so that ``pip install`` alone runs it) is user code: it imports the
+package as a user's script does (``import ucp_dcp``), and no module imports it but the command line's
+``quickstart`` (``ucp_dcp.tools.cli``).
+The package ``ucp_dcp`` (its ``__init__``) only re-exports and is imported by no module (but the examples).
 """
 
 import ast
@@ -36,6 +39,7 @@ TOP_LEVEL = {
     "ucp_dcp._compat": "base",
     "ucp_dcp._version": "base",
     "ucp_dcp.progress": "base",
+    "ucp_dcp.train_state": "base",  # RNG and data-position entries: torch and the errors only
     "ucp_dcp.options": "layout",
     "ucp_dcp._probes": "layout",
     "ucp_dcp.api": "storage",
@@ -95,7 +99,7 @@ def _layer(m: str) -> str | None:
     if m in TOP_LEVEL:
         return TOP_LEVEL[m]
     folder = m.split(".")[1]
-    if folder in ("toy", "testing"):
+    if folder in ("toy", "testing", "examples"):
         return folder
     return folder if folder in LAYERS else None
 
@@ -168,7 +172,20 @@ def test_no_import_cycles():
         if m == "ucp_dcp":  # the package's __init__ re-exports; modules never import it
             continue
         assert m not in _closure(m) - {"ucp_dcp"}, f"{m} imports itself through {sorted(_closure(m))}"
-    assert not any("ucp_dcp" in deps for m, deps in GRAPH.items() if m != "ucp_dcp"), "a module imports the package"
+    assert not any("ucp_dcp" in deps for m, deps in GRAPH.items() if _layer(m) not in ("package", "examples")), (
+        "a module imports the package"
+    )
+
+
+def test_only_the_command_line_imports_the_examples():
+    """The examples are user code on top of the package: the library never depends on them."""
+    assert "ucp_dcp.examples.quickstart" in KNOWN
+    bad = {
+        m: sorted(d for d in GRAPH[m] if _layer(d) == "examples")
+        for m in SOURCES
+        if _layer(m) != "examples" and m != "ucp_dcp.tools.cli"
+    }
+    assert not any(bad.values()), {m: d for m, d in bad.items() if d}
 
 
 def test_the_package_init_only_re_exports():

@@ -58,6 +58,7 @@ from .sources.foreign import DeepSpeedReader, ForeignReader, MegatronReader  # n
 from .sources.hf import HFMapping, HFRule, HFStorageReader, export_hf, load_hf  # noqa: E402
 from .storage.reader import UCPFileSystemReader  # noqa: E402
 from .storage.writer import UCPFileSystemWriter  # noqa: E402
+from .train_state import GlobalSampler, RNGState  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -69,6 +70,8 @@ __all__ = [
     "UCPLoadPlanner",
     "NameRules",
     "UCPOptions",
+    "RNGState",
+    "GlobalSampler",
     "Rule",
     "Fused",
     "Padded",

@@ -14,20 +14,22 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, TensorStorageMetadata
 
 from ._compat import group_has_cpu_backend
-from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors
+from .errors import InvalidArgumentError, UnexpectedArgumentError, ucp_error_of, ucp_errors, user_frames
 from .planning.checkpoint_group import guarded
 from .planning.load_planner import UCPLoadPlanner
 from .planning.plan_cache import PlanCacheMissError
 from .planning.save_planner import UCPSavePlanner
+from .progress import CallProgress, size_text
 from .storage.reader import ReadStats, UCPFileSystemReader
 from .storage.writer import UCPFileSystemWriter
 
-__all__ = ["save", "async_save", "load"]
+__all__ = ["save", "async_save", "load", "SavedMetadata"]
 
 
+@user_frames
 def save(
     state_dict: STATE_DICT_TYPE,
     path: str | os.PathLike,
@@ -52,7 +54,7 @@ def save(
     writer = UCPFileSystemWriter(path, checksums=checksums, thread_count=thread_count, sync_files=sync_files)
     if checksums:  # replicas are compared from the block checksums the writer computes anyway
         planner_options.setdefault("replica_digests", "writer")
-    with ucp_errors(), guarded(process_group, control_group, "save") as group:
+    with ucp_errors(), CallProgress("save") as writer.progress, guarded(process_group, control_group, "save") as group:
         dcp.save(state_dict, storage_writer=writer, planner=UCPSavePlanner(**planner_options), process_group=group)
 
 
@@ -71,7 +73,8 @@ def async_save(
     """:func:`save`, asynchronously, with ``dcp.async_save``'s semantics (collective).
 
     Returns what ``dcp.async_save`` returns: a ``Future`` whose ``result()`` waits for the write and
-    commit, or, with an ``async_stager`` that stages asynchronously (DCP's ``DefaultStager`` with
+    commit and is the checkpoint's ``Metadata`` (a :class:`SavedMetadata`: its ``repr`` is one line), or, with
+    an ``async_stager`` that stages asynchronously (DCP's ``DefaultStager`` with
     ``use_async_staging=True``), an ``AsyncSaveResponse`` whose ``staging_completion`` says when the
     state may change again and ``upload_completion`` when the checkpoint is committed. A failure comes
     out of ``result()`` as the ``UCPError`` itself, not DCP's ``CheckpointException``.
@@ -105,29 +108,43 @@ def async_save(
     if checksums:
         planner_options.setdefault("replica_digests", "writer")
     extra = {"async_stager": async_stager} if async_stager is not None else {}
-    with ucp_errors():
-        ret = dcp.async_save(
-            state_dict,
-            storage_writer=writer,
-            planner=UCPSavePlanner(**planner_options),
-            process_group=process_group,
-            async_checkpointer_type=kind,
-            **extra,
-        )
+    # DCP's checkpoint process gets a pickled writer, without this progress: its writing shows from there
+    progress = CallProgress("async save", "staging") if kind != AsyncCheckpointerType.PROCESS else None
+    writer.progress = progress
+    if progress is not None:
+        progress.__enter__()
+    try:
+        with ucp_errors():
+            ret = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                planner=UCPSavePlanner(**planner_options),
+                process_group=process_group,
+                async_checkpointer_type=kind,
+                **extra,
+            )
+    except BaseException:
+        if progress is not None:
+            progress.close(failed=True)
+        raise
     if isinstance(ret, Future):
-        return _plain_errors(ret)
-    ret.upload_completion = _plain_errors(ret.upload_completion)  # AsyncSaveResponse (a dataclass)
+        return _plain_errors(ret, progress)
+    ret.upload_completion = _plain_errors(ret.upload_completion, progress)  # AsyncSaveResponse (a dataclass)
     return ret
 
 
-def _plain_errors(fut: Future) -> Future:
-    """A future with ``fut``'s result, whose failure is the ``UCPError`` inside DCP's wrapper."""
+def _plain_errors(fut: Future, progress: CallProgress | None = None) -> Future:
+    """A future with ``fut``'s result (a checkpoint's metadata as a :class:`SavedMetadata`), whose failure is the
+    ``UCPError`` inside DCP's wrapper; ``progress`` ends with it."""
     out: Future = Future()
 
     def done(f: Future) -> None:
         exc = f.exception()
+        if progress is not None:
+            progress.close(failed=exc is not None)
         if exc is None:
-            out.set_result(f.result())
+            result = f.result()
+            out.set_result(SavedMetadata.of(result) if type(result) is Metadata else result)
         else:
             out.set_exception(ucp_error_of(exc))
 
@@ -135,6 +152,54 @@ def _plain_errors(fut: Future) -> Future:
     return out
 
 
+class SavedMetadata(Metadata):
+    """DCP's ``Metadata`` of a checkpoint ``async_save`` committed, the same fields (the same objects), with a
+    one-line ``repr``: printing DCP's own lists every chunk of every key (about 300 KB for 10,000 tensors).
+
+    It is a ``Metadata`` (``isinstance`` holds, DCP and its planners take it as one), compares equal to a plain
+    ``Metadata`` with equal fields, and pickles as a plain ``Metadata``: a ``.metadata`` written from it, or a copy
+    sent to a process without ucp_dcp, is DCP's own type."""
+
+    @classmethod
+    def of(cls, md: Metadata) -> SavedMetadata:
+        out = cls.__new__(cls)
+        out.__dict__.update(md.__dict__)  # every field, whatever this torch's Metadata has
+        return out
+
+    def __repr__(self) -> str:
+        sdm = self.state_dict_metadata or {}
+        tensors = [m for m in sdm.values() if isinstance(m, TensorStorageMetadata)]
+        nbytes = sum(_numel(m.size) * m.properties.dtype.itemsize for m in tensors if m.properties.dtype is not None)
+        chunks = sum(len(m.chunks) for m in tensors)
+        cid = getattr(self.storage_meta, "checkpoint_id", None)
+        where = f", checkpoint_id={str(cid)!r}" if cid else ""
+        return (
+            f"SavedMetadata({len(sdm)} key(s): {len(tensors)} tensor(s) of {size_text(nbytes)} in {chunks} chunk(s), "
+            f"{len(sdm) - len(tensors)} object(s); version {self.version}{where})"
+        )
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Metadata):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # as DCP's (an unfrozen dataclass)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # unpickles as DCP's own class: Metadata(None), then these fields (no ucp_dcp needed where it is read)
+        return (Metadata, (None,), dict(self.__dict__))
+
+
+def _numel(size: Any) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+@user_frames
 def load(
     state_dict: STATE_DICT_TYPE,
     path: str | os.PathLike,
@@ -157,19 +222,21 @@ def load(
     """
     _check_call("load", state_dict, path)
 
-    def once(cache: bool) -> ReadStats:
+    def once(cache: bool, progress: CallProgress) -> ReadStats:
         reader = UCPFileSystemReader(path, trust=trust, verify_checksums=verify_checksums, thread_count=thread_count)
+        reader.progress = progress
         planner = UCPLoadPlanner(trust=trust, cache_plans=cache, **planner_options)
         with ucp_errors(), guarded(process_group, control_group, "load") as group:
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
         return reader.stats
 
-    try:
-        return once(cache_plans)
-    except PlanCacheMissError:  # raised on every rank, before anything was read: plan afresh
-        if not cache_plans:
-            raise
-        return once(False)
+    with CallProgress("load") as progress:
+        try:
+            return once(cache_plans, progress)
+        except PlanCacheMissError:  # raised on every rank, before anything was read: plan afresh
+            if not cache_plans:
+                raise
+            return once(False, progress)
 
 
 def _check_call(what: str, state_dict: Any, path: Any) -> None:

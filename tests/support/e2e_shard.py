@@ -40,7 +40,7 @@ CORE = {
 SHARDS = 6
 """How many shards the non-core items are split into; each should fit :data:`SHARD_BUDGET_S`."""
 SHARD_BUDGET_S = 660.0
-"""The most one shard may take by the recorded durations (the README's e2e budget is core + one shard)."""
+"""The most one shard may take by the recorded durations (the e2e share's budget in docs/testing.md is core + one shard)."""
 CORE_BUDGET_S = 600.0
 """The most the core items may take by the recorded durations."""
 DEFAULT_SECONDS = 60.0

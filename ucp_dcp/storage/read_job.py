@@ -22,16 +22,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from .._compat import narrow_tensor_by_index
 from ..errors import UCPError
 from ..planning.device import needs_staging, split_box
+from ..progress import size_text
 from .format import TensorRecord
 from .staging import BUFFERS_PER_THREAD, StagingPool, to_device
 from .transport import Incoming
 
-__all__ = ["ReadStats", "ReadJob"]
+__all__ = ["ReadStats", "ReadJob", "items_nbytes"]
 
 
-@dataclass
+@dataclass(repr=False)
 class ReadStats:
-    """What one rank requested from storage during the last ``read_data``."""
+    """What one rank requested from storage during the last ``read_data``. Its ``repr`` is a one-line summary
+    (totals; the per-item list stays in :attr:`items`)."""
 
     bytes_read: int = 0
     """Bytes requested from storage (byte ranges, incl. checksum widening and fallbacks)."""
@@ -58,6 +60,46 @@ class ReadStats:
     (``cache_plans``, :mod:`ucp_dcp.planning.plan_cache`) and DCP's plan gather carried a marker of them."""
     global_plan_cached: bool = False
     """The coordinator answered with a marker of this rank's cached read-once plan (nothing re-planned)."""
+    files: int = 0
+    """Data files this rank read from."""
+    bytes_loaded: int = 0
+    """Bytes of this rank's read items that reached their targets, from storage or other ranks: what it needed."""
+
+    def __repr__(self) -> str:
+        # a load of 10,000 tensors listed every item (110 KB); the totals say what a person looks for
+        ratio = f" ({self.bytes_read / self.bytes_loaded:.2f}x)" if self.bytes_loaded else ""
+        parts = [
+            f"{size_text(self.bytes_loaded)} needed, {size_text(self.bytes_read)} read{ratio} in {self.ranges} "
+            f"range(s) of {len(self.items)} item(s) from {self.files} file(s)",
+        ]
+        if self.bytes_received:
+            parts.append(f"{size_text(self.bytes_received)} received from other ranks")
+        if self.fallbacks:
+            parts.append(f"{self.fallbacks} item(s) read whole")
+        if self.staged_bytes:
+            parts.append(
+                f"{size_text(self.staged_bytes)} staged through {self.staging_buffers} buffer(s), "
+                f"{self.staging_waits} wait(s)"
+            )
+        if self.plan_cached or self.global_plan_cached:
+            parts.append("plan cached" + (" (global plan too)" if self.global_plan_cached else ""))
+        return f"ReadStats({'; '.join(parts)}; {self.seconds:.2f} s)"
+
+    __str__ = __repr__
+
+
+def items_nbytes(
+    items: list[ReadItem],
+    chunk_meta: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]],
+    storage_data: dict[MetadataIndex, Any],
+) -> int:
+    """Bytes the read items need (a tensor box's at its saved dtype, an object's stored length)."""
+    return sum(
+        int(storage_data[it.storage_index].length)
+        if it.type == LoadItemType.BYTE_IO
+        else math.prod(it.lengths) * chunk_meta[it.storage_index][0].itemsize
+        for it in items
+    )
 
 
 @dataclass
@@ -150,8 +192,10 @@ class ReadJob:
             assert self.pool is not None
             to_device(self.pool, target.buf, record.dtype, tuple(item.lengths), target.target)
             self.planner.commit_tensor(item, target.target)
+            self.loaded(math.prod(item.lengths) * record.itemsize)
         elif target is not None:
             self.planner.commit_tensor(item, target)
+            self.loaded(math.prod(item.lengths) * record.itemsize)
         else:
             self.deliver(item, mv, record.dtype)
 
@@ -159,6 +203,7 @@ class ReadJob:
         """Copy packed bytes of an item into its target (converting dtype) and commit it."""
         if item.type == LoadItemType.BYTE_IO:
             self.planner.load_bytes(item, io.BytesIO(self.decoded(item, data)))
+            self.loaded(memoryview(data).nbytes)
             return
         if dtype is None:
             dtype, _ = self.chunk_meta[item.storage_index]
@@ -177,6 +222,12 @@ class ReadJob:
         else:
             target.copy_(src)
         self.planner.commit_tensor(item, target)
+        self.loaded(src.numel() * src.element_size())
+
+    def loaded(self, nbytes: int) -> None:
+        """``nbytes`` of this rank's items reached their targets (file threads call it side by side)."""
+        with self.lock:
+            self.stats.bytes_loaded += nbytes
 
     def decoded(self, item: ReadItem, data: bytes | memoryview) -> bytes:
         """An object item's serialized bytes: those stored, with the item's stream transforms undone by DCP's
@@ -229,6 +280,7 @@ class ReadJob:
             self.stats.bytes_received += buf.numel()
             if target is not None:
                 self.planner.commit_tensor(items[0], target)
+                self.loaded(buf.numel())
                 return
             mv = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
             pos = 0

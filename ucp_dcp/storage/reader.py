@@ -19,6 +19,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, get_args
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -29,13 +30,15 @@ from torch.futures import Future
 from .._compat import fsspec_filesystem
 from ..errors import InvalidArgumentError, UCPError, UnverifiedCheckpointWarning
 from ..planning import device as _device
+from ..planning import plan_cache
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
 from ..planning.faults import fault_point
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode, ReadSummary, TransportPlan
+from ..planning.plan_cache import KeyedSummary
 from ..planning.watch import mark
-from ..progress import BytesProgress
+from ..progress import CallProgress
 from . import read_protocol
 from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
@@ -45,7 +48,7 @@ from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .keyed_plans import KeyedReadPlans
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .object_streams import ObjectSizes
-from .read_job import ReadJob, ReadStats
+from .read_job import ReadJob, ReadStats, items_nbytes
 from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
 from .transport import READ_ONCE_MODES, plan_transport
 
@@ -138,6 +141,9 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
         self.stage_bytes = _device.STAGE_BYTES
         """Size of a staging buffer (and the largest item read into one)."""
         self.stats = ReadStats()
+        self.progress: CallProgress | None = None
+        """The call's progress (``ucp_dcp.load`` sets it): the reader names its phases and, on the coordinator,
+        the job's bytes. None: ``read_data`` shows its reading alone."""
         self._kept_items: int | None = None
         """Read items a planner that keeps them (:class:`ReadOnceRequest`) planned on this rank."""
         self.integrity: Integrity | None = None
@@ -204,6 +210,8 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         mark("load", "planning")  # DCP's local planning step starts here, before the planner's
+        if self.progress is not None:
+            self.progress.phase("planning")  # a load planned again (a cached plan that missed) plans here again
         fault_point("load-plan")
         raise_if_unopened(metadata)
         self._kept_items = None
@@ -253,7 +261,10 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`); keyed
         summaries (cached plans) get the cached answers (:class:`~ucp_dcp.storage.keyed_plans.KeyedReadPlans`)."""
-        return self._keyed_answers(plans)
+        answers = self._keyed_answers(plans)
+        if self.progress is not None:  # every rank's summary gives the sizes of its reads: the job's bytes
+            self.progress.job(_job_bytes(plans), len(plans))
+        return answers
 
     def _plan_transport(self, summaries: list[ReadSummary | None]) -> list[TransportPlan]:
         # who loads: the ranks the exchange's gates wait for (ucp_dcp.planning.watch)
@@ -274,8 +285,16 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
         self.stats = ReadStats()
         plan = self._answer(plan)
         mark("load", "reading")
-        with BytesProgress("load", lambda: self.stats.bytes_read + self.stats.bytes_received):
+        stats = self.stats
+        progress = self.progress or CallProgress("load", "reading")
+        with progress if self.progress is None else nullcontext():
+            # counted: the bytes of this rank's read items that reached their targets (from storage or other ranks)
+            progress.counting(
+                "reading", items_nbytes(plan.items, self._chunk_meta, self.storage_data), lambda: stats.bytes_loaded
+            )
             read_protocol.read_data(self, plan, planner)  # every step inside the failure protocol
+        if self.progress is not None:
+            self.progress.phase("finishing")  # DCP's last collective: every rank's reads done
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -287,6 +306,7 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
         large file, in parallel; chunks of a run in offset order; objects are delivered on this
         thread (planner sinks are not locked)."""
         files = sorted(self._by_file(self._local_items(job, skip)).items())
+        self.stats.files = len(files)
         for _, cs in files:
             cs.sort(key=lambda c: self.storage_data[c.index].offset)
         work = split_work(files, self.thread_count, lambda c: int(self.storage_data[c.index].length))
@@ -316,6 +336,23 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
                 job.positions[id(sub)] = i
                 out.append(sub)
         return out
+
+
+def _job_bytes(plans: list[LoadPlan]) -> int | None:
+    """The bytes every loading rank's reads need, from their read-once summaries (a keyed summary's from the
+    coordinator's cache); None when a rank sent no sizes (``read_once="off"``, another reader's plan)."""
+    total = 0
+    for rank, p in enumerate(plans):
+        sd = p.storage_data
+        if isinstance(sd, KeyedSummary):
+            try:
+                sd = sd.summary if sd.summary is not None else plan_cache.cached_summary(sd.key, rank)
+            except UCPError:
+                return None
+        if not isinstance(sd, ReadSummary) or sd.sizes is None:
+            return None
+        total += int(sd.sizes.sum())
+    return total
 
 
 _UNVERIFIED = {

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
+import math
 import os
 import pickle
 import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,8 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
     SerializationFormat,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -53,7 +54,7 @@ from ..planning.faults import fault_point
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from ..planning.watch import mark
-from ..progress import BytesProgress
+from ..progress import CallProgress
 from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token
 from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, RECORD_ALIGN, block_checksums, item_key
@@ -65,6 +66,25 @@ from .threads import reading_threads
 from .tiles import tile_entry
 
 __all__ = ["UCPFileSystemWriter"]
+
+
+def _tensor_bytes(items: list[WriteItem]) -> int:
+    """Bytes of the tensor items of a save plan (objects' sizes are known only once they are serialized)."""
+    return sum(
+        math.prod(it.tensor_data.chunk.sizes) * it.tensor_data.properties.dtype.itemsize
+        for it in items
+        if it.type != WriteItemType.BYTE_IO and it.tensor_data is not None
+    )
+
+
+def _chunk_bytes(md: Metadata) -> int:
+    """Bytes of every tensor chunk a save's metadata lists (what the job's ranks write of tensors)."""
+    return sum(
+        math.prod(c.sizes) * m.properties.dtype.itemsize
+        for m in md.state_dict_metadata.values()
+        if isinstance(m, TensorStorageMetadata)
+        for c in m.chunks
+    )
 
 
 def _write_error(path: Any, cause: OSError, written: int) -> StorageAccessError:
@@ -90,6 +110,8 @@ class _Tracked(io.RawIOBase):
 
     def __init__(self, stream: Any) -> None:
         self.stream, self.pos = stream, 0
+        self.payload = 0
+        """Tensor bytes written (the progress counts these: the plan's sizes are tensor bytes, not zip records)."""
         self._expect: memoryview | None = None
         self.failed: OSError | None = None
         """The storage's error on a write: ``torch.save`` masks it with its own when it closes the record."""
@@ -296,6 +318,9 @@ class UCPFileSystemWriter(FileSystemWriter):
         self._forced = staging_forced(staging)
         self.zip_crc32 = (not checksums) if zip_crc32 is None else zip_crc32
         self.parts_in_flight = max(2, reading_threads())
+        self.progress: CallProgress | None = None
+        """The call's progress (``ucp_dcp.save`` / ``async_save`` set it): the writer names its phases and, on the
+        coordinator, the job's bytes. None: ``write_data`` shows its writing alone."""
         """Parts of a multipart upload in flight at once, per writing thread (object stores)."""
         self.removed: list[str] = []
         """Files the last commit removed (the replaced checkpoint's and stray ones)."""
@@ -315,6 +340,16 @@ class UCPFileSystemWriter(FileSystemWriter):
                 self._use_store(str(checkpoint_id))
             else:
                 self.path = self.fs.init_path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._job_ranks: int | None = None
+        if self.progress is not None:
+            self.progress.phase("planning")  # an async save's staging (in the caller) is over
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._job_ranks = len(plans)  # the coordinator: write_data gives the progress the job's bytes
+        return super().prepare_global_plan(plans)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.store is not None:
@@ -383,14 +418,23 @@ class UCPFileSystemWriter(FileSystemWriter):
             if hasher is not None
             else []
         )
-        self._streams: list[_Tracked] = []  # every file's byte count, read by the progress printer
-        written = lambda: sum(t.pos for t in list(self._streams))  # noqa: E731
-        with _zip_crc32(self.zip_crc32), BytesProgress("save", written):
+        self._streams: list[_Tracked] = []  # every file's tensor bytes, read by the progress printer
+        streams = self._streams
+        progress = self.progress or CallProgress("save", "writing")
+        md = getattr(planner, "metadata", None)  # the coordinator's planner keeps the global metadata (DCP's too)
+        if self.progress is not None and getattr(self, "_job_ranks", None) and isinstance(md, Metadata):
+            # every chunk of every tensor, each written by one rank: the job's tensor bytes (the ranks' plans
+            # reach the writer's prepare_global_plan without their items)
+            self.progress.job(_chunk_bytes(md), self._job_ranks or 1)
+        with _zip_crc32(self.zip_crc32), progress if self.progress is None else nullcontext():
+            progress.counting("writing", _tensor_bytes(plan.items), lambda: sum(t.payload for t in list(streams)))
             for t in threads:
                 t.start()
             worker()
             for t in threads:
                 t.join()
+        if self.progress is not None and not errors:
+            progress.phase("commit")  # DCP gathers every rank's write results, then the coordinator commits
         self._streams = []  # the files are closed: nothing to keep (a writer may be pickled for the next save)
         for (index, _), sums in zip(copies, copy_sums):
             results.append(WriteResult(index=index, size_in_bytes=0, storage_data=ReplicaCopy(sums.result())))
@@ -444,6 +488,7 @@ class UCPFileSystemWriter(FileSystemWriter):
                         out.write(bytes(RECORD_ALIGN - out.pos % RECORD_ALIGN))
                     offset = out.pos
                     extra = self._write_tensor(out, piece, hash_pool)
+                    out.payload += piece.nbytes
                     info = _StorageInfo(name, offset, out.pos - offset)
                     storage = (info, extra) if origin is None else (info, extra, origin)
                     results.append(WriteResult(index=index, size_in_bytes=out.pos - offset, storage_data=storage))

@@ -1,6 +1,8 @@
 """Command line: ``python -m ucp_dcp inspect CKPT [--json] [--all] [--step N] [--no-values]``,
 ``python -m ucp_dcp verify CKPT [--json]``, ``python -m ucp_dcp plan CKPT --target ...`` (docs/plan.md) and
-``python -m ucp_dcp export --to torchtitan CKPT OUT --dp N [job flags]`` (docs/torchtitan.md)."""
+``python -m ucp_dcp export --to torchtitan CKPT OUT --dp N [job flags]`` (docs/torchtitan.md) and
+``python -m ucp_dcp quickstart [CKPT]`` (the README's quickstart, :mod:`ucp_dcp.examples.quickstart`). The ``ucp-dcp``
+script is the same command line under its own name."""
 
 from __future__ import annotations
 
@@ -10,8 +12,15 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ucp_dcp", description="ucp_dcp tools")
+def prog_name(argv0: str) -> str:
+    """How the user called us, for usage lines: ``ucp-dcp`` from the console script (any path to it),
+    ``python -m ucp_dcp`` from ``__main__.py`` (argv[0] is then that file's path)."""
+    name = os.path.basename(argv0)
+    return "python -m ucp_dcp" if name in ("__main__.py", "-m", "-c", "") else name
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or prog_name(sys.argv[0]), description="ucp_dcp tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser(
         "inspect",
@@ -52,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     from .export import add_parser as add_export_parser
 
     add_export_parser(sub)
+    qs = sub.add_parser(
+        "quickstart",
+        help="the README's quickstart: an FSDP2 model and AdamW saved by 2 CPU ranks, loaded by 4, compared bitwise",
+        description="Writes CHECKPOINT/ (the checkpoint) and CHECKPOINT.ref.pt beside it (the same state by plain "
+        "torch.save, what the load compares with). Exit status: 0 every entry bitwise, 1 otherwise.",
+    )
+    from ..examples.quickstart import add_arguments as add_quickstart_arguments
+
+    add_quickstart_arguments(qs)
     a, extra = ap.parse_known_args(argv)  # `plan --target titan` passes the Trainer's own flags through
     if extra and a.cmd not in ("plan", "export"):  # so does `export --to torchtitan`
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -63,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         from .dryrun.command import run
 
         return run(a, extra)
+    if a.cmd == "quickstart":
+        from ..examples.quickstart import run as run_quickstart
+
+        return run_quickstart(a.checkpoint, a.save_ranks, a.load_ranks)
     if a.cmd == "verify":
         from .verify import format_report, verify
 

@@ -350,7 +350,12 @@ def verify(path: str | os.PathLike, *, threads: int | None = None, trust: bool =
     return report
 
 
+_COVERAGE = {"verified": "full", "partial": "tensor data only", "none": "none"}
+"""How much of a checkpoint its checksums cover, by :meth:`Integrity.describe`'s status word."""
+
+
 def format_report(r: VerifyReport) -> str:
+    """The report for a person: one verdict on the first line, then what was checked and every problem."""
     head = {
         "ok": "OK",
         "corrupt": "CORRUPT",
@@ -359,9 +364,13 @@ def format_report(r: VerifyReport) -> str:
         "unchecksummed": "NOT VERIFIABLE",
         "unsafe": "UNSAFE",
     }[r.status]
-    lines = [f"{head}: {r.path}"]
+    count = f" ({len(r.problems)} problem(s))" if r.status == "corrupt" else ""
+    lines = [f"{head}: {r.path}{count}"]
     if r.integrity:
-        lines.append(f"  integrity: {r.integrity}")
+        # what the checksums cover, without Integrity's own status word: "verified" there means fully
+        # protected, and read under a CORRUPT verdict it contradicted it (issue 47)
+        level, _, covers = r.integrity.partition(": ")
+        lines.append(f"  checksums ({_COVERAGE.get(level, level)}): {covers or level}")
     if r.files:
         rate = r.bytes / r.seconds / 1e9 if r.seconds else 0.0
         lines.append(

@@ -100,6 +100,8 @@ def _init_optimizer_state(optimizers: Any) -> None:
 class TitanTarget:
     """A torchtitan job (see the module docstring): ``TitanTarget.from_args(trainer_flags)``."""
 
+    device = "cuda"  # a torchtitan job's state is on its GPUs (the plan builds it on the meta device)
+
     def __init__(
         self, config: Any, *, world_size: int | None = None, model_only: bool = False, argv: list[str] | None = None
     ) -> None:

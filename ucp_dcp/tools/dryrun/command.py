@@ -50,8 +50,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
-        default="cuda",
-        help="where the job's state lives (cuda: reads cut to 16 MiB staging buffers)",
+        default=None,
+        help="where the job's state lives (cuda: reads cut to 16 MiB staging buffers); default: the target's "
+        "plan_device, else where the tensors it builds are, else cuda (built on the meta device)",
     )
     p.add_argument(
         "--read-once",

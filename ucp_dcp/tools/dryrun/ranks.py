@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ...errors import UCPError
@@ -21,7 +23,7 @@ from .read_cost import Piece, pieces
 from .targets import Target
 from .world import fake_rank, rebind, structure
 
-__all__ = ["Problem", "problem_of", "RankOut", "Ranks", "gathered_bytes", "state_dict_of"]
+__all__ = ["Problem", "problem_of", "RankOut", "Ranks", "gathered_bytes", "state_dict_of", "infer_device"]
 
 
 @dataclass
@@ -111,6 +113,8 @@ class Ranks:
         self.reads: dict[int, list[Piece]] = {}
         self.summaries: dict[int, ReadSummary | None] = {}
         self.coordinator: _DryLoadPlanner | None = None
+        self.prebuilt: dict[int, dict[str, Any]] = {}
+        """Rank 0's state dict when it was built here to find the job's device (its planning takes it)."""
         firsts: dict[Any, int] = {}
         for r, key in enumerate(classes):
             if key is not None:
@@ -123,6 +127,27 @@ class Ranks:
                 except UCPError:
                     pass  # the rank's own planning builds it again, and reports the error there
             self.caught[r] = list(caught)
+        if not report.device:
+            self._infer_device(classes)
+
+    def _infer_device(self, classes: list[Any]) -> None:
+        """The job's device when ``--device`` did not say: the target's own word, else where rank 0's tensors are
+        (a target that builds them on the CPU is a CPU job), else CUDA (meta tensors say nothing)."""
+        report, declared = self.report, getattr(self.target, "device", None)
+        if declared:
+            report.device, report.device_basis = declared, "target"
+            return
+        sd = self.reps.get(classes[0], (0, None))[1] if classes[0] is not None else None
+        if sd is None and classes[0] is None:
+            with fake_rank(0, len(classes)), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    sd = self.prebuilt[0] = rebind(self.target.build(0), 0, keep_local=True)
+                except UCPError:
+                    pass  # rank 0's planning builds it again, and reports the error there
+            self.caught[0] = list(caught)
+        found = infer_device(sd) if sd is not None else None
+        report.device, report.device_basis = (found, "tensors") if found else ("cuda", "assumed")
 
     def plan(self, r: int) -> RankOut:
         out = RankOut()
@@ -130,7 +155,10 @@ class Ranks:
         with fake_rank(r, n), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                sd, out.built = state_dict_of(self.target, r, self.classes[r], self.reps, self.last_of, self.check)
+                if r in self.prebuilt:
+                    sd, out.built = self.prebuilt.pop(r), True
+                else:
+                    sd, out.built = state_dict_of(self.target, r, self.classes[r], self.reps, self.last_of, self.check)
                 planner = _DryLoadPlanner(read_once=report.read_once, **self.options, **self.target.options(r))
                 planner.device, planner.shared = report.device, self.shared
                 planner.set_up_planner(sd, self.md, is_coordinator=r == 0)
@@ -156,6 +184,26 @@ class Ranks:
             # instead of by the garbage collector, which then walks ~50,000 objects every 16 ranks
             planner.__dict__.clear()
         return out
+
+
+def infer_device(sd: Any) -> str | None:
+    """The device type holding most of the state dict's elements (a DTensor's: its local tensor's), or None
+    when that is the meta device or there are no tensors. By elements, not by any tensor: a GPU job keeps
+    small CPU tensors (optimizer steps), a meta model may come with CPU counters."""
+    counts: Counter[str] = Counter()
+    stack = [sd]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            counts[v.device.type] += max(1, v.numel())
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    if not counts:
+        return None
+    kind = counts.most_common(1)[0][0]
+    return None if kind == "meta" else kind
 
 
 def gathered_bytes(plan: LoadPlan, summary: ReadSummary | None) -> int:

@@ -111,12 +111,21 @@ def _spread(values: list[int], fmt: Any = str) -> str:
     return f"min {fmt(min(values))}, median {fmt(statistics.median_low(values))}, max {fmt(max(values))}"
 
 
+_DEVICE_BASIS = {
+    "--device": "",
+    "target": "",
+    "tensors": " (where the target's tensors are)",
+    "assumed": " (assumed: the target's tensors are on the meta device; --device cpu plans a CPU job)",
+}
+"""What the report's first line says of where the state's device came from (:attr:`PlanReport.device_basis`)."""
+
+
 def format_report(report: PlanReport, bw: Bandwidths = Bandwidths()) -> str:
     n = report.world_size
     nodes = -(-n // report.ranks_per_node)
     lines = [
         f"plan: {report.checkpoint} -> {report.target} ({n} ranks on {nodes} node(s) of {report.ranks_per_node}; "
-        f"state on {report.device}; read-once {report.read_once})",
+        f"state on {report.device}{_DEVICE_BASIS[report.device_basis]}; read-once {report.read_once})",
         f"checkpoint integrity: {report.integrity}",
     ]
     if report.problems:

@@ -85,6 +85,9 @@ class PlanReport:
     read_once: ReadOnceMode = "hosts"
     ranks_per_node: int = 8
     device: str = "cuda"
+    device_basis: str = "--device"
+    """Where :attr:`device` comes from: ``--device``, ``target`` (it declares it), ``tensors`` (those the target
+    built are there) or ``assumed`` (they are on the meta device: a GPU job is assumed)."""
     built: int = 0
     """Ranks whose state dict was built by the target's own code (the others were rebound)."""
     seconds: float = 0.0
@@ -118,7 +121,7 @@ def plan_load(
     *,
     read_once: ReadOnceMode = "hosts",
     ranks_per_node: int = 8,
-    device: str = "cuda",
+    device: str | None = None,
     check_symmetry: bool = True,
     trust: bool = False,
     verify_checksums: bool = True,
@@ -134,7 +137,8 @@ def plan_load(
 
     ``read_once``, ``thread_count``, ``verify_checksums``, ``allow_*``, ``trust`` and ``store_ranges`` are the
     load's own settings (``UCPLoadPlanner`` / ``UCPFileSystemReader``); ``device`` is where the job's
-    state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place);
+    state lives (``cuda``: reads are cut to staging buffers; ``cpu``: read in place; None: the target's
+    ``device``, else where rank 0's built tensors are, else ``cuda``: :attr:`PlanReport.device_basis` says which);
     ``ranks_per_node`` places ranks on hosts (read-once only sends across hosts by default);
     ``thread_count`` None: the reader's own choice for ``ranks_per_node`` ranks on this machine's cores.
     ``workers``: processes planning runs of ranks side by side (:mod:`.workers`; None: one per 256 ranks up
@@ -148,7 +152,7 @@ def plan_load(
         target.world_size,
         read_once=read_once,
         ranks_per_node=ranks_per_node,
-        device=device,
+        device=device or "",
     )
     try:
         _plan(

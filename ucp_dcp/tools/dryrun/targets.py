@@ -28,6 +28,9 @@ class Target(Protocol):
     """Shown in the report (e.g. ``recipe pp=2,dp=512,tp=4``)."""
     world_size: int
     """Ranks of the target job."""
+    device: str | None
+    """Where the job's state lives when the target knows (``cuda``, ``cpu``); None: ``plan`` looks at the
+    tensors it builds (:func:`ucp_dcp.tools.dryrun.ranks.infer_device`)."""
 
     def symmetry(self, rank: int) -> Hashable | None:
         """A class key: ranks with equal keys have state dicts of the same structure (None: build
@@ -86,13 +89,18 @@ class FunctionTarget:
     process group of ``world_size`` ranks (so ``init_device_mesh("cpu", ...)`` and ``fully_shard``
     work) and should build its modules on the meta device. An optional attribute
     ``fn.plan_symmetry(rank, world_size) -> key`` declares classes of ranks with the same state-dict
-    structure (e.g. the pipeline stage), so only one rank per class is built."""
+    structure (e.g. the pipeline stage), so only one rank per class is built; ``fn.plan_device = "cpu"``
+    (or ``"cuda"``) says where the job's state lives when its tensors, built on the meta device, cannot."""
 
     fn: Callable[..., Any]
     world_size: int
     name: str = ""
     extra_options: dict[str, Any] = field(default_factory=dict)
     _options: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> str | None:
+        return getattr(self.fn, "plan_device", None)
 
     def symmetry(self, rank: int) -> Hashable | None:
         sym = getattr(self.fn, "plan_symmetry", None)
@@ -124,6 +132,8 @@ class RecipeTarget:
     name: str = ""
     cfg: Any = None
     """The model's ``ucp_dcp.toy.ModelConfig`` (default: the recipe's)."""
+    device: str | None = "cuda"
+    """Its layouts stand for GPU jobs (the toy itself runs on CPUs, but ``plan`` sizes the load of the layout)."""
 
     def __post_init__(self) -> None:
         from ...toy.model import ModelConfig
