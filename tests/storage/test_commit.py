@@ -339,7 +339,7 @@ def test_tables_that_disagree_are_a_corrupt_checkpoint(tmp_path):
 
 
 def test_verify_names_file_atom_and_box_of_a_bad_block(tmp_path):
-    big = {"w": torch.randn(1024, 512)}  # 2 MiB: two checksum blocks, rows 0..511 and 512..1023
+    big = {"w": torch.randn(1024, 512)}  # 2 MiB: 64 checksum blocks of 32 KiB, 16 rows each
     ucp_dcp.save(big, tmp_path)
     assert verify(tmp_path).status == "ok"
     md, _ = open_path(tmp_path)
@@ -353,7 +353,7 @@ def test_verify_names_file_atom_and_box_of_a_bad_block(tmp_path):
     rep = json.loads(out.stdout)
     (p,) = rep["problems"]
     assert rep["status"] == "corrupt" and p["file"] == info.relative_path and p["atom"] == "w"
-    assert p["box"] == "[512:1024, 0:512]", p
+    assert p["box"] == "[512:528, 0:512]", p  # block 32: the 16 rows from 512
 
 
 def test_verify_catches_a_flip_in_an_item_frame(tmp_path):

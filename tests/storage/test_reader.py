@@ -150,7 +150,9 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
     dcp.save(sd, storage_writer=UCPFileSystemWriter(tmp_path), planner=UCPSavePlanner())
     md = dcp.FileSystemReader(tmp_path).read_metadata()
     io_info = md.storage_data[MetadataIndex(IO_KEY)]
-    assert io_info["algo"] == "xxh3_64" and len(io_info["items"]["model.w|0,0"][1]) == 1  # 240 KB: one block
+    # 240 KB: 118 blocks of 2 KiB (format.checksum_block), the block recorded in the entry
+    assert io_info["algo"] == "xxh3_64" and len(io_info["items"]["model.w|0,0"][1]) == 118
+    assert io_info["items"]["model.w|0,0"][4] == 2048
     # stock reader, stock planner, dcp_to_torch_save
     back = {"model": {"w": torch.zeros(300, 200), "b": torch.zeros(7, dtype=torch.bfloat16)}, "step": 0}
     dcp.load(back, checkpoint_id=tmp_path, planner=DefaultLoadPlanner())
@@ -318,7 +320,7 @@ def test_ranged_reads_reshard_bitwise_reading_only_what_is_needed(name):
         if not all(fb == 0 for *_, fb in runs):
             problems.append(f"{name} {path}: fell back to whole-item reads")
         read, needed = sum(r[1] for r in runs), sum(r[2] for r in runs)
-        if runs[0][3]:  # verifying reads whole 1 MiB blocks: here each chunk is one small block
+        if runs[0][3]:  # verifying reads the whole blocks it touches (1 KiB here: tests/storage/test_block_sizes.py)
             if not needed <= read <= 96 * 40 * 4 * len(runs):
                 problems.append(f"{name} {path}: read {read}")
         elif read != needed:

@@ -1,4 +1,4 @@
-"""Verifying checkpoint bytes against the I/O table's checksums, one block at a time."""
+"""Verifying checkpoint bytes against the I/O table's checksums, one block at a time (each record's own block)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,25 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import ChecksumError
-from .format import HASHES, block_hash
+from .format import HASHES, BlockSums, block_checksums
 
 __all__ = ["BlockChecker"]
 
 
 @dataclass(frozen=True)
 class BlockChecker:
-    """Checks bytes of a saved chunk against its per-block checksums (``crcs``, from the I/O table)."""
+    """Checks bytes of a saved chunk against its block checksums (a :class:`~ucp_dcp.storage.format.BlockSums`
+    from the I/O table: each record carries the block its sums cover)."""
 
-    block: int
-    """Checksum block size in bytes."""
     algo: str
     """Hash name (a key of :data:`ucp_dcp.storage.format.HASHES`)."""
 
-    def verify(self, buf: memoryview, start: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
+    def verify(self, buf: memoryview, start: int, crcs: BlockSums, rel: str, index: MetadataIndex) -> None:
         """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
-        first = start // self.block
-        for k in range(0, len(buf), self.block):
-            self.check(first + k // self.block, block_hash(buf[k : k + self.block], self.algo), crcs, rel, index)
+        B = crcs.block
+        got = block_checksums(buf, B, self.algo) if len(buf) else []
+        for k, h in enumerate(got):
+            self.check(start // B + k, h, crcs, rel, index)
 
     def verify_span(
         self,
@@ -34,17 +34,19 @@ class BlockChecker:
         base: int,
         start: int,
         data: memoryview,
-        crcs: list[int],
+        crcs: BlockSums,
         nbytes: int,
         rel: str,
         index: MetadataIndex,
     ) -> None:
         """Verify the blocks touched by ``data`` (chunk bytes ``[start, start + len(data))``), reading
         only the parts of the first and last block that lie outside it (``pread(offset, n)``)."""
+        B = crcs.block
         end = start + len(data)
-        b0, b1 = start // self.block, (max(end, start + 1) - 1) // self.block
-        for b in range(b0, b1 + 1):
-            bs, be = b * self.block, min((b + 1) * self.block, nbytes)
+        b0, b1 = start // B, (max(end, start + 1) - 1) // B
+
+        def edge(b: int) -> None:  # a block that may stick out of ``data``: its outside bytes are read
+            bs, be = crcs.span(b, nbytes)
             a, c = max(bs, start), min(be, end)
             h = HASHES[self.algo]()
             if bs < a:
@@ -53,6 +55,14 @@ class BlockChecker:
             if c < be:
                 h.update(pread(base + c, be - c))
             self.check(b, int(h.intdigest()), crcs, rel, index)
+
+        edge(b0)
+        if b1 - b0 > 1:  # the blocks strictly inside ``data``: hashed straight from it, one call per block
+            inner = data[(b0 + 1) * B - start : b1 * B - start]
+            for k, got in enumerate(block_checksums(inner, B, self.algo)):
+                self.check(b0 + 1 + k, got, crcs, rel, index)
+        if b1 != b0:
+            edge(b1)
 
     def check_tile(self, t: int, got: int, sums: list[int], rel: str, index: MetadataIndex) -> None:
         """Check tile ``t``'s checksum (:mod:`ucp_dcp.storage.tiles`)."""
@@ -67,15 +77,16 @@ class BlockChecker:
             hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
         )
 
-    def check(self, b: int, got: int, crcs: list[int], rel: str, index: MetadataIndex) -> None:
-        if b < len(crcs) and got == crcs[b]:
+    def check(self, b: int, got: int, crcs: BlockSums, rel: str, index: MetadataIndex) -> None:
+        sums = crcs.sums
+        if b < len(sums) and got == sums[b]:
             return
         raise ChecksumError(
             f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
-            f"(bytes {b * self.block}.. of the chunk) has {self.algo} {got:#x}, saved "
-            f"{f'{crcs[b]:#x}' if b < len(crcs) else 'none'}",
+            f"(bytes {b * crcs.block}.. of the chunk) has {self.algo} {got:#x}, saved "
+            f"{f'{sums[b]:#x}' if b < len(sums) else 'none'}",
             atom=index.fqn,
-            saved=crcs[b] if b < len(crcs) else None,
+            saved=sums[b] if b < len(sums) else None,
             wanted=got,
             hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
         )

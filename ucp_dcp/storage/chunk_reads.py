@@ -36,11 +36,14 @@ from .commit import Integrity
 from .file_ranges import WINDOW, coalesce_within, gather_runs, map_window, readinto, regular_fd
 from .format import (
     HASHES,
+    NO_SUMS,
+    BlockSums,
     BoxGrid,
     TensorRecord,
     block_hash,
     blocks_touching,
     box_grid,
+    entry_sums,
     gather_grid,
     item_key,
     merge_intervals,
@@ -84,6 +87,7 @@ class ChunkReads:
     _io: dict[str, Any]
     _chunk_meta: Any
     _block: int
+    """The I/O table's block (objects', and every record's of a table up to version 3)."""
     _algo: str | None
     store_gap: int
 
@@ -155,7 +159,7 @@ class ChunkReads:
         data = self._pread(f, info.offset, info.length, c.index)
         entry = self._crc.get(item_key(c.index)) if self.verify_checksums else None
         if entry is not None:
-            self._checker.verify(data, 0, entry[1], rel, c.index)
+            self._checker.verify(data, 0, entry_sums(entry, self._block, c.index), rel, c.index)
         elif self.verify_checksums and self._crc and int(self._io.get("version", 1)) >= 2:
             raise CorruptCheckpointError(
                 f"object '{c.index.fqn}' has no checksum in the checkpoint's I/O table",
@@ -179,7 +183,7 @@ class ChunkReads:
         grids = {
             id(item): box_grid(record.shape, record.itemsize, item.storage_offsets, item.lengths) for item in c.items
         }
-        crcs = self._crc.get(item_key(c.index), [None, []])[1] if self.verify_checksums else []
+        crcs = self._sums(c.index) if self.verify_checksums else NO_SUMS
         base = info.offset + record.data_offset
         fd = regular_fd(f)
         if fd is not None and any(g.nruns > 1 for g in grids.values()):
@@ -213,7 +217,7 @@ class ChunkReads:
         runs: dict[int, tuple[np.ndarray, int]],
         base: int,
         record: TensorRecord,
-        crcs: list[int],
+        crcs: BlockSums,
         job: ReadJob,
     ) -> None:
         """Each item's runs straight into its destination; a single-run item verifies the blocks it
@@ -244,12 +248,12 @@ class ChunkReads:
         intervals: list[tuple[int, int]],
         base: int,
         record: TensorRecord,
-        crcs: list[int],
+        crcs: BlockSums,
         job: ReadJob,
     ) -> None:
         """Items sharing bytes, or runs to verify: the union read once (whole checksum blocks)."""
         if crcs:
-            intervals = blocks_touching(intervals, record.nbytes, self._block)
+            intervals = blocks_touching(intervals, record.nbytes, crcs.block)
         buffers = []
         fetched = None
         if isinstance(f, RangedObjectFile) and len(intervals) > 1:  # all in flight at once: a round trip, not n
@@ -282,7 +286,7 @@ class ChunkReads:
         grids: dict[int, BoxGrid],
         base: int,
         record: TensorRecord,
-        crcs: list[int],
+        crcs: BlockSums,
         job: ReadJob,
     ) -> None:
         """Strided boxes of a local file: map a bounded window of the chunk at a time and copy the
@@ -298,7 +302,7 @@ class ChunkReads:
             )
         if crcs and self._read_tiles(fd, rel, c, base, record, job):
             return
-        B = self._block
+        B = crcs.block
         verified: set[int] = set()
         for item in c.items:
             g = grids[id(item)]
@@ -438,6 +442,10 @@ class ChunkReads:
                 wanted=have,
                 hint="the checkpoint is damaged (an interrupted copy?); restore the file from a good copy",
             )
+
+    def _sums(self, index: MetadataIndex) -> BlockSums:
+        """The saved chunk's block sums with their block (:data:`NO_SUMS` when it has none)."""
+        return entry_sums(self._crc.get(item_key(index)), self._block, index)
 
     def _record(self, f: Any, index: MetadataIndex, info: Any) -> TensorRecord | None:
         with self._lock:

@@ -44,7 +44,7 @@ from .checksums import BlockChecker
 from .chunk_reads import ChunkReads
 from .commit import Integrity, open_checkpoint
 from .file_ranges import REMOTE_GAP, StoreRanges
-from .format import HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
+from .format import BLOCK, HASHES, IO_KEY, TensorRecord, check_tables, chunk_meta
 from .keyed_plans import KeyedReadPlans
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .object_streams import ObjectSizes
@@ -79,8 +79,8 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
             this process may use shared among its host's ranks, 2 to 16
             (:func:`~ucp_dcp.storage.threads.reading_threads`). A rank's files, and runs of whole
             chunks of a large file, are read concurrently.
-        verify_checksums: verify the checksum of every 1 MiB block and object read (when the
-            checkpoint has them).
+        verify_checksums: verify the checksum of every block (1 KiB to 1 MiB, each record's own) and
+            object read (when the checkpoint has them).
         trust: unpickle a checkpoint's metadata without the allow-list (only for checkpoints from a
             source you trust whose metadata holds other types).
         staging: ``"auto"``: stage only non-CPU targets through host buffers; ``"always"``: CPU
@@ -235,8 +235,10 @@ class UCPFileSystemReader(KeyedReadPlans, ChunkReads, FileSystemReader):
                 stacklevel=2,
             )
         self._crc = self._io.get("items", {}) if self._algo else {}
-        self._block = int(self._io.get("block", 1 << 20))
-        self._checker = BlockChecker(self._block, self._algo or "")
+        # the table's block: every record's of a table up to version 3, objects' since (a tensor record of
+        # version 4 carries its own: ``entry_sums``)
+        self._block = int(self._io.get("block", BLOCK))
+        self._checker = BlockChecker(self._algo or "")
         self._records: dict[MetadataIndex, TensorRecord | None] = {}
         self._lock = threading.Lock()
         self._chunk_meta = chunk_meta(metadata)

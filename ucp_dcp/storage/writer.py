@@ -4,8 +4,9 @@ Each item is still one ``torch.save`` zip inside a ``.distcp`` file, and ``Metad
 still maps every ``MetadataIndex`` to DCP's ``_StorageInfo``, so the stock ``FileSystemReader``,
 default planner and ``dcp_to_torch_save`` read these checkpoints. In addition, under the reserved
 index ``MetadataIndex("__ucp_io__")`` (builtins only), it records per tensor item where its
-elements start inside the item, a checksum (XXH3-64) per 1 MiB block of tensor bytes and one of the
-item's other bytes, and per object item checksums of its bytes. Tensors are written row-major and
+elements start inside the item, a checksum (XXH3-64) per block of tensor bytes (a block of 1 KiB to
+1 MiB, a 64th of the item or less: :func:`~ucp_dcp.storage.format.checksum_block`) and one of the item's
+other bytes, and per object item checksums of its bytes. Tensors are written row-major and
 compact, so any box of a chunk is a set of byte runs.
 
 Data files get names no earlier save used, and the save commits by renaming ``.metadata`` into
@@ -57,7 +58,17 @@ from ..planning.watch import mark
 from ..progress import CallProgress
 from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token
-from .format import BLOCK, DEFAULT_HASH, HASHES, IO_KEY, IO_VERSION, RECORD_ALIGN, block_checksums, item_key
+from .format import (
+    BLOCK,
+    DEFAULT_HASH,
+    HASHES,
+    IO_KEY,
+    IO_VERSION,
+    RECORD_ALIGN,
+    block_checksums,
+    checksum_block,
+    item_key,
+)
 from .object_commit import commit_objects
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .sidecar import encode_sidecar
@@ -237,9 +248,10 @@ class UCPFileSystemWriter(FileSystemWriter):
             ranged reads need the plain records.
         serialization_format: only ``SerializationFormat.TORCH_SAVE`` (DCP's default); safetensors
             is refused (:class:`UCPError`).
-        checksums: compute a checksum per 1 MiB block of tensor bytes, of each item's other bytes and
-            of every object (verified by ``UCPFileSystemReader`` and ``python -m ucp_dcp verify``).
-            Costs one hash pass over the data at save, overlapped with the writes and the fsync.
+        checksums: compute a checksum per block of tensor bytes (1 KiB to 1 MiB, a 64th of the record or
+            less), of each item's other bytes and of every object (verified by ``UCPFileSystemReader``
+            and ``python -m ucp_dcp verify``). Costs one hash pass over the data at save, overlapped with
+            the writes and the fsync.
         thread_count: writer threads (one file per thread and rank).
         sync_files: fsync every file and the folder (DCP's default). Without it a power loss can
             still lose the commit; a process crash cannot.
@@ -412,7 +424,13 @@ class UCPFileSystemWriter(FileSystemWriter):
         copies = [(i, p) for index, t in copies for i, p, _ in self._bands(index, t)]
         copy_sums = (
             [
-                hasher.submit(block_checksums, tensor_bytes(t) if t.numel() else memoryview(b""), BLOCK, DEFAULT_HASH)
+                # the block the written copy's record gets: the same shape, so the same sums when the bytes agree
+                hasher.submit(
+                    block_checksums,
+                    tensor_bytes(t) if t.numel() else memoryview(b""),
+                    checksum_block(t.nbytes),
+                    DEFAULT_HASH,
+                )
                 for _, t in copies
             ]
             if hasher is not None
@@ -529,16 +547,20 @@ class UCPFileSystemWriter(FileSystemWriter):
 
     def _write_tensor(self, out: _Tracked, tensor: torch.Tensor, hash_pool: ThreadPoolExecutor) -> list[Any]:
         """``torch.save`` straight into the file (DCP's item format); the tensor bytes' offset is
-        taken from the write that carried them. Returns ``[data_offset, sums, frame]`` where ``sums``
-        is a future: they are computed concurrently from the tensor's own memory (which the planner
-        keeps alive until the write finishes); ``frame`` is the checksum of the item's other bytes."""
+        taken from the write that carried them. Returns ``[data_offset, sums, frame, tiles, block]`` where
+        ``sums`` (one checksum per ``block`` bytes of the tensor) and ``tiles`` are futures: they are computed
+        concurrently from the tensor's own memory (which the planner keeps alive until the write finishes);
+        ``frame`` is the checksum of the item's other bytes."""
         t = tensor.detach().resolve_conj().resolve_neg()  # a conjugate/negative view: the values it shows
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
             t = t.contiguous().clone()  # compact row-major storage: boxes become byte runs
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        sums = hash_pool.submit(block_checksums, raw, BLOCK, DEFAULT_HASH) if self.checksums and t.numel() else None
+        # a block scaled to the record (a 64th of it, 1 KiB to 1 MiB): a load that needs part of a small record
+        # verifies it reading about the bytes it needs, not whole 1 MiB blocks; recorded in the entry
+        block = checksum_block(t.nbytes)
+        sums = hash_pool.submit(block_checksums, raw, block, DEFAULT_HASH) if self.checksums and t.numel() else None
         # tile sums too (chunks of 2+ dims): a column slice is then verified without reading whole rows
         tiles = (
             hash_pool.submit(tile_entry, raw, tuple(t.shape), t.element_size(), HASHES[DEFAULT_HASH])
@@ -551,7 +573,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         data_offset = out.found - start if out.found is not None else -1
         frame = int(out.frame.intdigest()) if self.checksums else None
         out.frame = None
-        return [data_offset, sums if sums is not None else [], frame, tiles]
+        return [data_offset, sums if sums is not None else [], frame, tiles, block]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         mark("save", "commit")
@@ -580,7 +602,7 @@ class UCPFileSystemWriter(FileSystemWriter):
         add_alias_keys(metadata, storage, table)  # tied keys: bytes written once, every name readable
         storage[MetadataIndex(IO_KEY)] = {
             "version": IO_VERSION,
-            "block": BLOCK,
+            "block": BLOCK,  # the block of objects' sums; a tensor entry records its own (its fifth element)
             "algo": DEFAULT_HASH if self.checksums else None,
             "items": table,
         }

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import UCPError
 from ..storage.checksums import BlockChecker
-from ..storage.format import BLOCK, HASHES, IO_KEY, item_key
+from ..storage.format import BLOCK, HASHES, IO_KEY, BlockSums, entry_sums, item_key
 from ..storage.opening import filesystem
 
 VALUE_BYTES = 4096
@@ -125,7 +125,8 @@ def read_values(
     algo = table.get("algo") if table.get("algo") in HASHES else None
     sums = table.get("items", {}) if algo else {}
     must_have = bool(sums) and int(table.get("version", 1)) >= 2  # every object has a checksum then
-    checker = BlockChecker(int(table.get("block", BLOCK)), algo or "")
+    block = int(table.get("block", BLOCK))  # objects' block, and every record's up to version 3
+    checker = BlockChecker(algo or "")
     out: dict[str, dict[str, Any]] = {}
     jobs: dict[str, list[tuple]] = defaultdict(list)
     for name, smd in md.state_dict_metadata.items():
@@ -148,7 +149,8 @@ def read_values(
                     "text": "<error: no checksum>",
                 }
                 continue
-            jobs[info.relative_path].append((info.offset, info.length, name, index, entry[1] if entry else None, None))
+            crcs = entry_sums(entry, block, index) if entry else None
+            jobs[info.relative_path].append((info.offset, info.length, name, index, crcs, None))
         elif isinstance(smd, TensorStorageMetadata) and algo:
             numel = math.prod(int(s) for s in smd.size)
             if numel > max_elems or len(smd.chunks) != 1 or list(smd.chunks[0].sizes) != list(smd.size):
@@ -170,7 +172,7 @@ def read_values(
                     nbytes,
                     name,
                     index,
-                    entry[1],
+                    entry_sums(entry, block, index),
                     (smd.properties.dtype, tuple(int(s) for s in smd.size)),
                 )
             )
@@ -192,7 +194,7 @@ def _read_one(
     length: int,
     name: str,
     index: MetadataIndex,
-    crcs: list[int] | None,
+    crcs: BlockSums | None,
     tensor: tuple[torch.dtype, tuple[int, ...]] | None,
     checker: BlockChecker,
 ) -> dict[str, Any]:

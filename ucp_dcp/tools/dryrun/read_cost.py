@@ -20,12 +20,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ..._compat import _create_file_view
 from ...storage.file_ranges import REMOTE_GAP, WINDOW, coalesce_within
 from ...storage.format import (
+    BLOCK,
     HASHES,
     IO_KEY,
+    BlockSums,
     TensorRecord,
     blocks_touching,
     box_grid,
     chunk_meta,
+    entry_sums,
     item_key,
     merge_intervals,
     parse_tensor_record,
@@ -71,7 +74,7 @@ class ReadCost:
 
 
 class CostModel:
-    """The reader's view of one checkpoint: its I/O table, checksum block size, chunk records.
+    """The reader's view of one checkpoint: its I/O table, checksum blocks (each record's), chunk records.
 
     Args:
         md: the checkpoint's metadata (``storage_data`` with the I/O table).
@@ -100,7 +103,7 @@ class CostModel:
         self.io_items = iot.get("items", {})
         algo = iot.get("algo")
         self.crc = self.io_items if (algo in HASHES and verify) else {}
-        self.block = int(iot.get("block", 1 << 20))
+        self.block = int(iot.get("block", BLOCK))  # objects', and every record's of a table up to version 3
         self.meta = chunk_meta(md)
         self._foreign: dict[MetadataIndex, TensorRecord | None] = {}
 
@@ -162,7 +165,7 @@ class CostModel:
             self._count(out, index, info.length)
             return
         grids = [box_grid(record.shape, record.itemsize, offsets, lengths) for _, offsets, lengths in items]
-        crcs = self.crc.get(item_key(index), [None, []])[1]
+        crcs = entry_sums(self.crc.get(item_key(index)), self.block, index)  # the reader's ``_sums``
         if self.local_files and any(g.nruns > 1 for g in grids):
             tiled = self._tiled_bytes(index, record, items) if crcs else None
             self._count(out, index, tiled if tiled is not None else self._mapped_bytes(grids, record.nbytes, crcs))
@@ -176,7 +179,7 @@ class CostModel:
                 return
             remote = coalesce_within(merge_intervals(starts, lens), gap=self.store_gap)
             if crcs:
-                remote = blocks_touching(remote, record.nbytes, self.block)
+                remote = blocks_touching(remote, record.nbytes, crcs.block)
             for _, n in remote:
                 self._count(out, index, n)
             out.largest_buffer = max(out.largest_buffer, sum(n for _, n in remote))
@@ -191,11 +194,11 @@ class CostModel:
                 else:
                     self._count(out, index, len(st) * n, ranges=len(st))
                 if crcs:
-                    self._edges(out, index, int(st[0]), n, record.nbytes)
+                    self._edges(out, index, int(st[0]), n, record.nbytes, crcs.block)
             return
         assert intervals is not None
         if crcs:
-            intervals = blocks_touching(intervals, record.nbytes, self.block)
+            intervals = blocks_touching(intervals, record.nbytes, crcs.block)
         for _, n in intervals:
             self._count(out, index, n)
         out.largest_buffer = max(out.largest_buffer, sum(n for _, n in intervals))
@@ -244,8 +247,8 @@ class CostModel:
                 self._count(out, index, sum(n for _, n in ranges), ranges=len(ranges))
         return True
 
-    def _mapped_bytes(self, grids: list[Any], nbytes: int, crcs: list[int]) -> int:
-        B = self.block
+    def _mapped_bytes(self, grids: list[Any], nbytes: int, crcs: BlockSums) -> int:
+        B = crcs.block
         if crcs:
             verified: set[int] = set()
             for g in grids:
@@ -261,9 +264,9 @@ class CostModel:
         )
         return sum(n for _, n in merged)
 
-    def _edges(self, out: ReadCost, index: MetadataIndex, start: int, n: int, nbytes: int) -> None:
-        """The parts of the first and last checksum block outside a directly read run."""
-        B, end = self.block, start + n
+    def _edges(self, out: ReadCost, index: MetadataIndex, start: int, n: int, nbytes: int, block: int) -> None:
+        """The parts of the first and last checksum block (of ``block`` bytes) outside a directly read run."""
+        B, end = block, start + n
         for b in range(start // B, (max(end, start + 1) - 1) // B + 1):
             bs, be = b * B, min((b + 1) * B, nbytes)
             a, c = max(bs, start), min(be, end)
