@@ -32,11 +32,14 @@ TORCH_REQ = torch==$(TORCH)$(if $(word 3,$(subst ., ,$(TORCH))),,.*)
 REQS = $(PIP) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 	print('\n'.join(p['dependencies'] + [r for e in '$(EXTRAS)'.split(',') if e for r in p['optional-dependencies'][e]]))"
 
-# PY runs the code (tests, recipes); PIP installs (never with PYTHONPATH: a checkout's egg-info would look installed)
+# PY runs the code (tests, recipes); PIP installs (never with PYTHONPATH: a checkout's egg-info would look installed).
+# The checkout's development package (dev/: ucp_dev, the tests' and recipes' fixtures and toy model, not in the
+# wheel) is installed in editable mode in .venv; every other venv, and NOVENV, finds it on PYTHONPATH.
+DEV_PATH := $(CURDIR)/dev
 ifneq ($(NOVENV),)
 PIP    := $(PYTHON)
 STAMP  := .novenv/.ready-$(EXTRAS_TAG)
-PY     := PYTHONPATH=$(CURDIR):$(CURDIR)/.novenv/site $(PYTHON)
+PY     := PYTHONPATH=$(CURDIR):$(DEV_PATH):$(CURDIR)/.novenv/site $(PYTHON)
 else
 PIP    := $(VENV)/bin/python
 STAMP  := $(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG)
@@ -44,7 +47,7 @@ ifeq ($(VENV),.venv)
 PY     := $(PIP)
 else
 # a venv outside the checkout holds the dependencies only; the code under test is this checkout's
-PY     := PYTHONPATH=$(CURDIR) $(PIP)
+PY     := PYTHONPATH=$(CURDIR):$(DEV_PATH) $(PIP)
 endif
 endif
 
@@ -52,7 +55,7 @@ endif
 
 # A release above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1, the builds on its disk) is fetched from
 # PyPI with the cap lifted; every later pip call is held to the installed torch (PIP_CONSTRAINT replaces the cap).
-$(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG): pyproject.toml Makefile constraints.txt
+$(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG): pyproject.toml dev/pyproject.toml Makefile constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -m pip install -q --upgrade pip
 	$(PIP) -c "import torch, sys; sys.exit(not torch.__version__.startswith('$(TORCH)'))" 2>/dev/null || \
@@ -60,7 +63,7 @@ $(VENV)/.ucp-dcp-installed-$(EXTRAS_TAG): pyproject.toml Makefile constraints.tx
 	$(PIP) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
 	$(if $(filter $(DEFAULT_TORCH),$(TORCH)),grep -v '^torch==' constraints.txt >> $(VENV)/constraints.txt,true)
 ifeq ($(VENV),.venv)
-	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])' -e ./dev
 else
 	$(REQS) > $(VENV)/requirements.txt
 	PIP_CONSTRAINT=$(VENV)/constraints.txt DS_BUILD_OPS=0 $(PIP) -m pip install -q -r $(VENV)/requirements.txt
@@ -69,7 +72,7 @@ endif
 
 # no venv: what $(PYTHON) lacks of the requirements is resolved against what it has (a dry run, no index, only
 # $(WHEELS)) and installed without dependencies into .novenv/site, which PYTHONPATH puts after the checkout
-.novenv/.ready-$(EXTRAS_TAG): pyproject.toml Makefile
+.novenv/.ready-$(EXTRAS_TAG): pyproject.toml dev/pyproject.toml Makefile
 	mkdir -p .novenv/site
 	$(REQS) > .novenv/requirements.txt
 	PIP_BREAK_SYSTEM_PACKAGES=1 $(PIP) -m pip install -q --dry-run --report .novenv/report.json --no-index \
@@ -91,11 +94,12 @@ demo:
 demo-run: $(STAMP)
 	$(PY) recipes/elastic_resume.py --save-topology dp=4 --load-topology dp=2
 
-# style and types, before any test (CI runs it first): ruff's rules and formatting over the code, tests, recipes and
-# tools; mypy over ucp_dcp (pyproject.toml [tool.ruff], [tool.mypy]; both come with the dev extra)
+# style and types, before any test (CI runs it first): ruff's rules and formatting over the code, the development
+# package, tests, recipes and tools; mypy over ucp_dcp (pyproject.toml [tool.ruff], [tool.mypy]; both come with the
+# dev extra)
 lint: $(STAMP)
-	$(PY) -m ruff check ucp_dcp tests recipes tools
-	$(PY) -m ruff format --check ucp_dcp tests recipes tools
+	$(PY) -m ruff check ucp_dcp dev tests recipes tools
+	$(PY) -m ruff format --check ucp_dcp dev tests recipes tools
 	$(PY) -m mypy
 
 # everything on the CPU but the end-to-end runs (tests/gpu only with --gpu): the single-process tests and the
@@ -208,7 +212,7 @@ reconfig: $(STAMP)
 
 # mistake injection: every rule/map dropped or altered at save/load/both, param groups reordered, a replica
 # perturbed, the writer/reader swapped (also a stock save over ours), maps forgotten on plain tensors, on the whole
-# reconfiguration set (ucp_dcp/testing/mistakes.py); one line per silent,
+# reconfiguration set (dev/ucp_dev/testing/mistakes.py); one line per silent,
 # crashed or unclear run, last line MISTAKES OK: N runs, 0 silent / MISTAKES FAILED: ...
 .PHONY: mistakes
 mistakes: $(STAMP)
@@ -246,7 +250,7 @@ GPU_CHECK_BUDGET ?= 480
 GPU_CHECK_ARGS ?=
 GPU_PY = $(if $(NOVENV),$(PYTHON),$(if $(wildcard $(VENV)/bin/python),$(PIP),$(PYTHON)))
 gpu-check:
-	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR)$(if $(wildcard .novenv/site),:$(CURDIR)/.novenv/site) $(GPU_PY) \
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR):$(DEV_PATH)$(if $(wildcard .novenv/site),:$(CURDIR)/.novenv/site) $(GPU_PY) \
 		recipes/gpu_check.py --out $(GPU_CHECK_OUT) --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
 bench-quick: $(STAMP)

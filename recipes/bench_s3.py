@@ -3,7 +3,7 @@
     python recipes/bench_s3.py [--mib 128] [--save-ranks 2] [--load-ranks 4] [--repeats 3] [--load-dim 0]
                                [--store-ranges exact|few] [--server moto|s3rver]
 
-An S3 server runs in its own process on 127.0.0.1: moto's (``ucp_dcp.testing.s3_server``, the tests'
+An S3 server runs in its own process on 127.0.0.1: moto's (``ucp_dev.testing.s3_server``, the tests'
 server), or with ``--server s3rver`` the file-backed S3 server of npm's ``s3rver`` package (``make
 bench-s3-s3rver`` installs it under ``runs/``), which answers a ranged GET by reading just that range of
 the object's file, as S3 charges by the bytes sent, where moto builds the whole object for every range. A state of
@@ -13,7 +13,7 @@ the object's file, as S3 charges by the bytes sent, where moto builds the whole 
 ``--repeats`` times; a phase's time is the slowest rank's, and the median over the repeats is reported
 (with the spread); each rank's S3 client is made before the clock starts. The server runs in Python on the same cores as the ranks, so it is often the
 bottleneck: its CPU seconds per phase are reported too (from ``/proc``), with the requests it served by
-kind and the object bytes it sent (its counters, :func:`~ucp_dcp.testing.s3_server.server_stats`). ucp_dcp: ``UCPFileSystemWriter`` (multipart uploads, parts in flight, checksums,
+kind and the object bytes it sent (its counters, :func:`~ucp_dev.testing.s3_server.server_stats`). ucp_dcp: ``UCPFileSystemWriter`` (multipart uploads, parts in flight, checksums,
 commit by one PUT) and ``UCPFileSystemReader`` (ranged GETs of the bytes each rank needs, several in
 flight, verified); DCP: ``FsspecWriter`` / ``FsspecReader`` with its default planners. Both loads are
 checked bitwise. Prints a table and the ratios of the medians (DCP's time / ours: > 1 means ucp_dcp is faster).
@@ -134,7 +134,7 @@ def spawn_s3rver(binary: str, bucket: str, folder: str) -> tuple[subprocess.Pope
 
 def _server_stats(endpoint: str, counted: bool) -> dict:
     """The server's request and byte counters, reset (moto's); s3rver keeps none."""
-    from ucp_dcp.testing.s3_server import server_stats
+    from ucp_dev.testing.s3_server import server_stats
 
     return server_stats(endpoint, reset=True) if counted else {"requests": {}, "bytes_out": {}}
 
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3rver", default="runs/s3rver/node_modules/.bin/s3rver", help="s3rver's executable")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from ucp_dcp.testing.processes import run_ranks
-    from ucp_dcp.testing.s3_server import spawn_server
+    from ucp_dev.testing.processes import run_ranks
+    from ucp_dev.testing.s3_server import spawn_server
 
     rows = a.mib * 1024 // 4
     world = max(a.save_ranks, a.load_ranks)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ucp_dcp  # noqa: E402
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner  # noqa: E402
-from ucp_dcp.testing.pagecache import evict  # noqa: E402
+from ucp_dev.testing.pagecache import evict  # noqa: E402
 
 BUF = 64 << 20
 

@@ -8,8 +8,8 @@ each saved by every system from one trained toy job and loaded by it at the new 
 torch_checkpointing (PyPI ``torch_checkpointing``, Meta's, what torchtitan 0.3.0 moves to) runs as its docs
 show: ``CheckpointManager`` with a synchronous saver and ``ItemSpec(resharder=DefaultResharder())`` for the
 model and optimizer (two settings needed to run at all here: on a machine without CUDA its metadata exchange is patched to
-gloo and its O_DIRECT default is turned off: ``ucp_dcp.testing.peer_tc.tc_manager``); stock DCP as ``dcp.save``/``dcp.load`` with its default planners; ucp_dcp as
-``ucp_dcp.save``/``load`` with the toy's declarations (``ucp_dcp.toy.layouts.ucp_options``: stage/expert maps,
+gloo and its O_DIRECT default is turned off: ``ucp_dev.testing.peer_tc.tc_manager``); stock DCP as ``dcp.save``/``dcp.load`` with its default planners; ucp_dcp as
+``ucp_dcp.save``/``load`` with the toy's declarations (``ucp_dev.toy.layouts.ucp_options``: stage/expert maps,
 Fused, Padded, Reduce). Each load is judged against the oracle taken at the save (every logical entry, full,
 bitwise): ``bitwise``, ``WRONG k/N`` (loaded without an error, k entries differ) or ``refused`` (an error, its
 class named). Save and load seconds are the slowest rank's. ``--async`` adds the blocked time of each async
@@ -32,13 +32,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ucp_dcp.progress import StepProgress
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.elastic import RECONFIG_SET
-from ucp_dcp.testing.peer_tc import tc_manager
-from ucp_dcp.testing.processes import run_ranks
-from ucp_dcp.toy import ModelConfig, Topology, build_job
-from ucp_dcp.toy.layouts import trainer_options
-from ucp_dcp.toy.parallel import build_trainer, logical_state, train_step
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.elastic import RECONFIG_SET
+from ucp_dev.testing.peer_tc import tc_manager
+from ucp_dev.testing.processes import run_ranks
+from ucp_dev.toy import ModelConfig, Topology, build_job
+from ucp_dev.toy.layouts import trainer_options
+from ucp_dev.toy.parallel import build_trainer, logical_state, train_step
 
 SYSTEMS = ("ucp_dcp", "dcp", "torch_checkpointing", "tc+ucp_dcp")
 UCP_ITEMS = ("model", "optim", "train_state")

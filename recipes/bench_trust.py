@@ -136,8 +136,8 @@ def _raw_read(files: list[str], threads: int) -> float:
 
 
 def bench_verify(path: str, reps: int) -> dict:
-    from ucp_dcp.testing.pagecache import evict
     from ucp_dcp.tools.verify import verify
+    from ucp_dev.testing.pagecache import evict
 
     files = [str(p) for p in Path(path).iterdir() if p.is_file()]
     total = sum(os.path.getsize(f) for f in files)

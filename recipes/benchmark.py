@@ -113,7 +113,7 @@ def _io_bench(rank: int, cfg: dict) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import ucp_dcp
-    from ucp_dcp.testing.pagecache import evict
+    from ucp_dev.testing.pagecache import evict
 
     root, n_tensors, rows, cols, reps = cfg["out"], cfg["tensors"], cfg["rows"], cfg["cols"], cfg["reps"]
     groups = {n: (dist.group.WORLD if n == 4 else dist.new_group(list(range(n)))) for n in (1, 2, 3, 4)}

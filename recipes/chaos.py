@@ -2,7 +2,7 @@
 
     python recipes/chaos.py [--worlds 2,4] [--modes hosts,off] [--only FAULT,...] [--peer-timeout 8]
 
-Each case (:mod:`ucp_dcp.testing.chaos`) is a fresh gloo job on two simulated hosts whose collective
+Each case (:mod:`ucp_dev.testing.chaos`) is a fresh gloo job on two simulated hosts whose collective
 timeout (300 s) is far above the bound: one rank finds a checksum mismatch, a missing file, a dtype
 that overflows, or raises, dies or stops at a step of ``read_data`` or of a save's or load's planning
 and writes; ``read_once`` on and off, 2 and 4 ranks; the last rank, and the coordinator (rank 0: killed
@@ -19,7 +19,7 @@ import sys
 import time
 
 from ucp_dcp.progress import StepProgress
-from ucp_dcp.testing.chaos import cases, run_case
+from ucp_dev.testing.chaos import cases, run_case
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ against the oracle, trains to step 2K and compares losses. The last line is ``RE
 
 Under torchrun (which cannot change the world size) run one phase per launch:
 ``torchrun --nproc-per-node 4 recipes/elastic_resume.py --phase save ...`` then ``--phase load``. The phases
-and the verdict are ``ucp_dcp.testing.elastic``'s, the ones the multi-process tests run.
+and the verdict are ``ucp_dev.testing.elastic``'s, the ones the multi-process tests run.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ucp_dcp.testing.checks import loss_note, state_diffs
-from ucp_dcp.testing.elastic import load_phase, resume_problems, resume_rels, save_phase
-from ucp_dcp.testing.processes import RanksFailed, run_ranks
-from ucp_dcp.toy import Topology, build_job
+from ucp_dev.testing.checks import loss_note, state_diffs
+from ucp_dev.testing.elastic import load_phase, resume_problems, resume_rels, save_phase
+from ucp_dev.testing.processes import RanksFailed, run_ranks
+from ucp_dev.toy import Topology, build_job
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,7 +19,7 @@ With ``--store s3`` the crashes run against an S3-compatible server started on 1
 process): 4 ranks save over the checkpoint on ``s3://``, and one rank SIGKILLs itself just before each store
 request of the save in turn (every request of the coordinator and of one other rank, or ``--crashes`` of
 them spread over the walk): *lost* as above, and every object an uncommitted save left must be reported by
-``inspect`` as a stray (:mod:`ucp_dcp.testing.store_crashes`).
+``inspect`` as a stray (:mod:`ucp_dev.testing.store_crashes`).
 
 The last line is the summary, e.g. ``FAULTS OK: flips 100/100 caught, truncations 20/20, crashes 0/20
 lost, code-exec 0/5``; ``FAULTS FAILED: ...`` (exit 1) otherwise.
@@ -496,9 +496,9 @@ def main() -> int:
 
 
 def store_main(crashes: int | None) -> int:
-    """``--store s3``: the kill walk of :mod:`ucp_dcp.testing.store_crashes` on a local S3 server."""
-    from ucp_dcp.testing.s3_server import spawn_server
-    from ucp_dcp.testing.store_crashes import store_crash_trials
+    """``--store s3``: the kill walk of :mod:`ucp_dev.testing.store_crashes` on a local S3 server."""
+    from ucp_dev.testing.s3_server import spawn_server
+    from ucp_dev.testing.store_crashes import store_crash_trials
 
     proc, env = spawn_server("faults")
     t = time.perf_counter()

@@ -2,7 +2,7 @@
 
     python recipes/foreign_demo.py [--out DIR] [--layout dp=2,tp=2]
 
-1. The real libraries write the checkpoints, on CPU (``ucp_dcp.testing.foreign``): DeepSpeed ZeRO-1 and
+1. The real libraries write the checkpoints, on CPU (``ucp_dev.testing.foreign``): DeepSpeed ZeRO-1 and
    ZeRO-3 runs of the toy LLM on 3 ranks (plus DeepSpeed's own ``ds_to_universal`` of the ZeRO-3
    one), and a Megatron-Core GPT trained at tp=2 and saved in ``torch_dist``. Each writes its
    library's own view of the checkpoint (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` and
@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parent.parent
+import ucp_dev
 
 
 def _make(module: str, *args: str) -> float:
     t0 = time.perf_counter()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ucp_dev.code_path())
     res = subprocess.run(
-        [sys.executable, "-m", f"ucp_dcp.testing.foreign.{module}", *args],
+        [sys.executable, "-m", f"ucp_dev.testing.foreign.{module}", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -61,8 +61,8 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # the oracle's gathers
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    from ucp_dcp.testing.foreign.views import load_into_toy
-    from ucp_dcp.toy import Topology, build_job, build_trainer, train_step, ucp_options  # noqa: F401
+    from ucp_dev.testing.foreign.views import load_into_toy
+    from ucp_dev.toy import Topology, build_job, build_trainer, train_step, ucp_options  # noqa: F401
 
     results = {}
     for name, kind, path, options in cases:
@@ -74,7 +74,7 @@ def _job(rank: int, world: int, port: int, topo: str, cases: list, out: str) -> 
 
     from ucp_dcp import UCPLoadPlanner
     from ucp_dcp.sources.foreign.deepspeed import DeepSpeedReader
-    from ucp_dcp.testing.foreign.views import deepspeed_config
+    from ucp_dev.testing.foreign.views import deepspeed_config
 
     cfg = deepspeed_config()
     job = build_job(Topology.parse(topo))
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         ("DeepSpeed universal (from ZeRO-3)", "deepspeed", str(out / "zero3"), {"universal": True}),
         ("Megatron-Core torch_dist tp=2", "megatron", str(out / "megatron"), {}),
     ]
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     world = Topology.parse(a.layout).world
     with socket.socket() as s:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(p.exitcode for p in procs):
         print(f"FOREIGN MISMATCH: the load job at {a.layout} failed (exit codes {[p.exitcode for p in procs]})")
         return 1
-    from ucp_dcp.testing.foreign.views import compare, deepspeed_view, megatron_view
+    from ucp_dev.testing.foreign.views import compare, deepspeed_view, megatron_view
 
     got = torch.load(out / "loaded.pt", weights_only=False)
     problems, total = [], 0

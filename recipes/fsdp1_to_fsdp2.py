@@ -37,8 +37,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import ucp_dcp
-from ucp_dcp.testing.checks import loss_note, loss_problems, rel_diffs, state_diffs, state_problem
-from ucp_dcp.testing.processes import RanksFailed, run_ranks
+from ucp_dev.testing.checks import loss_note, loss_problems, rel_diffs, state_diffs, state_problem
+from ucp_dev.testing.processes import RanksFailed, run_ranks
 
 GLOBAL_BATCH = 24
 """Rows per step, split evenly over the ranks (so the world size must divide it)."""

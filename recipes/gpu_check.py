@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="run only these steps (by name)")
     a = ap.parse_args(argv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "dev"), env.get("PYTHONPATH", "")) if p)
     if not a.rehearse:
         try:
             import torch

@@ -38,7 +38,7 @@ ATOL = 2e-5
 
 
 def _models() -> dict:
-    from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+    from ucp_dev.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
     return {
         "llama": (TOY_LLAMA, toy_llama, "LlamaForCausalLM", "LlamaConfig"),
@@ -71,7 +71,7 @@ def _job(rank: int, world: int, port: int, out: str, kind: str, topo_text: str, 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     import ucp_dcp
     from ucp_dcp.sources.hf import export_hf, load_hf
-    from ucp_dcp.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
+    from ucp_dev.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
 
     cfg, preset = _models()[kind][:2]
     job = build_job(Topology.parse(topo_text))
@@ -103,7 +103,7 @@ def _job(rank: int, world: int, port: int, out: str, kind: str, topo_text: str, 
 
 
 def _spawn(out: Path, kind: str, topo_text: str, steps: int) -> list[dict]:
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     world = Topology.parse(topo_text).world
     with socket.socket() as s:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     import transformers
 
-    from ucp_dcp.toy.hf_presets import TOY_LLAMA
+    from ucp_dev.toy.hf_presets import TOY_LLAMA
 
     tokens = torch.randint(0, TOY_LLAMA.vocab, (3, TOY_LLAMA.seq_len), generator=torch.Generator().manual_seed(5))
     torch.save(tokens, out / "tokens.pt")

@@ -53,7 +53,7 @@ def _train(rank: int, out: str, kill: str) -> str:
     import ucp_dcp.memory.tier as tier_module
     from ucp_dcp.memory import MemoryTier
     from ucp_dcp.planning.save_planner import UCPSavePlanner
-    from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
+    from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
     os.environ["UCP_DCP_HOST"] = f"node{rank // 2}"
     cfg = ModelConfig()
@@ -93,8 +93,8 @@ def _train(rank: int, out: str, kill: str) -> str:
 def _resume(rank: int, out: str) -> str:
     from ucp_dcp.memory import load
     from ucp_dcp.planning.load_planner import UCPLoadPlanner
-    from ucp_dcp.testing.checks import state_diffs
-    from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
+    from ucp_dev.testing.checks import state_diffs
+    from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
     os.environ["UCP_DCP_HOST"] = ["node0", "node2"][rank]
     cfg = ModelConfig()

@@ -2,12 +2,12 @@
 both, param groups reordered, one replica perturbed, the writer or reader swapped for stock DCP's, a stock save
 into the folder holding ours, a map forgotten at load on plain tensors) on every transition of the
 reconfiguration set; each run must load bitwise right or end in a UCPError naming the atom
-and the fix; then the state-form runs (ties without rules, the raw optimizer form: ``ucp_dcp.testing.mistake_forms``)
-the subclass-hook runs (DCP's planner extension points overridden: ``ucp_dcp.testing.mistake_hooks``) and the
-dtype-edge runs (values at and past a narrower target's largest finite value: ``ucp_dcp.testing.mistake_dtypes``).
+and the fix; then the state-form runs (ties without rules, the raw optimizer form: ``ucp_dev.testing.mistake_forms``)
+the subclass-hook runs (DCP's planner extension points overridden: ``ucp_dev.testing.mistake_hooks``) and the
+dtype-edge runs (values at and past a narrower target's largest finite value: ``ucp_dev.testing.mistake_dtypes``).
 One line per silent, crashed, unclear or wrongly refused run, then ``MISTAKES OK: N runs, 0 silent`` or
-``MISTAKES FAILED: ...``. The set is ``ucp_dcp.testing.mistakes``; each transition runs in fresh processes
-(``ucp_dcp.testing.processes``), where the tests run the same worker on their pool.
+``MISTAKES FAILED: ...``. The set is ``ucp_dev.testing.mistakes``; each transition runs in fresh processes
+(``ucp_dev.testing.processes``), where the tests run the same worker on their pool.
 
     python recipes/mistakes.py [--only SUBSTRING] [--json FILE] [-v] [--summarize FILE]
 """
@@ -25,14 +25,14 @@ import warnings
 from pathlib import Path
 
 from ucp_dcp.progress import StepProgress
-from ucp_dcp.testing.elastic import RECONFIG_SET
-from ucp_dcp.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
-from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
-from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
-from ucp_dcp.testing.mistake_runs import transition_worker
-from ucp_dcp.testing.mistakes import FAILING, SAME_LAYOUT, plan, summary
-from ucp_dcp.testing.processes import RanksFailed, run_ranks
-from ucp_dcp.toy import Topology
+from ucp_dev.testing.elastic import RECONFIG_SET
+from ucp_dev.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
+from ucp_dev.testing.mistake_forms import SCENARIOS, WORLD, form_worker
+from ucp_dev.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
+from ucp_dev.testing.mistake_runs import transition_worker
+from ucp_dev.testing.mistakes import FAILING, SAME_LAYOUT, plan, summary
+from ucp_dev.testing.processes import RanksFailed, run_ranks
+from ucp_dev.toy import Topology
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

@@ -13,7 +13,7 @@ swaps two experts' rows right after a load: the comparison must name exactly tha
 
     python recipes/moe_demo.py [--only ep4] [--out DIR]
 
-Last line: ``MOE OK: ...`` or ``MOE MISMATCH: ...``. The jobs are ``ucp_dcp.testing.titan``'s; the same
+Last line: ``MOE OK: ...`` or ``MOE MISMATCH: ...``. The jobs are ``ucp_dev.testing.titan``'s; the same
 runs, with the plan check, are ``tests/e2e/test_titan_moe.py``; docs/torchtitan.md lists how each MoE state
 entry is treated.
 """
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ucp_dcp.testing.checks import loss_problems, rel_diffs, state_diffs
-from ucp_dcp.testing.titan.assets import make_assets
-from ucp_dcp.testing.titan.jobs import batches, losses, recording_env, resume_flags, run_job
+from ucp_dev.testing.checks import loss_problems, rel_diffs, state_diffs
+from ucp_dev.testing.titan.assets import make_assets
+from ucp_dev.testing.titan.jobs import batches, losses, recording_env, resume_flags, run_job
 
 CONFIG = "qwen3_moe_small_ucp"
 SAVE = {"dp": 4, "ep": 2}

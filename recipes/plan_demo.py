@@ -3,7 +3,9 @@ before any job starts, up to 16,384 ranks, on this machine's CPU.
 
 1. The elastic-resume recipe trains the toy LLM for a step at ``dp=2`` (two processes) and saves it.
 2. ``python -m ucp_dcp plan`` plans its load at several layouts, one process each: a few that load
-   (up to ``pp=2,dp=2048,tp=4``: 16,384 ranks) and one that cannot (a wider FFN: a shape change).
+   (up to ``pp=2,dp=2048,tp=4``: 16,384 ranks) and one that cannot (a wider FFN: a shape change). The toy LLM
+   is a user's function target to ``plan``: ``--target ucp_dev.toy.plan_target:target``, its topology in
+   ``UCP_TOY_TOPOLOGY`` and a model change in ``UCP_TOY_MODEL`` (:func:`ucp_dev.toy.plan_target.plan_command`).
 3. The plans must say "loads" for the first and name the changed atoms for the last.
 
 Every layout's planning time and its coordinator's gathered plan bytes (the pickled local plans rank 0
@@ -22,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ucp_dev.toy.plan_target import TARGET, plan_command
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADS = ["dp=2", "pp=2,dp=2,tp=2", "dpr=2,dp=2,ep=2", "pp=2,dp=128,tp=4", "pp=2,dp=512,tp=4", "pp=2,dp=2048,tp=4"]
@@ -42,29 +46,15 @@ SHAPE_CHANGE = ("pp=2,dp=64,tp=4", "ffn_dim=56")
 
 def _plan(ckpt: Path, out: Path, topology: str, model: str | None = None) -> tuple[dict, float, str]:
     tag = topology.replace(",", "_").replace("=", "") + ("_" + model.replace("=", "") if model else "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "ucp_dcp",
-        "plan",
-        str(ckpt),
-        "--target",
-        "recipe",
-        "--topology",
-        topology,
-        "--bandwidth",
-        "2GB/s",
-        "--json",
-        str(out / f"{tag}.json"),
-    ]
-    if model:
-        cmd += ["--model", model]
+    cmd, env = plan_command(ckpt, topology, model, ["--bandwidth", "2GB/s", "--json", str(out / f"{tag}.json")])
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     seconds = time.perf_counter() - t0
     (out / f"{tag}.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode not in (0, 1) or not (out / f"{tag}.json").exists():
-        raise SystemExit(f"PLAN MISMATCH: `{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"PLAN MISMATCH: `{_shown(topology, model)}` failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads((out / f"{tag}.json").read_text()), seconds, proc.stdout
 
 
@@ -118,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         gathered = report["gathered_plan_bytes"]
         rows.append((topology, n, report["seconds"], seconds, gathered))
         verdict = "loads" if report["loads"] else "DOES NOT LOAD"
-        print(f"\n$ python -m ucp_dcp plan {ckpt} --target recipe --topology {topology} --bandwidth 2GB/s")
+        print(f"\n$ {_shown(topology, None, ckpt)} --bandwidth 2GB/s")
         print(text.rstrip() if n <= 8 else "\n".join(text.rstrip().splitlines()[-8:]))
         print(
             f"-> {n} ranks: {verdict}; planned in {report['seconds']:.1f} s ({seconds:.1f} s with start-up); "
@@ -130,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{topology}: no rank reads anything")
     topology, model = SHAPE_CHANGE
     report, seconds, text = _plan(ckpt, out, topology, model)
-    print(f"\n$ python -m ucp_dcp plan {ckpt} --target recipe --topology {topology} --model {model}")
+    print(f"\n$ {_shown(topology, model, ckpt)}")
     print("\n".join(text.splitlines()[:6]))
     named = (
         report["problems"]
@@ -151,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         f"the shape change ({model}) is named: {named_line[:100]}"
     )
     return 0
+
+
+def _shown(topology: str, model: str | None, ckpt: Path | str = "CKPT") -> str:
+    """The plan command of a layout, as a shell line."""
+    env = f"UCP_TOY_TOPOLOGY={topology}" + (f" UCP_TOY_MODEL={model}" if model else "")
+    return f"{env} python -m ucp_dcp plan {ckpt} --target {TARGET} --world-size {_ranks(topology)}"
 
 
 def _ranks(topology: str) -> int:

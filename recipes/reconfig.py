@@ -1,4 +1,4 @@
-"""The reconfiguration set (``ucp_dcp.testing.elastic.RECONFIG_SET``): every (save -> load) transition of the
+"""The reconfiguration set (``ucp_dev.testing.elastic.RECONFIG_SET``): every (save -> load) transition of the
 patterns issue, each run by the elastic-resume recipe in fresh processes, with its time and verdict.
 
     python recipes/reconfig.py [--steps K] [--only SUBSTRING] [--out DIR]
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ucp_dcp.progress import StepProgress
-from ucp_dcp.testing.elastic import RECONFIG_SET
+from ucp_dev.testing.elastic import RECONFIG_SET
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
     python recipes/s3_demo.py [--save-topology dp=4] [--load-topology dp=2,tp=2] [--steps K]
 
-Starts an S3 server on 127.0.0.1 (moto's, ``ucp_dcp.testing.s3_server``, in its own process; nothing
+Starts an S3 server on 127.0.0.1 (moto's, ``ucp_dev.testing.s3_server``, in its own process; nothing
 leaves the machine) and points the AWS client configuration at it, then runs ``recipes/elastic_resume.py``
 with ``--checkpoint s3://ucp-demo/run``: the save job's ranks upload their shards (multipart, checksummed)
 and commit with one PUT of ``.metadata``; the load job, at another layout and world size, fetches by
@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import ucp_dev
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs/s3_demo")
     a = ap.parse_args(argv)
-    from ucp_dcp.testing.s3_server import spawn_server
+    from ucp_dev.testing.s3_server import spawn_server
 
     proc, aws = spawn_server("ucp-demo")
     url = "s3://ucp-demo/run"
     try:
-        env = {**os.environ, **aws, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **aws, "PYTHONPATH": ucp_dev.code_path()}
         print(f"S3 server (moto) at {aws['AWS_ENDPOINT_URL']}; checkpoint {url}", flush=True)
         t0 = time.time()
         run = subprocess.run(

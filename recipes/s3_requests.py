@@ -2,7 +2,7 @@
 
     python recipes/s3_requests.py
 
-One process, moto's S3 server on 127.0.0.1 in a thread (``ucp_dcp.testing.s3_server``, which counts the
+One process, moto's S3 server on 127.0.0.1 in a thread (``ucp_dev.testing.s3_server``, which counts the
 requests it serves and the object bytes it sends). Two states: *small* (a 1 MiB matrix, a vector and a
 counter) and *many items* (a 4 MiB matrix and 100 vectors of 4 KiB, like a model's norms and biases). Each is
 saved twice into a prefix (the second save replaces the first) and loaded back whole, by each system; every
@@ -38,7 +38,7 @@ def main() -> int:
 
     import ucp_dcp
     from ucp_dcp._compat import fsspec_storage
-    from ucp_dcp.testing.s3_server import S3Server
+    from ucp_dev.testing.s3_server import S3Server
 
     server = S3Server().start()
     server.create_bucket("requests")

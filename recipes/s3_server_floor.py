@@ -1,4 +1,4 @@
-"""What the local S3 server (moto, ``ucp_dcp.testing.s3_server``) does alone: requests/s and MB/s by request kind.
+"""What the local S3 server (moto, ``ucp_dev.testing.s3_server``) does alone: requests/s and MB/s by request kind.
 
     python recipes/s3_server_floor.py [--object-mib 32] [--range-mib 1] [--requests 64] [--in-flight 8]
 
@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--in-flight", type=int, default=8)
     args = ap.parse_args()
-    from ucp_dcp.testing.s3_server import spawn_server
+    from ucp_dev.testing.s3_server import spawn_server
 
     proc, env = spawn_server("floor")
     os.environ.update(env)

@@ -138,7 +138,7 @@ def _count_stock_reads(hf_folder: str) -> list[int]:
 
 
 def worker(args) -> None:
-    from ucp_dcp.testing.titan import cpu_launch  # the launcher's CPU patches (device type, memory stubs, gloo)
+    from ucp_dev.testing.titan import cpu_launch  # the launcher's CPU patches (device type, memory stubs, gloo)
 
     cpu_launch.patch_device()
     cpu_launch.patch_torchtitan(cpu=True)
@@ -165,7 +165,7 @@ def worker(args) -> None:
     pd = ParallelDims.from_config(P, world)
     dist_utils.set_spmd_backend(P.spmd_backend)
     mc.update_from_config(config=cfg)
-    from ucp_dcp.testing.titan.jobs import CPU_ATTENTION
+    from ucp_dev.testing.titan.jobs import CPU_ATTENTION
 
     cfg.override.imports = [CPU_ATTENTION]
     from torchtitan.config.override import apply_overrides
@@ -292,7 +292,7 @@ def run(args) -> dict:
     shutil.rmtree(hf, ignore_errors=True)
     info = make_hf_folder(args.size, hf)
     print(f"HF folder: {info['params'] / 1e6:.1f}M params, {info['bytes'] / 2**20:.1f} MiB bf16 ({hf})", flush=True)
-    from ucp_dcp.testing.titan.jobs import titan_env
+    from ucp_dev.testing.titan.jobs import titan_env
 
     env = titan_env()  # this ucp_dcp first on the workers' path
     results: dict = {"size": args.size, "hf": info, "runs": {}}

@@ -2,12 +2,12 @@
 
 For each transition, the save job runs torchtitan's Trainer (llama3 debug model with grouped-query
 attention, generated tokenizer and data, fp32, CPU/gloo under torchrun) for N steps with ucp_dcp
-(``--module ucp_dcp.testing --config llama3_debugmodel_gqa_ucp``), checkpointing at step K; it is
+(``--module ucp_dev.testing --config llama3_debugmodel_gqa_ucp``), checkpointing at step K; it is
 also the uninterrupted reference. The resume job starts from the step-K checkpoint at another
 layout and trains to step N. The full training state right after the save and right after the load
 is written by the CPU launcher with plain ``torch.save`` (the oracle uses no ucp_dcp code) and must
 be bitwise equal; the losses must continue the reference within fp32 tolerances. The jobs and the
-check are ``ucp_dcp.testing.titan``'s, the ones tests/e2e/test_titan_trainer.py runs.
+check are ``ucp_dev.testing.titan``'s, the ones tests/e2e/test_titan_trainer.py runs.
 
     python recipes/titan_resume.py [--only dp4-dp2] [--steps N] [--save-step K] [--out DIR]
 """
@@ -18,8 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ucp_dcp.testing.titan.assets import make_assets
-from ucp_dcp.testing.titan.jobs import DEMO, TRANSITIONS, transition
+from ucp_dev.testing.titan.assets import make_assets
+from ucp_dev.testing.titan.jobs import DEMO, TRANSITIONS, transition
 
 
 def main(argv: list[str] | None = None) -> int:

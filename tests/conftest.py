@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 # The support modules (tests/support: the pool `dist`, `helpers`, the harnesses) are importable by their names,
 # here and in the worker processes: pyproject's [tool.pytest.ini_options] pythonpath puts tests/support on sys.path
 # (the workers inherit it); this line does the same for a run that does not read that config (pytest -c ...).
-# The toy model and trainer come from the package (ucp_dcp.toy): nothing from recipes/ is imported here.
+# The toy model and trainer come from the development package (ucp_dev.toy, dev/): nothing from recipes/ is imported here.
 # Nothing in the tests may download: the Hugging Face libraries are told so before any of them is imported (here,
 # in the pool's workers and in every job a test starts, which inherit the environment). Without it, datasets'
 # load_dataset waits on a 5 s network timeout every few calls on a machine without the Hub (test_interleave.py:
@@ -135,9 +135,9 @@ S3_BUCKET = "ucp-tests"
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A running :class:`~ucp_dcp.testing.s3_server.S3Server` with bucket :data:`S3_BUCKET`; this process's
+    """A running :class:`~ucp_dev.testing.s3_server.S3Server` with bucket :data:`S3_BUCKET`; this process's
     AWS settings point at it for the session (the pool's workers get them per task: ``D.setenv`` of ``server.env()``)."""
-    from ucp_dcp.testing.s3_server import S3Server
+    from ucp_dev.testing.s3_server import S3Server
 
     server = S3Server().start()
     server.create_bucket(S3_BUCKET)

@@ -1,6 +1,6 @@
 """The package's architecture, read from the source: layers as folders, no import running back up, no
-cycles, the toy model apart from the library, and private torch / torchtitan names only through the
-``_compat`` modules -- imported or reached by attribute.
+cycles, the development package (the toy model, the test fixtures) apart from the library, and private torch /
+torchtitan names only through the ``_compat`` modules -- imported or reached by attribute.
 
 Layers, lowest first (a module imports only its own layer and those below it, anywhere in the file,
 also inside functions):
@@ -15,11 +15,11 @@ also inside functions):
     torchtitan  ucp_dcp/torchtitan/ (the integration)
     tools     ucp_dcp/tools/ (the command line), ucp_dcp.__main__
 
-``ucp_dcp.toy`` (the recipes' and tests' model) stands apart: it may use layout and sources (its rules
-and HF presets), only the tools and ``ucp_dcp.testing`` import it, and its model and trainer import no other
-ucp_dcp module. ``ucp_dcp.testing`` (the fixtures tests and recipes share) sits on top of everything: it may
-import any module, no other module imports it, and it may patch torch / torchtitan internals (the CPU launcher)
-without going through ``_compat``.
+The checkout's development package ``ucp_dev`` (dev/, not in the wheel: tests/tools/test_cli_names.py) stands
+apart: no ucp_dcp module imports it or names it in code. ``ucp_dev.toy`` (the recipes' and tests' model) may use
+ucp_dcp's base, layout and sources (its rules and HF presets), and its model and trainer import no ucp_dcp module.
+``ucp_dev.testing`` (the fixtures tests and recipes share) sits on top of everything: it may import any module and
+patch torch / torchtitan internals (the CPU launcher) without going through ``_compat``.
 ``ucp_dcp.examples`` (the quickstart, shipped so that ``pip install`` alone runs it) is user code: it imports the
 package as a user's script does (``import ucp_dcp``), and no module imports it but the command line's
 ``quickstart`` (``ucp_dcp.tools.cli``).
@@ -33,9 +33,11 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "ucp_dcp"
+DEV = Path(__file__).resolve().parent.parent / "dev" / "ucp_dev"
 LAYERS = ("base", "layout", "planning", "storage", "memory", "sources", "peers", "torchtitan", "tools")
 TOP_LEVEL = {
     "ucp_dcp.errors": "base",
+    "ucp_dcp.settings": "base",  # the environment variables, read in one place: the errors only
     "ucp_dcp._compat": "base",
     "ucp_dcp._version": "base",
     "ucp_dcp.progress": "base",
@@ -52,8 +54,8 @@ COMPAT = ("ucp_dcp._compat", "ucp_dcp.torchtitan._compat")
 PRIVATE_ROOTS = ("torch", "torchtitan")
 
 
-def _module(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
+def _module(path: Path, pkg: Path = PKG) -> str:
+    rel = path.relative_to(pkg.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -62,22 +64,26 @@ def _module(path: Path) -> str:
 
 SOURCES = {_module(p): ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
 KNOWN = set(SOURCES)
+DEV_SOURCES = {_module(p, DEV): ast.parse(p.read_text()) for p in sorted(DEV.rglob("*.py"))}
+"""The development package's modules (``ucp_dev.toy``, ``ucp_dev.testing``), read the same way."""
+ROOTS = ("ucp_dcp", "ucp_dev")
 
 
 def _is_pkg(name: str) -> bool:
-    return (PKG.parent / Path(*name.split(".")) / "__init__.py").exists()
+    base = DEV if name.split(".")[0] == "ucp_dev" else PKG
+    return (base.parent / Path(*name.split(".")) / "__init__.py").exists()
 
 
-def _imports(name: str) -> set[str]:
-    """ucp_dcp modules ``name`` imports (anywhere in it, also inside functions)."""
+def _imported(name: str, tree: ast.Module) -> set[str]:
+    """ucp_dcp and ucp_dev modules (and names) module ``name`` imports, anywhere in it, also inside functions."""
     pkg = name if _is_pkg(name) else name.rsplit(".", 1)[0]
     deps = set()
-    for node in ast.walk(SOURCES[name]):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.split(".")[0] == "ucp_dcp":
+            elif node.module and node.module.split(".")[0] in ROOTS:
                 mod = node.module
             else:
                 continue
@@ -85,21 +91,29 @@ def _imports(name: str) -> set[str]:
                 deps.add(mod)
             deps.update(f"{mod}.{a.name}" for a in node.names)  # `from . import catalog`: a module
         elif isinstance(node, ast.Import):
-            deps.update(a.name for a in node.names if a.name.split(".")[0] == "ucp_dcp")
-    return {d for d in deps if d in KNOWN and d != name}
+            deps.update(a.name for a in node.names if a.name.split(".")[0] in ROOTS)
+    return deps
+
+
+def _imports(name: str) -> set[str]:
+    """ucp_dcp modules ``name`` imports (anywhere in it, also inside functions)."""
+    return {d for d in _imported(name, SOURCES[name]) if d in KNOWN and d != name}
 
 
 GRAPH = {m: _imports(m) for m in SOURCES}
+DEV_KNOWN = KNOWN | set(DEV_SOURCES)
+DEV_GRAPH = {m: {d for d in _imported(m, t) if d in DEV_KNOWN and d != m} for m, t in DEV_SOURCES.items()}
+"""The development package's imports of ucp_dcp and ucp_dev modules."""
 
 
 def _layer(m: str) -> str | None:
-    """The layer of module ``m``; ``toy`` and ``package`` for those two; None: not placed."""
+    """The layer of ucp_dcp module ``m``; ``examples`` and ``package`` for those two; None: not placed."""
     if m == "ucp_dcp":
         return "package"
     if m in TOP_LEVEL:
         return TOP_LEVEL[m]
     folder = m.split(".")[1]
-    if folder in ("toy", "testing", "examples"):
+    if folder == "examples":
         return folder
     return folder if folder in LAYERS else None
 
@@ -130,32 +144,50 @@ def test_module_imports_no_higher_layer(module):
     assert not up, f"{module} ({_layer(module)}) imports a higher layer: {[(d, _layer(d)) for d in up]}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in SOURCES if _layer(m) == "toy"))
+def test_no_module_imports_or_names_the_development_package():
+    """``ucp_dev`` (the toy model, the tests' and recipes' fixtures) is not in the wheel: the library never
+    imports it, nor names it in code (a default, a module path in a command line); its documentation may."""
+    imports = {m: sorted(d for d in _imported(m, t) if d.split(".")[0] == "ucp_dev") for m, t in SOURCES.items()}
+    assert not any(imports.values()), {m: d for m, d in imports.items() if d}
+    named = {}
+    for m, tree in SOURCES.items():
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings, attribute docs
+        found = [
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and "ucp_dev" in n.value and id(n) not in docs
+        ]
+        if found:
+            named[m] = found
+    assert not named, named
+
+
+@pytest.mark.parametrize("module", sorted(m for m in DEV_SOURCES if m.startswith("ucp_dev.toy")))
 def test_toy_imports_only_what_it_may(module):
-    bad = sorted(d for d in GRAPH[module] if _layer(d) not in TOY_MAY_IMPORT + ("toy",))
-    assert not bad, f"{module} imports {bad}; the toy model may use {TOY_MAY_IMPORT} only"
+    bad = sorted(d for d in DEV_GRAPH[module] if not d.startswith("ucp_dev.toy") and _layer(d) not in TOY_MAY_IMPORT)
+    assert not bad, f"{module} imports {bad}; the toy model may use ucp_dcp's {TOY_MAY_IMPORT} only"
 
 
-def test_only_the_tools_import_the_toy_model():
+def test_only_the_fixtures_import_the_toy_model_in_the_development_package():
     bad = {
-        m: sorted(d for d in GRAPH[m] if _layer(d) == "toy")
-        for m in SOURCES
-        if _layer(m) not in ("toy", "tools", "testing")
+        m: sorted(d for d in deps if d.startswith("ucp_dev.toy"))
+        for m, deps in DEV_GRAPH.items()
+        if not m.startswith(("ucp_dev.toy", "ucp_dev.testing"))
     }
     assert not any(bad.values()), {m: d for m, d in bad.items() if d}
 
 
-def test_no_module_imports_the_test_fixtures():
-    """``ucp_dcp.testing`` is the tests' and recipes' fixture home: the library never depends on it."""
-    bad = {m: sorted(d for d in GRAPH[m] if _layer(d) == "testing") for m in SOURCES if _layer(m) != "testing"}
-    assert not any(bad.values()), {m: d for m, d in bad.items() if d}
-
-
-def test_toy_model_and_trainer_depend_on_no_other_ucp_dcp_module():
-    """The oracle (``ucp_dcp.toy.parallel.logical_state``) must not depend on the code under test."""
-    assert {"ucp_dcp.toy.model", "ucp_dcp.toy.parallel", "ucp_dcp.toy.layouts"} <= KNOWN
-    for m in ("ucp_dcp.toy.model", "ucp_dcp.toy.parallel"):
-        outside = sorted(d for d in _closure(m) if not d.startswith("ucp_dcp.toy."))
+def test_toy_model_and_trainer_depend_on_no_ucp_dcp_module():
+    """The oracle (``ucp_dev.toy.parallel.logical_state``) must not depend on the code under test."""
+    assert {"ucp_dev.toy.model", "ucp_dev.toy.parallel", "ucp_dev.toy.layouts"} <= set(DEV_SOURCES)
+    for m in ("ucp_dev.toy.model", "ucp_dev.toy.parallel"):
+        seen, todo = set(), [m]
+        while todo:
+            for dep in DEV_GRAPH.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        outside = sorted(d for d in seen if not d.startswith("ucp_dev.toy."))
         assert not outside, f"{m} reaches {outside}"
 
 
@@ -260,7 +292,7 @@ def _private_uses(name: str, defined: set[str]) -> list[str]:
 
 def test_private_torch_and_torchtitan_names_only_through_compat():
     defined = _defined_here()
-    bad = {m: _private_uses(m, defined) for m in SOURCES if m not in COMPAT and _layer(m) != "testing"}
+    bad = {m: _private_uses(m, defined) for m in SOURCES if m not in COMPAT}
     bad = {m: uses for m, uses in bad.items() if uses}
     assert not bad, f"private names outside {COMPAT} (add a named function there): {bad}"
 
@@ -282,24 +314,21 @@ def test_the_private_name_scan_sees_attribute_access():
     ]
 
 
-def test_a_module_over_400_lines_says_why_at_its_top():
-    """One concern per module: past 400 lines a module is split, or its docstring says why it is kept whole."""
-    long = {_module(p): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
-    unexplained = sorted(
-        (m, n) for m, n in long.items() if n > 400 and "Kept in one module" not in (ast.get_docstring(SOURCES[m]) or "")
-    )
-    assert not unexplained, unexplained
-
-
-def test_the_code_map_in_docs_concepts_lists_every_module_and_nothing_else():
-    """docs/concepts.md's code map names every module under ucp_dcp/ (but the packages' __init__) and none
-    that is gone."""
+def _listed(section: str) -> set[str]:
+    """The module files a table of docs/concepts.md's section ``section`` names."""
     import re
 
     text = (PKG.parent / "docs" / "concepts.md").read_text()
-    section = text.split("## Code map", 1)[1].split("\n## ", 1)[0]
-    rows = "\n".join(line for line in section.splitlines() if line.startswith("|"))
-    listed = set(re.findall(r"`([\w/]+\.py)`", rows))
-    present = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name != "__init__.py"}
-    assert not present - listed, f"modules missing from the code map: {sorted(present - listed)}"
-    assert not listed - present, f"the code map lists modules that do not exist: {sorted(listed - present)}"
+    part = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    rows = "\n".join(line for line in part.splitlines() if line.startswith("|"))
+    return set(re.findall(r"`([\w/]+\.py)`", rows))
+
+
+@pytest.mark.parametrize(("section", "root"), [("Code map", PKG), ("Development package map", DEV)])
+def test_the_code_maps_in_docs_concepts_list_every_module_and_nothing_else(section, root):
+    """docs/concepts.md's code map names every module under ucp_dcp/ (but the packages' __init__) and none
+    that is gone; its development package map the same for dev/ucp_dev/."""
+    listed = _listed(section)
+    present = {str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "__init__.py"}
+    assert not present - listed, f"modules missing from the {section.lower()}: {sorted(present - listed)}"
+    assert not listed - present, f"the {section.lower()} lists modules that do not exist: {sorted(listed - present)}"

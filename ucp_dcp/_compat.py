@@ -17,9 +17,9 @@ lives here:
   shape and shard boxes, pytorch#189492) exists from 2.14; before it such attributes mean nothing to
   DCP, and nothing to ucp_dcp (:func:`is_checkpointable_tensor` is False).
 * FSDP2's ``fully_shard`` refuses every ``nn.ModuleList``/``ModuleDict`` on 2.11, also one with its
-  own ``forward`` (2.12+ refuses only those without). The toy model (which by design imports
-  nothing from ucp_dcp) therefore keeps its per-rank experts in a plain ``nn.Module``
-  (``ucp_dcp.toy.model.ListExperts``), with the same state-dict names on every release.
+  own ``forward`` (2.12+ refuses only those without). The checkout's toy model (``ucp_dev.toy``,
+  which by design imports nothing from ucp_dcp) therefore keeps its per-rank experts in a plain ``nn.Module``
+  (``ucp_dev.toy.model.ListExperts``), with the same state-dict names on every release.
 * ``DefaultStager`` on 2.11 closes its state-dict stager after every ``stage`` (clearing its copy
   dispatch table), so a second save through the same stager fails inside torch with
   ``KeyError: <class 'type'>``; 2.12+ keep it open until ``close()``. Callers that reuse one stager

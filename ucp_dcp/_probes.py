@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
-import os
 import pickle
 import warnings
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import Shard
 
 from . import _compat as C
+from . import settings
 from .errors import UnsupportedTorchError, UntestedTorchWarning
 from .layout.fragments import layout_fragments
 from .layout.placements import Layout, Placement
@@ -249,7 +249,7 @@ def check_torch() -> None:
             f"(`{fix}`), or set {C.ALLOW_ENV}=1 to import anyway at your own risk (loads may be wrong), "
             "and report the failed probe."
         )
-        if os.environ.get(C.ALLOW_ENV) == "1":
+        if settings.allow_untested("torch"):
             warnings.warn(msg, UntestedTorchWarning, stacklevel=3)
             return
         raise UnsupportedTorchError(

@@ -123,7 +123,7 @@ def async_save(
                 async_checkpointer_type=kind,
                 **extra,
             )
-    except BaseException:
+    except BaseException:  # re-raised: only the progress line is closed as failed
         if progress is not None:
             progress.close(failed=True)
         raise

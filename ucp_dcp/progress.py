@@ -9,16 +9,17 @@ and :func:`set_enabled` do the same from code. No dependency: a small printer of
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from . import settings
+
 __all__ = ["ENV", "MIN_SECONDS", "enabled", "set_enabled", "size_text", "RankProgress", "StepProgress", "CallProgress"]
 
-ENV = "UCP_DCP_PROGRESS"
+ENV = settings.ENV["progress"]
 """``1``: show progress, also when stderr is not a terminal; ``0``: never."""
 MIN_SECONDS = 2.0
 """Work that ends sooner prints nothing."""
@@ -39,9 +40,8 @@ def enabled(stream: TextIO | None = None) -> bool:
     """Whether progress is shown: :func:`set_enabled`, else ``UCP_DCP_PROGRESS``, else whether stderr is a terminal."""
     if _FORCED:
         return _FORCED[0]
-    env = os.environ.get(ENV, "").strip().lower()
-    if env:
-        return env not in ("0", "off", "false", "no")
+    if (env := settings.progress()) is not None:
+        return env
     s = stream or sys.stderr
     return bool(getattr(s, "isatty", lambda: False)())
 

@@ -1,6 +1,6 @@
 """DeepSpeed and Megatron-Core checkpoints resumed inside ``dcp.load``, no conversion (issue 15).
 
-The foreign checkpoints are produced here by the real libraries on CPU (``ucp_dcp.testing.foreign``):
+The foreign checkpoints are produced here by the real libraries on CPU (``ucp_dev.testing.foreign``):
 DeepSpeed ZeRO-1, -2 and -3 runs of the toy LLM (3 ranks, so the flat groups and ZeRO-3's per-param
 pieces are padded) plus DeepSpeed's own ``ds_to_universal`` output, and a Megatron-Core GPT trained
 at tp=2 and saved in ``torch_dist`` (plain and ``fully_reshardable`` optimizer state). Each is loaded
@@ -19,6 +19,7 @@ import dist as D
 import pytest
 import torch
 
+import ucp_dev
 from ucp_dcp.errors import UCPError
 from ucp_dcp.planning.opened import UnopenedMetadata, raise_if_unopened
 
@@ -33,13 +34,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODE_PATH = ucp_dev.code_path()  # this ucp_dcp and this ucp_dev, first on the jobs' PYTHONPATH
 
 
 def _run(module, *args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=CODE_PATH)
     res = subprocess.run(
-        [sys.executable, "-m", f"ucp_dcp.testing.foreign.{module}", *args],
+        [sys.executable, "-m", f"ucp_dev.testing.foreign.{module}", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -77,14 +78,14 @@ def megatron_runs(tmp_path_factory):
 def _load_worker(rank, world, topo_text, kind, path, options):
     import warnings
 
-    from ucp_dcp.testing.foreign.views import load_into_toy
+    from ucp_dev.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, kind, path, options)
 
 
 def _check(view, state):
-    from ucp_dcp.testing.foreign.views import compare
+    from ucp_dev.testing.foreign.views import compare
 
     n, bad = compare(view, state)
     assert n > 100 and not bad, bad[:10]
@@ -101,14 +102,14 @@ DS_CASES = {
 
 @pytest.mark.parametrize("case", DS_CASES)
 def test_deepspeed_checkpoint_loads_bitwise_into_a_new_layout(deepspeed_runs, case):
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     stage, form, topo = DS_CASES[case]
     path = deepspeed_runs / f"zero{stage}"
     state = D.run(
         _load_worker, Topology.parse(topo).world, topo, "deepspeed", str(path), {"universal": form == "universal"}
     )[0]
-    from ucp_dcp.testing.foreign.views import deepspeed_view
+    from ucp_dev.testing.foreign.views import deepspeed_view
 
     _check(deepspeed_view(str(path)), state)
 
@@ -122,12 +123,12 @@ MG_CASES = {
 
 @pytest.mark.parametrize("case", MG_CASES)
 def test_megatron_torch_dist_loads_bitwise_into_a_new_layout(megatron_runs, case):
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     variant, topo = MG_CASES[case]
     path = megatron_runs / variant
     state = D.run(_load_worker, Topology.parse(topo).world, topo, "megatron", str(path), {})[0]
-    from ucp_dcp.testing.foreign.views import megatron_view
+    from ucp_dev.testing.foreign.views import megatron_view
 
     view = megatron_view(str(path))
     assert view[2], "the Megatron run saved optimizer state"
@@ -171,6 +172,6 @@ def test_deepspeed_files_are_parsed_without_importing_deepspeed(deepspeed_runs):
         "print(len(md.state_dict_metadata))"
     )
     res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT)
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CODE_PATH)
     )
     assert res.returncode == 0 and int(res.stdout.strip()) > 100, res.stderr[-2000:]

@@ -1,6 +1,6 @@
 """DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, expert parallel) resumed inside ``dcp.load``.
 
-``ucp_dcp.testing.foreign.make_deepspeed_moe`` trains the toy LLM with two DeepSpeed MoE layers (4 experts,
+``ucp_dev.testing.foreign.make_deepspeed_moe`` trains the toy LLM with two DeepSpeed MoE layers (4 experts,
 ep=2) with the real engine on CPU and saves with ``engine.save_checkpoint``: ZeRO-1 on 4 ranks (each
 expert group split over 2 expert-data-parallel ranks) and ZeRO-2 on 2 ranks. Each is loaded into the
 toy trainer's list-of-experts MoE at other EP layouts (ep=4, ep=1 with dp=2, ep=2 x tp=2, pp=2 x ep=2)
@@ -19,6 +19,7 @@ import dist as D
 import pytest
 import torch
 
+import ucp_dev
 from ucp_dcp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp_dcp.planning.opened import UnopenedMetadata, raise_if_unopened
 
@@ -31,13 +32,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODE_PATH = ucp_dev.code_path()  # this ucp_dcp and this ucp_dev, first on the jobs' PYTHONPATH
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
 
 def _run(*args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "ucp_dcp.testing.foreign.make_deepspeed_moe", *args]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=CODE_PATH)
+    cmd = [sys.executable, "-m", "ucp_dev.testing.foreign.make_deepspeed_moe", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -58,20 +59,20 @@ def _tag(path):
 def _load_worker(rank, world, topo_text, path):
     import warnings
 
-    from ucp_dcp.testing.foreign.views import load_into_toy
+    from ucp_dev.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, "deepspeed_moe", path)
 
 
 def _load(path, topo):
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     return D.run(_load_worker, Topology.parse(topo).world, topo, str(path))[0]
 
 
 def _mismatches(path, state):
-    from ucp_dcp.testing.foreign.views import compare, deepspeed_moe_view
+    from ucp_dev.testing.foreign.views import compare, deepspeed_moe_view
 
     view = deepspeed_moe_view(str(path))
     experts = [n for n in view[1] if ".experts." in n]
@@ -181,6 +182,6 @@ def test_moe_files_are_parsed_without_importing_deepspeed(moe_runs):
         "assert isinstance(md, CheckedMetadata), md\n"
         "print(sum('.experts.' in k for k in md.state_dict_metadata))"
     )
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=CODE_PATH)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode == 0 and int(res.stdout.strip()) >= 24 * 4, res.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Megatron-Core MoE ``torch_dist`` checkpoints inside ``dcp.load`` at other EP layouts (issue 26).
 
-The checkpoints are written by the real megatron-core on CPU (``ucp_dcp.testing.foreign.make_megatron_moe``):
+The checkpoints are written by the real megatron-core on CPU (``ucp_dev.testing.foreign.make_megatron_moe``):
 a MoE GPT (every layer MoE, 4 ``SequentialMLP`` experts, top-2) trained at ep=2 (dp=2) with Megatron's
 distributed optimizer (a ChainedOptimizer: dense and expert-parallel groups) and saved
 ``fully_reshardable``. Megatron's own view is a fresh tp=ep=1 model loading it with
@@ -26,6 +26,7 @@ import dist as D
 import pytest
 import torch
 
+import ucp_dev
 from ucp_dcp.errors import UCPError
 from ucp_dcp.planning.opened import UnopenedMetadata, raise_if_unopened
 
@@ -40,12 +41,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODE_PATH = ucp_dev.code_path()  # this ucp_dcp and this ucp_dev, first on the jobs' PYTHONPATH
 
 
 def _run(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "ucp_dcp.testing.foreign.make_megatron_moe", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CODE_PATH)
+    cmd = [sys.executable, "-m", "ucp_dev.testing.foreign.make_megatron_moe", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
 def _load_worker(rank, world, topo_text, path):
     import warnings
 
-    from ucp_dcp.testing.foreign.views import load_into_toy
+    from ucp_dev.testing.foreign.views import load_into_toy
 
     warnings.simplefilter("ignore")
     return load_into_toy(topo_text, "megatron-moe", path)
@@ -73,8 +74,8 @@ TOPOLOGIES = {"ep4": "ep=4", "tp2pp2": "tp=2,pp=2", "dp2ep2": "dp=2,ep=2"}
 
 @pytest.mark.parametrize("case", TOPOLOGIES)
 def test_megatron_moe_loads_bitwise_at_another_ep_layout(runs, case):
-    from ucp_dcp.testing.foreign.views import compare, megatron_moe_view
-    from ucp_dcp.toy import Topology
+    from ucp_dev.testing.foreign.views import compare, megatron_moe_view
+    from ucp_dev.toy import Topology
 
     topo = TOPOLOGIES[case]
     state = D.run(_load_worker, Topology.parse(topo).world, topo, str(runs / "plain"))[0]
@@ -91,8 +92,8 @@ def test_a_flipped_expert_row_in_the_file_is_caught(runs, tmp_path):
     the save) negated in its ``.distcp`` file: exactly that parameter differs from Megatron's view."""
     from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.sources.foreign.megatron_rules import moe_rules
-    from ucp_dcp.testing.foreign.views import compare, megatron_moe_view
-    from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
+    from ucp_dev.testing.foreign.views import compare, megatron_moe_view
+    from ucp_dev.toy.hf_presets import TOY_MIXTRAL
 
     bad = tmp_path / "bad"
     shutil.copytree(runs / "plain", bad)

@@ -22,10 +22,10 @@ skip_unless_torchtitan_runs()
 
 from ucp_dcp import UCPError  # noqa: E402
 from ucp_dcp.storage.opening import open_path  # noqa: E402
-from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
 from ucp_dcp.tools.dryrun import plan_load  # noqa: E402
 from ucp_dcp.torchtitan.plan_target import TitanTarget  # noqa: E402
+from ucp_dev.testing.titan import jobs as tr  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -33,10 +33,10 @@ RESTART = 'ucp_dcp.torchtitan.overrides.checkpointer={"dataloader_policy": "rest
 
 
 def _flags(assets, config=tr.UCP_CONFIG, extra=(), **topo) -> list[str]:
-    """The Trainer flags of the save job (``ucp_dcp.testing.titan.jobs.run_job``) at another topology."""
+    """The Trainer flags of the save job (``ucp_dev.testing.titan.jobs.run_job``) at another topology."""
     return [
         "--module",
-        "ucp_dcp.testing",
+        "ucp_dev.testing",
         "--config",
         config,
         "--hf_assets_path",
@@ -127,7 +127,7 @@ def test_plan_matches_a_real_resume_rank_by_rank(saved, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_STATS_HOOK)
     stats = tmp_path / "stats"
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(tr.PACKAGE_ROOT)]), "UCP_PLAN_STATS": str(stats)}
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), tr.CODE_PATH]), "UCP_PLAN_STATS": str(stats)}
     out = tmp_path / "resume"
     tr.run_job({"dp": 2}, out, assets, 1, tr.resume_flags(step.parent.parent, 1, 1), env)
     real = [json.loads((tmp_path / f"stats.{r}").read_text()) for r in range(2)]

@@ -24,9 +24,9 @@ skip_unless_torchtitan_runs()
 
 import titan_models as tm  # noqa: E402
 
-from ucp_dcp.testing.checks import TOL_FIRST  # noqa: E402
-from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
+from ucp_dev.testing.checks import TOL_FIRST  # noqa: E402
+from ucp_dev.testing.titan import jobs as tr  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ign
 def test_trainer_starts_from_an_hf_moe_folder_and_exports_back(tmp_path, monkeypatch, config, topo):
     from safetensors.torch import load_file
 
-    from ucp_dcp.testing import config_registry
     from ucp_dcp.torchtitan.mappings import hf_mapping
+    from ucp_dev.testing import config_registry
 
     model_config = getattr(config_registry, config)().model_spec.model
     mapping = hf_mapping(model_config)

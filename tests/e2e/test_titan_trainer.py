@@ -16,8 +16,8 @@ skip_unless_torchtitan_runs()
 
 from helpers import ROOT  # noqa: E402
 
-from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
+from ucp_dev.testing.titan import jobs as tr  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -188,8 +188,8 @@ def test_trainer_resumes_from_s3_at_a_new_layout(tmp_path, monkeypatch):
     import s3fs
 
     from ucp_dcp.storage.opening import open_path
-    from ucp_dcp.testing.s3_server import spawn_server
     from ucp_dcp.torchtitan.step_folders import StepFolders
+    from ucp_dev.testing.s3_server import spawn_server
 
     assets = make_assets(tmp_path / "assets")
     proc, aws = spawn_server("titan")

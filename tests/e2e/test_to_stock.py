@@ -22,9 +22,9 @@ skip_unless_torchtitan_runs()
 
 import torch  # noqa: E402
 
-from ucp_dcp.testing.checks import TOL_FIRST, state_diffs  # noqa: E402
-from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
+from ucp_dev.testing.checks import TOL_FIRST, state_diffs  # noqa: E402
+from ucp_dev.testing.titan import jobs as tr  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -118,19 +118,17 @@ def exports(tmp_path_factory, saved, assets):
 
 
 # A ``ucp_dcp`` package ahead of the real one: it runs none of the real package's code and refuses every
-# submodule but the CPU launcher's (which import no other ucp_dcp module), found in the real folder.
+# submodule. The CPU launcher (ucp_dev.testing.titan, outside ucp_dcp) imports none of them.
 _BLOCKER = """
 import sys
 
 __path__ = [{real!r}]
-_LAUNCHER = {{"ucp_dcp.testing", "ucp_dcp.testing.titan", "ucp_dcp.testing.titan.cpu_launch",
-             "ucp_dcp.testing.titan.cpu_attention"}}
 
 
 class _Blocker:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name.startswith("ucp_dcp.") and name not in _LAUNCHER:
+        if name.startswith("ucp_dcp."):
             raise ImportError(f"ucp_dcp is blocked: the stock resume must not use it ({{name}})")
         return None
 

@@ -10,7 +10,7 @@ Each test saves at step 2 of 3, resumes from that checkpoint in a fresh job, and
 training state after the load to be bitwise the state right after the save (written with plain
 ``torch.save`` by the launcher; no ucp_dcp code in the oracle). The launcher runs with
 ``UCP_TITAN_DEVICE=cuda``: only its torch 2.13 / torchtitan 0.3.0 patches apply ((f), (g), (s));
-attention is SDPA (``ucp_dcp.testing.titan.cpu_attention``) so no FlexAttention compile is needed.
+attention is SDPA (``ucp_dev.testing.titan.cpu_attention``) so no FlexAttention compile is needed.
 
 Part of the GPU tier (``make test-gpu``; ``make test`` never collects tests/gpu); skipped without
 CUDA. Two torchrun jobs per test, one process each.
@@ -33,9 +33,9 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 
 skip_unless_torchtitan_runs()
 
-from ucp_dcp.testing.checks import state_diffs  # noqa: E402
-from ucp_dcp.testing.titan import jobs as tr  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets  # noqa: E402
+from ucp_dev.testing.checks import state_diffs  # noqa: E402
+from ucp_dev.testing.titan import jobs as tr  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets  # noqa: E402
 
 STEPS, K = 3, 2  # train 3 steps, checkpoint at step 2, resume from it
 DEVICE_ENV = {"UCP_TITAN_DEVICE": "cuda"}  # the launcher leaves torchtitan on its own device

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ucp_dcp
 from ucp_dcp import UCPSavePlanner
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, train_step, trainer_options
+from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, train_step, trainer_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -17,7 +17,7 @@ from ucp_dcp.errors import CheckpointNotFoundError
 from ucp_dcp.memory import replicate
 from ucp_dcp.memory.store import gen_dir
 from ucp_dcp.storage.commit import METADATA
-from ucp_dcp.testing.memory_jobs import lose_hosts, resume_job, save_job, simulate_hosts
+from ucp_dev.testing.memory_jobs import lose_hosts, resume_job, save_job, simulate_hosts
 
 pytestmark = pytest.mark.slow
 FOUR_HOSTS = "0,1,2,3"

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.elastic import RECONFIG_SET
-from ucp_dcp.testing.peer_tc import tc_manager
-from ucp_dcp.toy import ModelConfig, Topology, build_job
-from ucp_dcp.toy.layouts import trainer_options
-from ucp_dcp.toy.parallel import build_trainer, logical_state, train_step
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.elastic import RECONFIG_SET
+from ucp_dev.testing.peer_tc import tc_manager
+from ucp_dev.toy import ModelConfig, Topology, build_job
+from ucp_dev.toy.layouts import trainer_options
+from ucp_dev.toy.parallel import build_trainer, logical_state, train_step
 
 pytest.importorskip("torch_checkpointing")
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp
 from ucp_dcp import DtypeConversionError, UCPFileSystemReader, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.planning.digests import value_digest
-from ucp_dcp.testing.checks import bitwise_equal
+from ucp_dev.testing.checks import bitwise_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

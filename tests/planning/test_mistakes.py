@@ -1,4 +1,4 @@
-"""The mistake-injection tier (``ucp_dcp.testing.mistakes``, run by ``ucp_dcp.testing.mistake_runs``): every ordinary mistake on every transition of the
+"""The mistake-injection tier (``ucp_dev.testing.mistakes``, run by ``ucp_dev.testing.mistake_runs``): every ordinary mistake on every transition of the
 reconfiguration set loads bitwise right or is refused with a UCPError naming the atom and the fix.
 
 The harness's own logic is checked here without processes; a sample of runs (4 ranks) is in ``make test``;
@@ -14,11 +14,11 @@ from test_reconfig import TRANSITIONS, _id
 
 from ucp_dcp.errors import DtypeConversionError
 from ucp_dcp.layout.dtypes import check_range, conversion
-from ucp_dcp.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
-from ucp_dcp.testing.mistake_forms import SCENARIOS, WORLD, form_worker
-from ucp_dcp.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
-from ucp_dcp.testing.mistake_runs import options, rule_key, transition_worker
-from ucp_dcp.testing.mistakes import (
+from ucp_dev.testing.mistake_dtypes import DTYPE_SCENARIOS, dtype_worker
+from ucp_dev.testing.mistake_forms import SCENARIOS, WORLD, form_worker
+from ucp_dev.testing.mistake_hooks import HOOK_SCENARIOS, hooks_worker
+from ucp_dev.testing.mistake_runs import options, rule_key, transition_worker
+from ucp_dev.testing.mistakes import (
     RULES,
     SAME_LAYOUT,
     USER_OWNED,
@@ -29,7 +29,7 @@ from ucp_dcp.testing.mistakes import (
     plan,
     summary,
 )
-from ucp_dcp.toy import ModelConfig, Topology
+from ucp_dev.toy import ModelConfig, Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -202,7 +202,7 @@ def test_no_mistake_is_silent(save, load):
 
 @pytest.mark.slow
 def test_no_state_form_mistake_is_silent():
-    """Ties without rules and the raw optimizer form (``ucp_dcp.testing.mistake_forms``), every run on 2 ranks:
+    """Ties without rules and the raw optimizer form (``ucp_dev.testing.mistake_forms``), every run on 2 ranks:
     each loads bitwise right or is refused naming the cause; copies that differ are always refused."""
     results = D.run(form_worker, WORLD, D.tmpdir(), list(SCENARIOS), timeout=900)[0]
     lines, ok = summary(results, skipped=0)
@@ -225,7 +225,7 @@ def test_no_state_form_mistake_is_silent():
 
 @pytest.mark.slow
 def test_no_subclass_hook_mistake_is_silent():
-    """DCP's planner extension points overridden (``ucp_dcp.testing.mistake_hooks``), every run on 2 ranks: each
+    """DCP's planner extension points overridden (``ucp_dev.testing.mistake_hooks``), every run on 2 ranks: each
     pattern does what DCP's planner would do with it, and the documented refusals are refused naming the hook."""
     results = D.run(hooks_worker, WORLD, D.tmpdir(), list(HOOK_SCENARIOS), timeout=900)[0]
     lines, ok = summary(results, skipped=0)
@@ -240,7 +240,7 @@ def test_no_subclass_hook_mistake_is_silent():
 
 @pytest.mark.slow
 def test_no_dtype_edge_mistake_is_silent():
-    """Values at and past a narrower target's largest finite value (``ucp_dcp.testing.mistake_dtypes``), every run
+    """Values at and past a narrower target's largest finite value (``ucp_dev.testing.mistake_dtypes``), every run
     on 2 ranks (DTensor and plain targets): what torch's cast only rounds loads as ``Tensor.to`` gives it, the
     rest is refused naming the atom."""
     results = D.run(dtype_worker, WORLD, D.tmpdir(), list(DTYPE_SCENARIOS), timeout=900)[0]

@@ -169,3 +169,16 @@ def test_a_rank_whose_mistake_differs_still_prints_its_own_in_full():
     ], res
     assert "wanted shape (2, 6)" in res[1]["str"] and "wanted shape (2, 5)" in res[0]["str"], res
     assert all(r["rank"] == 0 and "torch.Size([2, 5])" in r["str"] for r in res[2:]), res
+
+
+def test_many_problems_of_one_mistake_print_three_on_their_own_lines_and_name_the_rest_on_one():
+    from ucp_dcp.planning.load_steps import combine_problems
+
+    problems = [_shape(atom=f"layers.{i}.w{j}") for i in range(9) for j in range(4)]  # one resized layer kind
+    msg = combine_problems(problems).message.splitlines()
+    assert msg[2] == "35 more problem(s):" and len(msg) == 2 + 1 + 3 + 1, msg  # was 2 + 1 + 9 + 1 (+ "... and 26")
+    assert [m.rsplit(" for ", 1)[1] for m in msg[3:6]] == ["layers.0.w1", "layers.0.w2", "layers.0.w3"], msg
+    assert msg[6].startswith("  - ... and 32 more, for layers.1.w0, layers.1.w1,") and msg[6].endswith(" others"), msg
+    assert len(msg[6]) < 200, msg[6]
+    few = combine_problems(problems[:3]).message.splitlines()
+    assert few[2:] == ["2 more problem(s):"] + [f"  - {p.message.splitlines()[0]}" for p in problems[1:3]], few

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import ucp_dcp
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
+from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

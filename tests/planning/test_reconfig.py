@@ -2,15 +2,15 @@
 transition: those of at most 4 ranks on the 4-process pool (sub-groups), the two 8-rank ones on the
 8-process pool. `make reconfig` runs the whole set in fresh processes per job, with timings.
 
-The set (``RECONFIG_SET``) and the resume check are ``ucp_dcp.testing.elastic``'s, the ones the recipes run;
-the model and trainer are ``ucp_dcp.toy``'s.
+The set (``RECONFIG_SET``) and the resume check are ``ucp_dev.testing.elastic``'s, the ones the recipes run;
+the model and trainer are ``ucp_dev.toy``'s.
 """
 
 import pytest
 from reconfig_set import MAKE_TEST, STEPS, TRANSITIONS, world
 from reconfig_set import transition_id as _id
 
-from ucp_dcp.testing.elastic import resume_problems
+from ucp_dev.testing.elastic import resume_problems
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

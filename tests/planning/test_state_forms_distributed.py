@@ -3,7 +3,7 @@ FSDP2 keeps a tie (one DTensor parameter under two names), which is saved once a
 loads back bitwise; a raw ``optimizer.state_dict()`` of DTensor moments saves with stock DCP's keys, its
 positions in the catalog, and loads back bitwise (steps and groups included). A tied model saved by stock DCP
 (both names as copies, no checksums) loads into a tied model when its copies compare equal when read (issue 46). The mistake tier runs the
-other loads of both forms (ucp_dcp.testing.mistake_forms)."""
+other loads of both forms (ucp_dev.testing.mistake_forms)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from helpers import tensors_equal
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import ucp_dcp
-from ucp_dcp.testing.mistake_forms import WORLD, TiedLM, _flat, _job
+from ucp_dev.testing.mistake_forms import WORLD, TiedLM, _flat, _job
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -59,7 +59,7 @@ def test_group_major_rows_split_into_their_atoms(heads, rep, hd, cols, data):
         src = fused.reshape(-1)[lo * cols + elem : lo * cols + elem + math.prod(sizes)].reshape(sizes)
         parts[atom][offs[0] : offs[0] + sizes[0]] = src
     # the oracle: the toy model's own group-major fusion
-    from ucp_dcp.toy.model import deinterleave
+    from ucp_dev.toy.model import deinterleave
 
     want = deinterleave(fused, [q, kv, kv], heads)
     for (_name, got), w in zip(parts.items(), want):

@@ -35,7 +35,7 @@ from ucp_dcp.sources.hf.files import HFTensor, create_files, plan_files, write_b
 from ucp_dcp.sources.hf.mapping import atom_rows, hf_rows
 from ucp_dcp.sources.hf.publish import export_hf
 from ucp_dcp.sources.hf.safetensors import encode_header, read_header
-from ucp_dcp.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
+from ucp_dev.toy.hf_presets import TOY_LLAMA, TOY_MIXTRAL, toy_llama, toy_mixtral
 
 transformers = pytest.importorskip("transformers")
 
@@ -275,7 +275,7 @@ def test_plain_tensors_load_in_one_process_with_dtype_conversion(hf_bf16_dir):
 def _import_worker(rank, world, topo_text, hf_path, tokens, export_to, steps, kind="llama"):
     import warnings
 
-    from ucp_dcp.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
+    from ucp_dev.toy import Topology, build_job, build_trainer, live_logits, train_step, ucp_options
 
     warnings.simplefilter("ignore")
     cfg, preset = KINDS[kind][:2]
@@ -309,7 +309,7 @@ def _quick(names, quick):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _quick(IMPORTS, QUICK_IMPORTS))
 def test_hf_llama_loads_at_any_layout_with_transformers_logits(hf_dir, name):
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     topo = Topology.parse(IMPORTS[name])
     res = D.run(_import_worker, topo.world, IMPORTS[name], hf_dir[0], TOKENS, None, 0)
@@ -332,7 +332,7 @@ MOE = {"dp2-ep2": "dp=2,ep=2", "ep2-tp2": "ep=2,tp=2", "pp2-ep2": "pp=2,ep=2"}
 def test_hf_mixtral_experts_load_at_any_expert_layout(hf_mixtral_dir, name):
     """Per-expert HF tensors become slices of stacked [E, F, D] atoms (ep x tp DTensors) and the
     expert lists' local numbers: equal logits, each rank reading at most its own bytes."""
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     topo = Topology.parse(MOE[name])
     res = D.run(_import_worker, topo.world, MOE[name], hf_mixtral_dir[0], TOKENS, None, 0, "mixtral")
@@ -363,7 +363,7 @@ def test_bf16_hf_weights_convert_on_the_fly(hf_bf16_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("topo", _quick(["dp=2,tp=2", "pp=2"], {"dp=2,tp=2"}))
 def test_export_after_training_loads_in_transformers(hf_dir, tmp_path, topo):
-    from ucp_dcp.toy import Topology
+    from ucp_dev.toy import Topology
 
     out = str(tmp_path / "export")
     res = D.run(_import_worker, Topology.parse(topo).world, topo, hf_dir[0], TOKENS, out, 2)
@@ -409,10 +409,10 @@ def test_zero_atoms_load_as_zero_and_refuse_a_nonzero_export(tmp_path):
 
 
 def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
-    """``export --to hf --mapping ucp_dcp.toy.hf_presets:toy_llama_mapping`` of a one-process checkpoint of the
+    """``export --to hf --mapping ucp_dev.toy.hf_presets:toy_llama_mapping`` of a one-process checkpoint of the
     toy's logical parameters: transformers loads it and its q/k rows are in HF's rotate-half order."""
     from ucp_dcp.__main__ import main
-    from ucp_dcp.toy.model import logical_params
+    from ucp_dev.toy.model import logical_params
 
     params = logical_params(CFG, seed=4)
     ucp_dcp.save({"model": params}, str(tmp_path / "ckpt"))
@@ -425,7 +425,7 @@ def test_cli_exports_with_a_mapping_named_by_module(tmp_path, capsys):
                 str(tmp_path / "ckpt"),
                 str(tmp_path / "out"),
                 "--mapping",
-                "ucp_dcp.toy.hf_presets:toy_llama_mapping",
+                "ucp_dev.toy.hf_presets:toy_llama_mapping",
                 "--dtype",
                 "bfloat16",
             ]

@@ -4,7 +4,7 @@ naming it within about the peer timeout, not the process group's; a save in flig
 saves and loads go through the group -- gloo, behind the gates -- round-trip bitwise, and leave no key in the
 job's store. The gates in one process: tests/planning/test_watch.py.
 
-Deaths run in fresh processes (``ucp_dcp.testing.chaos.run_case``: PG timeout 300 s, far above the bound);
+Deaths run in fresh processes (``ucp_dev.testing.chaos.run_case``: PG timeout 300 s, far above the bound);
 the round trips on the pool (a hang there fails at ``HANG_S``, below the pool's 180 s PG timeout).
 """
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ucp_dcp.api import load, save
 from ucp_dcp.planning import checkpoint_group as cg
-from ucp_dcp.testing.chaos import Case, judge, one_rank, previous, run_case
+from ucp_dev.testing.chaos import Case, judge, one_rank, previous, run_case
 
 HANG_S = 90
 PEER_TIMEOUT_S = 3.0

@@ -1,7 +1,7 @@
 """One rank fails during a load (issue 32): every rank ends within seconds, with the true cause.
 
 Each multi-process case runs on the pool with a ``timeout`` far below the pool's collective timeout
-(180 s), so a hang fails the test instead of hanging the suite. Fixtures: :mod:`ucp_dcp.testing.chaos`.
+(180 s), so a hang fails the test instead of hanging the suite. Fixtures: :mod:`ucp_dev.testing.chaos`.
 """
 
 import gc
@@ -28,7 +28,7 @@ from ucp_dcp.errors import (
 )
 from ucp_dcp.errors import error_from_wire as from_wire
 from ucp_dcp.storage.read_protocol import STEPS
-from ucp_dcp.testing.chaos import Case, judge, one_rank, run_case
+from ucp_dev.testing.chaos import Case, judge, one_rank, run_case
 
 HANG_S = 60  # a rank stuck until a PG timeout (180 s in the pool) fails the test here
 

@@ -12,7 +12,7 @@ Isolation between tasks on the same workers (everything a fresh process would ha
 * ``os.environ``, the working directory, ``sys.path``, warning filters, logger levels, torch's
   default dtype, grad mode and its global RNG state are restored after each task (the RNG is reset
   *before* each task to the state a fresh worker starts with);
-* module state: the globals of every ``ucp_dcp`` and test module, and of a few torch modules that
+* module state: the globals of every ``ucp_dcp``, ``ucp_dev`` and test module, and of a few torch modules that
   keep state (DCP's plan caches, which are class attributes of ``SavePlanner`` keyed by planner
   class; DCP's checkpoint daemon process; DTensor's RNG tracker; the state-dict patch set), are
   snapshotted before a task and restored after it: rebound names get their old objects back and
@@ -23,7 +23,7 @@ Isolation between tasks on the same workers (everything a fresh process would ha
 * process groups (and so device meshes) a task created are destroyed after it, and DCP's
   checkpoint daemon (``async_save`` with ``AsyncCheckpointerType.PROCESS``) is stopped; hashed
   group names get a per-task salt so a group of the same ranks in a later task is a new group;
-  memo caches (``lru_cache``) of torch.distributed, ucp_dcp and the test modules are emptied:
+  memo caches (``lru_cache``) of torch.distributed, ucp_dcp, ucp_dev and the test modules are emptied:
   DTensor's sharding caches would otherwise hand a later task an equal-comparing mesh of an earlier
   one, with destroyed groups;
 * task output (stdout/stderr of every rank, fd level) goes to a log per worker; the part a task
@@ -77,7 +77,7 @@ _PRELOAD = [
     "ucp_dcp",
     # imported by most tasks: once in the forkserver, not once per worker (seven workers importing the toy,
     # torchtitan and transformers side by side on two cores cost make test ~15 s); a missing extra is skipped
-    "ucp_dcp.toy",
+    "ucp_dev.toy",
     "ucp_dcp.torchtitan",
     "transformers",
 ]

@@ -8,9 +8,10 @@ from typing import Any
 import dist as D  # tests/support/dist.py, the pool (`dist` here is torch.distributed)
 import torch.distributed as dist
 
-from ucp_dcp.testing.elastic import gather, rank_stats
-from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
-from ucp_dcp.toy import ModelConfig, Topology
+from ucp_dcp.tools.dryrun import plan_load
+from ucp_dev.testing.elastic import gather, rank_stats
+from ucp_dev.toy import ModelConfig, Topology
+from ucp_dev.toy.plan_target import RecipeTarget
 
 RANKS_PER_HOST = 2
 """The pool's transition workers simulate hosts of two ranks (``UCP_DCP_HOST=node{rank // 2}``)."""
@@ -71,7 +72,7 @@ def _save_load_worker(rank, world, folder, save, load, load_cfg):
     import torch.distributed.checkpoint as dcp
 
     import ucp_dcp
-    from ucp_dcp.toy import build_job, build_trainer, trainer_options
+    from ucp_dev.toy import build_job, build_trainer, trainer_options
 
     D.setenv("UCP_DCP_HOST", f"node{rank // RANKS_PER_HOST}")
     cfg = ModelConfig()

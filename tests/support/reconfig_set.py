@@ -1,4 +1,4 @@
-"""The reconfiguration set (``ucp_dcp.testing.elastic.RECONFIG_SET``, the one recipes/reconfig.py runs) and one
+"""The reconfiguration set (``ucp_dev.testing.elastic.RECONFIG_SET``, the one recipes/reconfig.py runs) and one
 transition run on the pool. tests/planning/test_reconfig.py checks each resume,
 tests/tools/test_dryrun_reconfig.py plans the same loads against their ReadStats; both take the runs
 from the session fixture ``reconfig_runs`` (tests/conftest.py), so each transition runs once per session
@@ -11,8 +11,8 @@ import time
 
 import dist as D
 
-from ucp_dcp.testing.elastic import RECONFIG_SET, elastic_resume
-from ucp_dcp.toy import Topology
+from ucp_dev.testing.elastic import RECONFIG_SET, elastic_resume
+from ucp_dev.toy import Topology
 
 STEPS = 1
 """Training steps of the save job and of the resumed job (one each: the resumed step already uses every loaded

@@ -86,14 +86,14 @@ def test_a_failing_rank_is_reported_and_the_pool_starts_afresh(fn, expected):
 
 def _plan_caches() -> dict[str, int]:
     """Sizes of the plan caches: DCP's (class attributes of SavePlanner, keyed by planner class) and
-    any module dict of ucp_dcp named like a cache (wherever a refactor puts it)."""
+    any module dict of ucp_dcp or ucp_dev named like a cache (wherever a refactor puts it)."""
     import sys
 
     from torch.distributed.checkpoint.planner import SavePlanner
 
     out = {f"SavePlanner.{k}": len(v) for k, v in vars(SavePlanner).items() if k.startswith("_cached")}
     for name, mod in list(sys.modules.items()):
-        if name.startswith("ucp_dcp") and mod is not None:
+        if name.startswith(("ucp_dcp", "ucp_dev")) and mod is not None:
             out.update(
                 {f"{name}.{k}": len(v) for k, v in vars(mod).items() if isinstance(v, dict) and "cache" in k.lower()}
             )

@@ -14,7 +14,7 @@ needs the launcher's patch (s) (data-parallel layouts only).
 import json
 import sys
 
-from ucp_dcp.testing.titan import cpu_launch  # the CPU patches, before torchtitan is imported
+from ucp_dev.testing.titan import cpu_launch  # the CPU patches, before torchtitan is imported
 
 cpu_launch.patch_device()
 cpu_launch.patch_torchtitan()
@@ -29,8 +29,8 @@ from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 
-from ucp_dcp.testing.config_registry import llama3_debugmodel_gqa_ucp  # noqa: E402
-from ucp_dcp.testing.titan.jobs import CPU_ATTENTION  # noqa: E402
+from ucp_dev.testing.config_registry import llama3_debugmodel_gqa_ucp  # noqa: E402
+from ucp_dev.testing.titan.jobs import CPU_ATTENTION  # noqa: E402
 
 out, dp, tp, fused_atoms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 backend = sys.argv[5] if len(sys.argv) > 5 else "partial_dtensor"

@@ -1,7 +1,7 @@
 """torchtitan models next to transformers ones, in one process (tests/torchtitan/test_mappings.py,
 tests/torchtitan/test_hf_deepseek.py, tests/e2e/test_titan_hf_moe.py, tests/e2e/test_to_stock.py): build a
 torchtitan model, its logits, a transformers model from a folder or a random one from a mapping's config,
-and the fp32 comparison of the two. The jobs (torchrun of the CPU launcher) are ``ucp_dcp.testing.titan``'s.
+and the fp32 comparison of the two. The jobs (torchrun of the CPU launcher) are ``ucp_dev.testing.titan``'s.
 """
 
 from __future__ import annotations

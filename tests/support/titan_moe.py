@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucp_dcp.testing import checks
-from ucp_dcp.testing.titan import jobs as tr
-from ucp_dcp.testing.titan.assets import make_assets
+from ucp_dev.testing import checks
+from ucp_dev.testing.titan import jobs as tr
+from ucp_dev.testing.titan.assets import make_assets
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class MoERun:
     """One save -> resume experiment."""
 
     config: str
-    """Registry entry of ``ucp_dcp.testing`` (e.g. ``qwen3_moe_small_ucp``)."""
+    """Registry entry of ``ucp_dev.testing`` (e.g. ``qwen3_moe_small_ucp``)."""
     steps: int
     """Steps of every job: the save job runs them all, the resumes continue to the same last step."""
     k: int
@@ -62,7 +62,7 @@ def resume(run: MoERun, saved: tuple[Path, Path, Path], name: str, topo: dict[st
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(_STATS_HOOK)
     paths = {
-        "PYTHONPATH": os.pathsep.join([str(hook), str(tr.PACKAGE_ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(hook), tr.CODE_PATH]),
         "UCP_PLAN_STATS": str(load / "stats"),
     }
     tr.run_job(

@@ -1,7 +1,7 @@
 """The worker side of the pool of gloo workers (:mod:`dist`): what runs inside a worker process.
 
 A task's changes are scoped (:func:`patch`, :func:`setenv`), and everything a task may change --
-environment, working directory, ``sys.path``, module globals of ucp_dcp and the test modules, process
+environment, working directory, ``sys.path``, module globals of ucp_dcp, ucp_dev and the test modules, process
 groups, caches, logger levels, the RNG -- is snapshotted before it and restored after it
 (:class:`_Task`); :func:`_pool_worker` is a pool worker's main loop, :func:`_worker` a fresh process's
 (see :mod:`dist`'s docstring for the isolation rules). Neither this module nor :mod:`dist` is tracked:
@@ -23,6 +23,8 @@ from typing import Any
 
 PG_TIMEOUT = timedelta(seconds=180)
 """Collective timeout of the workers' gloo groups."""
+_PACKAGES = ("ucp_dcp", "ucp_dev")
+"""Tracked packages: the library and the checkout's development package (dev/: the toy model, the fixtures)."""
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The tests/ folder: modules under it (test modules and support) are tracked."""
 _STATEFUL_TORCH_MODULES = (
@@ -124,7 +126,7 @@ def _tracked(name: str, mod: Any) -> bool:
 def _is_tracked(name: str, mod: Any) -> bool:
     if mod is None or getattr(mod, "__name__", None) in (__name__, "dist"):  # not these: they run the task
         return False
-    if name == "ucp_dcp" or name.startswith("ucp_dcp.") or name in _STATEFUL_TORCH_MODULES:
+    if name.split(".")[0] in _PACKAGES or name in _STATEFUL_TORCH_MODULES:
         return True
     path = getattr(mod, "__file__", None)
     return bool(path) and os.path.abspath(path).startswith(_TESTS + os.sep)  # test modules and support
@@ -193,7 +195,7 @@ def _clear_memo(v: Any) -> None:
 
 def _clear_caches() -> None:
     """Empty the memo caches (``functools.lru_cache``, DTensor's sharding-propagation caches, Python
-    and C++, module dicts named ``*cache*`` in torch.distributed) of torch.distributed, ucp_dcp and the test modules. DTensor's are keyed by specs whose DeviceMesh
+    and C++, module dicts named ``*cache*`` in torch.distributed) of torch.distributed, ucp_dcp, ucp_dev and the test modules. DTensor's are keyed by specs whose DeviceMesh
     compares equal across tasks (mesh equality ignores process groups): a result cached by an earlier
     task would hand back that task's mesh, whose groups are gone. A fresh process starts with them empty."""
     import warnings
@@ -279,7 +281,7 @@ _RNG0 = None
 
 
 def _prepare_worker() -> None:
-    """Once per worker: import every ucp_dcp module (so each is tracked from the first task on),
+    """Once per worker: import every ucp_dcp and ucp_dev module (so each is tracked from the first task on),
     salt hashed process-group names per task, keep the fresh RNG state."""
     global _RNG0
     import importlib
@@ -289,13 +291,14 @@ def _prepare_worker() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     import ucp_dcp
+    import ucp_dev
 
-    todo = [("ucp_dcp", ucp_dcp.__path__)]
+    todo = [("ucp_dcp", ucp_dcp.__path__), ("ucp_dev", ucp_dev.__path__)]
     while todo:  # the subpackages' modules too; not those that import torchtitan (the integration, its CPU jobs)
         pkg, path = todo.pop()
         for m in pkgutil.iter_modules(path):
             name = f"{pkg}.{m.name}"
-            if name in ("ucp_dcp.__main__", "ucp_dcp.torchtitan", "ucp_dcp.testing.titan"):
+            if name in ("ucp_dcp.__main__", "ucp_dcp.torchtitan", "ucp_dev.testing.titan"):
                 continue
             try:
                 mod = importlib.import_module(name)

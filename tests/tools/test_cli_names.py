@@ -1,5 +1,7 @@
 """The command line names itself as it was called (``usage: ucp-dcp ...`` from the console script,
-``usage: python -m ucp_dcp ...`` from ``-m``), and the shipped quickstart is in the package a wheel installs."""
+``usage: python -m ucp_dcp ...`` from ``-m``), and the shipped quickstart is in the package a wheel installs; the
+wheel holds the library alone (issue 48): not the checkout's development package (``dev/ucp_dev``: the tests'
+fixtures, the recipes' toy model), which ``make setup`` installs from the checkout."""
 
 import subprocess
 import sys
@@ -56,17 +58,35 @@ def test_a_quickstart_phase_outside_torchrun_says_how_to_run_it(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_the_wheels_packages_are_ucp_dcp_and_its_subpackages_alone():
+    """pyproject's package list (what a wheel holds, found as setuptools finds it): ucp_dcp and every subpackage
+    with an ``__init__.py``, and nothing else: not ``ucp_dev`` (dev/), nor ``ucp_dcp.testing`` / ``ucp_dcp.toy``."""
+    tomllib = pytest.importorskip("tomllib")
+    from setuptools import find_namespace_packages, find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    found = set(finder(str(ROOT), include=find["include"], exclude=find.get("exclude", ())))
+    packages = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ucp_dcp").rglob("__init__.py")
+    }  # the library's packages
+    assert found == packages, (sorted(found - packages), sorted(packages - found))
+    assert not any(p.split(".")[:2] in (["ucp_dcp", "testing"], ["ucp_dcp", "toy"]) for p in found)
+    assert (ROOT / "dev" / "ucp_dev" / "toy" / "__init__.py").exists()  # the development package is beside it
+
+
 @pytest.mark.slow
 def test_the_wheel_ships_the_quickstart_and_the_console_script(tmp_path):
-    """A wheel built from the checkout's pyproject (packages found by ``include = ["ucp_dcp*"]``) holds
-    ``ucp_dcp/examples/`` and the ``ucp-dcp`` entry point, so ``pip install`` alone runs the quickstart."""
+    """A wheel built from the checkout's pyproject (packages found by ``include = ["ucp_dcp", "ucp_dcp.*"]``) holds
+    ``ucp_dcp/examples/`` and the ``ucp-dcp`` entry point, so ``pip install`` alone runs the quickstart, and the
+    library alone: nothing of the development package beside it (dev/) or of its old homes in ucp_dcp."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((ROOT / name).read_bytes())
-    subprocess.run(
-        ["cp", "-r", str(ROOT / "ucp_dcp"), str(src / "ucp_dcp")], check=True
-    )  # a copy: the build writes build/ and egg-info beside its sources
+    for name in ("ucp_dcp", "dev"):  # a copy: the build writes build/ and egg-info beside its sources
+        subprocess.run(["cp", "-r", str(ROOT / name), str(src / name)], check=True)
+    (src / "ucp_dcp" / "testing" / "__pycache__").mkdir(parents=True)  # what git leaves of a moved package
     out = subprocess.run(
         [
             sys.executable,
@@ -92,3 +112,9 @@ def test_the_wheel_ships_the_quickstart_and_the_console_script(tmp_path):
         entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert {"ucp_dcp/examples/__init__.py", "ucp_dcp/examples/quickstart.py"} <= names
     assert "ucp-dcp = ucp_dcp.tools.cli:main" in entry_points
+    outside = sorted(n for n in names if not n.startswith(("ucp_dcp/", "ucp_dcp-")))
+    assert not outside, outside
+    dev = sorted(n for n in names if n.startswith(("ucp_dcp/testing/", "ucp_dcp/toy/")) or "ucp_dev" in n)
+    assert not dev, dev
+    library = {str(p.relative_to(ROOT)) for p in (ROOT / "ucp_dcp").rglob("*.py")}
+    assert {n for n in names if n.endswith(".py")} == library

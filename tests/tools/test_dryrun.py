@@ -17,10 +17,11 @@ from plan_check import compare_errors, plan, rank_stats, real_load
 
 from ucp_dcp import UCPError
 from ucp_dcp._compat import _StridedShard
-from ucp_dcp.tools.dryrun import RecipeTarget, plan_load
+from ucp_dcp.tools.dryrun import FunctionTarget, plan_load
 from ucp_dcp.tools.dryrun.report import format_report, parse_rate, rank_ranges, report_json
 from ucp_dcp.tools.dryrun.world import fake_rank, rebind, structure
-from ucp_dcp.toy import ModelConfig
+from ucp_dev.toy import ModelConfig
+from ucp_dev.toy.plan_target import TARGET, RecipeTarget
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -92,6 +93,19 @@ def test_rates_and_rank_ranges():
     assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
 
 
+def test_a_rebound_rank_takes_its_class_representatives_options():
+    """A function target's options may differ between its symmetry classes (a pipeline stage's stage_map): a rank
+    that was rebound, not built, takes those of the first built rank of its own class."""
+
+    def two_stages(rank, world_size):
+        return {}, {"stage": rank % 2}
+
+    two_stages.plan_symmetry = lambda rank, world_size: rank % 2
+    t = FunctionTarget(two_stages, 6, "two stages", extra_options={"x": 1})
+    t.build(0), t.build(1), t.build(5)
+    assert [t.options(r) for r in range(6)] == [{"stage": r % 2, "x": 1} for r in range(6)]
+
+
 def test_missing_checkpoint_is_an_open_problem(tmp_path):
     report = plan_load(tmp_path / "nothing", RecipeTarget("dp=2"))
     assert not report.loads and report.problems[0].where == "open"
@@ -102,8 +116,12 @@ def test_missing_checkpoint_is_an_open_problem(tmp_path):
 def test_cli_exit_codes(tmp_path, capsys):
     from ucp_dcp.__main__ import main
 
-    assert main(["plan", str(tmp_path), "--target", "recipe"]) == 2  # no --topology
-    assert main(["plan", str(tmp_path), "--target", "recipe", "--topology", "dp=2"]) == 2  # no checkpoint
+    assert main(["plan", str(tmp_path), "--target", TARGET]) == 2  # no --world-size
+    assert "give the job's --world-size" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--target", TARGET, "--world-size", "2"]) == 2  # no checkpoint
+    # the toy LLM is no target of the library's own: the recipes give it as a function
+    assert main(["plan", str(tmp_path), "--target", "recipe", "--world-size", "2"]) == 2
+    assert "expected 'package.module:function'" in capsys.readouterr().err
     assert main(["plan", str(tmp_path), "--target", "nomodule_xyz:fn", "--world-size", "2"]) == 2
     assert "cannot import" in capsys.readouterr().err
     assert not os.listdir(tmp_path)

@@ -1,6 +1,6 @@
 """``plan`` finds where the job's state lives (issue 47): it assumed CUDA, reporting "state on cuda" and 96 MiB of
 staging buffers for a CPU job unless given ``--device cpu``. Now ``--device`` wins, then the target's own word
-(``fn.plan_device``; the recipe and torchtitan targets say cuda), then where the tensors the target builds are;
+(``fn.plan_device``; the torchtitan target and the recipes' toy target say cuda), then where the tensors the target builds are;
 only a target built on the meta device that says nothing is assumed to be a CUDA job, and the report says so."""
 
 import pytest
@@ -11,7 +11,8 @@ import ucp_dcp
 from ucp_dcp.planning.device import STAGE_BYTES
 from ucp_dcp.tools.dryrun.report import format_report
 from ucp_dcp.tools.dryrun.simulate import plan_load
-from ucp_dcp.tools.dryrun.targets import FunctionTarget, RecipeTarget
+from ucp_dcp.tools.dryrun.targets import FunctionTarget
+from ucp_dev.toy import plan_target
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "no process group: one process" notice
 
@@ -72,4 +73,5 @@ def test_meta_tensors_say_nothing_a_declared_device_does_and_the_recipe_is_a_gpu
     declared = plan_load(ckpt, FunctionTarget(declared_target, 1, "declared"))
     assert (declared.device, declared.device_basis) == ("cpu", "target")
     assert declared.ranks[0].extra_host_bytes < STAGE_BYTES
-    assert RecipeTarget("dp=2").device == "cuda"
+    assert plan_target.RecipeTarget("dp=2").device == "cuda"
+    assert FunctionTarget(plan_target.target, 2).device == "cuda"

@@ -9,7 +9,8 @@ import dist as D
 import pytest
 
 from ucp_dcp.memory.store import host_dir
-from ucp_dcp.testing.memory_jobs import save_job, simulate_hosts
+from ucp_dev.testing.memory_jobs import save_job, simulate_hosts
+from ucp_dev.toy.plan_target import TARGET
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,10 @@ def _save(rank, world, root, durable):
 def _plan(capsys, root, *args):
     from ucp_dcp.__main__ import main
 
-    rc = main(["plan", root, "--target", "recipe", "--topology", "tp=2", "--ranks-per-node", "1", *args, "--json", "-"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UCP_TOY_TOPOLOGY", "tp=2")
+        argv = ["plan", root, "--target", TARGET, "--world-size", "2", "--ranks-per-node", "1", *args, "--json", "-"]
+        rc = main(argv)
     return rc, json.loads(capsys.readouterr().out)
 
 

@@ -1,5 +1,5 @@
 """The torchtitan registries: the library's one entry for users and ``with_ucp``; the tests' fixtures under
-``--module ucp_dcp.testing``; the one CPU-sized deepseek_v3 at its two sizes. Single process, configs only."""
+``--module ucp_dev.testing``; the one CPU-sized deepseek_v3 at its two sizes. Single process, configs only."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from helpers import skip_unless_torchtitan_runs  # noqa: E402
 skip_unless_torchtitan_runs()
 
 from ucp_dcp import UCPError  # noqa: E402
-from ucp_dcp.testing import config_registry as fixtures  # noqa: E402
-from ucp_dcp.testing.titan_models import DSV3_HF, DSV3_SMALL  # noqa: E402
 from ucp_dcp.torchtitan import GlobalCursorTextDataLoader, UCPCheckpointManager  # noqa: E402
 from ucp_dcp.torchtitan import config_registry as library  # noqa: E402
 from ucp_dcp.torchtitan.job import parse_job  # noqa: E402
 from ucp_dcp.torchtitan.mappings import hf_mapping  # noqa: E402
+from ucp_dev.testing import config_registry as fixtures  # noqa: E402
+from ucp_dev.testing.titan_models import DSV3_HF, DSV3_SMALL  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -31,11 +31,11 @@ def test_the_library_registry_holds_the_users_entry_only():
 
 
 def test_the_fixtures_resolve_under_one_module():
-    """Every fixture entry is a config function of ``--module ucp_dcp.testing``; ``*_ucp`` ones turn the option on."""
+    """Every fixture entry is a config function of ``--module ucp_dev.testing``; ``*_ucp`` ones turn the option on."""
     for name in fixtures.__all__:
         cfg = getattr(fixtures, name)()
         assert isinstance(cfg.checkpoint, UCPCheckpointManager.Config) == name.endswith("_ucp"), name
-    cfg = parse_job(["--module", "ucp_dcp.testing", "--config", "deepseek_v3_small_mtp_ucp"], hint="")
+    cfg = parse_job(["--module", "ucp_dev.testing", "--config", "deepseek_v3_small_mtp_ucp"], hint="")
     assert isinstance(cfg.checkpoint, UCPCheckpointManager.Config) and cfg.model_spec.model.mtp_layers
 
 

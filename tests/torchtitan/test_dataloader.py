@@ -17,8 +17,8 @@ from torchtitan.hf_datasets import DatasetConfig  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
 
 from ucp_dcp.errors import UCPError  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets, texts  # noqa: E402
 from ucp_dcp.torchtitan.dataloader import STATE_KEYS, GlobalCursorTextDataLoader, GlobalWindowDataset  # noqa: E402
+from ucp_dev.testing.titan.assets import make_assets, texts  # noqa: E402
 
 B, SEQ = 12, 32  # global batch (sequences), window length
 

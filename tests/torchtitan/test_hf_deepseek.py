@@ -3,7 +3,7 @@
 A random transformers ``DeepseekV3ForCausalLM`` built from the config our mapping emits (MLA with
 one ``q_proj`` or the ``q_a``/``q_b`` low-rank pair, a dense first layer, sigmoid group-limited
 routing with shared experts, a non-zero ``e_score_correction_bias``, YaRN) loads into torchtitan's
-deepseek_v3 (``ucp_dcp.testing.titan_models.DSV3_HF``) through ``load_hf``: the same logits as transformers;
+deepseek_v3 (``ucp_dev.testing.titan_models.DSV3_HF``) through ``load_hf``: the same logits as transformers;
 exported back, the folder is the source bitwise and ``from_pretrained`` gives the same logits.
 Negative controls: swapped experts, a sign-flipped correction bias and the other rope layout are
 caught by the logits; what HF computes differently is refused by name. At a TP=2 x EP=2 layout
@@ -32,9 +32,9 @@ import ucp_dcp  # noqa: E402
 from ucp_dcp.errors import UCPError  # noqa: E402
 from ucp_dcp.sources.hf import load_hf  # noqa: E402
 from ucp_dcp.sources.hf.publish import export_hf  # noqa: E402
-from ucp_dcp.testing.titan_models import DSV3_HF, deepseek_v3_small_model  # noqa: E402
 from ucp_dcp.torchtitan.mappings import hf_mapping  # noqa: E402
 from ucp_dcp.torchtitan.moe import moe_rules  # noqa: E402
+from ucp_dev.testing.titan_models import DSV3_HF, deepseek_v3_small_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -23,13 +23,13 @@ from torchtitan.hf_datasets.text_datasets import (  # noqa: E402
 )
 
 from ucp_dcp.errors import UCPError  # noqa: E402
-from ucp_dcp.testing.titan.assets import make_assets, texts  # noqa: E402
 from ucp_dcp.torchtitan.dataloader import GlobalWindowDataset  # noqa: E402
 from ucp_dcp.torchtitan.interleave import (  # noqa: E402
     STATE_KEYS,
     InterleavedGlobalCursorDataLoader,
     InterleavedWindowDataset,
 )
+from ucp_dev.testing.titan.assets import make_assets, texts  # noqa: E402
 
 B, SEQ, SEED = 12, 32, 5  # global batch (sequences), window length, interleaving seed
 MIX = (("map", 1.0), ("four", 2.0), ("one", 0.5))

@@ -460,8 +460,8 @@ def _count_opens() -> list[str]:
 
 
 def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
-    from ucp_dcp.testing.titan.assets import make_assets
     from ucp_dcp.torchtitan.dataloader import STATE_KEYS
+    from ucp_dev.testing.titan.assets import make_assets
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
     folder = D.tmpdir()
@@ -476,8 +476,8 @@ def test_global_loader_state_round_trips_through_the_manager(tmp_path_factory):
 
 def test_interleaved_loader_state_round_trips_through_the_manager(tmp_path_factory):
     """The interleaved state (lists per source, the RNG state as JSON) is saved as one global value each."""
-    from ucp_dcp.testing.titan.assets import make_assets
     from ucp_dcp.torchtitan.interleave import STATE_KEYS
+    from ucp_dev.testing.titan.assets import make_assets
 
     assets = make_assets(tmp_path_factory.mktemp("assets"), n_docs=200)
     folder = D.tmpdir()

@@ -112,7 +112,7 @@ def _moe_config(dense_layers=(), **router):
     router settings changed on every MoE layer."""
     from torchtitan.models.common.config_utils import make_ffn_config
 
-    from ucp_dcp.testing.titan_models import MOE_SMALL, qwen3_moe_small_model
+    from ucp_dev.testing.titan_models import MOE_SMALL, qwen3_moe_small_model
 
     cfg = qwen3_moe_small_model()
     for i, layer in enumerate(cfg.layers):
@@ -434,10 +434,10 @@ def test_trainer_loads_and_saves_hf_through_ucp(tmp_path, topo):
     Our last save in HF loads in transformers and holds exactly the trained parameters."""
     from safetensors.torch import load_file
 
-    from ucp_dcp.testing.checks import TOL_FIRST
-    from ucp_dcp.testing.config_registry import llama3_debugmodel_gqa
-    from ucp_dcp.testing.titan import jobs as tr
-    from ucp_dcp.testing.titan.assets import make_assets
+    from ucp_dev.testing.checks import TOL_FIRST
+    from ucp_dev.testing.config_registry import llama3_debugmodel_gqa
+    from ucp_dev.testing.titan import jobs as tr
+    from ucp_dev.testing.titan.assets import make_assets
 
     model_config = llama3_debugmodel_gqa().model_spec.model
     mapping = hf_mapping(model_config)

@@ -1,4 +1,4 @@
-"""``ucp_dcp.toy.build_trainer(..., device="meta")`` on torch's fake process group, in one process:
+"""``ucp_dev.toy.build_trainer(..., device="meta")`` on torch's fake process group, in one process:
 for a rank of an 8-rank layout, the meta trainer's ``state_dict()`` has the structure of a cpu build
 of the same rank (keys, DTensor or not, placements, mesh, global and local shapes, dtypes, optimizer
 hyperparameters, train state), which is what a load at that layout hands to ``dcp.load``."""
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, trainer_options, ucp_options
+from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, trainer_options, ucp_options
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UCPError, ucp_errors
 from ..planning.checkpoint_group import dcp_group, guarded
 from ..planning.load_planner import UCPLoadPlanner
+from ..planning.plan_cache import PlanCacheMissError
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
 from .locate import Source, locate
@@ -41,6 +42,7 @@ def load(
     verify: bool = False,
     source: Source | None = None,
     control_group: bool | None = None,
+    cache_plans: bool = True,
 ) -> Source:
     """Load ``state_dict`` in place (collective) from the freshest complete generation: the memory tier
     when every piece of it is on some host of this job (each rank reads what its host holds and gets the
@@ -54,7 +56,10 @@ def load(
     just before, with the same arguments (a caller that looked first does not locate twice). Returns the
     :class:`Source` (tier, generation, what was passed over and why), with the reader's ``stats``.
     ``control_group``: the collectives (the choice, DCP's) on the checkpoint group, so a rank that dies ends
-    every other rank within about ``UCP_DCP_PEER_TIMEOUT_S`` (None: ``$UCP_DCP_CONTROL_GROUP``, on)."""
+    every other rank within about ``UCP_DCP_PEER_TIMEOUT_S`` (None: ``$UCP_DCP_CONTROL_GROUP``, on).
+    ``cache_plans`` (default on, as for :func:`ucp_dcp.load`): the default planner reuses this process's
+    plans for a generation it loaded before into the same layout (an in-process restart, an evaluation
+    sweep); ``stats.plan_cached`` says so. A ``planner`` given keeps its own ``cache_plans``."""
     group = dcp_group(process_group, control_group)
     root = str(root) if root is not None else default_root()
     disk = str(durable) if durable is not None else None
@@ -62,7 +67,7 @@ def load(
     if src.tier == "memory" and not verify and not _block_checksums(src):
         verify = True  # nothing would catch a damaged byte during the read: hash the files first
         src = locate(root, disk, group, True)
-    the_planner = planner if planner is not None else UCPLoadPlanner()
+    the_planner = planner if planner is not None else UCPLoadPlanner(cache_plans=cache_plans)
     while src.tier == "memory":
         try:
             src.stats = _load(state_dict, MemoryReader(src, root), the_planner, group)
@@ -83,9 +88,24 @@ def load(
 
 
 def _load(state_dict: dict, reader: Any, planner: Any, group: dist.ProcessGroup | None) -> Any:
+    try:
+        _dcp_load(state_dict, reader, planner, group)
+    except PlanCacheMissError:
+        # raised on every rank before anything was read (the coordinator lacks a key this rank sent, e.g. it
+        # restarted): the load changed nothing, so it plans afresh once, as ucp_dcp.load does
+        planner.cache_plans, was = False, planner.cache_plans
+        try:
+            _dcp_load(state_dict, reader, planner, group)
+        finally:
+            planner.cache_plans = was
+    if isinstance(reader, MemoryReader):  # its reads skip the file reader's keyed answers, which set this
+        reader.stats.plan_cached = bool(getattr(planner, "plan_cache_hit", False))
+    return reader.stats
+
+
+def _dcp_load(state_dict: dict, reader: Any, planner: Any, group: dist.ProcessGroup | None) -> None:
     with ucp_errors(), guarded(group, None, "memory load") as pg:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
-    return reader.stats
 
 
 def _block_checksums(src: Source) -> bool:

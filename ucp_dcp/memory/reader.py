@@ -34,7 +34,7 @@ from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, sidecar_name
 from ..storage.staging import BUFFERS_PER_THREAD
-from ..storage.transport import Incoming, as_bytes_tensor
+from ..storage.transport import Incoming, as_bytes_tensor, local_summary
 from .locate import Source
 from .serving import ScratchPlanner, ServePlan, ServeRequest, assign_servers
 from .store import gen_dir, host_name
@@ -79,6 +79,11 @@ class MemoryReader(UCPFileSystemReader):
         return md, Integrity("verified" if io.get("algo") else "none", sidecar_name(h), io.get("algo"), files, [])
 
     # -- planning: who serves what ---------------------------------------------------------------------
+
+    def _summary(self, plan: LoadPlan, mode: Any) -> Any:
+        # never keyed (cached) like a file reader's: who serves what is assigned afresh from the hosts each
+        # load (ServeRequest below), and a keyed summary left unanswered would make the next file load re-plan
+        return local_summary(plan.items, self._md, mode)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         out = super().prepare_local_plan(plan)  # read-once off: the summary is only this rank's id
@@ -211,7 +216,7 @@ class MemoryReader(UCPFileSystemReader):
         if item.type != LoadItemType.TENSOR or not self._crc:
             return None
         info = self.storage_data[item.storage_index]
-        crcs = self._crc.get(item_key(item.storage_index), [None, []])[1]
+        crcs = self._sums(item.storage_index)
         if info.transform_descriptors or not crcs:
             return None
         rel = info.relative_path
@@ -224,7 +229,7 @@ class MemoryReader(UCPFileSystemReader):
             base = int(info.offset) + record.data_offset
             if grid.nruns != 1 or base + record.nbytes > os.fstat(fd).st_size:
                 return None  # strided, or a short file: the read path names what is wrong
-            B = self._block
+            B = crcs.block  # the record's own block (the table's for a checkpoint written before they had one)
             lo, hi = grid.first // B * B, min(record.nbytes, -(-grid.end // B) * B)
             window = map_window(fd, base + lo, hi - lo)
         self._checker.verify(window.data, lo, crcs, rel, item.storage_index)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 from dataclasses import dataclass, field
 
+from .. import settings
 from ..storage.commit import METADATA
 from ..storage.sidecar import metadata_hash, sidecar_name
 
@@ -37,7 +37,7 @@ __all__ = [
     "HostHolding",
 ]
 
-SHM_ROOT_ENV = "UCP_DCP_SHM_ROOT"
+SHM_ROOT_ENV = settings.ENV["shm_root"]
 _GEN = re.compile(r"^gen-(\d+)$")
 _DATA = re.compile(r"^__\d+_.*\.distcp$")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -45,12 +45,12 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 def default_root() -> str:
     """``$UCP_DCP_SHM_ROOT``, else ``/dev/shm/ucp_dcp`` (tmpfs: host memory that outlives a process)."""
-    return os.environ.get(SHM_ROOT_ENV) or "/dev/shm/ucp_dcp"
+    return settings.shm_root()
 
 
 def host_name() -> str:
     """This process's host: ``$UCP_DCP_HOST`` (tests simulate hosts with it) or the machine's name."""
-    return os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    return settings.host()
 
 
 def host_dir(root: str, host: str) -> str:

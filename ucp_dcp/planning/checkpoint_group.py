@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .._compat import allgather_into, default_group, default_store, group_registered, group_timeout, set_backend_timeout
 from .collectives import peer_timeout
 from .watch import Watch
@@ -40,7 +40,7 @@ __all__ = ["BACKEND", "CONTROL_ENV", "CheckpointGroup", "checkpoint_group", "dcp
 __all__ += ["private_group", "GATES", "EXCHANGE_GATES", "call_requests"]
 
 BACKEND = "ucp_dcp_gated_gloo"
-CONTROL_ENV = "UCP_DCP_CONTROL_GROUP"
+CONTROL_ENV = settings.ENV["control_group"]
 """``off`` (or ``0``): ``ucp_dcp.save``/``load`` and the torchtitan manager give DCP the caller's group."""
 DEFAULT_WAIT_S = 1800.0
 """How long a gate waits for a rank that never arrives but whose beat moves, when the caller's group says
@@ -115,7 +115,7 @@ class CheckpointGroup(dist.ProcessGroup):
                 work = op()
                 work.wait()
                 return work
-        except BaseException:
+        except BaseException:  # any failure (a lost peer, Ctrl-C) leaves gloo's op sequence unknown: never reuse
             self.spent = True
             raise
 
@@ -175,16 +175,18 @@ def _opts(opts: Any) -> tuple:
     return () if opts is None else (opts,)
 
 
-def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
+def _create(opts: Any, name: str | None = None) -> CheckpointGroup:
     """c10d's creator for :data:`BACKEND`: gloo's backend over the group's own store prefix (what ``new_group``
-    would build for ``backend="gloo"``), with the peer timeout, behind the gates."""
+    would build for ``backend="gloo"``), with the peer timeout, behind the gates. ``name``: the making's name
+    (:func:`_new`), which c10d hands over as the group's ``pg_options``."""
+    if not isinstance(name, str):
+        raise TypeError(f"a {BACKEND} group is made by ucp_dcp's checkpoint_group(), not new_group(backend=...)")
     wait = opts.timeout.total_seconds() if opts.timeout is not None else DEFAULT_WAIT_S
     # gloo's rendezvous goes under a prefix of this making (:func:`_new`) on the job's store, not under
     # c10d's: c10d names a locally synchronized group by a hash of its ranks *and of how many groups this
     # process holds*, which differs between ranks as soon as one of them made a group the others are not in
     # (``new_group([0])``): its members would meet at different prefixes and wait forever.
     ranks = list(opts.global_ranks_in_group)
-    name = _MAKING[0]
     store = dist.PrefixStore(f"checkpoint_group/{name}/", default_store())
     # the members connect under the caller's timeout (they reach their first call when they do: a rank may
     # still be writing); the ops run under the peer timeout (behind a gate, every member is there)
@@ -197,10 +199,6 @@ def _create(opts: Any, _backend_options: Any = None) -> CheckpointGroup:
 def _register() -> None:
     if not hasattr(dist.Backend, BACKEND.upper()):  # what register_backend sets
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
-
-
-_MAKING = [""]
-"""The name of the group :func:`_new` is making, read by :func:`_create` inside ``new_group`` (this thread)."""
 
 
 def _new(members: list[int], like: dist.ProcessGroup | None) -> CheckpointGroup:
@@ -217,8 +215,8 @@ def _new(members: list[int], like: dist.ProcessGroup | None) -> CheckpointGroup:
     key = sorted(members)
     digest = hashlib.sha1(",".join(map(str, key)).encode(), usedforsecurity=False).hexdigest()[:16]
     making = (default_store().add(f"checkpoint_group/{digest}/made", 1) - 1) // len(key)
-    _MAKING[0] = f"{digest}.{making}"
-    return dist.new_group(ranks=key, backend=BACKEND, use_local_synchronization=True, timeout=timeout)
+    name = f"{digest}.{making}"  # to _create: c10d passes a custom backend's pg_options to its creator as they are
+    return dist.new_group(ranks=key, backend=BACKEND, use_local_synchronization=True, timeout=timeout, pg_options=name)
 
 
 _GROUPS: dict[tuple[int, ...], tuple[object, CheckpointGroup]] = {}
@@ -250,7 +248,7 @@ def private_group(members: list[int], like: dist.ProcessGroup | None = None) -> 
 
 def enabled(choice: bool | None = None) -> bool:
     """Whether to use the checkpoint group: ``choice`` if given, else ``$UCP_DCP_CONTROL_GROUP`` (on)."""
-    return choice if choice is not None else os.environ.get(CONTROL_ENV, "on").lower() not in ("off", "0", "false")
+    return settings.control_group(choice)
 
 
 def dcp_group(process_group: dist.ProcessGroup | None, choice: bool | None = None) -> dist.ProcessGroup | None:
@@ -282,6 +280,6 @@ def guarded(
     try:
         with group.watch.running(what):
             yield group
-    except BaseException:
+    except BaseException:  # re-raised; the group's members may stand at different ops: a new group next call
         group.spent = True
         raise

@@ -9,18 +9,17 @@ created once and reused. Device tensors travel over NCCL when the default group 
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .._compat import default_group, group_registered
-from ..errors import UCPError
 
 __all__ = ["P2P_ENV", "PEER_TIMEOUT_ENV", "peer_timeout", "carries_cpu", "p2p_group", "send_device"]
 
-P2P_ENV = "UCP_DCP_P2P"
+P2P_ENV = settings.ENV["p2p"]
 """``side``: send host bytes on the gloo side group even when the default group could carry them."""
 
 
@@ -33,23 +32,10 @@ def carries_cpu(backend: str) -> bool:
     return backend not in ("nccl", "xccl", "hccl")
 
 
-PEER_TIMEOUT_ENV = "UCP_DCP_PEER_TIMEOUT_S"
-DEFAULT_PEER_TIMEOUT_S = 30.0
-"""Default bound on waiting for another rank's step or message (independent of the PG timeout)."""
-
-
-def peer_timeout() -> float:
-    """Seconds to wait for another rank (``$UCP_DCP_PEER_TIMEOUT_S``, default 30)."""
-    raw = os.environ.get(PEER_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_PEER_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UCPError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)") from None
-    if value <= 0:
-        raise UCPError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)")
-    return value
+PEER_TIMEOUT_ENV = settings.ENV["peer_timeout_s"]
+DEFAULT_PEER_TIMEOUT_S = settings.DEFAULT_PEER_TIMEOUT_S
+peer_timeout = settings.peer_timeout_s
+"""Seconds to wait for another rank (``$UCP_DCP_PEER_TIMEOUT_S``, default 30: :mod:`ucp_dcp.settings`)."""
 
 
 _SIDE: dict[tuple[int, ...] | None, tuple[object, dist.ProcessGroup]] = {}
@@ -64,7 +50,7 @@ def p2p_group(ranks: list[int] | None = None) -> dist.ProcessGroup | None:
     None (the default group) when it carries CPU tensors, else one gloo group, created once per
     default group and member set. Every member must call this in the same order (group creation
     synchronizes the members)."""
-    if carries_cpu(str(dist.get_backend())) and os.environ.get(P2P_ENV, "default") != "side":
+    if carries_cpu(str(dist.get_backend())) and not settings.p2p_side():
         return None
     members = tuple(sorted(ranks)) if ranks is not None else None
     current = default_group()

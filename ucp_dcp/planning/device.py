@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..errors import InvalidArgumentError
+from .. import settings
 
 __all__ = ["STAGE_BYTES", "STAGING_ENV", "split_box", "split_reads", "staging_forced", "needs_staging"]
 
 STAGE_BYTES = 16 << 20
 """Size of one staging buffer, and the largest read item for a staged target."""
-STAGING_ENV = "UCP_DCP_STAGING"
+STAGING_ENV = settings.ENV["staging"]
 """``always``: stage CPU targets too (tests); ``auto`` (default): only non-CPU targets."""
 
 
@@ -34,12 +33,7 @@ StagingMode = Literal["auto", "always"]
 
 def staging_forced(mode: StagingMode | None = None) -> bool:
     """Whether CPU targets go through staging (``mode`` or, when None, ``$UCP_DCP_STAGING``)."""
-    chosen: str = mode if mode is not None else os.environ.get(STAGING_ENV, "auto")
-    if chosen not in get_args(StagingMode):
-        raise InvalidArgumentError(
-            f"staging must be 'auto' or 'always', got {chosen!r}" + ("" if mode is not None else f" (${STAGING_ENV})")
-        )
-    return chosen == "always"
+    return settings.staging(mode) == "always"
 
 
 def needs_staging(t: torch.Tensor, forced: bool) -> bool:

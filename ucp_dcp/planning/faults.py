@@ -1,47 +1,50 @@
-"""One-rank failures on purpose, for the failure-injection tier (``make chaos``) and its tests.
+"""Fault points: named steps of a save or load where a test can make one rank fail.
 
-``UCP_DCP_FAULT=RANK:STEP[:ACTION]`` makes global rank ``RANK`` fail when it reaches ``STEP``:
-``ACTION`` is ``raise`` (default: a :class:`FaultInjected`), ``exit`` (the process is SIGKILLed: no
-cleanup, no goodbye) or ``hang`` (the process is SIGSTOPped: every thread of it stops, its heartbeat
-included, as on a frozen node). The steps are named where they are reached: ``read_data``'s (see
-:data:`ucp_dcp.storage.read_protocol.STEPS`) and :data:`CALL_STEPS` of a save or load around it.
-Cheap when unset: one environment lookup.
+The library only names the steps; what happens there is the test's. A test (``make chaos``, the failure
+tests) installs one hook per process with :func:`install`; every :func:`fault_point` then calls it with the
+step's name, and the hook raises :class:`FaultInjected`, kills or stops its process, or returns. With no
+hook installed (every real job) a fault point is one comparison with None: no environment lookup, nothing
+on the I/O path. The steps: :data:`CALL_STEPS` around a save or load, and ``read_data``'s
+(:data:`ucp_dcp.storage.read_protocol.STEPS`). The hook the chaos tier installs is
+``ucp_dev.testing.faults.inject`` (``RANK:STEP[:ACTION]``, outside the installed package).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-
-import torch.distributed as dist
+from collections.abc import Callable
 
 from ..errors import UCPError
 
-__all__ = ["FAULT_ENV", "CALL_STEPS", "FaultInjected", "fault_point"]
+__all__ = ["CALL_STEPS", "FaultInjected", "Hook", "fault_point", "install", "installed"]
 
-FAULT_ENV = "UCP_DCP_FAULT"
 CALL_STEPS = ("save-plan", "write", "written", "load-plan")
 """Steps of a save or load outside ``read_data``: a save's local planning (``UCPSavePlanner``), the
 start and the end of its writes (``UCPFileSystemWriter.write_data``: ``written`` is after this rank's
 files are on disk, before DCP gathers the write results for the commit), a load's local planning
 (``UCPFileSystemReader.set_up_storage_reader``)."""
 
+Hook = Callable[[str], None]
+"""Called with the step's name at every fault point while installed."""
+
+_HOOK: list[Hook] = []
+"""The installed hook (at most one), for this process: every thread's fault points call it."""
+
 
 class FaultInjected(UCPError):
-    """The failure ``UCP_DCP_FAULT`` asked for (testing only)."""
+    """The failure a test's hook raised at a fault point (testing only)."""
+
+
+def install(hook: Hook | None) -> None:
+    """Install ``hook`` for this process (None: remove it)."""
+    _HOOK[:] = [] if hook is None else [hook]
+
+
+def installed() -> bool:
+    """Whether a hook is installed (read-once then wraps its incoming messages in fault points too)."""
+    return bool(_HOOK)
 
 
 def fault_point(step: str) -> None:
-    """Fail here if ``$UCP_DCP_FAULT`` names this rank and ``step``."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    rank, _, rest = spec.partition(":")
-    at, _, action = rest.partition(":")
-    if at != step or not dist.is_initialized() or int(rank) != dist.get_rank():
-        return
-    if action == "exit":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if action == "hang":
-        os.kill(os.getpid(), signal.SIGSTOP)  # frozen until someone kills it
-    raise FaultInjected(f"fault injected at step '{step}' ({FAULT_ENV}={spec})")
+    """Step ``step`` is reached: the installed hook's turn (nothing without one)."""
+    if _HOOK:
+        _HOOK[0](step)

@@ -245,7 +245,7 @@ def same_value(a: Any, b: Any) -> bool:
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     try:
         return bool(a == b)
-    except Exception:
+    except Exception:  # values whose == raises or is not a bool (arrays): not provably equal, so reported as differing
         return False
 
 
@@ -303,19 +303,40 @@ def missing_error(missing: list[str], saved: SavedIndex, keys: dict[str, str] | 
     )
 
 
+SHOWN_PROBLEMS = 3
+"""Problems after the first printed on a line of their own; the rest are named on one line. One mistake
+(a resized layer) is often dozens of problems (each weight, bias and moment), and the error is read
+once per job (:func:`ucp_dcp.errors.root_cause`): a few say the pattern, the names say where."""
+
+
 def combine_problems(problems: list[UCPError]) -> UCPError:
+    """One error of the first problem's class carrying every problem a rank found: the first in full,
+    :data:`SHOWN_PROBLEMS` more on a line each, then the atoms of the rest on one line."""
     if len(problems) == 1:
         return problems[0]
     first = problems[0]
-    rest = "\n".join(f"  - {p.message.splitlines()[0]}" for p in problems[1:10])
-    more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+    lines = [f"  - {p.message.splitlines()[0]}" for p in problems[1 : 1 + SHOWN_PROBLEMS]]
+    if rest := problems[1 + SHOWN_PROBLEMS :]:
+        lines.append(f"  - ... and {len(rest)} more, for {_names(rest)}")
     return type(first)(
-        f"{first.message}\n{len(problems) - 1} more problem(s):\n{rest}{more}",
+        f"{first.message}\n{len(problems) - 1} more problem(s):\n" + "\n".join(lines),
         atom=first.atom,
         saved=first.saved,
         wanted=first.wanted,
         hint=first.hint,
     )
+
+
+def _names(problems: list[UCPError], width: int = 160) -> str:
+    """The problems' atoms (their first line where one names none), comma-separated, cut to ``width``."""
+    names = [p.atom or p.message.splitlines()[0] for p in problems]
+    out = ""
+    for i, n in enumerate(names):
+        part = n if not out else f"{out}, {n}"
+        if len(part) > width:
+            return f"{out} and {len(names) - i} others"
+        out = part
+    return out
 
 
 GROUP_SINK = "\x00ucp-param-group"

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import marshal
-import os
 import pickle
-import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .. import settings
 from .opened import CheckedMetadata
 
 __all__ = ["SIGNED_FIELDS", "digest", "metadata_digest", "target_signature", "reader_key", "this_host"]
@@ -44,7 +43,7 @@ def metadata_digest(md: Metadata) -> bytes | None:
         return md.digest.encode()
     try:
         data = pickle.dumps((md.state_dict_metadata, md.planner_data, md.storage_data, md.version), protocol=5)
-    except Exception:
+    except Exception:  # metadata of a foreign reader holding objects pickle refuses: not cached, planned afresh
         return None
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -168,7 +167,7 @@ def _encode(rows: list[Any]) -> bytes:
 
 def this_host() -> str:
     """The host read-once groups ranks by (as :func:`ucp_dcp.storage.transport.local_summary` names it)."""
-    return os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    return settings.host()
 
 
 def reader_key(plan_key: bytes, reader: type, mode: str) -> bytes:

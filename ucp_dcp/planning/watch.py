@@ -20,8 +20,9 @@ through the job's store, where waiting is cheap and a loss can be told apart fro
   after the group's short timeout) arrives at the next gate *failing*: that gate never opens; it ends
   with the lost rank the watchers find, or, once every rank has arrived, with the lowest failing rank's
   error. A rank that leaves a call with an error it alone had publishes it on the next gate;
-* **the end**: every rank adds 1 to ``left``; the last one removes every key of the call. A finished or
-  failed call leaves nothing in the store, and nothing of it in this process.
+* **the end**: every rank removes its beat and adds 1 to ``left``; the last one removes the gates' keys and the
+  lost ranks' beats (a few keys, at any N). A finished or failed call leaves nothing in the store, and nothing
+  of it in this process.
 
 So per collective a rank makes about three store requests (its beat, the add, the get), and, per ``beat_s`` of a
 call without a gate, one more beat; the two watchers, while they wait, one scan a second: O(N) for the job,
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +50,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import settings
 from .._compat import default_store
 from ..errors import PeerLostError, UCPError, error_from_wire, peer_lost, wire_error
 from .collectives import peer_timeout
@@ -57,18 +58,15 @@ from .exit_threads import stop_at_exit
 
 __all__ = ["BEAT_ENV", "Watch", "beat_s", "current", "mark"]
 
-BEAT_ENV = "UCP_DCP_BEAT_S"
+BEAT_ENV = settings.ENV["beat_s"]
 SCAN_S = 1.0
 """How often a watcher reads the beats of the ranks a gate still waits for."""
 GO = b"go"
 
 
-def beat_s() -> float:
-    """Seconds a rank may say nothing before its thread beats (``$UCP_DCP_BEAT_S``; default a tenth of the
-    peer timeout, 3 s at its default of 30 s): a watcher judges a beat that stood still for the whole peer
-    timeout, so ten beats fit in it, and a call shorter than this beats at its gates and steps only."""
-    raw = os.environ.get(BEAT_ENV)
-    return float(raw) if raw else peer_timeout() / 10
+beat_s = settings.beat_s
+"""Seconds a rank may say nothing before its thread beats (``$UCP_DCP_BEAT_S``; default a tenth of the peer
+timeout, 3 s at its default of 30 s): a call shorter than this beats at its gates and steps only."""
 
 
 _LOCAL = threading.local()
@@ -162,7 +160,7 @@ class Watch:
         self.begin(what)
         try:
             yield self
-        except BaseException as e:
+        except BaseException as e:  # every way out ends the call for the peers too; what is raised is re-raised
             out = self.end(e)
             if out is e or out is None:
                 raise
@@ -219,8 +217,13 @@ class Watch:
             if self.orphan and not self.store_gone:  # what it made after the others left
                 for key in [f"b/{self.me}", f"a/{self.seq}", f"g/{self.seq}"]:
                     self._req("delete_key", key)
-            elif not self.store_gone and self._req("add", "left", 1) == self.size - len(self.lost):
-                keys = [f"b/{r}" for r in range(self.size)] + ["left"]
+            elif not self.store_gone:
+                # each rank removes its own beat (its thread has stopped), so the last one out removes O(1)
+                # keys, not N: a watcher reads a missing beat as "not begun", never as a loss
+                self._req("delete_key", f"b/{self.me}")
+                if self._req("add", "left", 1) != self.size - len(self.lost):
+                    return out
+                keys = [f"b/{r}" for r in self.lost] + ["left"]  # a lost rank never removed its own
                 for k in range(max(1, self.seq - 2), self.seq + 3):  # ranks are at most a gate apart
                     keys += [f"a/{k}", f"g/{k}"]
                 for key in keys:

@@ -8,29 +8,28 @@ that rank's error (:class:`~ucp_dcp.errors.PeerFailedError`: the rank and the ca
 line, an instance of the cause's class). A rank that died or froze is named by the gates of the call's watch
 (:mod:`ucp_dcp.planning.watch`), not by a collective timing out.
 
-``UCP_DCP_FAULT`` (testing, ``recipes/chaos.py``): ``RANK:STEP[:ACTION]`` makes rank ``RANK``
-fail at ``STEP`` (one of :data:`STEPS`); ``ACTION`` is ``raise`` (default), ``exit`` (the process
-is SIGKILLed) or ``hang`` (the process is SIGSTOPped, its heartbeat with it): :mod:`ucp_dcp.planning.faults`.
+Each of :data:`STEPS` is a fault point (:mod:`ucp_dcp.planning.faults`): a test's hook can make a rank fail
+there (``make chaos`` raises, kills or stops one rank at each).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
+from ..planning import faults
 from ..planning.collectives import peer_timeout
-from ..planning.faults import FAULT_ENV, FaultInjected, fault_point
+from ..planning.faults import FaultInjected, fault_point
 from ..planning.payloads import TransportPlan
 from .exchange import Outcome, drain_only, exchange, exchange_link, size_error
 from .read_job import ReadJob
 from .staging import BUFFERS_PER_THREAD
 from .transport import Incoming, as_bytes_tensor
 
-__all__ = ["FAULT_ENV", "STEPS", "FaultInjected", "read_data", "fault_point"]
+__all__ = ["STEPS", "FaultInjected", "read_data", "fault_point"]
 
 STEPS = ("job", "read", "pack", "incoming", "group", "deliver")
 """The steps of ``read_data`` a fault can be injected at (in order)."""
@@ -82,7 +81,7 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
     incoming = _incoming(job, transport, error)
     if isinstance(incoming, BaseException):
         error, incoming = error or incoming, {s: [drain_only() for _ in m] for s, m in transport.recv.items()}
-    if job is not None and error is None and os.environ.get(FAULT_ENV):
+    if job is not None and error is None and faults.installed():  # "deliver" is a step inside each message
         incoming = {s: [_faulty(m) for m in msgs] for s, msgs in incoming.items()}
     out = Outcome()
     if transport.ranks:  # somebody exchanges (the same answer on every rank: the coordinator's)

@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from .. import settings
+
 __all__ = ["MAX_THREADS", "MIN_THREADS", "STORE_REQUESTS_PER_THREAD", "reading_threads", "split_work"]
 
 MAX_THREADS = 16
@@ -40,10 +42,7 @@ def reading_threads(cores: int | None = None, local_ranks: int | None = None) ->
     [:data:`MIN_THREADS`, :data:`MAX_THREADS`]."""
     cores = _cores() if cores is None else cores
     if local_ranks is None:
-        try:
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        except ValueError:
-            local_ranks = 1
+        local_ranks = settings.local_world_size()
     return max(MIN_THREADS, min(MAX_THREADS, cores // max(1, local_ranks)))
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import socket
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .. import settings
 from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
 
 logger = logging.getLogger(__name__)
@@ -341,7 +340,7 @@ def local_summary(
     if mode == "off":
         return ReadSummary(rank, mode)
     keys, sizes, names = _rows(reads, md, sizes=True)
-    host = host or os.environ.get("UCP_DCP_HOST") or socket.gethostname()
+    host = host or settings.host()
     return ReadSummary(rank, mode, keys, sizes, host, names)
 
 

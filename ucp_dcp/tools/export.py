@@ -24,7 +24,7 @@ torchtitan reshards it at load to any FSDP/TP/PP layout whose data-parallel degr
 
 --to hf writes the model atoms as a Hugging Face folder (safetensors shards, index, config.json) under a declared
 mapping: --mapping torchtitan with the job's --module and --config (llama3, qwen3), or --mapping package.module:callable
-returning an ucp_dcp.sources.hf.HFMapping (the recipe's toy LLM: ucp_dcp.toy.hf_presets:toy_llama_mapping). Runs under torchrun too (each rank copies a share of the atoms).
+returning an ucp_dcp.sources.hf.HFMapping (your model's: e.g. mypkg.hf:mapping). Runs under torchrun too (each rank copies a share of the atoms).
 
 examples:
   python -m ucp_dcp export --to hf outputs/checkpoint/step-100 hf-out --mapping torchtitan --module llama3 \\
@@ -62,7 +62,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="--to hf (required): the model family's HF names and row orders: 'torchtitan' (with the "
         "job's --module and --config) or 'package.module:callable' returning an HFMapping, e.g. "
-        "ucp_dcp.toy.hf_presets:toy_llama_mapping",
+        "mypkg.hf:mapping",
     )
     p.add_argument(
         "--dtype",

@@ -9,15 +9,15 @@ release fails at import (like :func:`ucp_dcp._probes.check_torch`) unless
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import warnings
 from typing import Any
 
+from .. import settings
 from ..errors import UnsupportedTorchError
 
 TESTED_TORCHTITAN = ("0.3",)
 """``major.minor`` releases of torchtitan the integration's tests run on."""
-ALLOW_ENV = "UCP_DCP_ALLOW_UNTESTED_TORCHTITAN"
+ALLOW_ENV = settings.ENV["torchtitan"]
 
 
 def check_torchtitan() -> None:
@@ -35,7 +35,7 @@ def check_torchtitan() -> None:
         f"releases; install a tested torchtitan (pip install 'ucp-dcp[torchtitan]') or set {ALLOW_ENV}=1 to try "
         "anyway at your own risk."
     )
-    if os.environ.get(ALLOW_ENV) == "1":
+    if settings.allow_untested("torchtitan"):
         warnings.warn(msg, stacklevel=3)
         return
     raise UnsupportedTorchError(msg, hint=f"pip install torchtitan==0.3.0 (or set {ALLOW_ENV}=1)")

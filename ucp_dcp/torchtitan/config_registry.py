@@ -7,8 +7,8 @@
   Without one, ``--override.imports ucp_dcp.torchtitan.overrides.checkpointer`` turns the option on for
   any stock config.
 
-The CPU-sized models and configs the tests and recipes run are fixtures: ``--module ucp_dcp.testing``
-(``ucp_dcp/testing/config_registry.py``, docs/torchtitan.md).
+The CPU-sized models and configs the tests and recipes run are fixtures of the checkout's development package
+(not shipped): ``--module ucp_dev.testing`` (``dev/ucp_dev/testing/config_registry.py``, docs/torchtitan.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 torchtitan's ``MoE`` layers (its qwen3 MoE and deepseek_v3 models) are resharded by their DTensor
 placements like any other module; what needs a rule is the load-balancing ``expert_bias_E`` buffer
-(:func:`moe_rules`). The CPU-sized MoE models the tests train are fixtures, in
-:mod:`ucp_dcp.testing.titan_models`.
+(:func:`moe_rules`). The CPU-sized MoE models the tests train are fixtures of the
+checkout's development package (``ucp_dev.testing.titan_models``, not shipped).
 """
 
 from __future__ import annotations

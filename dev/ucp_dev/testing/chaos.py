@@ -11,7 +11,7 @@ at a step of a save (:data:`SAVE_STEPS`), saves again over it with other values.
 * ``raise@STEP``, ``exit@STEP``, ``hang@STEP``: the last rank raises, dies (SIGKILL), or freezes
   (SIGSTOP) at a step of ``read_data`` (:data:`ucp_dcp.storage.read_protocol.STEPS`) or outside it,
   inside DCP's own collectives (:data:`ucp_dcp.planning.faults.CALL_STEPS`: a save's planning, the
-  start and end of its writes, a load's planning), through ``UCP_DCP_FAULT``. After a save that
+  start and end of its writes, a load's planning), through the fault hook (:func:`ucp_dev.testing.faults.inject`). After a save that
   failed, the folder must still load, bitwise, as the checkpoint saved before it (``previous``).
 
 A case passes when every rank that was not killed or stopped on purpose ends within the bound
@@ -98,7 +98,7 @@ class Case:
 def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "off")) -> list[Case]:
     """Every fault at every step it applies to, for each world size and read-once mode (faults
     outside ``read_data`` once per world size: the read-once mode does not reach them)."""
-    from ..storage.read_protocol import STEPS
+    from ucp_dcp.storage.read_protocol import STEPS
 
     out = []
     for world in worlds:
@@ -172,7 +172,7 @@ def previous(case: Case, root: str) -> str:
     it is the checkpoint saved before, bitwise."""
     import torch
 
-    from ..api import load
+    from ucp_dcp.api import load
 
     want = _full(case.world)
     got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in want.items()}
@@ -211,18 +211,20 @@ def one_rank(case: Case, rank: int, root: str) -> dict[str, Any]:
     ended (``error``: None or the class name, ``classes``, ``message``, ``peer``, ``seconds``)."""
     import torch.distributed as dist
 
-    from ..api import load, save
+    from ucp_dcp.api import load, save
+
+    from .faults import inject
 
     os.environ["UCP_DCP_PEER_TIMEOUT_S"] = str(case.peer_timeout)
     os.environ["UCP_DCP_HOST"] = f"node{rank * 2 // case.world}"
-    os.environ.pop("UCP_DCP_FAULT", None)
+    inject(None)
     save(_state(rank, case.world, False), root)
     dist.barrier()
     if rank == 0:
         _damage(root, case.fault)
     dist.barrier()
     if "@" in case.fault:
-        os.environ["UCP_DCP_FAULT"] = f"{case.faulty}:{case.step}:{case.action}"
+        inject(f"{case.faulty}:{case.step}:{case.action}")
     t0 = time.monotonic()
     try:
         if case.in_save:  # over the checkpoint just saved, with other values

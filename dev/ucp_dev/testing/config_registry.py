@@ -1,8 +1,8 @@
-"""The tests' and recipes' torchtitan configs: ``--module ucp_dcp.testing --config <name>`` (test fixtures).
+"""The tests' and recipes' torchtitan configs: ``--module ucp_dev.testing --config <name>`` (test fixtures).
 
 torchtitan reads ``--module M`` as the module ``M.config_registry`` and ``--config`` as a function in it, so
 this module is all a job (the CPU launcher's included) needs: no registration call. The models are the
-CPU-sized ones of :mod:`ucp_dcp.testing.titan_models`; ``*_ucp`` entries turn ucp_dcp's option on with
+CPU-sized ones of :mod:`ucp_dev.testing.titan_models`; ``*_ucp`` entries turn ucp_dcp's option on with
 :func:`~ucp_dcp.torchtitan.config_registry.with_ucp`, the others keep torchtitan's stock checkpointer.
 
 * ``llama3_debugmodel_ucp``: the library's own entry (torchtitan's debug model with the option),

@@ -3,11 +3,11 @@ verdict. One implementation for ``recipes/elastic_resume.py`` (each phase in its
 in files) and the multi-process tests (both phases in one process world, on sub-groups of the pool).
 
 The save phase trains K steps, saves with ``UCPSavePlanner``, keeps an oracle of every *logical* value
-(unfused, unpadded, global names; ``ucp_dcp.toy.logical_state``, no ucp_dcp code) and trains on to step 2K:
+(unfused, unpadded, global names; ``ucp_dev.toy.logical_state``, no ucp_dcp code) and trains on to step 2K:
 the uninterrupted reference. The load phase builds a trainer from another seed (every value must come from
 the checkpoint), loads with ``UCPLoadPlanner`` and trains K steps. :func:`resume_problems` judges the two:
 the loaded state bitwise the oracle, and the losses bitwise at the same layout or within the fp32
-tolerances of :mod:`ucp_dcp.testing.checks` at another. :data:`RECONFIG_SET` is the set of transitions
+tolerances of :mod:`ucp_dev.testing.checks` at another. :data:`RECONFIG_SET` is the set of transitions
 ``make reconfig``, the tests and the mistake set run.
 """
 
@@ -25,8 +25,8 @@ from ucp_dcp.planning.load_planner import UCPLoadPlanner
 from ucp_dcp.planning.save_planner import UCPSavePlanner
 from ucp_dcp.storage.reader import UCPFileSystemReader
 from ucp_dcp.storage.writer import UCPFileSystemWriter
-from ucp_dcp.testing.checks import loss_problems, rel_diffs, state_diffs, state_problem
-from ucp_dcp.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
+from ucp_dev.testing.checks import loss_problems, rel_diffs, state_diffs, state_problem
+from ucp_dev.toy import Job, ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 RECONFIG_SET = [
     ("dp=2,tp=2,pp=2", "dp=2,tp=2"),

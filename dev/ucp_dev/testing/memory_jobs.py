@@ -19,8 +19,8 @@ from ucp_dcp.memory import load as memory_load
 from ucp_dcp.memory.store import host_dir
 from ucp_dcp.planning.load_planner import UCPLoadPlanner
 from ucp_dcp.planning.save_planner import UCPSavePlanner
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, trainer_options
 
 __all__ = ["simulate_hosts", "save_job", "lose_hosts", "resume_job"]
 

@@ -1,6 +1,6 @@
 """Mistakes at the *dtype edge* (issue 46): saved values at and past the largest finite value of a narrower target
 (fp16, bf16, the float8 formats), loaded into targets of that dtype, on 2 gloo ranks beside the other classes of
-the harness (:mod:`ucp_dcp.testing.mistakes`). Each run saves one DTensor (``Shard(0)``, every rank's shard
+the harness (:mod:`ucp_dev.testing.mistakes`). Each run saves one DTensor (``Shard(0)``, every rank's shard
 holding every value) and one plain tensor (the same on every rank), with ucp_dcp's writer or stock DCP's, and
 loads them with ucp_dcp (read-once on or off) into DTensor and plain targets of the wanted dtype.
 
@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ucp_dcp.api import load as ucp_load
 from ucp_dcp.api import save as ucp_save
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.mistake_runs import agree, attempt
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.mistake_runs import agree, attempt
 
 __all__ = ["DTYPE_SCENARIOS", "dtype_worker"]
 

@@ -1,5 +1,5 @@
 """Mistakes of state-dict *form* (issue 31): the two shapes of state users hand DCP without any declaration,
-run on 2 gloo ranks beside the toy trainer's transitions (:mod:`ucp_dcp.testing.mistakes`).
+run on 2 gloo ranks beside the toy trainer's transitions (:mod:`ucp_dev.testing.mistakes`).
 
 * **ties without rules** (``form-tied-*``): a language model whose embedding and output head are one
   ``Parameter`` (most small LLMs), sharded with FSDP2, saved and loaded with no ``Tied`` rule; into the same
@@ -34,8 +34,8 @@ from torch.distributed.fsdp import fully_shard
 from ucp_dcp.api import load as ucp_load
 from ucp_dcp.api import save as ucp_save
 from ucp_dcp.layout.patterns import Tied
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.mistake_runs import agree, attempt
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.mistake_runs import agree, attempt
 
 WORLD = 2
 

@@ -1,6 +1,6 @@
 """Mistakes of *subclassing* (issue 31): ``UCPSavePlanner``/``UCPLoadPlanner`` subclassed the way DCP's
 docs subclass its default planners, run on 2 gloo ranks (an FSDP2-sharded model, a replicated DTensor, an
-object) beside the other classes of the harness (:mod:`ucp_dcp.testing.mistakes`).
+object) beside the other classes of the harness (:mod:`ucp_dev.testing.mistakes`).
 
 Each hook pattern either does what DCP's planner would do with it (``ok``: the state is bitwise what the
 hook asked for) or is refused with a ``UCPError``; returning with any other state is ``silent`` (the hook was
@@ -26,9 +26,9 @@ from ucp_dcp.planning.load_planner import UCPLoadPlanner
 from ucp_dcp.planning.save_planner import UCPSavePlanner
 from ucp_dcp.storage.reader import UCPFileSystemReader
 from ucp_dcp.storage.writer import UCPFileSystemWriter
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.mistake_forms import WORLD, _flat, _job
-from ucp_dcp.testing.mistake_runs import agree, attempt
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.mistake_forms import WORLD, _flat, _job
+from ucp_dev.testing.mistake_runs import agree, attempt
 
 __all__ = ["HOOK_SCENARIOS", "hooks_worker"]
 

@@ -1,6 +1,6 @@
-"""The mistakes of :mod:`ucp_dcp.testing.mistakes` applied, and one transition's runs on its ranks
+"""The mistakes of :mod:`ucp_dev.testing.mistakes` applied, and one transition's runs on its ranks
 (:func:`transition_worker`: the tests run it on their pool of workers, ``recipes/mistakes.py`` on fresh
-processes, ``ucp_dcp.testing.processes``).
+processes, ``ucp_dev.testing.processes``).
 
 Cost: one transition is one run on its ranks: one training run and its oracle, one save per save-side
 variant, every load-side variant reusing that checkpoint, a fresh load trainer per run (a load that skips an
@@ -28,9 +28,9 @@ from ucp_dcp.planning.load_planner import UCPLoadPlanner
 from ucp_dcp.planning.save_planner import UCPSavePlanner
 from ucp_dcp.storage.reader import UCPFileSystemReader
 from ucp_dcp.storage.writer import UCPFileSystemWriter
-from ucp_dcp.testing.checks import state_diffs
-from ucp_dcp.testing.mistakes import VOCAB, Mistake, all_mistakes
-from ucp_dcp.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, ucp_options
+from ucp_dev.testing.checks import state_diffs
+from ucp_dev.testing.mistakes import VOCAB, Mistake, all_mistakes
+from ucp_dev.toy import ModelConfig, Topology, build_job, build_trainer, logical_state, train_step, ucp_options
 
 STEPS = 2
 """Training steps before the save."""

@@ -1,8 +1,8 @@
 """Mistake injection: every ordinary user mistake, on every transition of the reconfiguration set, must end
 either bitwise equal to the correct reshard or in a ``UCPError`` that names the atom and the fix.
 
-A *mistake* is one change to a correct save -> load run of the toy trainer (``ucp_dcp.toy``), the run of
-``ucp_dcp.testing.elastic`` (``recipes/elastic_resume.py``):
+A *mistake* is one change to a correct save -> load run of the toy trainer (``ucp_dev.toy``), the run of
+``ucp_dev.testing.elastic`` (``recipes/elastic_resume.py``):
 
 * ``drop`` / ``alter`` a declared rule or map (:data:`RULES`) at ``save``, at ``load`` or at ``both``;
 * ``reorder`` the target optimizer's two param groups (decay / no-decay: different weight decay) at load;
@@ -19,12 +19,12 @@ A *mistake* is one change to a correct save -> load run of the toy trainer (``uc
 Each run ends in one :data:`Outcome`: ``ok`` (returned, state bitwise the oracle's), ``refused`` (a ``UCPError``
 with ``atom`` and ``hint``), ``unclear`` (a ``UCPError`` without them), ``crash`` (another exception), ``silent``
 (returned with wrong state; for a ``perturb``: returned at all, the divergence went unreported), ``overrefused``
-(refused where the run must load: a dtype-edge value ``Tensor.to`` only rounds, :mod:`ucp_dcp.testing.mistake_dtypes`;
+(refused where the run must load: a dtype-edge value ``Tensor.to`` only rounds, :mod:`ucp_dev.testing.mistake_dtypes`;
 a failure like ``silent``). Runs loaded
 by stock DCP's planner are ours to report, not to fix: their outcomes get a ``stock-`` prefix and count apart.
 
 This module is the set (which mistakes run where: :func:`plan`) and its verdict (:func:`summary`); the runs
-themselves (the mistakes applied, one transition on its ranks) are :mod:`ucp_dcp.testing.mistake_runs`.
+themselves (the mistakes applied, one transition on its ranks) are :mod:`ucp_dev.testing.mistake_runs`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ucp_dcp.toy import Topology
+from ucp_dev.toy import Topology
 
 RULES = ("fused_wqkv", "fused_w13", "tied", "padded", "replicated", "reduce", "stage_map", "expert_map")
-"""The toy's declared rules and maps (ucp_dcp/toy/layouts.py), by the harness's key."""
+"""The toy's declared rules and maps (dev/ucp_dev/toy/layouts.py), by the harness's key."""
 ALTERABLE = ("fused_wqkv", "fused_w13", "tied", "padded", "reduce", "stage_map", "expert_map")
 """Rules with a meaningful wrong value (``mistake_runs._altered``); a ``Replicated`` rule has none (its ``check`` mode
 matters only with a perturbed replica, which ``perturb`` covers)."""
@@ -216,9 +216,9 @@ def names_cause(r: dict) -> bool:
         "hsdp": "replica",
         "plain": "replica",
         "reorder": "param group",
-        "raw": "raw optimizer",  # the state-form runs (ucp_dcp.testing.mistake_forms)
+        "raw": "raw optimizer",  # the state-form runs (ucp_dev.testing.mistake_forms)
     }.get(target, target)
-    if r["mistake"].startswith("dtype-"):  # the dtype-edge runs (ucp_dcp.testing.mistake_dtypes)
+    if r["mistake"].startswith("dtype-"):  # the dtype-edge runs (ucp_dev.testing.mistake_dtypes)
         word = "dtype"
     return word in r.get("mentions", [word])
 

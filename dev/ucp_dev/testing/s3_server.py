@@ -9,7 +9,7 @@ misconfiguration: a write ``AccessDenied`` (403) by a bucket policy, ``SlowDown`
 throttles, and a listing that does not show objects written a moment ago. It also counts requests and
 the object bytes served, so tests measure what a load fetched at the server, not what the client says.
 
-Run on its own (the benchmark keeps it out of the ranks' processes): ``python -m ucp_dcp.testing.s3_server
+Run on its own (the benchmark keeps it out of the ranks' processes): ``python -m ucp_dev.testing.s3_server
 --bucket ucp`` prints ``READY <endpoint>`` and serves until killed; :func:`server_stats` reads its counters
 from another process.
 """
@@ -216,7 +216,7 @@ def spawn_server(*buckets: str) -> tuple[Any, dict[str, str]]:
     import subprocess
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ucp_dcp.testing.s3_server", *(x for b in buckets for x in ("--bucket", b))],
+        [sys.executable, "-m", "ucp_dev.testing.s3_server", *(x for b in buckets for x in ("--bucket", b))],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -157,7 +157,7 @@ def kill_points(counts: list[int], victims: tuple[int, ...] = (0, 1)) -> list[tu
 def store_crash_trials(env: dict[str, str], url: str, limit: int | None = None) -> StoreCrashes:
     """The kill walk on ``url`` (the store reached through ``env``); ``limit``: at most that many kill points,
     spread evenly over the walk (None: all of them)."""
-    from ucp_dcp.testing.processes import RanksFailed, run_ranks
+    from ucp_dev.testing.processes import RanksFailed, run_ranks
 
     out = StoreCrashes()
     for k, v in env.items():

@@ -15,7 +15,7 @@ are the same architectures, built by torchtitan's own (private) layer builders a
   smaller, with the latent norms at Hugging Face's eps, for the single-process HF mapping tests.
 
 The ``*_trainer`` functions put them into torchtitan's own debug Trainer configs; the registry entries
-of :mod:`ucp_dcp.testing.config_registry` are made of them.
+of :mod:`ucp_dev.testing.config_registry` are made of them.
 """
 
 from __future__ import annotations

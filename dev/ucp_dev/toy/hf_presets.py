@@ -4,14 +4,14 @@ Each mapping is a function of the model's sizes (rotary rows are permuted per he
 counts are part of the rule) returning an :class:`~ucp_dcp.sources.hf.mapping.HFMapping` whose ``config``
 is the ``config.json`` an export writes for ``transformers``. torchtitan's llama3 and qwen3:
 :mod:`ucp_dcp.torchtitan.mappings`. ``python -m ucp_dcp export --to hf --mapping
-ucp_dcp.toy.hf_presets:toy_llama_mapping`` exports a toy checkpoint.
+ucp_dev.toy.hf_presets:toy_llama_mapping`` exports a toy checkpoint.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..sources.hf.mapping import HFMapping, HFRule
+from ucp_dcp.sources.hf.mapping import HFMapping, HFRule
 
 __all__ = ["toy_llama", "toy_mixtral", "toy_llama_mapping", "toy_mixtral_mapping", "TOY_LLAMA", "TOY_MIXTRAL"]
 
@@ -96,7 +96,7 @@ def _check_toy(cfg: Any, moe: bool) -> None:
 
 
 def toy_llama(cfg: Any, prefix: str = "model.") -> HFMapping:
-    """The recipe's toy model (:class:`ucp_dcp.toy.ModelConfig` with ``rope_theta`` set, no MoE
+    """The recipe's toy model (:class:`ucp_dev.toy.ModelConfig` with ``rope_theta`` set, no MoE
     layers, ``res_gain=False``) as a Hugging Face ``LlamaForCausalLM`` with tied embeddings; its
     fused ``wqkv``/``w13`` and padded vocabulary come from the toy's own pattern rules."""
     _check_toy(cfg, moe=False)

@@ -2,15 +2,16 @@
 
 :func:`ucp_options` needs only the model config, the topology and the rank's mesh coordinate (no
 Trainer, no process group), so a rank's planner options can be made for any layout, also one that
-is not running; :func:`trainer_options` is the same for a built :class:`~ucp_dcp.toy.parallel.Trainer`.
+is not running; :func:`trainer_options` is the same for a built :class:`~ucp_dev.toy.parallel.Trainer`.
 The result is the keyword arguments of ``UCPSavePlanner`` / ``UCPLoadPlanner`` (and ``ucp_dcp.save``
 / ``ucp_dcp.load``).
 """
 
 from __future__ import annotations
 
-from ..layout.index_maps import Chunk, IndexMap
-from ..layout.patterns import Fused, Padded, Reduce, Replicated, Tied
+from ucp_dcp.layout.index_maps import Chunk, IndexMap
+from ucp_dcp.layout.patterns import Fused, Padded, Reduce, Replicated, Tied
+
 from .model import ModelConfig
 from .parallel import Topology, Trainer, layer_split, stage_ids
 

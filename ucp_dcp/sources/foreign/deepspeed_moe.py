@@ -63,7 +63,7 @@ TOY_NAMES: tuple[NameRule, ...] = (
     NameRule(r"(.*)\.deepspeed_moe\.gate\.wg\.(.*)", r"\1.router.\2"),
     NameRule(r"(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)", r"\1.experts.\2.\3"),
 )
-"""DeepSpeed MoE -> the toy LLM's list MoE (``ucp_dcp.toy.model.MoE`` with ``ListExperts``)."""
+"""DeepSpeed MoE -> the toy LLM's list MoE (the checkout's ``ucp_dev.toy.model.MoE`` with ``ListExperts``)."""
 
 
 def rename(name: str, rules: Sequence[NameRule]) -> str:

@@ -172,7 +172,9 @@ def parse_pickle(data: bytes, where: str) -> Any:
         return _InertUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(f"{where}: {e}", hint="the file is damaged or crafted") from None
-    except Exception as e:
+    except (
+        Exception
+    ) as e:  # an untrusted file may fail the parser anywhere: reported as a damaged file, never passed on
         raise CorruptCheckpointError(
             f"{where} does not parse ({type(e).__name__}: {e})", hint="the file is damaged or not a torch.save file"
         ) from None
@@ -213,7 +215,7 @@ def load_inert(path: str | os.PathLike) -> TorchFile:
         data = reader.get_record("data.pkl")
     except FileNotFoundError:
         raise
-    except Exception as e:
+    except Exception as e:  # torch's zip reader raises RuntimeError and others on a bad file: a damaged file
         raise CorruptCheckpointError(
             f"{path} is not a torch.save zip file ({type(e).__name__}: {e})",
             hint="the file is damaged, or saved with the legacy format",

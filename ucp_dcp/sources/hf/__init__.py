@@ -6,7 +6,8 @@
 * :func:`load_hf`: the same in one call; :func:`export_hf`: a ucp_dcp checkpoint of any layout
   to an HF folder (shards, index, ``config.json``), box by box, never assembling the model.
 * :mod:`.mapping`: the rules (:class:`HFRule`, :class:`HFMapping`). Declared mappings: torchtitan's
-  llama3 and qwen3 (:mod:`ucp_dcp.torchtitan.mappings`), the recipe's toy LLM (:mod:`ucp_dcp.toy.hf_presets`).
+  llama3 and qwen3 (:mod:`ucp_dcp.torchtitan.mappings`), and in a checkout the recipes' toy LLM
+  (``ucp_dev.toy.hf_presets``, the development package, not shipped).
 
 See docs/huggingface.md.
 """

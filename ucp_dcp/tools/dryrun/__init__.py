@@ -8,6 +8,6 @@ the bytes, reads and files it would touch (see docs/plan.md).
 """
 
 from .simulate import PlanReport, Problem, RankPlan, plan_load
-from .targets import FunctionTarget, RecipeTarget, Target
+from .targets import FunctionTarget, Target
 
-__all__ = ["plan_load", "PlanReport", "Problem", "RankPlan", "Target", "FunctionTarget", "RecipeTarget"]
+__all__ = ["plan_load", "PlanReport", "Problem", "RankPlan", "Target", "FunctionTarget"]

@@ -14,7 +14,6 @@ from ...progress import RankProgress, set_enabled
 __all__ = ["add_parser", "run"]
 
 _TARGETS = """targets:
-  recipe            the recipe's toy LLM at --topology (e.g. pp=2,dp=512,tp=4)
   titan             a torchtitan job: --module, --config and the Trainer's own parallelism flags
                     after the known options (e.g. --parallelism.data_parallel_shard_degree 64)
   pkg.mod:fn        your job: fn(rank, world_size) returns the state dict that rank loads
@@ -42,9 +41,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "a fresh, empty host); default: the root's hosts in name order",
     )
     p.add_argument("--durable", help="memory root: the tier's durable folder (drained generations)")
-    p.add_argument("--target", required=True, help="recipe | titan | package.module:function (see below)")
-    p.add_argument("--topology", help="recipe target: pp=..,dpr=..,dp=..,ep=..,tp=..,vpp=..")
-    p.add_argument("--model", help="recipe target: ModelConfig overrides, e.g. ffn_dim=56,n_layers=6")
+    p.add_argument("--target", required=True, help="titan | package.module:function (see below)")
     p.add_argument("--world-size", type=int, help="function target: ranks of the job")
     p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per host (default 8)")
     p.add_argument(
@@ -107,13 +104,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _target(a: argparse.Namespace, extra: list[str]) -> Any:
-    from .targets import FunctionTarget, RecipeTarget, load_function
+    from .targets import FunctionTarget, load_function
 
-    if a.target == "recipe":
-        if not a.topology:
-            raise UCPError("--target recipe needs --topology, e.g. pp=2,dp=512,tp=4")
-        _no_extra(extra)
-        return RecipeTarget(a.topology, cfg=_model_config(a.model))
     if a.target == "titan":
         from ...torchtitan.plan_target import TitanTarget
 
@@ -122,27 +114,6 @@ def _target(a: argparse.Namespace, extra: list[str]) -> Any:
     if not a.world_size or a.world_size < 1:
         raise UCPError(f"--target {a.target}: give the job's --world-size")
     return FunctionTarget(load_function(a.target), a.world_size, name=a.target)
-
-
-def _model_config(text: str | None) -> Any:
-    """``"ffn_dim=56,n_layers=6"`` -> the recipe's ModelConfig with those fields changed."""
-    import dataclasses
-
-    from ...toy.model import ModelConfig
-
-    if not text:
-        return None
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    kw: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, val = part.partition("=")
-        if key not in fields or not val.lstrip("-").isdigit():
-            raise UCPError(
-                f"--model: bad item {part!r} (integer fields: "
-                f"{', '.join(n for n, f in fields.items() if f.type in ('int', int))})"
-            )
-        kw[key] = int(val)
-    return ModelConfig(**kw)
 
 
 def _no_extra(extra: list[str]) -> None:

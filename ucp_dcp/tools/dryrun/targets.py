@@ -18,14 +18,14 @@ from typing import Any, Protocol
 
 from ...errors import UCPError
 
-__all__ = ["Target", "FunctionTarget", "RecipeTarget", "load_function"]
+__all__ = ["Target", "FunctionTarget", "load_function"]
 
 
 class Target(Protocol):
     """What the plan needs from a target job."""
 
     name: str
-    """Shown in the report (e.g. ``recipe pp=2,dp=512,tp=4``)."""
+    """Shown in the report (e.g. ``titan llama3/llama3_8b``, ``mypkg.jobs:target``)."""
     world_size: int
     """Ranks of the target job."""
     device: str | None
@@ -97,6 +97,7 @@ class FunctionTarget:
     name: str = ""
     extra_options: dict[str, Any] = field(default_factory=dict)
     _options: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _class_options: dict[Hashable, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> str | None:
@@ -112,59 +113,19 @@ class FunctionTarget:
         if not isinstance(sd, dict):
             raise UCPError(f"target {self.name}: rank {rank}: expected a state dict, got {type(sd).__name__}")
         self._options[rank] = dict(opts or {})
+        key = self.symmetry(rank)
+        if key is not None:
+            self._class_options.setdefault(key, self._options[rank])
         return sd
 
     def options(self, rank: int) -> dict[str, Any]:
-        # a rank that was rebound, not built, takes its class representative's options unless the
-        # function's own options depend on the rank (then it must not declare plan_symmetry)
+        # a rank that was rebound, not built, takes its class representative's options (the first built rank
+        # of its symmetry class): options may differ between classes (a pipeline stage's stage_map), but
+        # within a class they must not depend on the rank (else the function must not declare plan_symmetry)
         opts = self._options.get(rank)
+        if opts is None:
+            key = self.symmetry(rank)
+            opts = self._class_options.get(key) if key is not None else None
         if opts is None:
             opts = next(iter(self._options.values()), {})
         return {**opts, **self.extra_options}
-
-
-@dataclass
-class RecipeTarget:
-    """The recipe's toy LLM (:mod:`ucp_dcp.toy`) at a topology string such as
-    ``pp=2,dp=512,tp=4``: the state dict and layout options ``recipes/elastic_resume.py`` loads with."""
-
-    topology: str
-    name: str = ""
-    cfg: Any = None
-    """The model's ``ucp_dcp.toy.ModelConfig`` (default: the recipe's)."""
-    device: str | None = "cuda"
-    """Its layouts stand for GPU jobs (the toy itself runs on CPUs, but ``plan`` sizes the load of the layout)."""
-
-    def __post_init__(self) -> None:
-        from ...toy.model import ModelConfig
-        from ...toy.parallel import Topology
-
-        try:
-            self.topo = Topology.parse(self.topology)
-        except ValueError as e:
-            raise UCPError(f"--topology: {e}") from None
-        self.cfg = self.cfg or ModelConfig()
-        self.world_size = self.topo.world
-        self.name = self.name or f"recipe {self.topo}"
-        self._dims = ("pp", "dpr", "dp", "ep", "tp")
-        self._shape = tuple(getattr(self.topo, d) for d in self._dims)
-
-    def coord(self, rank: int) -> dict[str, int]:
-        """The rank's coordinate on the job's (pp, dpr, dp, ep, tp) mesh (row-major, as build_job)."""
-        out, rest = {}, rank
-        for d, n in zip(reversed(self._dims), reversed(self._shape)):
-            out[d], rest = rest % n, rest // n
-        return out
-
-    def symmetry(self, rank: int) -> Hashable:
-        return self.coord(rank)["pp"]  # stages differ in modules; every other coordinate only moves shards
-
-    def build(self, rank: int) -> dict[str, Any]:
-        from ...toy.parallel import build_job, build_trainer
-
-        return build_trainer(self.cfg, build_job(self.topo), device="meta").state_dict()
-
-    def options(self, rank: int) -> dict[str, Any]:
-        from ...toy.layouts import ucp_options
-
-        return ucp_options(self.cfg, self.topo, self.coord(rank))

@@ -25,9 +25,11 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ... import settings
+
 __all__ = ["Split", "plan_workers", "WORKERS_ENV", "RANKS_PER_WORKER"]
 
-WORKERS_ENV = "UCP_DCP_PLAN_WORKERS"
+WORKERS_ENV = settings.ENV["plan_workers"]
 """Environment variable: the number of processes a plan uses (1: this process only)."""
 RANKS_PER_WORKER = 256
 """A plan forks a worker per this many simulated ranks, up to the cores it may use: below, forking costs more
@@ -43,8 +45,7 @@ def plan_workers(n: int, requested: int | None = None) -> int:
     """How many processes plan ``n`` ranks: ``requested``, else ``UCP_DCP_PLAN_WORKERS``, else one per
     :data:`RANKS_PER_WORKER` ranks up to the cores this process may use; 1 without ``fork`` (not Linux)."""
     if requested is None:
-        env = os.environ.get(WORKERS_ENV, "").strip()
-        requested = int(env) if env.isdigit() else None
+        requested = settings.plan_workers()
     if requested is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         requested = min(cores, n // RANKS_PER_WORKER)
@@ -159,7 +160,7 @@ class Split:
             args = conn.recv()
             if args is not None:
                 conn.send(("ok", [self._finish(r, a) for r, a in zip(run, args)]))
-        except BaseException:
+        except BaseException:  # sent to the parent, which raises it with this worker's traceback
             try:
                 conn.send(("error", traceback.format_exc()))
             except (BrokenPipeError, OSError):

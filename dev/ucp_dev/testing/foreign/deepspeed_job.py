@@ -73,7 +73,7 @@ def toy_model(
 ) -> tuple[Any, Any]:
     """The toy Llama (one ``StageModel`` with every layer) set from its logical parameters of ``seed``;
     ``edit(cfg, model, logical)`` swaps modules before the head is tied to the embedding."""
-    from ucp_dcp.toy.model import Groups, ModelConfig, StageModel, logical_params
+    from ucp_dev.toy.model import Groups, ModelConfig, StageModel, logical_params
 
     cfg = ModelConfig(**cfg_kw)
     logical = logical_params(cfg, seed)

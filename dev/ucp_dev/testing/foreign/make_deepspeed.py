@@ -1,6 +1,6 @@
 """Make real DeepSpeed ZeRO-1/2/3 (and universal) checkpoints of the toy LLM, on CPU.
 
-    flock /tmp/ucp-mp.lock python -m ucp_dcp.testing.foreign.make_deepspeed --out DIR --stage {1,2,3} \\
+    flock /tmp/ucp-mp.lock python -m ucp_dev.testing.foreign.make_deepspeed --out DIR --stage {1,2,3} \\
         [--world 2] [--steps 3] [--universal] [--untied] [--seed 0] \\
         [--param-alignment] [--round-robin]
 
@@ -32,7 +32,7 @@ Written under DIR:
   DeepSpeed's group order);
 * ``meta.json``: stage, world, steps, seed, model config, the DeepSpeed config, timings.
 
-``python -m ucp_dcp.testing.foreign.verify_deepspeed_layout DIR`` rebuilds every parameter and both Adam moments
+``python -m ucp_dev.testing.foreign.verify_deepspeed_layout DIR`` rebuilds every parameter and both Adam moments
 from the raw flat partitions (without importing deepspeed) and checks them bit for bit against
 these views. ``--round-robin`` (``round_robin_gradients``) reorders the flat group; DeepSpeed 0.19.8
 then records ``param_shapes`` in the flat (reordered) order but computes its fragment addresses

@@ -1,6 +1,6 @@
 """Make real DeepSpeed MoE (expert-parallel) ZeRO-1/2 checkpoints of the toy LLM, on CPU.
 
-    flock /tmp/ucp-mp.lock python -m ucp_dcp.testing.foreign.make_deepspeed_moe --out DIR --stage {1,2} \\
+    flock /tmp/ucp-mp.lock python -m ucp_dev.testing.foreign.make_deepspeed_moe --out DIR --stage {1,2} \\
         [--world 4] [--ep 2] [--steps 3] [--seed 0]
 
 The toy Llama of ``make_deepspeed.py`` (fp32, ``torch_adam`` AdamW, two param groups, tied head) with
@@ -51,7 +51,7 @@ def build_model(seed: int, ep: int, ep_rank: int) -> tuple[Any, Any]:
     """The toy model with DeepSpeed MoE layers, this EP rank's experts set from the logical params."""
     from deepspeed.moe.layer import MoE
 
-    from ucp_dcp.toy.model import Expert
+    from ucp_dev.toy.model import Expert
 
     class ToyDSMoE(MoE):
         """DeepSpeed's MoE with the toy block's call signature; keeps the gate loss for the step."""

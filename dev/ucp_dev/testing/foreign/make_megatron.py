@@ -2,7 +2,7 @@
 
 Usage (the venv with torch + megatron-core)::
 
-    python -m ucp_dcp.testing.foreign.make_megatron --out DIR [--tp 2] [--steps 3] [--dist-opt none|dp|full]
+    python -m ucp_dev.testing.foreign.make_megatron --out DIR [--tp 2] [--steps 3] [--dist-opt none|dp|full]
 
 Phase 1 (``tp`` gloo processes): a tiny Megatron-Core ``GPTModel`` built from the local
 (non-Transformer-Engine) layer spec; trained ``steps`` steps with Megatron's own optimizer; saved

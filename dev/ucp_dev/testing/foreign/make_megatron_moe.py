@@ -2,13 +2,13 @@
 
 Usage (the venv with torch + megatron-core)::
 
-    python -m ucp_dcp.testing.foreign.make_megatron_moe --out DIR [--ep 2] [--tp 1] [--steps 3] [--extras]
+    python -m ucp_dev.testing.foreign.make_megatron_moe --out DIR [--ep 2] [--tp 1] [--steps 3] [--extras]
 
 Phase 1 (``tp x ep`` gloo processes; Megatron carves EP out of DP, so dense weights are replicated
 over the ``ep`` ranks): a tiny Megatron-Core ``GPTModel`` with every layer MoE, built from the local
 spec (``SequentialMLP`` experts, ``allgather`` dispatcher), trained ``steps`` steps with Megatron's
 own optimizer (DistributedOptimizer, saved ``fully_reshardable``) and saved with
-``dist_checkpointing.save``. Its sizes are the toy's :data:`~ucp_dcp.toy.hf_presets.TOY_MIXTRAL`
+``dist_checkpointing.save``. Its sizes are the toy's :data:`~ucp_dev.toy.hf_presets.TOY_MIXTRAL`
 (hidden 48, 6 heads, 2 query groups, 4 experts of 24, top-2, vocabulary 61 padded), so the plain
 variant loads into the toy. ``--extras`` adds what the toy does not have: linear biases
 (``add_bias_linear``, experts' too), QK layer norms (``qk_layernorm``) and an aux-loss-free router

@@ -34,7 +34,7 @@ BATCH = 2
 LR = 1e-3
 POS = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
 GEOMETRY = dict(num_layers=4, hidden_size=48, num_attention_heads=6, num_query_groups=2)
-"""The toy's sizes (``ucp_dcp.toy.hf_presets.TOY_LLAMA``), also recorded in the saved ``args``."""
+"""The toy's sizes (``ucp_dev.toy.hf_presets.TOY_LLAMA``), also recorded in the saved ``args``."""
 FFN = 52
 """The dense MLP's hidden size (the MoE GPT's experts have their own)."""
 CONFIG = dict(

@@ -1,6 +1,6 @@
 """Check the documented DeepSpeed ZeRO / universal layouts against DeepSpeed's own view, without deepspeed.
 
-    python -m ucp_dcp.testing.foreign.verify_deepspeed_layout DIR [DIR ...]
+    python -m ucp_dev.testing.foreign.verify_deepspeed_layout DIR [DIR ...]
 
 DIR is an output of ``make_deepspeed.py``. Every pickle is opened with an unpickler that knows only
 torch, ``collections.OrderedDict`` and stand-ins for the three DeepSpeed classes the files hold

@@ -5,7 +5,7 @@
 its MoE run (``ds_view_moe.pt``, global expert names) and :mod:`.make_megatron` Megatron's
 (``mcore_view.pt``: a tp=1 load through ``dist_checkpointing.load``; :mod:`.make_megatron_moe` the same
 at tp=ep=1 for a MoE GPT, read as the toy Mixtral). :func:`compare` checks a loaded
-toy trainer's logical state (``ucp_dcp.toy.logical_state``, independent of ucp_dcp) against them,
+toy trainer's logical state (``ucp_dev.toy.logical_state``, independent of ucp_dcp) against them,
 bitwise. Used by ``tests/e2e/test_foreign.py``, ``tests/e2e/test_foreign_moe_deepspeed.py``,
 ``tests/e2e/test_foreign_moe_megatron.py`` and ``recipes/foreign_demo.py``.
 """
@@ -20,7 +20,7 @@ import torch
 
 
 def deepspeed_config() -> Any:
-    from ucp_dcp.toy.model import ModelConfig
+    from ucp_dev.toy.model import ModelConfig
 
     from .deepspeed_job import CFG_KW
 
@@ -28,7 +28,7 @@ def deepspeed_config() -> Any:
 
 
 def deepspeed_moe_config() -> Any:
-    from ucp_dcp.toy.model import ModelConfig
+    from ucp_dev.toy.model import ModelConfig
 
     from .deepspeed_job import MOE_CFG_KW
 
@@ -36,14 +36,14 @@ def deepspeed_moe_config() -> Any:
 
 
 def megatron_config() -> Any:
-    from ucp_dcp.toy.hf_presets import TOY_LLAMA
+    from ucp_dev.toy.hf_presets import TOY_LLAMA
 
     return TOY_LLAMA
 
 
 def parts(cfg: Any, name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
     """A source parameter (fused wqkv / w13, padded embedding) as its logical parameters."""
-    from ucp_dcp.toy.model import deinterleave
+    from ucp_dev.toy.model import deinterleave
 
     hd = cfg.head_dim
     if name.endswith("wqkv.weight"):
@@ -150,7 +150,7 @@ def megatron_moe_view(path: str) -> tuple[Any, dict, dict, Callable[[str], dict]
     """:func:`megatron_view` of a ``make_megatron_moe.py`` run as the toy Mixtral's logical state
     (expert parameters' groups from Megatron's expert-parallel optimizer)."""
     from ucp_dcp.sources.foreign.inert import load_inert
-    from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
+    from ucp_dev.toy.hf_presets import TOY_MIXTRAL
 
     view = torch.load(os.path.join(path, "mcore_view.pt"), weights_only=False)
     params = _moe_logical(TOY_MIXTRAL, view["params"])
@@ -217,8 +217,8 @@ def load_into_toy(topo_text: str, kind: str, path: str, options: dict | None = N
     from ucp_dcp.sources.foreign.deepspeed_moe import TOY_NAMES
     from ucp_dcp.sources.foreign.megatron import MegatronReader
     from ucp_dcp.sources.foreign.megatron_rules import moe_rules
-    from ucp_dcp.toy import Topology, build_job, build_trainer, logical_state, ucp_options
-    from ucp_dcp.toy.hf_presets import TOY_MIXTRAL
+    from ucp_dev.toy import Topology, build_job, build_trainer, logical_state, ucp_options
+    from ucp_dev.toy.hf_presets import TOY_MIXTRAL
 
     configs = {"deepspeed": deepspeed_config, "deepspeed_moe": deepspeed_moe_config, "megatron": megatron_config}
     cfg = configs.get(kind, lambda: TOY_MIXTRAL)()

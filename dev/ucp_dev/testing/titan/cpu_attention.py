@@ -1,4 +1,4 @@
-"""``--override.imports ucp_dcp.testing.titan.cpu_attention.sdpa_attention``: causal SDPA on local shards
+"""``--override.imports ucp_dev.testing.titan.cpu_attention.sdpa_attention``: causal SDPA on local shards
 instead of FlexAttention (which has no CPU backward). Causal over the packed sequence rather than per
 document, which is fine for checkpoint tests. A test/recipe aid, not library code; it imports no other
 ucp_dcp module (a stock torchtitan job with the library blocked uses it too)."""

@@ -19,7 +19,7 @@ torchtitan is imported, what breaks on CPU or between these two releases:
     way (no ``DataParallelMeshDims``). Layouts with TP or CP are left to fail as they do unpatched;
 (p) ``async_mode="async_with_pinned_mem"`` asks for non-blocking copies, which torch refuses without
     an accelerator -> plain copies (the checkpoint process and shared-memory staging stay).
-FlexAttention has no CPU backward: ``ucp_dcp.testing.titan.cpu_attention.sdpa_attention`` (an
+FlexAttention has no CPU backward: ``ucp_dev.testing.titan.cpu_attention.sdpa_attention`` (an
 ``--override.imports`` entry, :data:`.jobs.CPU_ATTENTION`) swaps it for SDPA on local shards.
 
 For the tests it also: records each step's loss (from the rank where it is computed) into the JSON file named by
@@ -33,7 +33,7 @@ after a load (sabotage the resume comparison must catch). No ucp_dcp code is inv
 module and :mod:`.cpu_attention` import no other ucp_dcp module (tests/e2e/test_to_stock.py runs them with
 the library blocked), so a stock torchtitan job can use them too.
 
-    torchrun --nproc-per-node 2 -m ucp_dcp.testing.titan.cpu_launch --module ... --config ... [flags]
+    torchrun --nproc-per-node 2 -m ucp_dev.testing.titan.cpu_launch --module ... --config ... [flags]
 
 (:func:`.jobs.run_job` builds that command with the flags the tests and recipes share.)
 

@@ -6,7 +6,7 @@ A check is two jobs: the save job runs N steps, checkpoints at step K and is als
 reference; the resume job starts from the step-K checkpoint at another layout and trains to step N. The
 launcher writes the full training state right after the save and right after the load with plain
 ``torch.save`` (no ucp_dcp code): they must be bitwise equal, and the losses continue the reference within
-the fp32 tolerances of :mod:`ucp_dcp.testing.checks`.
+the fp32 tolerances of :mod:`ucp_dev.testing.checks`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,17 @@ from pathlib import Path
 
 import torch
 
-from ucp_dcp.testing.checks import loss_note, loss_problems, rel_diffs, state_diffs, state_problem
+import ucp_dev
+from ucp_dev.testing.checks import loss_note, loss_problems, rel_diffs, state_diffs, state_problem
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[3]
-"""The folder holding this ``ucp_dcp``: first on the jobs' ``PYTHONPATH``, so they run the caller's code."""
-LAUNCHER = "ucp_dcp.testing.titan.cpu_launch"
+CODE_PATH = ucp_dev.code_path()
+"""The folders holding this ``ucp_dcp`` and this ``ucp_dev``: first on the jobs' ``PYTHONPATH``, so they run the
+caller's code (the launcher, its CPU attention and configs come from ``ucp_dev``)."""
+PACKAGE_ROOT = Path(CODE_PATH.split(os.pathsep)[0])
+"""The folder holding this ``ucp_dcp``."""
+LAUNCHER = "ucp_dev.testing.titan.cpu_launch"
 """The launcher, run with ``torchrun -m``."""
-CPU_ATTENTION = "ucp_dcp.testing.titan.cpu_attention.sdpa_attention"
+CPU_ATTENTION = "ucp_dev.testing.titan.cpu_attention.sdpa_attention"
 """The ``--override.imports`` entry that swaps FlexAttention (no CPU backward) for SDPA on local shards."""
 
 UCP_CONFIG = "llama3_debugmodel_gqa_ucp"  # registry entry: UCP manager + global-cursor dataloader
@@ -65,11 +69,11 @@ DEMO = ["dp4-dp2", "pp2dp2-dp2", "tp2-dp2"]
 
 
 def titan_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launcher subprocess: this ``ucp_dcp`` first on its path (the launcher, the CPU
-    attention override and the ``--module ucp_dcp.testing`` configs are imported from it)."""
+    """The environment of a launcher subprocess: this ``ucp_dcp`` and this ``ucp_dev`` first on its path (the
+    launcher, the CPU attention override and the ``--module ucp_dev.testing`` configs are imported from it)."""
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([CODE_PATH, os.environ.get("PYTHONPATH", "")]),
         **(extra or {}),
     }
 
@@ -128,7 +132,7 @@ def run_job(
     cmd = [
         *launcher_cmd(world_size(topo)),
         "--module",
-        "ucp_dcp.testing",
+        "ucp_dev.testing",
         "--config",
         config,
         "--hf_assets_path",
