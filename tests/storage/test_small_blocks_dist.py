@@ -42,8 +42,10 @@ def _shape(name: str) -> tuple[int, ...]:
     return SHAPES[name.split(".", 1)[1] if name.startswith("exp_avg") else name]
 
 
-def _state(world: int, fill: bool) -> dict:
-    mesh = DeviceMesh("cpu", torch.arange(world))
+def _state(world: int, fill: bool, group: dist.ProcessGroup | None = None) -> dict:
+    # a mesh over a subset of the ranks comes from that subset's group: DeviceMesh("cpu", ranks) would call
+    # new_group on the subset's ranks only, which every rank of the job must call
+    mesh = DeviceMesh.from_group(group, "cpu") if group is not None else DeviceMesh("cpu", torch.arange(world))
     out = {}
     for param in SHAPES:
         for moment in MOMENTS:
@@ -88,7 +90,7 @@ def _worker(rank, world, root):
     pair = dist.new_group([0, 1])
     if rank < 2:
         dcp.save(
-            _state(2, True), storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(), process_group=pair
+            _state(2, True, pair), storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(), process_group=pair
         )
     dist.barrier()
     tgt = _state(world, fill=False)

@@ -317,6 +317,27 @@ def _prepare_worker() -> None:
     _RNG0 = torch.get_rng_state()
 
 
+def _check_group_count() -> None:
+    """Raise if the ranks now disagree on c10d's count of sequentially named groups: a task that made a
+    group on some ranks only (``DeviceMesh("cpu", ranks)`` over a subset, ``new_group`` called by its members
+    alone) leaves every later task's ``new_group`` naming the same group differently on different ranks,
+    so its members wait for each other at different store prefixes until the timeout (a hang of a later,
+    innocent test). A fresh process per test would hide the mistake; the pool makes it show here."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([c10d._world.group_count]))
+    got = [int(c) for c in counts]
+    if len(set(got)) > 1:
+        raise RuntimeError(
+            f"the task left c10d's group counts differing between ranks ({got}): it created a process group "
+            "(new_group, or a DeviceMesh over some ranks) that not every rank created; every rank must call "
+            "new_group, or build a subset's mesh with DeviceMesh.from_group"
+        )
+
+
 def _run_task(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, pooled: bool) -> tuple[bool, Any]:
     """Run one task on this rank: ``(True, pickled result)`` or ``(False, traceback text)``. After a
     failure nothing is cleaned up: the pool is killed."""
@@ -334,6 +355,8 @@ def _run_task(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, p
         with warnings.catch_warnings():
             result = fn(rank, world_size, *args)
             dist.barrier()  # every rank is done with the task's collectives before groups go away
+            if pooled:  # (a fresh process ends after this task: nothing of it reaches another)
+                _check_group_count()
     except BaseException:
         return False, traceback.format_exc()
     try:
