@@ -404,7 +404,7 @@ class ChunkReads:
                 atom=c.index.fqn,
                 hint="the checkpoint was crafted or damaged; do not load it",
             ) from None
-        except Exception as e:
+        except Exception as e:  # the bytes are untrusted: any parser failure is damage, re-raised as that
             raise CorruptCheckpointError(
                 f"the record of '{c.index.fqn}' chunk {list(c.index.offset or ())} in {info.relative_path} does not "
                 f"parse ({type(e).__name__}: {e})",

@@ -158,7 +158,7 @@ def parse_tensor_record(item: io.IOBase) -> TensorRecord | None:
     try:
         reader = torch_file_reader(item)
         meta = _MetaUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
-    except Exception:
+    except Exception:  # not a zip record we can cut by ranges: the caller decodes the item whole (its safe path)
         return None
     if not (isinstance(meta, tuple) and len(meta) == 5 and meta[0] == "tensor"):
         return None

@@ -133,7 +133,7 @@ class ObjectStore:
                 if "bucket" in str(e).lower():
                     raise refused(op, path, e) from None
                 raise
-            except Exception as e:
+            except Exception as e:  # sorted below: not the store's (re-raised), refused, or throttled (retried)
                 if not _store_error(e):
                     raise
                 if not _throttled(e):

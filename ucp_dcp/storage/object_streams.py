@@ -252,7 +252,7 @@ class MultipartObjectWriter(io.RawIOBase):
             return
         try:
             self._finish()
-        except BaseException:
+        except BaseException:  # re-raised; the parts uploaded so far are aborted, not left billed in the bucket
             self.abort()
             raise
         finally:
@@ -296,7 +296,7 @@ class MultipartObjectWriter(io.RawIOBase):
                 self.path,
                 lambda: s.s3_call("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id),
             )
-        except Exception:
+        except Exception:  # best effort while failing already: the caller's error is the one to see
             pass  # the next save's cleanup aborts what is left (ObjectStore.abort_uploads)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

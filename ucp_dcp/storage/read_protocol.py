@@ -76,7 +76,7 @@ def read_data(reader: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
             for dst in dsts.tolist():
                 sends[dst][at[dst]] = payload
                 at[dst] += 1
-    except Exception as e:
+    except Exception as e:  # kept, not raised: this rank still drains its peers' messages, then raises it
         error = error or e
     incoming = _incoming(job, transport, error)
     if isinstance(incoming, BaseException):
@@ -114,7 +114,7 @@ def _incoming(
     try:
         fault_point("incoming")
         return {src: [job.incoming(p.tolist()) for p in msgs] for src, msgs in transport.recv.items()}
-    except Exception as e:
+    except Exception as e:  # handed back: the caller drains the messages into scratch, then raises it
         return e
 
 

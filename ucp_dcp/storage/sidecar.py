@@ -173,7 +173,7 @@ def decode_sidecar(data: bytes, name: str) -> dict[str, Any]:
     text, _, tail = data.rstrip(b"\n").rpartition(b"\n")
     try:
         want = json.loads(tail)["xxh3_128"]
-    except Exception:
+    except Exception:  # a damaged tail (not JSON, no key): no recorded hash, so the check below raises
         want = None
     got = xxhash.xxh3_128_hexdigest(text)
     if want != got:

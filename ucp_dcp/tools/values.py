@@ -100,7 +100,7 @@ def _decode(data: bytes, name: str) -> dict[str, Any]:
             f"lists, dicts, tuples, ...): decoding it could run code ({why}); not decoded",
             "text": "<refused: type outside the safe set>",
         }
-    except Exception as e:
+    except Exception as e:  # shown as this value's verdict in the listing; the other values still print
         return {
             "error": f"value of '{name}' does not decode ({type(e).__name__}: {str(e)[:200]})",
             "text": "<error: does not decode>",
