@@ -90,7 +90,10 @@ def _worker(rank, world, root):
     pair = dist.new_group([0, 1])
     if rank < 2:
         dcp.save(
-            _state(2, True, pair), storage_writer=UCPFileSystemWriter(path), planner=UCPSavePlanner(), process_group=pair
+            _state(2, True, pair),
+            storage_writer=UCPFileSystemWriter(path),
+            planner=UCPSavePlanner(),
+            process_group=pair,
         )
     dist.barrier()
     tgt = _state(world, fill=False)
