@@ -20,8 +20,9 @@ through the job's store, where waiting is cheap and a loss can be told apart fro
   after the group's short timeout) arrives at the next gate *failing*: that gate never opens; it ends
   with the lost rank the watchers find, or, once every rank has arrived, with the lowest failing rank's
   error. A rank that leaves a call with an error it alone had publishes it on the next gate;
-* **the end**: every rank adds 1 to ``left``; the last one removes every key of the call. A finished or
-  failed call leaves nothing in the store, and nothing of it in this process.
+* **the end**: every rank removes its beat and adds 1 to ``left``; the last one removes the gates' keys and the
+  lost ranks' beats (a few keys, at any N). A finished or failed call leaves nothing in the store, and nothing
+  of it in this process.
 
 So per collective a rank makes about three store requests (its beat, the add, the get), and, per ``beat_s`` of a
 call without a gate, one more beat; the two watchers, while they wait, one scan a second: O(N) for the job,
@@ -216,8 +217,13 @@ class Watch:
             if self.orphan and not self.store_gone:  # what it made after the others left
                 for key in [f"b/{self.me}", f"a/{self.seq}", f"g/{self.seq}"]:
                     self._req("delete_key", key)
-            elif not self.store_gone and self._req("add", "left", 1) == self.size - len(self.lost):
-                keys = [f"b/{r}" for r in range(self.size)] + ["left"]
+            elif not self.store_gone:
+                # each rank removes its own beat (its thread has stopped), so the last one out removes O(1)
+                # keys, not N: a watcher reads a missing beat as "not begun", never as a loss
+                self._req("delete_key", f"b/{self.me}")
+                if self._req("add", "left", 1) != self.size - len(self.lost):
+                    return out
+                keys = [f"b/{r}" for r in self.lost] + ["left"]  # a lost rank never removed its own
                 for k in range(max(1, self.seq - 2), self.seq + 3):  # ranks are at most a gate apart
                     keys += [f"a/{k}", f"g/{k}"]
                 for key in keys:
