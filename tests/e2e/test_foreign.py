@@ -69,9 +69,8 @@ def deepspeed_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    port = str(D._free_port())
-    _run("make_megatron", "--out", str(root / "plain"), "--tp", "2", "--dist-opt", "none", "--port", port)
-    _run("make_megatron", "--out", str(root / "full"), "--tp", "2", "--dist-opt", "full", "--port", port)
+    _run("make_megatron", "--out", str(root / "plain"), "--tp", "2", "--dist-opt", "none", "--port", "0")
+    _run("make_megatron", "--out", str(root / "full"), "--tp", "2", "--dist-opt", "full", "--port", "0")
     return root
 
 

@@ -120,12 +120,13 @@ def _frozen_member(ws, frozen):
 def test_a_member_whose_beat_stands_still_is_lost_and_every_member_ends_naming_it(fast, frozen):
     store = dist.HashStore()
     ws = _watches(store)
-    t0 = time.monotonic()
     out = _on_threads(_frozen_member(ws, frozen), range(3))
     for r in set(range(3)) - {frozen}:
         assert isinstance(out[r], PeerLostError) and out[r].rank == MEMBERS[frozen], out
+        # ended by the beat standing still (the 0.6 s peer timeout), not by the 30 s wait limit, whose error
+        # says "did not reach the collective within the group's timeout" (no wall-clock bound: CI machines stall)
         assert "no heartbeat" in str(out[r]) and "load: start" in str(out[r]), out[r]
-    assert time.monotonic() - t0 < 3.0, "the survivors ended within about the peer timeout"
+        assert "group's timeout" not in str(out[r]), out[r]
     assert store.num_keys() == 0  # the lost member's keys too
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -316,8 +317,19 @@ def arguments(doc: str, tp: int, port: int) -> argparse.ArgumentParser:
         default=128,
         help="Megatron-LM's make_vocab_size_divisible_by (padded to a multiple of it x tp)",
     )
-    ap.add_argument("--port", type=int, default=port, help="the first phase's master port; each later phase the next")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=port,
+        help="the first phase's master port, each later phase the next; 0: a free port for each phase, picked as it starts",
+    )
     return ap
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fresh_out(path: str, reuse: bool = False) -> None:
@@ -333,7 +345,9 @@ def run(args: argparse.Namespace, phases: list[tuple[Phase, int]], view: str, mo
     with mp.Manager() as mgr:
         out = mgr.dict()
         for i, (phase, world) in enumerate(phases):
-            mp.spawn(worker, args=(world, args.port + i, phase, args, out, moe), nprocs=world)
+            # a port picked as the phase starts: a base port's neighbours (args.port + i) may be taken by then
+            port = args.port + i if args.port else _free_port()
+            mp.spawn(worker, args=(world, port, phase, args, out, moe), nprocs=world)
         saved, loaded = out.get("eval_loss_saved", math.nan), out["eval_loss_view"]
     print(f"eval loss: saved model {saved:.6f}, Megatron's {view} view {loaded:.6f}")
     assert abs(loaded - saved) < 1e-4, f"the {view} load disagrees with the saved model"
