@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ..processes import _free_port
 from .megatron_cpu import CpuAsCuda, install_cuda_stubs
 
 warnings.filterwarnings("ignore")
@@ -324,12 +324,6 @@ def arguments(doc: str, tp: int, port: int) -> argparse.ArgumentParser:
         help="the first phase's master port, each later phase the next; 0: a free port for each phase, picked as it starts",
     )
     return ap
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fresh_out(path: str, reuse: bool = False) -> None:
