@@ -24,6 +24,9 @@ lives here:
   dispatch table), so a second save through the same stager fails inside torch with
   ``KeyError: <class 'type'>``; 2.12+ keep it open until ``close()``. Callers that reuse one stager
   across saves ask :func:`default_stager_reusable` and build one per save where it is False.
+* ``torch.distributed.checkpoint.state_dict._gc_context`` (automatic garbage collection off while
+  ``get_state_dict``/``set_state_dict`` run, so that no rank pauses for a collection in the middle) is
+  private; where a release lacks it, :func:`gc_paused` is the same few lines.
 * ``dcp.async_save`` asserts that its process group has a CPU backend (every release 2.11-2.15):
   under an NCCL-only default group, pass a gloo group (:func:`group_has_cpu_backend`).
 
@@ -34,7 +37,9 @@ is here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -524,3 +529,18 @@ def set_backend_timeout(backend: Any, timeout: Any) -> None:
     ``distributed_c10d._set_pg_timeout`` calls, every release 2.11-2.15; ``set_timeout`` where it is public)."""
     setter = getattr(backend, "_set_default_timeout", None) or backend.set_timeout
     setter(timeout)
+
+
+try:  # DCP's own: automatic collection off for a state-dict call, so no rank pauses for one in the middle
+    from torch.distributed.checkpoint.state_dict import _gc_context as gc_paused
+except ImportError:  # a release without it: the same lines
+
+    @contextlib.contextmanager
+    def gc_paused() -> Iterator[None]:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was:
+                gc.enable()

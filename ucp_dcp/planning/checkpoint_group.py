@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -32,7 +33,15 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from .._compat import allgather_into, default_group, default_store, group_registered, group_timeout, set_backend_timeout
+from .._compat import (
+    allgather_into,
+    default_group,
+    default_store,
+    gc_paused,
+    group_registered,
+    group_timeout,
+    set_backend_timeout,
+)
 from .collectives import peer_timeout
 from .watch import Watch
 
@@ -269,17 +278,27 @@ def guarded(
 ) -> Iterator[dist.ProcessGroup | None]:
     """``with ucp_dcp.control_group() as pg: dcp.save(..., process_group=pg)``: one call on the checkpoint
     group over ``process_group``'s ranks (:func:`dcp_group`), watched while it runs. A call that raised leaves
-    the group spent: the next one gets a new group (every rank raised, so every rank does so)."""
-    group = dcp_group(process_group, choice)
-    if not isinstance(group, CheckpointGroup):
-        yield group
-        return
-    if group.watch.active:  # inside a call on it already (a load inside the memory tier's): one watch, one call
-        yield group
-        return
-    try:
-        with group.watch.running(what):
+    the group spent: the next one gets a new group (every rank raised, so every rank does so).
+
+    On the main thread the call also runs with Python's automatic garbage collection paused, as DCP's
+    ``get_state_dict``/``set_state_dict`` do: a call allocates tens of thousands of short-lived objects (the
+    checkpoint's metadata, the plans), enough to trigger a full collection of the whole heap now and then --
+    0.25 s of CPU at 16 ranks of ``make scale``, 1-2 s of wall time on a busy host -- and a collection on one
+    rank holds every other rank at the next collective. Paused, those objects die by reference count at the
+    end of the call and never count towards one. A background call (the memory tier's, an async save's)
+    leaves it alone: the pause is process-wide and would hold the training thread's collections too."""
+    paused = gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+    with paused:
+        group = dcp_group(process_group, choice)
+        if not isinstance(group, CheckpointGroup):
             yield group
-    except BaseException:  # re-raised; the group's members may stand at different ops: a new group next call
-        group.spent = True
-        raise
+            return
+        if group.watch.active:  # inside a call on it already (a load inside the memory tier's): one watch, one call
+            yield group
+            return
+        try:
+            with group.watch.running(what):
+                yield group
+        except BaseException:  # re-raised; the group's members may stand at different ops: a new group next call
+            group.spent = True
+            raise

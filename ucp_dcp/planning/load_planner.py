@@ -33,10 +33,10 @@ from .declarations import (
     with_raw_note,
 )
 from .device import needs_staging, split_reads, staging_forced
-from .entries import raw_optimizers, set_value
+from .entries import raw_optimizers
 from .forgotten_maps import check_forgotten_maps, map_reads
 from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
-from .load_cache import CachedLoadPlans
+from .load_cache import CachedLoadPlans, object_sink
 from .load_steps import (
     SavedIndex,
     combine_problems,
@@ -257,8 +257,8 @@ class UCPLoadPlanner(LoadHooks, CachedLoadPlans, DefaultLoadPlanner):
             self.missing_atoms += missing
             keys.update((a, r.entry.key) for a in missing)
             if entry and not r.entry.is_tensor:
-                self._sinks[r.entry.key] = raw_params_sink(r, self._raw) or (
-                    lambda v, path=r.entry.path: set_value(self.original_state_dict, path, v)
+                self._sinks[r.entry.key] = raw_params_sink(r, self._raw) or object_sink(
+                    self.original_state_dict, r.entry.path
                 )
         rest, stock = split_stock_groups(self._groups, saved, self._resolver, self.name_rules)
         for found in stock:  # a stock-DCP checkpoint's groups, keyed by position, matched by membership
