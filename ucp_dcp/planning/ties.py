@@ -78,8 +78,9 @@ def storage_identity(value: Any) -> tuple[Any, ...] | None:
         t.is_neg(),
     )
     if isinstance(value, DTensor):
-        mesh = value.device_mesh
-        key += (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, tuple(value.placements), tuple(value.shape))
+        # the mesh itself: DeviceMesh's equality is torch's own "same mesh" (ranks, layout, names) and its hash
+        # is cached; ``mesh.mesh`` rebuilds the rank tensor on every access (1.5 ms a tensor on torch 2.13)
+        key += (value.device_mesh, tuple(value.placements), tuple(value.shape))
     return key
 
 
