@@ -43,7 +43,7 @@ def _round_trip(rank, world, root, control):
     load(got, root)
     calls = (group.watch.calls, group.watch.seq) if group else (0, 0)
     dist.barrier()
-    left = _keys_left(group.watch) if group else []
+    left = (_keys_left(group.watch) + _rendezvous_left(group)) if group else []
     return calls_save, calls, left, torch.equal(got["w"], w), torch.equal(got["b"], sd["b"]), got["step"]
 
 
@@ -55,6 +55,14 @@ def _keys_left(watch):
     return [k for k in keys if watch._store.check([k])]
 
 
+def _rendezvous_left(group):
+    """Which members' gloo rendezvous keys (``0/<group rank>`` under the group's prefix) are still there."""
+    from ucp_dcp._compat import default_store
+
+    store = dist.PrefixStore(f"checkpoint_group/{group.key}/", default_store())
+    return [f"rendezvous 0/{r}" for r in range(group.size()) if store.check([f"0/{r}"])]
+
+
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.full), 4])
 def test_save_and_load_go_through_the_checkpoint_group_round_trip_bitwise_and_leave_no_key(world):
     res = D.run(_round_trip, world, D.tmpdir(), True, timeout=HANG_S)
@@ -62,7 +70,7 @@ def test_save_and_load_go_through_the_checkpoint_group_round_trip_bitwise_and_le
         assert w_equal and b_equal and step == 3, res
         # DCP's collectives ran on the checkpoint group, each behind a gate: one call per save and load
         assert calls_save == 1 and calls == 2 and gates_save > 0 and gates > 0, res
-        assert left == [], res  # no key of either call left in the job's store
+        assert left == [], res  # no key of either call left in the job's store, nor the group's gloo rendezvous
 
 
 def _uneven_groups_worker(rank, world, root):

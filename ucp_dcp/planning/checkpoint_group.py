@@ -97,6 +97,25 @@ class CheckpointGroup(dist.ProcessGroup):
         self.watch.group = self
         self.spent = False
         """A call on it failed: gloo may hold a broken pair, so the next call gets a new group."""
+        self.rendezvous: Any = None
+        """The store prefix gloo's rendezvous met under (:func:`_create`), until this member's key there is
+        removed (:meth:`forget_rendezvous`)."""
+
+    def forget_rendezvous(self) -> None:
+        """Remove this member's gloo rendezvous key, once a gate of a call has opened.
+
+        Gloo's full-mesh rendezvous leaves one key per member (its addresses); c10d's own groups leave them
+        for the job's life, and a checkpoint group made again after each failed call would add N more each
+        time. A member may not remove its key when its own group creation returns: a peer whose pair to it
+        was accepted may still be about to read it. Once a gate opened, every member has finished creating
+        the group, so nobody reads the keys again; each member removes its own (one request, once a group)."""
+        if self.rendezvous is None or not self.watch.opened:
+            return
+        store, self.rendezvous = self.rendezvous, None
+        # ProcessGroupGloo made without options has one device, whose rendezvous keys are
+        # "<device index>/<group rank>" under the store it was given
+        with contextlib.suppress(RuntimeError, OSError):  # the store is gone: nothing left to remove
+            store.delete_key(f"0/{self.rank()}")
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
@@ -202,7 +221,9 @@ def _create(opts: Any, name: str | None = None) -> CheckpointGroup:
     gloo = dist.ProcessGroupGloo(store, opts.group_rank, opts.group_size, timedelta(seconds=wait))
     set_backend_timeout(gloo, timedelta(seconds=peer_timeout()))
     # the watch's keys are named the same way, for the same reason
-    return CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, opts.group_id, name, wait)
+    group = CheckpointGroup(gloo, opts.group_rank, opts.group_size, ranks, opts.group_id, name, wait)
+    group.rendezvous = store
+    return group
 
 
 def _register() -> None:
@@ -302,3 +323,5 @@ def guarded(
         except BaseException:  # re-raised; the group's members may stand at different ops: a new group next call
             group.spent = True
             raise
+        finally:
+            group.forget_rendezvous()  # a group's first call that opened a gate, also one that failed later

@@ -144,6 +144,7 @@ class Watch:
         self.seen: dict[int, tuple[bytes, float]] = {}  # a watcher's last view of each beat, and since when
         self.waiting: tuple[int, float] | None = None  # (gate, since when) while this rank waits at one
         self._other_seen = False  # the watcher's beat was seen in this call (so its absence means the call ended)
+        self.opened = False  # a gate of this call opened: every member had made the group and reached it
         self.orphan = False  # the call ended without this rank: the keys it makes now are its own to remove
         self.store_gone = False  # the store stopped answering: no more requests (each failed one logs a C++ trace)
 
@@ -289,6 +290,7 @@ class Watch:
         finally:
             self.waiting = None
         if value == GO and not self.failing:
+            self.opened = True
             self._other_seen = True  # every member had begun: a watcher's beat missing later means the call ended
             return
         self.verdict = self._judge(value, error)
