@@ -47,7 +47,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -57,6 +56,8 @@ from multiprocessing.connection import wait as _wait
 from typing import Any
 
 from worker import PG_TIMEOUT, _pool_worker, _worker, patch, setenv  # noqa: F401  (patch, setenv: dist.patch)
+
+from ucp_dev.testing.processes import free_port
 
 MAX_POOLED_PROCESSES = 12
 """Pools of other world sizes are closed (least recently used first) beyond this many workers."""
@@ -90,12 +91,6 @@ def _ctx():
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # == the driver: pools ===================================================================================
@@ -284,7 +279,7 @@ def use_pool(backend: str) -> bool:
 def _run_fresh(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str) -> list[Any]:
     ctx = _ctx()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)
     ]

@@ -27,13 +27,14 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
-import socket
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from .processes import free_port
 
 PG_TIMEOUT_S = 300.0
 """The job's collective timeout: far above the bound, so an end within the bound is not the PG's doing."""
@@ -277,18 +278,12 @@ def _ctx() -> Any:
     return _CTX
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_case(case: Case, setup_s: float = 120.0) -> Outcome:
     """Run one case in fresh processes; judge every rank's end (see the module doc)."""
     ctx = _ctx()
     root = tempfile.mkdtemp(prefix="ucp-chaos-")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     agent = None
     if case.agent_store:  # the launcher's store, in this process: it outlives any rank
         import torch.distributed as dist

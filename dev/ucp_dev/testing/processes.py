@@ -39,10 +39,12 @@ def _ctx():
     return _CTX
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick): the checkout's one helper for it; the shipped
+    quickstart and the device-machine benchmark keep their own, since neither may import ``ucp_dev``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results, args: tuple) -> None:
@@ -80,7 +82,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float | N
     first. ``fn`` and ``args`` must pickle (a module-level function: a recipe's ``__main__`` works too)."""
     ctx = _ctx()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, results, args)) for r in range(world)]
     for p in procs:
         p.start()

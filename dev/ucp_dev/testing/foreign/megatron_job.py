@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ..processes import _free_port
+from ..processes import free_port
 from .megatron_cpu import CpuAsCuda, install_cuda_stubs
 
 warnings.filterwarnings("ignore")
@@ -340,7 +340,7 @@ def run(args: argparse.Namespace, phases: list[tuple[Phase, int]], view: str, mo
         out = mgr.dict()
         for i, (phase, world) in enumerate(phases):
             # a port picked as the phase starts: a base port's neighbours (args.port + i) may be taken by then
-            port = args.port + i if args.port else _free_port()
+            port = args.port + i if args.port else free_port()
             mp.spawn(worker, args=(world, port, phase, args, out, moe), nprocs=world)
         saved, loaded = out.get("eval_loss_saved", math.nan), out["eval_loss_view"]
     print(f"eval loss: saved model {saved:.6f}, Megatron's {view} view {loaded:.6f}")
