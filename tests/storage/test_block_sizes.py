@@ -31,6 +31,7 @@ from ucp_dcp.storage.format import (
     BLOCKS_PER_RECORD,
     IO_KEY,
     MIN_BLOCK,
+    TABLE_HASH,
     BlockSums,
     block_checksums,
     blocks_touching,
@@ -241,6 +242,48 @@ def test_a_flipped_byte_in_a_small_block_is_caught_naming_that_block(tmp_path):
     report = verify(tmp_path)
     assert report.status == "corrupt" and len(report.problems) == 1
     assert "block 37 (bytes 37888..38912" in report.problems[0].what and report.problems[0].box == "[74:76, 0:128]"
+
+
+def test_a_reader_from_before_per_record_blocks_reads_unverified_with_a_warning_not_a_false_checksum_error(
+    tmp_path, monkeypatch
+):
+    """A ucp_dcp before version 4 knows one algorithm name, ``xxh3_64``, and reads every entry's sums as the
+    table's 1 MiB block: on a table that recorded that name it failed every tensor over 1 KiB with a false
+    ``ChecksumError``. The table names its algorithm :data:`TABLE_HASH` (the same digests), so such a reader
+    takes its unknown-algorithm path (reader.py at 3e85444: warn, read unverified). Simulated here by a
+    reader whose table of algorithms holds that one name."""
+    import xxhash
+
+    from ucp_dcp.storage import reader as reader_mod
+
+    sd = _state()
+    ucp_dcp.save(sd, tmp_path)
+    io, _ = _io(tmp_path)
+    assert io["algo"] == TABLE_HASH != "xxh3_64"
+    monkeypatch.setattr(reader_mod, "HASHES", {"xxh3_64": xxhash.xxh3_64})
+    out = _zeros(sd)
+    with pytest.warns(UserWarning, match="cannot verify"):
+        ucp_dcp.load(out, tmp_path)
+    assert all(torch.equal(out[k], sd[k]) for k in ("w", "v", "b", "e")) and out["step"] == 4
+
+
+def test_a_version_4_table_that_recorded_xxh3_64_still_verifies_its_per_record_blocks(tmp_path):
+    """Main wrote ``"algo": "xxh3_64"`` in version-4 tables before :data:`TABLE_HASH` (2026-12-02): those
+    load and verify with their per-record blocks as before."""
+    from helpers import rewrite_metadata
+
+    sd = _state()
+    ucp_dcp.save(sd, tmp_path)
+    io, md = _io(tmp_path)
+    io["algo"] = "xxh3_64"
+    rewrite_metadata(tmp_path, md)
+    out = _zeros(sd)
+    ucp_dcp.load(out, tmp_path)
+    assert all(torch.equal(out[k], sd[k]) for k in ("w", "v", "b", "e"))
+    assert verify(tmp_path).status == "ok"
+    _flip(tmp_path, "w", (0, 0), 37 * 1024 + 5)
+    with pytest.raises(ChecksumError, match=r"'w' chunk at \[0, 0\]: block 37 "):
+        ucp_dcp.load(_zeros(sd), tmp_path)
 
 
 def _v3_state() -> dict:

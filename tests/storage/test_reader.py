@@ -25,6 +25,7 @@ import ucp_dcp
 from ucp_dcp import TruncatedFileError, UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner
 from ucp_dcp.storage.format import (
     IO_KEY,
+    TABLE_HASH,
     box_grid,
     box_runs,
     gather_grid,
@@ -151,7 +152,7 @@ def test_stock_tools_read_our_files_and_checksums_catch_a_flipped_byte(tmp_path)
     md = dcp.FileSystemReader(tmp_path).read_metadata()
     io_info = md.storage_data[MetadataIndex(IO_KEY)]
     # 240 KB: 118 blocks of 2 KiB (format.checksum_block), the block recorded in the entry
-    assert io_info["algo"] == "xxh3_64" and len(io_info["items"]["model.w|0,0"][1]) == 118
+    assert io_info["algo"] == TABLE_HASH and len(io_info["items"]["model.w|0,0"][1]) == 118
     assert io_info["items"]["model.w|0,0"][4] == 2048
     # stock reader, stock planner, dcp_to_torch_save
     back = {"model": {"w": torch.zeros(300, 200), "b": torch.zeros(7, dtype=torch.bfloat16)}, "step": 0}

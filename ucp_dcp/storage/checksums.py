@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import ChecksumError
-from .format import HASHES, BlockSums, block_checksums
+from .format import HASHES, BlockSums, block_checksums, digest_name
 
 __all__ = ["BlockChecker"]
 
@@ -70,7 +70,7 @@ class BlockChecker:
             return
         raise ChecksumError(
             f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: tile {t} has "
-            f"{self.algo} {got:#x}, saved {f'{sums[t]:#x}' if t < len(sums) else 'none'}",
+            f"{digest_name(self.algo)} {got:#x}, saved {f'{sums[t]:#x}' if t < len(sums) else 'none'}",
             atom=index.fqn,
             saved=sums[t] if t < len(sums) else None,
             wanted=got,
@@ -83,7 +83,7 @@ class BlockChecker:
             return
         raise ChecksumError(
             f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
-            f"(bytes {b * crcs.block}.. of the chunk) has {self.algo} {got:#x}, saved "
+            f"(bytes {b * crcs.block}.. of the chunk) has {digest_name(self.algo)} {got:#x}, saved "
             f"{f'{sums[b]:#x}' if b < len(sums) else 'none'}",
             atom=index.fqn,
             saved=sums[b] if b < len(sums) else None,

@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..planning.catalog import CATALOG_KEY
 from ..planning.opened import IntegrityStatus
-from .format import IO_KEY
+from .format import IO_KEY, digest_name
 from .object_store import refused
 from .sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, safe_unpickle, sidecar_name
 
@@ -186,11 +186,11 @@ class Integrity:
     def describe(self) -> str:
         if self.status == "verified":
             text = (
-                f"verified: metadata matches {self.sidecar}; {self.algo} checksums on every tensor block, "
+                f"verified: metadata matches {self.sidecar}; {digest_name(self.algo)} checksums on every tensor block, "
                 "value and table"
             )
         elif self.status == "partial":
-            text = f"partial: {self.algo} checksums on tensor data only (metadata and values unprotected)"
+            text = f"partial: {digest_name(self.algo)} checksums on tensor data only (metadata and values unprotected)"
         else:
             text = "none: no checksums, nothing a load reads is verified"
         if self.strays:

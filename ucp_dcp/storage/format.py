@@ -46,6 +46,8 @@ __all__ = [
     "merge_intervals",
     "HASHES",
     "DEFAULT_HASH",
+    "TABLE_HASH",
+    "digest_name",
     "block_hash",
     "block_checksums",
     "blocks_touching",
@@ -77,7 +79,7 @@ object entries ``[0, block sums of the whole item, None]``, and an integrity sid
 ``[bands, rows_per_tile, sums]`` of a chunk of two or more dims, else None (:mod:`ucp_dcp.storage.tiles`);
 readers of version 2 ignore it. 4: tensor entries gain a fifth element, the block their block sums cover
 (:func:`checksum_block` of the record's size); entries without it (objects, tables up to version 3) use the
-table's ``"block"``."""
+table's ``"block"``; its ``"algo"`` is :data:`TABLE_HASH`, which readers before version 4 do not know."""
 
 
 @dataclass(frozen=True)
@@ -290,13 +292,24 @@ def merge_intervals(starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, 
     return [(int(a), int(b - a)) for a, b in zip(s[first], reach[last])]
 
 
-HASHES: dict[str, Callable[[], Any]] = {"xxh3_64": xxhash.xxh3_64}
+DEFAULT_HASH = "xxh3_64"
+"""The block checksum computed by default: XXH3-64 runs at ~25 GB/s per core here against ~6 GB/s for zlib's
+CRC32, which is what makes verify-on-read cheap enough to be the default (see docs/performance.md). A
+checkpoint records its algorithm; one this version does not know is read unverified, with a warning."""
+TABLE_HASH = "xxh3_64-record-blocks"
+"""The name a table written now records for :data:`DEFAULT_HASH`: the same digests, over blocks sized per
+record (each tensor entry's fifth element, version 4). A name of its own because a ucp_dcp from before
+version 4 reads every entry's sums as the table's one 1 MiB block and would fail every tensor over 1 KiB
+with a false ``ChecksumError``; a name it does not know makes it read unverified with a warning that says
+so. Tables that recorded ``xxh3_64`` (up to version 3, and version 4 before this name) read as before."""
+HASHES: dict[str, Callable[[], Any]] = {DEFAULT_HASH: xxhash.xxh3_64, TABLE_HASH: xxhash.xxh3_64}
 """Block checksum algorithms by the name recorded in the I/O table: streaming objects with
 ``update(bytes)`` and ``intdigest()``."""
-DEFAULT_HASH = "xxh3_64"
-"""Written by default: XXH3-64 runs at ~25 GB/s per core here against ~6 GB/s for zlib's CRC32, which
-is what makes verify-on-read cheap enough to be the default (see docs/performance.md). A checkpoint
-records its algorithm; one this version does not know is read unverified, with a warning."""
+
+
+def digest_name(algo: str | None) -> str | None:
+    """The digest a table's algorithm name stands for, as messages name it (``xxh3_64``)."""
+    return DEFAULT_HASH if algo == TABLE_HASH else algo
 
 
 def block_hash(data: Any, algo: str = DEFAULT_HASH) -> int:
@@ -306,7 +319,10 @@ def block_hash(data: Any, algo: str = DEFAULT_HASH) -> int:
     return int(h.intdigest())
 
 
-_ONE_SHOT: dict[str, Callable[[Any], int]] = {"xxh3_64": xxhash.xxh3_64_intdigest}
+_ONE_SHOT: dict[str, Callable[[Any], int]] = {
+    DEFAULT_HASH: xxhash.xxh3_64_intdigest,
+    TABLE_HASH: xxhash.xxh3_64_intdigest,
+}
 """One-call forms of :data:`HASHES` (same digests): a 1 KiB block costs one C call, not three (2.1 against
 0.8 GB/s on this VM's cores), which is what makes :data:`MIN_BLOCK` affordable."""
 

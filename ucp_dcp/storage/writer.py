@@ -65,6 +65,7 @@ from .format import (
     IO_KEY,
     IO_VERSION,
     RECORD_ALIGN,
+    TABLE_HASH,
     block_checksums,
     checksum_block,
     item_key,
@@ -603,7 +604,8 @@ class UCPFileSystemWriter(FileSystemWriter):
         storage[MetadataIndex(IO_KEY)] = {
             "version": IO_VERSION,
             "block": BLOCK,  # the block of objects' sums; a tensor entry records its own (its fifth element)
-            "algo": DEFAULT_HASH if self.checksums else None,
+            # the digests are DEFAULT_HASH's; the name says their blocks are per record (TABLE_HASH)
+            "algo": TABLE_HASH if self.checksums else None,
             "items": table,
         }
         metadata.version = CURRENT_DCP_VERSION

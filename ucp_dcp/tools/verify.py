@@ -21,7 +21,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, UCPError
 from ..planning.catalog import load_catalog
 from ..planning.ties import catalog_aliases
-from ..storage.format import BLOCK, HASHES, IO_KEY, RECORD_ALIGN, block_checksums, entry_sums, item_key
+from ..storage.format import (
+    BLOCK,
+    HASHES,
+    IO_KEY,
+    RECORD_ALIGN,
+    block_checksums,
+    digest_name,
+    entry_sums,
+    item_key,
+)
 from ..storage.object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from ..storage.tiles import saved_tile_grid, tile_checksums
 
@@ -217,7 +226,7 @@ def _check_items(
                         rel,
                         it.index.fqn,
                         _box(it, lo, hi) if what == "tensor" else None,
-                        f"{what} block {b} (bytes {lo}..{hi} of the {where}) does not match its {algo} checksum",
+                        f"{what} block {b} (bytes {lo}..{hi} of the {where}) does not match its {digest_name(algo)} checksum",
                     )
                 )
         tiles = it.entry[3] if what == "tensor" and len(it.entry) > 3 else None
@@ -251,7 +260,7 @@ def _check_tiles(rel: str, it: _Item, data: memoryview, tiles: list, algo: str) 
                 rel,
                 it.index.fqn,
                 None,
-                f"{where}: tile {bad[0]} (of {len(tiles[2])}; {len(bad)} differ) does not match its {algo} checksum",
+                f"{where}: tile {bad[0]} (of {len(tiles[2])}; {len(bad)} differ) does not match its {digest_name(algo)} checksum",
             )
         ]
         if bad
