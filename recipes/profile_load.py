@@ -30,7 +30,7 @@ from typing import Any
 
 STEPS: list[tuple[str, str, str]] = [
     # (label, owner, attribute): owner "dist" is DCP's _DistWrapper, "planner" UCPLoadPlanner,
-    # "reader" UCPFileSystemReader, "watch" the checkpoint group's gates (ucp_dcp.planning.watch)
+    # "reader" UCPFileSystemReader, "watch" the checkpoint group's gates (ucp_dcp.planning.checkpoint_group)
     ("plan collectives", "dist", "reduce_scatter"),
     ("  read_metadata", "reader", "read_metadata"),
     ("  set_up_planner", "planner", "set_up_planner"),
@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import ucp_dcp
-    from ucp_dcp.planning import watch
+    from ucp_dcp.planning.checkpoint_group import Watch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=600))
@@ -109,7 +109,7 @@ def _worker(rank: int, port: int, cfg: dict, q: Any) -> None:
         "dist": dcp_utils._DistWrapper,
         "planner": ucp_dcp.UCPLoadPlanner,
         "reader": ucp_dcp.UCPFileSystemReader,
-        "watch": watch.Watch,
+        "watch": Watch,
     }
     for label, owner, name in STEPS:
         _wrap(owners[owner], name, label, times)

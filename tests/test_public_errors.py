@@ -155,3 +155,139 @@ def test_bad_input_raises_a_ucp_error(case, tmp_path):
         assert isinstance(info.value, u.PatternError) and isinstance(info.value, InvalidArgumentError), case
     if builtin is not None:
         assert isinstance(info.value, builtin), f"{case}: callers catching {builtin.__name__} no longer would"
+
+
+# -- peer errors: one statically written class per error class (issue 48) ------------------------------------------
+
+
+def _ucp_error_classes() -> list[type]:
+    """Every UCPError subclass ucp_dcp defines (its higher layers' too), peer classes left out."""
+    import importlib
+
+    from ucp_dcp.errors import PeerFailedError
+
+    for module in ("ucp_dcp.planning.faults", "ucp_dcp.planning.plan_cache", "ucp_dcp.memory.tier"):
+        importlib.import_module(module)
+    found, todo = [], [u.UCPError]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls is not u.UCPError and not issubclass(cls, PeerFailedError) and cls.__module__.startswith("ucp_dcp."):
+            found.append(cls)
+    return sorted(set(found), key=lambda c: (c.__module__, c.__qualname__))
+
+
+def _cause(cls: type) -> BaseException:
+    """An instance of ``cls`` with every field set, built as the planners' errors are (keyword fields)."""
+    err = cls.__new__(cls)
+    u.UCPError.__init__(err, f"{cls.__name__} on this rank", atom="w", saved=(4, 2), wanted=(4, 3), hint="do this")
+    return err
+
+
+def test_every_error_class_has_a_peer_class_written_at_module_level():
+    import sys
+
+    from ucp_dcp import errors as E
+
+    classes = _ucp_error_classes()
+    exported = {getattr(u, n) for n in u.__all__ if isinstance(getattr(u, n), type)}
+    assert {c for c in exported if issubclass(c, u.UCPError)} <= set(classes) | {u.UCPError}
+    assert len(classes) >= 26, classes  # errors.py's 22 and the higher layers' 4
+    for cls in classes:
+        peer = E._peer_class(cls)
+        assert peer.__name__ == f"Peer{cls.__name__}" and peer.__bases__ == (E.PeerFailedError, cls), (cls, peer)
+        assert getattr(sys.modules[peer.__module__], peer.__name__) is peer, peer  # pickled by reference
+        if cls in exported:
+            assert peer.__module__ == "ucp_dcp.errors" and getattr(E, peer.__name__) is peer, peer
+    # and every peer class is in the table, under its cause
+    for name in dir(E):
+        obj = getattr(E, name)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, E.PeerFailedError)
+            and obj not in (E.PeerFailedError, E.PeerLostError)
+        ):
+            assert E._PEER_CLASSES[obj.__bases__[1]] is obj, name
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_a_peer_error_of_every_class_survives_a_pickle_with_its_class_and_fields(same):
+    import pickle
+
+    from ucp_dcp.errors import PeerFailedError, peer_error, same_as
+
+    for cls in _ucp_error_classes():
+        cause = _cause(cls)
+        err = same_as(2, cause) if same else peer_error(3, cause)
+        assert isinstance(err, cls) and isinstance(err, PeerFailedError) and err.cause_class == cls.__name__, cls
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err), cls
+        got = (back.rank, back.message, back._fields(), back.same, back.cause_class, str(back))
+        assert got == (err.rank, err.message, err._fields(), err.same, err.cause_class, str(err)), cls
+        assert back.atom == "w" and back.saved == (4, 2) and back.hint == "do this", cls
+
+
+def test_a_peer_of_a_builtin_or_a_subclass_is_the_nearest_class_with_a_peer_class():
+    import pickle
+
+    from ucp_dcp import errors as E
+
+    class UsersChecksumError(u.ChecksumError):
+        pass
+
+    for cause, peer, builtin in (
+        (ValueError("v"), E.PeerValueError, ValueError),
+        (RuntimeError("r"), E.PeerRuntimeError, RuntimeError),
+        (OSError("o"), E.PeerOSError, OSError),
+        (BlockingIOError("b"), E.PeerOSError, OSError),  # a subclass without one: its nearest base's
+        (KeyError("k"), E.PeerKeyError, KeyError),
+        (UsersChecksumError("c"), E.PeerChecksumError, u.ChecksumError),
+        (ZeroDivisionError("z"), E.PeerFailedError, u.UCPError),  # nothing catches it as more
+    ):
+        err = E.peer_error(1, cause)
+        assert type(err) is peer and isinstance(err, builtin) and err.cause_class == type(cause).__name__, cause
+        assert str(err).splitlines()[0] == f"rank 1 failed: {type(cause).__name__}: {cause}", err
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is peer and back.cause_class == err.cause_class and str(back) == str(err), cause
+    assert E.peer_error(1, E.peer_error(0, ValueError("v"))).rank == 0  # a peer's error is passed on
+
+
+def test_a_class_name_on_the_wire_is_looked_up_never_imported_or_called(monkeypatch):
+    import builtins
+    import importlib
+    import sys
+
+    from ucp_dcp import errors as E
+
+    called = []
+    monkeypatch.setattr(os, "system", lambda *a: called.append(a))
+    monkeypatch.setattr(importlib, "import_module", lambda *a, **k: called.append(a))
+    real_import = builtins.__import__
+
+    def no_import(name, *args, **kwargs):
+        called.append(name)
+        return real_import(name, *args, **kwargs)
+
+    forged = [("os", "system"), ("antigravity", "fly"), ("builtins", "exec"), ("builtins", "__import__")]
+    forged += [("ucp_dcp.errors", "_build"), ("ucp_dcp.errors", "json.loads"), ("builtins", "object.__class__")]
+    lines = [json_line(m, c) for m, c in forged]
+    builtins.__import__ = no_import  # not monkeypatch: its setattr imports (inspect)
+    try:
+        errs = [E.error_from_wire(2, line) for line in lines]
+    finally:
+        builtins.__import__ = real_import
+    assert not called and "antigravity" not in sys.modules, called
+    for err in errs:
+        assert type(err) is E.PeerFailedError and "rank 2 failed: UCPError: x" in str(err), err
+    # the names a rank sends (wire_error) are found: ucp_dcp's classes with a peer class, builtins, UCPError
+    for cls in _ucp_error_classes():
+        got = E.error_from_wire(2, E.wire_error(_cause(cls)))
+        assert type(got) is E._peer_class(cls) and got.cause_class == cls.__name__ and got.rank == 2, cls
+    assert type(E.error_from_wire(2, E.wire_error(PermissionError("denied")))) is E.PeerPermissionError
+    assert type(E.error_from_wire(2, E.wire_error(u.UCPError("x")))) is E.PeerFailedError
+
+
+def json_line(module: str, cls: str) -> bytes:
+    import json
+
+    return json.dumps({"module": module, "cls": cls, "msg": "x"}).encode()

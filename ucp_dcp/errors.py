@@ -6,15 +6,15 @@ rank -> (exception, traceback). Every error here therefore survives a pickle rou
 structured fields intact, and :func:`raise_first_ucp_error` / :func:`ucp_errors` turn the wrapper
 back into a plain ``UCPError`` for callers who prefer one.
 
-Kept in one module (about 500 lines): every public error class in one place, the module users import
-them from; the peer errors are rebuilt after pickling by looking their cause class up in it (:func:`_lookup`).
+Kept in one module (about 750 lines): every public error class in one place, the module users import
+them from, and beside them their peer classes (``Peer<Name>``, one written per class: :data:`_PEER_CLASSES`).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
-import importlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -333,13 +333,21 @@ def ucp_error_of(exc: BaseException) -> BaseException:
 
 # -- errors about other ranks ----------------------------------------------------------------------------------
 # A rank that fails raises its own error; a rank that fails because of it raises a PeerFailedError naming that
-# rank and the cause in one line, created per cause class so that `except ChecksumError` catches it too.
+# rank and the cause in one line. Its class is the cause's peer class: ``Peer<Name>(PeerFailedError, <Name>)``,
+# written below for every error class of this module and for the builtin exceptions code commonly catches, so
+# that `except ChecksumError` (or `except OSError`) catches a peer's too; a cause of another class gets the peer
+# class of the nearest base that has one (a subclass of ChecksumError: PeerChecksumError), else PeerFailedError.
+# The error classes of higher layers (the test hooks' FaultInjected, PlanCacheMissError, the memory tier's) have
+# their peer classes beside them, entered here by the decorator @peer_class: this module imports nothing of
+# ucp_dcp (the lowest layer), so it cannot name them. Module-level classes pickle by reference; nothing is made
+# at runtime, and a cause's class name from another rank (:func:`error_from_wire`) is looked up, never imported.
 
 
 class PeerFailedError(UCPError):
     """Another rank failed, and this rank could not finish without it, or (``same``) this rank failed with the
     same problem, which that rank prints in full. ``rank`` is that rank, ``cause_class`` the name of its error's
-    class (this error is an instance of that class too)."""
+    class. The error is of the cause's peer class, ``Peer<Name>`` (``PeerChecksumError``: also a ``ChecksumError``;
+    :data:`_PEER_CLASSES`), or of the nearest base's that has one; else this class."""
 
     rank: int = -1
     cause_class: str = "UCPError"
@@ -347,12 +355,8 @@ class PeerFailedError(UCPError):
     """This rank failed too, with the same problem as rank ``rank`` (:func:`same_problem`), which prints it in
     full: this error is one line (its ``atom``, ``saved``, ``wanted`` and ``hint`` are still this rank's own)."""
 
-    def __reduce__(self):  # rebuilt through the per-cause class, not pickled by reference to it
-        cls = type(self)
-        if cls in (PeerFailedError, PeerLostError):
-            return (_build, (cls, self.rank, self.message, self._fields(), self.same))
-        base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
-        return (_rebuild_peer, (base.__module__, base.__qualname__, self.rank, self.message, self._fields(), self.same))
+    def __reduce__(self):  # the class by reference (module level); the fields, keyword-only, as arguments
+        return (_build, (type(self), self.rank, self.message, self._fields(), self.same, self.cause_class))
 
 
 class PeerLostError(PeerFailedError):
@@ -360,24 +364,248 @@ class PeerLostError(PeerFailedError):
     the peer timeout, ``UCP_DCP_PEER_TIMEOUT_S``)."""
 
 
-_CLASSES: dict[type, type[PeerFailedError]] = {}
+# the peer classes of this module's error classes
+
+
+class PeerInvalidArgumentError(PeerFailedError, InvalidArgumentError):
+    """Another rank's :class:`InvalidArgumentError`."""
+
+
+class PeerUnexpectedArgumentError(PeerFailedError, UnexpectedArgumentError):
+    """Another rank's :class:`UnexpectedArgumentError`."""
+
+
+class PeerAmbiguousLayoutError(PeerFailedError, AmbiguousLayoutError):
+    """Another rank's :class:`AmbiguousLayoutError`."""
+
+
+class PeerReplicaMismatchError(PeerFailedError, ReplicaMismatchError):
+    """Another rank's :class:`ReplicaMismatchError`."""
+
+
+class PeerCoverageError(PeerFailedError, CoverageError):
+    """Another rank's :class:`CoverageError`."""
+
+
+class PeerShapeMismatchError(PeerFailedError, ShapeMismatchError):
+    """Another rank's :class:`ShapeMismatchError`."""
+
+
+class PeerDtypeConversionError(PeerFailedError, DtypeConversionError):
+    """Another rank's :class:`DtypeConversionError`."""
+
+
+class PeerMissingAtomsError(PeerFailedError, MissingAtomsError):
+    """Another rank's :class:`MissingAtomsError`."""
+
+
+class PeerParamGroupError(PeerFailedError, ParamGroupError):
+    """Another rank's :class:`ParamGroupError`."""
+
+
+class PeerCatalogVersionError(PeerFailedError, CatalogVersionError):
+    """Another rank's :class:`CatalogVersionError`."""
+
+
+class PeerCatalogError(PeerFailedError, CatalogError):
+    """Another rank's :class:`CatalogError`."""
+
+
+class PeerPatternError(PeerFailedError, PatternError):
+    """Another rank's :class:`PatternError`."""
+
+
+class PeerRuleArgumentError(PeerFailedError, RuleArgumentError):
+    """Another rank's :class:`RuleArgumentError`."""
+
+
+class PeerCheckpointNotFoundError(PeerFailedError, CheckpointNotFoundError):
+    """Another rank's :class:`CheckpointNotFoundError`."""
+
+
+class PeerIncompleteCheckpointError(PeerFailedError, IncompleteCheckpointError):
+    """Another rank's :class:`IncompleteCheckpointError`."""
+
+
+class PeerMissingFileError(PeerFailedError, MissingFileError):
+    """Another rank's :class:`MissingFileError`."""
+
+
+class PeerCorruptCheckpointError(PeerFailedError, CorruptCheckpointError):
+    """Another rank's :class:`CorruptCheckpointError`."""
+
+
+class PeerChecksumError(PeerFailedError, ChecksumError):
+    """Another rank's :class:`ChecksumError`."""
+
+
+class PeerTruncatedFileError(PeerFailedError, TruncatedFileError):
+    """Another rank's :class:`TruncatedFileError`."""
+
+
+class PeerStorageAccessError(PeerFailedError, StorageAccessError):
+    """Another rank's :class:`StorageAccessError`."""
+
+
+class PeerUnsafeCheckpointError(PeerFailedError, UnsafeCheckpointError):
+    """Another rank's :class:`UnsafeCheckpointError`."""
+
+
+class PeerUnsupportedTorchError(PeerFailedError, UnsupportedTorchError):
+    """Another rank's :class:`UnsupportedTorchError`."""
+
+
+# the peer classes of builtin exceptions: a rank's failure outside ucp_dcp's own errors (user code's, torch's:
+# a CUDA OOM is a RuntimeError, a gloo "Connection closed" too) still catches as its builtin base on every rank
+
+
+class PeerValueError(PeerFailedError, ValueError):
+    """Another rank's ``ValueError`` (or a subclass of it without a peer class of its own)."""
+
+
+class PeerTypeError(PeerFailedError, TypeError):
+    """Another rank's ``TypeError``."""
+
+
+class PeerKeyError(PeerFailedError, KeyError):
+    """Another rank's ``KeyError``."""
+
+    __str__ = BaseException.__str__  # the text as written: KeyError's own str() quotes it ('rank 1 failed: ...')
+
+
+class PeerIndexError(PeerFailedError, IndexError):
+    """Another rank's ``IndexError``."""
+
+
+class PeerAttributeError(PeerFailedError, AttributeError):
+    """Another rank's ``AttributeError``."""
+
+
+class PeerAssertionError(PeerFailedError, AssertionError):
+    """Another rank's ``AssertionError``."""
+
+
+class PeerRuntimeError(PeerFailedError, RuntimeError):
+    """Another rank's ``RuntimeError`` (torch's errors, a CUDA out-of-memory, gloo's, are mostly ones)."""
+
+
+class PeerNotImplementedError(PeerFailedError, NotImplementedError):
+    """Another rank's ``NotImplementedError``."""
+
+
+class PeerMemoryError(PeerFailedError, MemoryError):
+    """Another rank's ``MemoryError``."""
+
+
+class PeerImportError(PeerFailedError, ImportError):
+    """Another rank's ``ImportError``."""
+
+
+class PeerOSError(PeerFailedError, OSError):
+    """Another rank's ``OSError`` (or a subclass of it without a peer class of its own)."""
+
+
+class PeerFileNotFoundError(PeerFailedError, FileNotFoundError):
+    """Another rank's ``FileNotFoundError``."""
+
+
+class PeerPermissionError(PeerFailedError, PermissionError):
+    """Another rank's ``PermissionError``."""
+
+
+class PeerTimeoutError(PeerFailedError, TimeoutError):
+    """Another rank's ``TimeoutError``."""
+
+
+class PeerConnectionError(PeerFailedError, ConnectionError):
+    """Another rank's ``ConnectionError``."""
+
+
+_PEER_CLASSES: dict[type, type[PeerFailedError]] = {
+    InvalidArgumentError: PeerInvalidArgumentError,
+    UnexpectedArgumentError: PeerUnexpectedArgumentError,
+    AmbiguousLayoutError: PeerAmbiguousLayoutError,
+    ReplicaMismatchError: PeerReplicaMismatchError,
+    CoverageError: PeerCoverageError,
+    ShapeMismatchError: PeerShapeMismatchError,
+    DtypeConversionError: PeerDtypeConversionError,
+    MissingAtomsError: PeerMissingAtomsError,
+    ParamGroupError: PeerParamGroupError,
+    CatalogVersionError: PeerCatalogVersionError,
+    CatalogError: PeerCatalogError,
+    PatternError: PeerPatternError,
+    RuleArgumentError: PeerRuleArgumentError,
+    CheckpointNotFoundError: PeerCheckpointNotFoundError,
+    IncompleteCheckpointError: PeerIncompleteCheckpointError,
+    MissingFileError: PeerMissingFileError,
+    CorruptCheckpointError: PeerCorruptCheckpointError,
+    ChecksumError: PeerChecksumError,
+    TruncatedFileError: PeerTruncatedFileError,
+    StorageAccessError: PeerStorageAccessError,
+    UnsafeCheckpointError: PeerUnsafeCheckpointError,
+    UnsupportedTorchError: PeerUnsupportedTorchError,
+    ValueError: PeerValueError,
+    TypeError: PeerTypeError,
+    KeyError: PeerKeyError,
+    IndexError: PeerIndexError,
+    AttributeError: PeerAttributeError,
+    AssertionError: PeerAssertionError,
+    RuntimeError: PeerRuntimeError,
+    NotImplementedError: PeerNotImplementedError,
+    MemoryError: PeerMemoryError,
+    ImportError: PeerImportError,
+    OSError: PeerOSError,
+    FileNotFoundError: PeerFileNotFoundError,
+    PermissionError: PeerPermissionError,
+    TimeoutError: PeerTimeoutError,
+    ConnectionError: PeerConnectionError,
+}
+"""Cause class -> its peer class (``Peer<Name>(PeerFailedError, <Name>)``): this module's error classes, the
+builtin exceptions above, and the classes of higher layers entered by :func:`peer_class` when their modules load."""
+
+_PC = TypeVar("_PC", bound=PeerFailedError)
+
+
+def peer_class(peer: type[_PC]) -> type[_PC]:
+    """Class decorator: ``peer``, written ``class Peer<Name>(PeerFailedError, <Name>)`` beside an error class of
+    a module above this one, is ``<Name>``'s peer class (entered in :data:`_PEER_CLASSES`)."""
+    bases = peer.__bases__
+    if len(bases) != 2 or bases[0] is not PeerFailedError or peer.__name__ != f"Peer{bases[1].__name__}":
+        raise TypeError(f"a peer class is written `class Peer<Name>(PeerFailedError, <Name>)`, not {peer.__name__}")
+    _PEER_CLASSES[bases[1]] = peer
+    return peer
 
 
 def _peer_class(cause: type) -> type[PeerFailedError]:
+    """The class of a peer error for a cause of class ``cause``: its own peer class or its nearest base's in
+    :data:`_PEER_CLASSES` (a peer error's class is its own), else :class:`PeerFailedError`."""
     if issubclass(cause, PeerFailedError):
         return cause
-    if cause is UCPError:
-        return PeerFailedError
-    if cause not in _CLASSES:
-        try:  # also an instance of the cause's class, so `except ChecksumError` works on peers
-            _CLASSES[cause] = type(f"Peer{cause.__name__}", (PeerFailedError, cause), {"__module__": __name__})
-        except TypeError:  # a base that cannot be mixed in (layout conflict): the plain peer error
-            _CLASSES[cause] = PeerFailedError
-    return _CLASSES[cause]
+    for base in cause.__mro__:
+        peer = _PEER_CLASSES.get(base)
+        if peer is not None:
+            return peer
+    return PeerFailedError
+
+
+def _cause_base(cls: type) -> type:
+    """The class a peer class stands for (``ChecksumError`` for ``PeerChecksumError``), ``UCPError`` for the
+    plain peer errors."""
+    return next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
+
+
+def _cause_name(cause: type) -> str:
+    """``cause_class`` of a peer error for a cause of class ``cause`` (a peer error's: the class it stands for)."""
+    return _cause_base(cause).__name__ if issubclass(cause, PeerFailedError) else cause.__name__
 
 
 def _build(
-    cls: type[PeerFailedError], rank: int, message: str, fields: dict[str, Any], same: bool = False
+    cls: type[PeerFailedError],
+    rank: int,
+    message: str,
+    fields: dict[str, Any],
+    same: bool = False,
+    cause_class: str | None = None,
 ) -> PeerFailedError:
     err = cls.__new__(cls)
     if same:  # one line: rank `rank` prints the hint with the full text; the field keeps it for code
@@ -386,28 +614,19 @@ def _build(
     else:
         UCPError.__init__(err, message, **fields)
     err.rank = rank
-    base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
-    err.cause_class = base.__name__
+    err.cause_class = cause_class or _cause_base(cls).__name__
     return err
 
 
-def _rebuild_peer(
-    module: str, qualname: str, rank: int, message: str, fields: dict[str, Any], same: bool = False
-) -> PeerFailedError:
-    return _build(_peer_class(_lookup(module, qualname)), rank, message, fields, same)
-
-
-def _lookup(module: str, qualname: str) -> type:
-    """A cause class by name, only from ucp_dcp and builtins (else ``UCPError``)."""
-    if module == "builtins" or module == "ucp_dcp" or module.startswith("ucp_dcp."):
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-            if isinstance(obj, type) and issubclass(obj, Exception):
-                return obj
-        except (ImportError, AttributeError):
-            pass
+def _wire_class(module: str, qualname: str) -> type:
+    """A cause class by the name another rank sent: a builtin exception class, ``UCPError``, ``PeerFailedError``
+    or a cause class of :data:`_PEER_CLASSES`; else ``UCPError``. Looked up only: nothing imported or called."""
+    if module == "builtins":
+        found = getattr(builtins, qualname, None) if qualname.isidentifier() else None
+        return found if isinstance(found, type) and issubclass(found, Exception) else UCPError
+    for cls in (UCPError, PeerFailedError, *_PEER_CLASSES):
+        if cls.__module__ == module and cls.__qualname__ == qualname:
+            return cls
     return UCPError
 
 
@@ -426,7 +645,7 @@ def peer_error(rank: int, cause: BaseException, found: bool = False) -> PeerFail
     fields = cause._fields() if isinstance(cause, UCPError) else {}
     fields["hint"] = fields.get("hint") or f"rank {rank} reports the cause in full; fix that and load again"
     text = f"rank {rank} {'found' if found else 'failed'}: {type(cause).__name__}: {_first_line(message)}"
-    return _build(_peer_class(type(cause)), rank, text, fields)
+    return _build(_peer_class(type(cause)), rank, text, fields, cause_class=_cause_name(type(cause)))
 
 
 def same_problem(a: BaseException, b: BaseException) -> bool:
@@ -449,7 +668,7 @@ def same_as(rank: int, own: UCPError) -> PeerFailedError:
     """This rank's error ``own`` when rank ``rank`` raised the same problem (:func:`same_problem`) and prints
     it in full: one line naming that rank, an instance of ``own``'s class, with ``own``'s fields."""
     text = f"the same as rank {rank}, which prints it in full: {type(own).__name__}: {_first_line(own.message)}"
-    return _build(_peer_class(type(own)), rank, text, own._fields(), same=True)
+    return _build(_peer_class(type(own)), rank, text, own._fields(), same=True, cause_class=_cause_name(type(own)))
 
 
 def wire_error(exc: BaseException) -> str:
@@ -458,7 +677,7 @@ def wire_error(exc: BaseException) -> str:
     passes its root cause on, not "a peer failed"."""
     cls = type(exc)
     if isinstance(exc, PeerFailedError):
-        base = next((b for b in cls.__mro__[1:] if not issubclass(b, PeerFailedError)), UCPError)
+        base = _cause_base(cls)
         return json.dumps({"module": base.__module__, "cls": base.__qualname__, "msg": str(exc), "rank": exc.rank})
     msg = exc.message if isinstance(exc, UCPError) else str(exc)
     return json.dumps({"module": cls.__module__, "cls": cls.__qualname__, "msg": _first_line(msg)})
@@ -466,16 +685,18 @@ def wire_error(exc: BaseException) -> str:
 
 def error_from_wire(src: int, data: bytes | str) -> PeerFailedError:
     """The error a rank raises for the failure rank ``src`` sent (``data`` from :func:`wire_error`): one
-    line naming ``src``, an instance of the cause's class when that is ucp_dcp's or a builtin."""
+    line naming ``src``, of the cause's peer class when the cause's class is a builtin exception or has a peer
+    class (:func:`_wire_class`: the name is looked up, never imported)."""
     try:
         d = json.loads(data.decode() if isinstance(data, bytes) else data)
-        cls = _lookup(str(d["module"]), str(d["cls"]))
+        cls = _wire_class(str(d["module"]), str(d["cls"]))
         if "rank" in d:  # src forwarded another rank's failure
-            return _build(_peer_class(cls), int(d["rank"]), str(d["msg"]), {})
+            return _build(_peer_class(cls), int(d["rank"]), str(d["msg"]), {}, cause_class=_cause_name(cls))
         text = f"rank {src} failed: {cls.__name__}: {d['msg']}"
     except (ValueError, KeyError, TypeError):
         cls, text = UCPError, f"rank {src} failed (see its errors)"
-    return _build(_peer_class(cls), src, text, {"hint": f"rank {src} reports the cause in full"})
+    hint = {"hint": f"rank {src} reports the cause in full"}
+    return _build(_peer_class(cls), src, text, hint, cause_class=_cause_name(cls))
 
 
 def peer_lost(rank: int, why: str, during: str = "the load") -> PeerLostError:

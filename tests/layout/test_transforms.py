@@ -11,11 +11,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ucp_dcp.errors import PatternError
-from ucp_dcp.layout.coverage import ChunkIndex, exact_cover_problem
-from ucp_dcp.layout.fragments import layout_fragments
+from ucp_dcp.layout.fragments import (
+    ChunkIndex,
+    clip_padding,
+    exact_cover_problem,
+    fused_block_problem,
+    fused_segments,
+    layout_fragments,
+    split_fused,
+)
 from ucp_dcp.layout.index_maps import Chunk, IndexMap, check_ownership
 from ucp_dcp.layout.placements import Layout, Placement
-from ucp_dcp.layout.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
 
 
 def _dtensor_local(g, mesh_shape, coord, placements):

@@ -11,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import ucp_dcp
 from ucp_dcp import CatalogError, CatalogVersionError
-from ucp_dcp.planning.catalog import CATALOG_KEY, FORMAT, load_catalog, read_catalog
-from ucp_dcp.planning.catalog_record import Catalog
+from ucp_dcp.planning.catalog import CATALOG_KEY, FORMAT, Catalog, load_catalog, read_catalog
 
 GOOD = {
     "format": FORMAT,

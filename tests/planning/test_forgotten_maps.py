@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp
 from ucp_dcp.errors import AmbiguousLayoutError
 from ucp_dcp.layout.index_maps import expert_map, map_position, stage_map
-from ucp_dcp.planning.forgotten_maps import forgotten_map_problem
+from ucp_dcp.planning.load_steps import forgotten_map_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

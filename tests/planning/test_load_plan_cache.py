@@ -22,6 +22,7 @@ from ucp_dcp.planning import plan_cache
 from ucp_dcp.planning.entries import Entry, GroupTarget
 from ucp_dcp.planning.plan_keys import SIGNED_FIELDS
 from ucp_dcp.planning.resolve import Resolved
+from ucp_dcp.storage import keyed_plans
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -180,14 +181,14 @@ def test_a_coordinator_without_the_plan_makes_the_load_plan_again(tmp_path):
     m, opt = _trained(1)
     ucp_dcp.save(_state(m, opt), tmp_path / "c")
     _load(tmp_path / "c")
-    for d in (plan_cache._PAYLOADS, plan_cache._SUMMARIES, plan_cache._CHECKED, plan_cache._TRANSPORTS):
+    for d in (plan_cache._PAYLOADS, keyed_plans._SUMMARIES, plan_cache._CHECKED, keyed_plans._TRANSPORTS):
         d.clear()  # what a coordinator in another process would lack
     m2, o2, s, _ = _load(tmp_path / "c")  # ucp_dcp.load: the miss, then a plan without the cache
     assert not s.plan_cached and _same(m, opt, m2, o2)
     _, _, s, _ = _load(tmp_path / "c")  # after a failed load a rank plans afresh once (and caches again)
     assert not s.plan_cached and plan_cache.counters["local_miss"] == 2
     # dcp.load itself raises the miss on every rank; the next load plans afresh, the one after reuses it
-    for d in (plan_cache._PAYLOADS, plan_cache._SUMMARIES, plan_cache._CHECKED, plan_cache._TRANSPORTS):
+    for d in (plan_cache._PAYLOADS, keyed_plans._SUMMARIES, plan_cache._CHECKED, keyed_plans._TRANSPORTS):
         d.clear()
     sd = _state(*_fresh(), extra=0)
     with pytest.raises(plan_cache.PlanCacheMissError):

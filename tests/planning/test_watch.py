@@ -16,9 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from ucp_dcp.errors import PeerFailedError, PeerLostError
-from ucp_dcp.planning import watch as W
-from ucp_dcp.planning.checkpoint_group import call_requests
-from ucp_dcp.planning.watch import Watch
+from ucp_dcp.planning import checkpoint_group as W
+from ucp_dcp.planning.checkpoint_group import Watch, call_requests
 
 MEMBERS = [10, 11, 12]  # global ranks: errors name these, not the positions
 

@@ -27,7 +27,7 @@ from ucp_dcp.errors import (
     wire_error,
 )
 from ucp_dcp.errors import error_from_wire as from_wire
-from ucp_dcp.storage.read_protocol import STEPS
+from ucp_dcp.storage.reader import READ_STEPS
 from ucp_dev.testing.chaos import Case, judge, one_rank, run_case
 
 HANG_S = 60  # a rank stuck until a PG timeout (180 s in the pool) fails the test here
@@ -116,7 +116,7 @@ def test_the_reading_rank_raises_its_own_error_and_peers_name_it(fault, cls):
             assert r["peer"] in own and r["message"].startswith(tuple(n + cls.__name__ + ": " for n in named)), r
 
 
-@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("step", READ_STEPS)
 def test_a_failure_at_any_step_of_read_data_ends_every_rank(step):
     res = _run(f"raise@{step}")
     assert res[3]["error"] == "FaultInjected" and all(r["seconds"] < 10 for r in res.values()), res

@@ -17,9 +17,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ucp_dcp.planning.payloads import ReadSummary
 from ucp_dcp.storage.format import read_key
-from ucp_dcp.storage.transport import local_summary, piece_ids, plan_transport, read_rows
+from ucp_dcp.storage.transport import ReadSummary, local_summary, piece_ids, plan_transport, read_rows
 
 NAMES = ["b.w", "a.w", "c.obj", "d.v"]
 

@@ -239,14 +239,14 @@ class _no_mapping:
         self.on = on
 
     def __enter__(self):
-        import ucp_dcp.storage.chunk_reads as R
+        import ucp_dcp.storage.reader as R
 
         self.saved = R.regular_fd
         if self.on:
             R.regular_fd = lambda f: None
 
     def __exit__(self, *exc):
-        import ucp_dcp.storage.chunk_reads as R
+        import ucp_dcp.storage.reader as R
 
         R.regular_fd = self.saved
 

@@ -225,7 +225,7 @@ def test_the_dry_run_parses_the_catalog_once_whatever_the_world_size(tmp_path, m
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import ucp_dcp
-    from ucp_dcp.planning.catalog_record import Catalog
+    from ucp_dcp.planning.catalog import Catalog
     from ucp_dcp.tools.dryrun import FunctionTarget
 
     model, optim = _example().build(device="cpu")

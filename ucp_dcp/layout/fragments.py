@@ -12,10 +12,14 @@ A ``ShardedTensor`` (FSDP1 ``SHARDED_STATE_DICT``, ``torch.distributed._shard``)
 directly: each local shard is one fragment (:func:`shard_fragments`). A rank may hold several local
 shards, each its own tensor; their memory is then a :class:`LocalShards` and each fragment names
 its shard (``Fragment.shard``).
+
+After the fragments of a layout come the transforms for layouts placements cannot describe (fused, padded),
+then the load side's coverage: which saved chunks feed a wanted box, exactly once.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -28,14 +32,21 @@ from .placements import Layout, Placement, PlacementKind
 
 __all__ = [
     "Box",
+    "ChunkIndex",
     "Fragment",
     "LocalShards",
-    "chunk_range",
-    "dim_runs",
-    "local_shape",
-    "layout_fragments",
-    "shard_fragments",
+    "Segment",
     "boxes_fragments",
+    "chunk_range",
+    "clip_padding",
+    "dim_runs",
+    "exact_cover_problem",
+    "fused_block_problem",
+    "fused_segments",
+    "layout_fragments",
+    "local_shape",
+    "shard_fragments",
+    "split_fused",
     "whole_fragment",
 ]
 
@@ -253,3 +264,179 @@ def whole_fragment(atom: str, shape: Sequence[int]) -> Fragment:
     """A plain tensor is one fragment covering the whole atom."""
     box = Box((0,) * len(shape), tuple(int(s) for s in shape))
     return Fragment(atom, box, box)
+
+
+# -- fragment transforms for layouts DTensor placements cannot describe (fused, padded) ------------------------------
+# They act on the fragments of the *live* tensor (boxes in the live tensor's global coordinates) and
+# return fragments of atoms:
+#
+# * :func:`fused_segments` / :func:`split_fused`: a dim holding several logical parameters side by
+#   side, in ``blocks`` interleaved blocks (``[A_0; B_0; A_1; B_1; ...]``). One block is plain
+#   concatenation; ``blocks = TP degree`` is Megatron's per-rank ``[q_r; k_r; v_r]`` layout;
+#   ``blocks = n_kv_heads`` is the group-major (per KV head) QKV layout.
+# * :func:`clip_padding`: a dim padded beyond its logical size; the tail is no atom's and is filled
+#   on load.
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of the fused dim that belongs to one part."""
+
+    start: int
+    """First index in the live (fused) dim."""
+    length: int
+    """Number of indices."""
+    part: int
+    """Index of the part (sub-parameter)."""
+    atom_start: int
+    """Where the run starts in the part's own dim."""
+
+
+def fused_segments(part_sizes: Sequence[int], blocks: int) -> list[Segment]:
+    """Segments of a dim holding ``part_sizes`` in ``blocks`` interleaved blocks. Callers check
+    divisibility first (see :func:`fused_block_problem`)."""
+    widths = [s // blocks for s in part_sizes]
+    per_block = sum(widths)
+    segs = []
+    for b in range(blocks):
+        off = b * per_block
+        for p, w in enumerate(widths):
+            if w:
+                segs.append(Segment(off, w, p, b * w))
+                off += w
+    return segs
+
+
+def fused_block_problem(part_sizes: Sequence[int], blocks: int, live_size: int) -> str | None:
+    """Why ``part_sizes`` in ``blocks`` blocks cannot describe a dim of ``live_size`` (None if they can)."""
+    if blocks < 1:
+        return f"{blocks} blocks"
+    bad = [s for s in part_sizes if s % blocks]
+    if bad:
+        return f"part sizes {list(part_sizes)} are not all divisible by {blocks} blocks"
+    if sum(part_sizes) != live_size:
+        return f"parts sum to {sum(part_sizes)} but the live dim has {live_size}"
+    return None
+
+
+def _narrow(box: Box, dim: int, start: int, length: int) -> Box:
+    offs = list(box.offsets)
+    sizes = list(box.sizes)
+    offs[dim] += start
+    sizes[dim] = length
+    return Box(tuple(offs), tuple(sizes))
+
+
+def _moved(box: Box, dim: int, new_start: int, length: int) -> Box:
+    offs = list(box.offsets)
+    sizes = list(box.sizes)
+    offs[dim] = new_start
+    sizes[dim] = length
+    return Box(tuple(offs), tuple(sizes))
+
+
+def split_fused(
+    frags: Sequence[Fragment], dim: int, segments: Sequence[Segment], part_atoms: Sequence[str]
+) -> list[Fragment]:
+    """Cut live fragments at segment boundaries along ``dim``; each piece becomes a fragment of its
+    part's atom, with its box moved to the part's coordinates and its local region narrowed."""
+    starts = [s.start for s in segments]
+    out: list[Fragment] = []
+    for f in frags:
+        lo = f.box.offsets[dim]
+        hi = lo + f.box.sizes[dim]
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while i < len(segments) and segments[i].start < hi:
+            s = segments[i]
+            a, b = max(lo, s.start), min(hi, s.start + s.length)
+            if b > a:
+                rel = a - lo
+                out.append(
+                    Fragment(
+                        part_atoms[s.part],
+                        _moved(f.box, dim, s.atom_start + (a - s.start), b - a),
+                        _narrow(f.local, dim, rel, b - a),
+                        f.view_shape,
+                    )
+                )
+            i += 1
+    return out
+
+
+def clip_padding(frags: Sequence[Fragment], dim: int, size: int) -> tuple[list[Fragment], list[Box]]:
+    """Keep the part of each fragment below ``size`` on ``dim``; return the kept fragments and the
+    local boxes of the padding (at or beyond ``size``)."""
+    kept: list[Fragment] = []
+    pad: list[Box] = []
+    for f in frags:
+        lo = f.box.offsets[dim]
+        n = f.box.sizes[dim]
+        inside = max(0, min(n, size - lo))
+        if inside:
+            kept.append(
+                Fragment(f.atom, _narrow(f.box, dim, 0, inside), _narrow(f.local, dim, 0, inside), f.view_shape)
+            )
+        if inside < n:
+            pad.append(_narrow(f.local, dim, inside, n - inside))
+    return kept, pad
+
+
+# -- coverage: which saved chunks feed a wanted box, and whether they cover it exactly once --------------------------
+
+
+@dataclass
+class ChunkIndex:
+    """Saved chunks of one atom, indexed along the dim with the largest extent (like DCP's sweep)."""
+
+    boxes: list[Box]
+    """Saved chunks, in metadata order (their position is the storage index hint)."""
+
+    def __post_init__(self) -> None:
+        ndim = len(self.boxes[0].offsets) if self.boxes else 0
+        self._dim = max(range(ndim), key=lambda d: max(b.offsets[d] + b.sizes[d] for b in self.boxes), default=-1)
+        if self._dim < 0:
+            return
+        order = sorted(range(len(self.boxes)), key=lambda i: self.boxes[i].offsets[self._dim])
+        self._order = order
+        self._starts = [self.boxes[i].offsets[self._dim] for i in order]
+        self._max_len = max(b.sizes[self._dim] for b in self.boxes)
+
+    def overlaps(self, box: Box) -> list[tuple[int, Box]]:
+        """``(chunk position, overlap box)`` for every saved chunk meeting ``box``."""
+        if self._dim < 0:  # 0-d atoms: every chunk is the whole value
+            return [(i, Box((), ())) for i in range(len(self.boxes))]
+        lo = box.offsets[self._dim]
+        hi = lo + box.sizes[self._dim]
+        # candidates start in (lo - max_len, hi)
+        a = bisect.bisect_right(self._starts, lo - self._max_len)
+        b = bisect.bisect_left(self._starts, hi)
+        out = []
+        for j in range(a, b):
+            i = self._order[j]
+            ov = box.intersect(self.boxes[i])
+            if ov is not None:
+                out.append((i, ov))
+        out.sort(key=lambda x: x[0])
+        return out
+
+
+def exact_cover_problem(box: Box, pieces: Sequence[Box]) -> str | None:
+    """None if ``pieces`` (each inside ``box``) cover every element of ``box`` exactly once; else a
+    short description of the hole or overlap."""
+    total = sum(p.volume for p in pieces)
+    if len(box.sizes) > 0:
+        ordered = sorted(pieces, key=lambda p: p.offsets)
+        d = 0
+        active: list[Box] = []
+        for p in ordered:
+            start = p.offsets[d]
+            active = [q for q in active if q.offsets[d] + q.sizes[d] > start]
+            for q in active:
+                if p.intersect(q) is not None:
+                    return f"saved chunks overlap at {p.intersect(q)}"
+            active.append(p)
+    elif len(pieces) > 1:
+        return f"{len(pieces)} saved copies of a scalar"
+    if total != box.volume:
+        return f"saved chunks cover {total} of {box.volume} elements"
+    return None

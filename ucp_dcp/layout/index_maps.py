@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PatternError
-from .arguments import integer, refuse, strings, text
 from .naming import Path
+from .patterns import integer, refuse, strings, text
 
 __all__ = ["Chunk", "IndexMap", "stage_map", "expert_map", "check_ownership", "map_position"]
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arguments import refuse, strings
+from .patterns import refuse, strings
 
 __all__ = [
     "AtomName",

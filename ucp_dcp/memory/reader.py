@@ -33,7 +33,6 @@ from ..storage.format import box_grid, item_key
 from ..storage.read_job import ReadJob, ReadStats
 from ..storage.reader import UCPFileSystemReader
 from ..storage.sidecar import decode_sidecar, metadata_from_sidecar, metadata_hash, sidecar_name
-from ..storage.staging import BUFFERS_PER_THREAD
 from ..storage.transport import Incoming, as_bytes_tensor, local_summary
 from .locate import Source
 from .serving import ScratchPlanner, ServePlan, ServeRequest, assign_servers
@@ -130,20 +129,6 @@ class MemoryReader(UCPFileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _job(self, plan: LoadPlan, planner: Any, send: set[int], stats: ReadStats) -> ReadJob:
-        return ReadJob(
-            plan,
-            planner,
-            send,
-            chunk_meta=self._chunk_meta,
-            storage_data=self.storage_data,
-            forced=self._forced,
-            stage_bytes=self.stage_bytes,
-            buffers=BUFFERS_PER_THREAD * max(1, self.thread_count),
-            transforms=self.transforms,
-            stats=stats,
-        )
 
     def _serve_and_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Serve peers and read this rank's own fragments, pipelined: each message a peer needs is read

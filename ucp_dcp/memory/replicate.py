@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..errors import CorruptCheckpointError, PeerLostError, UCPError
+from ..errors import CorruptCheckpointError, PeerFailedError, PeerLostError, UCPError, peer_class
 from ..planning.collectives import peer_timeout
 from ..storage.commit import commit
 from ..storage.sidecar import decode_sidecar, metadata_hash, sidecar_name
@@ -70,7 +70,7 @@ def writer_rank(name: str, hosts: HostMap) -> int:
 
 Watch = Callable[[int, str], PeerLostError]
 """``watch(rank, why)``: the error for a transfer with ``rank`` that failed or timed out; raised, it is this
-rank's failure at the next gate of the background's watch (:mod:`ucp_dcp.planning.watch`)."""
+rank's failure at the next gate of the background's watch (:mod:`ucp_dcp.planning.checkpoint_group`)."""
 
 
 def agree(group: dist.ProcessGroup, g: Generation, step: str, error: BaseException | None) -> None:
@@ -117,6 +117,11 @@ def publish_commit(g: Generation, group: dist.ProcessGroup) -> None:
 
 class PeerCausedError(UCPError):
     """This rank's replication failed because a peer's did (a file its writer could not read)."""
+
+
+@peer_class  # beside its cause: ucp_dcp.errors, the lowest layer, cannot import this module
+class PeerPeerCausedError(PeerFailedError, PeerCausedError):
+    """Another rank's :class:`PeerCausedError` (still derived from a peer's failure: ``mark_complete``)."""
 
 
 def _send_plan(g: Generation) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import InvalidArgumentError, PeerLostError, UCPError, peer_lost, ucp_errors
+from ..errors import InvalidArgumentError, PeerFailedError, PeerLostError, UCPError, peer_class, peer_lost, ucp_errors
 from ..planning.checkpoint_group import CheckpointGroup, dcp_group, guarded, private_group
 from ..planning.collectives import peer_timeout
 from ..planning.save_planner import UCPSavePlanner
@@ -58,12 +58,17 @@ class MemoryTierWarning(UserWarning):
 
 def _lost(rank: int, why: str) -> PeerLostError:
     """A replica transfer with ``rank`` failed or timed out: this rank's failure at the call's next gate,
-    which ends it on every rank with the lost rank's name (:mod:`ucp_dcp.planning.watch`)."""
+    which ends it on every rank with the lost rank's name (:mod:`ucp_dcp.planning.checkpoint_group`)."""
     return peer_lost(rank, why, during="memory replication")
 
 
 class MemoryFault(UCPError):
     """The stop a test asked for (``fault=``): the job 'dies' at that step."""
+
+
+@peer_class  # beside its cause: ucp_dcp.errors, the lowest layer, cannot import this module
+class PeerMemoryFault(PeerFailedError, MemoryFault):
+    """Another rank's :class:`MemoryFault`."""
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from .._compat import local_tensor as dtensor_local
 from ..errors import ParamGroupError
 from ..layout.fragments import LocalShards
 from ..layout.naming import AtomName, NameRules, OptimizerForm, Path, find_optimizer_containers, parse_path
-from ..layout.shards import LocalShard, sharded_tensor_shards
+from ..layout.placements import LocalShard, sharded_tensor_shards
 
 __all__ = [
     "Entry",

@@ -5,7 +5,7 @@ tests) installs one hook per process with :func:`install`; every :func:`fault_po
 step's name, and the hook raises :class:`FaultInjected`, kills or stops its process, or returns. With no
 hook installed (every real job) a fault point is one comparison with None: no environment lookup, nothing
 on the I/O path. The steps: :data:`CALL_STEPS` around a save or load, and ``read_data``'s
-(:data:`ucp_dcp.storage.read_protocol.STEPS`). The hook the chaos tier installs is
+(:data:`ucp_dcp.storage.reader.READ_STEPS`). The hook the chaos tier installs is
 ``ucp_dev.testing.faults.inject`` (``RANK:STEP[:ACTION]``, outside the installed package).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import UCPError
+from ..errors import PeerFailedError, UCPError, peer_class
 
 __all__ = ["CALL_STEPS", "FaultInjected", "Hook", "fault_point", "install", "installed"]
 
@@ -32,6 +32,11 @@ _HOOK: list[Hook] = []
 
 class FaultInjected(UCPError):
     """The failure a test's hook raised at a fault point (testing only)."""
+
+
+@peer_class  # beside its cause: ucp_dcp.errors, the lowest layer, cannot import this module
+class PeerFaultInjected(PeerFailedError, FaultInjected):
+    """Another rank's :class:`FaultInjected`."""
 
 
 def install(hook: Hook | None) -> None:

@@ -19,14 +19,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from ..errors import UCPError
 from . import device as _device
 from . import plan_cache, plan_keys
-from .declarations import raw_params_sink
 from .device import staging_forced
 from .entries import set_value
 from .hooks import overrides
-from .load_steps import GROUP_SINK, group_reads, use_unsplit
+from .load_steps import GROUP_SINK, group_reads, raw_params_sink, split_stock_groups, use_unsplit
 from .payloads import LoadPlanPayload
 from .plan_cache import CachedLoadPlan, LocalEntry
-from .stock_groups import split_stock_groups
 
 __all__ = ["CachedLoadPlans", "PLANNING_HOOKS", "plan_key_of"]
 

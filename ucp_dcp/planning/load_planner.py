@@ -19,39 +19,36 @@ from ..layout.dtypes import conversion
 from ..layout.patterns import Patterns, rule_from_json
 from ..layout.structure import check_map_orders, check_mesh_collisions, map_orders, target_meshes, unpack_meshes
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
-from .catalog import load_catalog
-from .catalog_record import Catalog
+from .catalog import Catalog, load_catalog
 from .consistency import check_rule_usage, zero_like
-from .declarations import (
-    alias_problems,
-    raw_optimizer_problems,
-    raw_params_sink,
-    reduce_problem,
-    rule_conflicts,
-    tie_problem,
-    with_map_note,
-    with_raw_note,
-)
 from .device import needs_staging, split_reads, staging_forced
 from .entries import raw_optimizers
-from .forgotten_maps import check_forgotten_maps, map_reads
-from .hooks import check_resolved, check_state_dict, overrides, plan_snapshot, state_view
+from .hooks import LoadHooks, check_resolved, check_state_dict, overrides, plan_snapshot, state_view
 from .load_cache import CachedLoadPlans, object_sink
 from .load_steps import (
     SavedIndex,
+    alias_problems,
+    check_forgotten_maps,
     combine_problems,
     decode_value,
     entry_reads,
     group_reads,
     itemsize,
+    map_reads,
     missing_error,
+    raw_optimizer_problems,
+    raw_params_sink,
+    reduce_problem,
+    rule_conflicts,
     saved_names,
+    split_stock_groups,
+    tie_problem,
+    with_map_note,
+    with_raw_note,
 )
 from .opened import integrity_of, raise_if_unopened
 from .payloads import READ_ONCE_MODES, LoadPlanPayload, ReadOnceMode, RuleUsage
-from .planner_hooks import LoadHooks
 from .resolve import Resolved, Resolver
-from .stock_groups import split_stock_groups
 
 __all__ = ["UCPLoadPlanner"]
 

@@ -3,9 +3,10 @@ group, the checks on what was saved, and the errors that explain a failed plan.
 
 :class:`ucp_dcp.planning.load_planner.UCPLoadPlanner` strings these together.
 
-Kept in one module (over 400 lines once formatted): the pure steps ``UCPLoadPlanner`` strings
-together share the saved index (:class:`SavedIndex`) and the read-item builders; as DCP's
-``default_planner.py`` keeps its steps beside each other.
+One module, as DCP's ``default_planner.py`` keeps its steps beside each other: the steps share the saved
+index (:class:`SavedIndex`) and the read-item builders. After the core steps come, in the order the planner
+calls them, the checks of a load's declarations, forgotten stage/expert maps (seen at the global plan), stock
+DCP's param groups matched by membership, and tied keys whose saved copies are compared when read.
 """
 
 from __future__ import annotations
@@ -13,51 +14,73 @@ from __future__ import annotations
 import difflib
 import importlib
 import io
+import logging
+import math
 import pickle
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .._compat import narrow_tensor_by_index
 from ..errors import (
+    AmbiguousLayoutError,
     CoverageError,
     DtypeConversionError,
     MissingAtomsError,
     ParamGroupError,
+    PatternError,
     ShapeMismatchError,
     UCPError,
     UnsafeCheckpointError,
 )
-from ..layout.coverage import ChunkIndex, exact_cover_problem
 from ..layout.dtypes import LOSS, conversion, kind
-from ..layout.fragments import Box
+from ..layout.fragments import Box, ChunkIndex, exact_cover_problem
+from ..layout.index_maps import IndexMap, map_position
 from ..layout.naming import AtomName, NameRules, OptimizerForm
-from .catalog import load_catalog
-from .catalog_record import Catalog
-from .entries import Entry, GroupTarget
+from ..layout.patterns import Rule, Tied, describe, rule_to_json
+from .catalog import RAW_HINT, Catalog, load_catalog, raw_optimizer_error
+from .entries import Entry, GroupTarget, local_tensor
 from .resolve import Resolved, Resolver
-from .ties import catalog_aliases, saved_equal
+from .ties import catalog_aliases, saved_equal, storage_identity
 
 __all__ = [
     "GROUP_SINK",
-    "SavedIndex",
     "GroupCollector",
-    "entry_reads",
-    "use_unsplit",
-    "group_reads",
+    "SavedIndex",
+    "StockGroups",
+    "TieReads",
+    "alias_problems",
     "bytes_read",
+    "check_forgotten_maps",
+    "check_raw_params",
     "check_tensor",
-    "decode_value",
-    "itemsize",
-    "saved_names",
-    "missing_error",
     "combine_problems",
+    "decode_value",
+    "entry_reads",
+    "forgotten_map_problem",
+    "group_reads",
+    "itemsize",
+    "lacking_maps",
+    "map_reads",
+    "missing_error",
+    "raw_optimizer_problems",
+    "raw_params_sink",
+    "reduce_problem",
+    "rule_conflicts",
+    "saved_names",
+    "split_stock_groups",
+    "tie_error",
+    "tie_problem",
+    "use_unsplit",
+    "with_map_note",
+    "with_raw_note",
 ]
-
 
 _PLAIN_DATA = {
     "_io.BytesIO": ("io", "BytesIO"),
@@ -476,3 +499,683 @@ def group_atom(resolver: Resolver, g: GroupTarget, param: str, hp: str) -> str:
     """The atom holding hyperparameter ``hp`` of ``param`` (after tie and fused resolution)."""
     name = AtomName(tuple(g.prefix) + ("param_groups",), param, (hp,), "param_group", form=OptimizerForm.NESTED)
     return next(iter(resolver.resolve(Entry(name.name, name, None, name.path)).atoms))
+
+
+# -- a load's declarations checked against what the checkpoint and the target state hold -----------------------------
+# The rules and maps a load passes describe the *target*; the catalog records what was declared at
+# save. Where the two disagree in a way that changes meaning, the load is refused before a byte is
+# read: a map the checkpoint was saved with and this load lacks (its stage-local names then miss or
+# collide; on plain tensors :mod:`ucp_dcp.planning.load_steps` sees it at the global plan), a
+# ``Tied`` rule declared only at load over an atom the checkpoint holds separately (its saved values
+# would be replaced by the tied parameter's), and target keys that alias one storage under different
+# atoms (one of the two loads would silently overwrite the other).
+
+
+_MAP_ARG = {"layers": "stage_map", "experts": "expert_map"}
+
+
+def with_map_note(err: UCPError, saved_maps: Iterable[str], load_maps: Iterable[str]) -> UCPError:
+    """``err`` with the index maps the checkpoint was saved with and this load lacks named first:
+    a forgotten map shows up as missing or mismatched atoms, whose own message would hide it."""
+    lacking = sorted(set(saved_maps) - set(load_maps))
+    if not lacking:
+        return err
+    args = ", ".join(_MAP_ARG.get(k, f"IndexMap({k!r})") for k in lacking)
+    note = (
+        f"The checkpoint was saved with index map(s) {lacking} ({args}) and this load passes none: if this "
+        "layout numbers its layers or experts locally (pipeline stages, expert-parallel ranks), pass the "
+        f"{args} for this rank's layout."
+    )
+    return type(err)(
+        f"{err.message}\n{note}",
+        atom=err.atom,
+        saved=err.saved,
+        wanted=err.wanted,
+        hint=f"pass {args} for the new layout (or, if its names are global, check the names); " + (err.hint or ""),
+    )
+
+
+def tie_problem(r: Any, saved: Any, saved_rules: Sequence[Rule], rules: Sequence[Rule]) -> UCPError | None:
+    """A target entry a ``Tied`` rule renamed to another parameter's atom, while the checkpoint
+    holds the entry's own atom and was not saved with that tie: accepted when the checkpoint shows
+    the two saved atoms are bitwise one value (its digests agree, or they were one tensor at save),
+    refused otherwise, since loading the tied atom would replace the saved values (``saved``: the
+    :class:`~ucp_dcp.planning.load_steps.SavedIndex`, ``rules``: this load's declared rules)."""
+    own = r.entry.atom
+    if not r.tied or own.param == r.atom.param:
+        return None
+    rule = next((x for x in rules if isinstance(x, Tied) and x.param == r.atom.param), None)
+    if rule is None or rule in saved_rules or saved.lookup(own.name) is None:
+        return None
+    same = saved.same_value(own.name, r.atom.name)
+    if same:
+        return None
+    why = (
+        "their saved values differ (their digests disagree)"
+        if same is False
+        else "the checkpoint cannot show they are equal (no checksums, or saved in other chunks)"
+    )
+    return PatternError(
+        f"rule {describe(rule)} (declared at load, not at save) loads '{r.atom.name}' into '{r.entry.key}', "
+        f"but the checkpoint holds '{own.name}' as an atom of its own and {why}: its saved values would be replaced",
+        atom=own.name,
+        saved=f"'{own.name}' and '{r.atom.name}' saved separately",
+        wanted=f"tied to '{r.atom.param}'",
+        hint=f"drop the Tied rule and give '{r.entry.key}' a tensor of its own (untie the tied parameters): each saved "
+        "atom then loads into its own key; tie them afterwards with the value you choose",
+    )
+
+
+def alias_problems(resolved: Sequence[Any], saved: Any) -> tuple[list[UCPError], set[str], dict[str, str]]:
+    """Target keys whose local memory overlaps but which load different atoms, unless they view one
+    tensor the same way and the checkpoint holds one value for both (``saved``, the
+    :class:`~ucp_dcp.planning.load_steps.SavedIndex`: one atom with aliases, or equal digests): a tied
+    model loading its own tie. Also returns the keys whose reads would only repeat another key's (the
+    later views of one tensor that loads one value): they need no reads of their own; and the keys of
+    one tensor whose saved copies the checkpoint cannot show equal (stock DCP saved both names,
+    without checksums) but that are saved tensors of one shape and dtype: key -> the key whose value
+    loads. Both copies are then read and compared when read (:mod:`ucp_dcp.planning.load_steps`)."""
+    spans: dict[tuple[str, int], list[tuple[int, int, Any]]] = {}
+    for r in resolved:
+        if not r.present or not isinstance(r.value, torch.Tensor):
+            continue
+        t = local_tensor(r.value)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+        spans.setdefault((str(t.device), st.data_ptr()), []).append((lo, hi, r))
+    out: list[UCPError] = []
+    repeats: set[str] = set()
+    compared: dict[str, str] = {}
+    for items in spans.values():
+        items.sort(key=lambda x: x[0])
+        for (_lo1, hi1, a), (lo2, _hi2, b) in zip(items, items[1:]):
+            if lo2 >= hi1:
+                continue
+            one_view = len(a.atoms) == len(b.atoms) == 1 and storage_identity(a.value) == storage_identity(b.value)
+            if set(a.atoms) & set(b.atoms):
+                if one_view and set(a.atoms) == set(b.atoms) and not a.fills and not b.fills:
+                    repeats.add(b.entry.key)  # one tensor, one atom (a declared tie): read once
+                continue
+            equal = saved.same_value(next(iter(a.atoms)), next(iter(b.atoms))) if one_view else None
+            if equal:
+                repeats.add(b.entry.key)  # both keys view one tensor that receives one value
+                continue
+            if equal is None and one_view and a.entry.key not in repeats and _comparable(a, b, saved):
+                compared[b.entry.key] = compared.get(a.entry.key, a.entry.key)  # read both, compare, load one
+                continue
+            why = {
+                False: "the checkpoint holds different values for them",
+                None: "the checkpoint cannot show they hold one value (saved separately, without ucp_dcp's "
+                "checksums or in other chunks)",
+            }[equal if one_view else None]
+            out.append(tie_error(a.entry.key, b.entry.key, sorted(a.atoms)[0], sorted(b.atoms)[0], why))
+    return out, repeats, compared
+
+
+def _comparable(a: Any, b: Any, saved: Any) -> bool:
+    """Whether the saved copies of two keys viewing one tensor can be compared when read: both saved as
+    tensors of one shape and dtype (:func:`~ucp_dcp.planning.ties.saved_equal` refuses others), each
+    key's fragments the same boxes, no padding."""
+    keys = [saved.lookup(next(iter(r.atoms))) for r in (a, b)]
+    smd = [saved.md.state_dict_metadata.get(k) if k is not None else None for k in keys]
+    return (
+        all(isinstance(m, TensorStorageMetadata) for m in smd)
+        and not a.fills
+        and not b.fills
+        and not a.fanout
+        and not b.fanout
+        and [f.box for f in a.fragments] == [f.box for f in b.fragments]
+    )
+
+
+def tie_error(a: str, b: str, atom_a: str, atom_b: str, why: str) -> AmbiguousLayoutError:
+    """Target keys ``a`` and ``b`` share memory but load atoms the checkpoint does not hold as one value
+    (``why``): refused at plan time, or when read (:mod:`ucp_dcp.planning.load_steps`)."""
+    return AmbiguousLayoutError(
+        f"target keys '{a}' and '{b}' share memory but load different atoms ({atom_a!r} and {atom_b!r}): "
+        f"{why}, and one load would overwrite the other",
+        atom=atom_b,
+        saved=[atom_a, atom_b],
+        wanted="one value",
+        hint=f"give '{b}' a tensor of its own (untie the tied parameters) to load each saved value "
+        "into its own key, then tie them with the value you choose",
+    )
+
+
+_LAYOUT_FIELDS = {
+    "fused": ("parts", "dim", "blocks"),
+    "tied": ("param", "aliases"),
+    "reduce": ("op",),
+    "padded": ("size", "dim"),
+}
+"""The fields of a rule that decide how saved atoms relate to live values (not ``fill``, ``check``)."""
+
+
+def rule_conflicts(declared: Sequence[Rule], saved_rules: Sequence[Rule], catalog: Catalog | None) -> list[UCPError]:
+    """Rules this load declares that describe a parameter the checkpoint holds differently from the
+    rule it was saved with (same kind, both match one saved name, other layout fields): the saved
+    atoms were cut by the saved rule, so the declared one would put their rows in the wrong places."""
+    import re
+
+    names = catalog.saved_names() if catalog is not None else set()
+    out: list[UCPError] = []
+    for d in declared:
+        fields = _LAYOUT_FIELDS.get(d.kind)
+        if fields is None or d in saved_rules:
+            continue
+        for s in saved_rules:
+            if s.kind != d.kind or all(_layout_field(s, f) == _layout_field(d, f) for f in fields):
+                continue
+            if d.kind == "fused" and _part_sizes(s) != _part_sizes(d):
+                # another model config (e.g. other KV heads, so other sizes and blocks): the part atoms'
+                # shapes differ, which the load reports as a ShapeMismatchError naming both shapes
+                continue
+            both = sorted(n for n in names if re.fullmatch(s.pattern, n) and re.fullmatch(d.pattern, n))
+            if both:
+                out.append(
+                    PatternError(
+                        f"rule {describe(d)} declared at load describes '{both[0]}' differently from the rule it was "
+                        f"saved with, {describe(s)}: "
+                        + ", ".join(
+                            f"{f} {getattr(s, f)!r} at save, {getattr(d, f)!r} now"
+                            for f in fields
+                            if _layout_field(s, f) != _layout_field(d, f)
+                        ),
+                        atom=both[0],
+                        saved=rule_json(s),
+                        wanted=rule_json(d),
+                        hint="pass the rule the checkpoint was saved with (or none: the saved rules apply by themselves); "
+                        "if the target model really lays this parameter out differently, load with strict=False",
+                    )
+                )
+                break
+    return out
+
+
+def _layout_field(rule: Rule, name: str) -> Any:
+    """A rule field as the conflict check compares it: a Fused rule's part *names* (their sizes are the
+    model's shapes: a size change is a shape mismatch, reported as one, with both shapes)."""
+    value = getattr(rule, name)
+    return tuple(t for t, _ in value) if name == "parts" else value
+
+
+def _part_sizes(rule: Rule) -> tuple[int, ...]:
+    return tuple(n for _, n in getattr(rule, "parts", ()))
+
+
+def rule_json(rule: Rule) -> dict[str, Any]:
+    return rule_to_json(rule)
+
+
+def reduce_problem(r: Any, catalog: Catalog | None) -> UCPError | None:
+    """A ``Reduce`` rule applied at load to an atom the checkpoint saved without one: what was saved
+    is one rank's copy (checked equal across ranks), which the load would take for the reduced total."""
+    if r.reduce is None or not catalog:
+        return None
+    rec = catalog.atoms.get(r.name)
+    if rec is None or (rec.pattern or "").startswith("reduce:"):
+        return None
+    return PatternError(
+        f"rule {describe(r.reduce)} reduces '{r.name}' at load, but the checkpoint saved it without a reduction "
+        f"(pattern {rec.pattern!r}: one rank's copy): the load would take that copy for the {r.reduce.op}",
+        atom=r.name,
+        saved=rec.pattern,
+        wanted=f"reduce:{r.reduce.op}",
+        hint="declare the Reduce rule at save too (the save then reduces every rank's value), or load without it",
+    )
+
+
+def raw_optimizer_problems(
+    target_raw: Mapping[str, list[list[int]]], catalog: Catalog | None, target_names: Iterable[str]
+) -> list[UCPError]:
+    """Raw ``optimizer.state_dict()`` values (parameters keyed by position) that this load cannot fill
+    exactly: positions other than the checkpoint's (another parameter order or count, another
+    pipeline stage), or one side keyed by position and the other by name. Stock checkpoints (no
+    catalog) are checked when their ``params`` lists are read."""
+    if catalog is None:
+        return []
+    saved_raw = catalog.raw_optimizers
+    out: list[UCPError] = []
+    for prefix, groups in target_raw.items():
+        if prefix not in saved_raw:
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the target's '{prefix}' is a raw optimizer.state_dict() (parameters keyed by position), but the "
+                    "checkpoint does not hold it in that form (its optimizer state is keyed by parameter name, or absent)",
+                    "keyed by name",
+                    groups,
+                )
+            )
+        elif saved_raw[prefix] != groups:
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the checkpoint's raw optimizer.state_dict() '{prefix}' lists parameter positions "
+                    f"{saved_raw[prefix]}, the target's {groups}: position i would name another parameter",
+                    saved_raw[prefix],
+                    groups,
+                )
+            )
+    names = list(target_names)
+    for prefix in sorted(set(saved_raw) - set(target_raw)):
+        if any(n.startswith((f"{prefix}.state.", f"{prefix}.param_groups.")) for n in names):
+            out.append(
+                raw_optimizer_error(
+                    prefix,
+                    f"the checkpoint holds '{prefix}' as a raw optimizer.state_dict() (parameters keyed by position), "
+                    "the target keys it by parameter name: positions cannot be matched to names",
+                    saved_raw[prefix],
+                    "keyed by name",
+                )
+            )
+    return out
+
+
+def raw_params_sink(r: Any, target_raw: Mapping[str, Any]) -> Callable[[Any], None] | None:
+    """Where a raw optimizer's ``params`` list goes when read: checked against the target's (a stock
+    checkpoint's positions are only known then), not written; None for any other entry."""
+    a = r.entry.atom
+    prefix = ".".join(map(str, a.prefix[:-1]))
+    if a.kind != "param_group" or a.suffix != ("params",) or prefix not in target_raw:
+        return None
+    want = r.value
+    return lambda v: check_raw_params(prefix, v, want)
+
+
+def check_raw_params(prefix: str, saved: Any, wanted: Any) -> None:
+    """A stock checkpoint's ``params`` list of a raw optimizer's group, read, against the target's."""
+    if saved != wanted:
+        raise raw_optimizer_error(
+            prefix,
+            f"the checkpoint's raw optimizer.state_dict() '{prefix}' lists parameter positions {saved} in a group "
+            f"where the target lists {wanted}: position i would name another parameter",
+            saved,
+            wanted,
+        )
+
+
+def with_raw_note(err: UCPError, problems: Sequence[UCPError], raw_prefixes: Iterable[str]) -> UCPError:
+    """``err`` with a note when some problem concerns a raw ``optimizer.state_dict()`` of the target (a
+    stock checkpoint's, whose positions are not recorded): a position naming another parameter than at
+    save shows up as a shape mismatch or a missing key, whose own hint would not say why."""
+    hit = sorted({x for x in raw_prefixes for p in problems if (p.atom or "").startswith(x + ".")})
+    if not hit:
+        return err
+    note = (
+        f"'{hit[0]}' is a raw optimizer.state_dict(): its state is keyed by parameter position, and a position "
+        "that named another parameter at save shows up as the problem above."
+    )
+    return type(err)(f"{err.message}\n{note}", atom=err.atom, saved=err.saved, wanted=err.wanted, hint=RAW_HINT)
+
+
+# -- a stage or expert map the checkpoint was saved with, forgotten at load on plain tensors -------------------------
+# Saved with a ``stage_map`` (``expert_map``) and loaded at the same layout without it, every stage
+# (expert rank) names its entries ``layers.0``, ``layers.1``, ...: its local numbers. DTensor targets show
+# the mistake by their meshes (:mod:`ucp_dcp.layout.structure`); plain tensors have none, so one stage
+# cannot be told from a data-parallel replica and every stage would load the first stage's layers. What
+# is left to see is at the global plan: ranks read the same map-numbered atoms while entries of the
+# checkpoint go unread by every rank. Each rank sends the map-numbered atoms it reads (only when a map
+# is lacking) and the coordinator refuses such a load on every rank, or, with ``allow_partial_load``,
+# logs it and lets it go on.
+
+
+logger = logging.getLogger(__name__)
+
+
+def lacking_maps(catalog: Catalog | None, maps: Iterable[IndexMap]) -> list[str]:
+    """Keys of the index maps the checkpoint was saved with that this load (``maps``) does not pass."""
+    return sorted(set(catalog.maps if catalog is not None else ()) - {m.key for m in maps})
+
+
+def map_reads(catalog: Catalog | None, maps: Iterable[IndexMap], reads: Iterable[ReadItem]) -> list[str]:
+    """The saved atoms a rank's ``reads`` read that number an entry of a map the load lacks (``layers.<i>``)."""
+    lacking = lacking_maps(catalog, maps)
+    if not lacking:
+        return []
+    return sorted({n for n in (it.storage_index.fqn for it in reads) if any(map_position(n, k) for k in lacking)})
+
+
+def check_forgotten_maps(
+    catalog: Catalog | None,
+    md: Metadata,
+    maps: Iterable[IndexMap],
+    reads: Sequence[Iterable[str]],
+    allow_partial_load: bool,
+) -> None:
+    """At the global plan: refuse the load :func:`forgotten_map_problem` finds in the checkpoint ``md``
+    (``reads``: each rank's :func:`map_reads`), or, with ``allow_partial_load``, log it and let it go on."""
+    lacking = lacking_maps(catalog, maps)
+    problem = forgotten_map_problem(md.state_dict_metadata, lacking, reads) if lacking else None
+    if problem is not None and not allow_partial_load:
+        raise problem
+    if problem is not None:
+        logger.warning("UCP partial load (allow_partial_load=True) goes on: %s", problem.message)
+
+
+def forgotten_map_problem(
+    saved: Iterable[str], lacking: Sequence[str], reads: Sequence[Iterable[str]]
+) -> AmbiguousLayoutError | None:
+    """A map the checkpoint was saved with (``lacking``: its keys) forgotten at load on targets that
+    cannot show it by their meshes (plain tensors): ranks read the same map-numbered atoms while the
+    checkpoint holds entries that no rank reads at all -- every stage (expert rank) loads the first
+    stage's layers (experts) into its own. ``saved``: the checkpoint's atom names; ``reads``: per rank
+    of the load (plan order), the saved atoms it reads that are numbered by a lacking map.
+
+    An entry counts as read when any atom numbered by it is (a load of the model alone, or of an
+    optimizer with state for some parameters only, reads every entry through some atom)."""
+    reads = [set(r) for r in reads]
+    for key in lacking:
+        saved_at: dict[int, list[str]] = {}
+        for name in saved:
+            pos = map_position(name, key)
+            if pos is not None:
+                saved_at.setdefault(pos[1], []).append(name)
+        readers: dict[str, list[int]] = {}
+        read_at: set[int] = set()
+        for rank, names in enumerate(reads):
+            for name in names:
+                pos = map_position(name, key)
+                if pos is not None:
+                    read_at.add(pos[1])
+                    readers.setdefault(name, []).append(rank)
+        unread = sorted(set(saved_at) - read_at)
+        shared = {n: r for n, r in sorted(readers.items()) if len(r) > 1}
+        if not (unread and shared):
+            continue
+        arg = _MAP_ARG.get(key, f"IndexMap({key!r})")
+        examples = sorted(n for i in unread[:2] for n in saved_at[i])[:4]
+        more = sum(len(saved_at[i]) for i in unread) - len(examples)
+        ranks = sorted({r for rs in shared.values() for r in rs})
+        return AmbiguousLayoutError(
+            f"the checkpoint was saved with index map '{key}' ({arg}) and this load passes none: ranks {ranks} of "
+            f"the load read the same {key} atoms ({', '.join(list(shared)[:3])}{', ...' if len(shared) > 3 else ''}) "
+            f"while no rank reads {key} {unread[:10]}{' ...' if len(unread) > 10 else ''} of the checkpoint "
+            f"({', '.join(examples)}{f' and {more} more atom(s)' if more else ''}): without the map each rank's "
+            f"local {key}.0, {key}.1, ... load the first saved {key} instead of its own",
+            atom=examples[0],
+            saved=[f"{key}.{i}" for i in unread],
+            wanted={n: shared[n] for n in list(shared)[:10]},
+            hint=f"pass the {arg} of this layout on every rank, as at save; to load only part of the checkpoint's "
+            f"{key} on purpose, pass allow_partial_load=True",
+        )
+    return None
+
+
+# -- param groups of a checkpoint written by stock DCP, matched to the target's groups by membership -----------------
+# Stock DCP keys a nested optimizer's groups by list position (``optim.param_groups.<i>.lr``) and
+# saves each group's parameter names beside them (``optim.param_groups.<i>.params``). The position
+# depends on how the new job lists its groups, so matching by it silently swaps hyperparameters
+# (lr, weight decay) between groups. Here every saved group's ``params`` list and hyperparameters are
+# read, and each target group takes the values of the saved group(s) holding its parameters:
+# ``set_state_dict`` after a stock ``dcp.load`` does the same through the names. Groups whose
+# parameters are saved as list positions (a raw ``optimizer.state_dict()``) carry no names and keep
+# DCP's positional matching.
+
+
+class StockGroups:
+    """The reads and sinks that fill one optimizer's target groups from a stock checkpoint."""
+
+    def __init__(
+        self, prefix: str, targets: Sequence[GroupTarget], saved: dict[int, dict[str, str]], names: NameRules
+    ) -> None:
+        self.prefix, self.targets, self.saved, self.names = prefix, list(targets), saved, names
+        self.values: dict[int, dict[str, Any]] = {i: {} for i in saved}
+        self.reads: list[ReadItem] = []
+        self.sinks: dict[str, Callable[[Any], None]] = {}
+        wanted = {hp for g in self.targets for hp in g.hyperparams} | {"params"}
+        for i, keys in sorted(saved.items()):
+            for hp, skey in keys.items():
+                if hp in wanted:
+                    sink = f"{GROUP_SINK}:stock:{prefix}:{i}:{hp}"
+                    self.sinks[sink] = lambda v, i=i, hp=hp: self._add(i, hp, v)
+                    self.reads.append(bytes_read(sink, skey))
+        self.pending = len(self.reads)
+
+    @classmethod
+    def find(
+        cls, prefix: str, targets: Sequence[GroupTarget], saved_keys: dict[str, str], names: NameRules
+    ) -> StockGroups | None:
+        """The matcher for the optimizer at ``prefix`` when the checkpoint keys its groups by position
+        and lists their parameters (``saved_keys``: atom name -> saved key); else None."""
+        rx = re.compile(re.escape(prefix) + r"\.param_groups\.(\d+)\.([^.]+)")
+        saved: dict[int, dict[str, str]] = {}
+        for atom, key in saved_keys.items():
+            m = rx.fullmatch(atom)
+            if m:
+                saved.setdefault(int(m.group(1)), {})[m.group(2)] = key
+        if not saved or not all("params" in g for g in saved.values()):
+            return None
+        return cls(prefix, targets, saved, names)
+
+    def missing(self) -> list[str]:
+        """Hyperparameters some target group wants that no saved group holds."""
+        have = {hp for keys in self.saved.values() for hp in keys}
+        return sorted(
+            {f"{self.prefix}.param_groups.<i>.{hp}" for g in self.targets for hp in g.hyperparams if hp not in have}
+        )
+
+    def _add(self, i: int, hp: str, value: Any) -> None:
+        self.values[i][hp] = value
+        self.pending -= 1
+        if self.pending == 0:
+            self._match()
+
+    def _match(self) -> None:
+        lists = {i: v.get("params") for i, v in self.values.items()}
+        if not all(isinstance(p, (list, tuple)) and all(isinstance(x, str) for x in p) for p in lists.values()):
+            self._by_position()
+            return
+        owner: dict[str, int] = {}
+        for i, params in sorted(lists.items()):
+            for p in params:
+                owner[self.names.canonical_elem(str(p)) or str(p)] = i
+        for g in self.targets:
+            homes = {p: owner.get(p) for p in g.params}
+            lost = [p for p, i in homes.items() if i is None]
+            if lost:
+                raise ParamGroupError(
+                    f"param group {g.index} of '{self.prefix}': parameter '{lost[0]}' is in none of the "
+                    f"checkpoint's {len(lists)} param groups ({len(lost)} such parameter(s))",
+                    atom=f"{self.prefix}.param_groups.{g.index}",
+                    saved=sorted(owner)[:20],
+                    wanted=lost[:20],
+                    hint="the checkpoint's groups list other parameters: load into the model it was saved from",
+                )
+            self._assign(g, sorted(set(homes.values())))
+
+    def _by_position(self) -> None:
+        if len(self.values) != len(self.targets):
+            raise ParamGroupError(
+                f"'{self.prefix}': the checkpoint has {len(self.values)} param groups listed by position, the "
+                f"target {len(self.targets)}",
+                atom=f"{self.prefix}.param_groups",
+                saved=len(self.values),
+                wanted=len(self.targets),
+                hint="build the optimizer with the groups it was saved with",
+            )
+        for g in self.targets:
+            self._assign(g, [g.index])
+
+    def _assign(self, g: GroupTarget, homes: list[int]) -> None:
+        for hp in g.hyperparams:
+            found = {i: self.values[i][hp] for i in homes if hp in self.values[i]}
+            if len(found) < len(homes):
+                raise ParamGroupError(
+                    f"param group {g.index} of '{self.prefix}': the checkpoint's group(s) "
+                    f"{[i for i in homes if i not in found]} hold no '{hp}'",
+                    atom=f"{self.prefix}.param_groups.{hp}",
+                    hint="load into an optimizer of the kind that was saved, or pass allow_partial_load=True",
+                )
+            vals = list(found.values())
+            if any(not same_value(v, vals[0]) for v in vals[1:]):
+                raise ParamGroupError(
+                    f"param group {g.index} of '{self.prefix}' holds parameters of the checkpoint's groups {homes}, "
+                    f"whose '{hp}' differ: " + ", ".join(f"group {i}: {v!r}" for i, v in found.items()),
+                    atom=f"{self.prefix}.param_groups.{g.index}.{hp}",
+                    saved=found,
+                    wanted=f"one '{hp}'",
+                    hint="group the target optimizer's parameters the way they were grouped at save",
+                )
+            g.group[hp] = vals[0]
+
+
+def split_stock_groups(
+    groups: list[GroupTarget], saved: SavedIndex, resolver: Resolver, rules: NameRules
+) -> tuple[list[GroupTarget], list[StockGroups]]:
+    """The optimizers whose groups a stock-DCP checkpoint keys by position, matched by membership
+    (:class:`StockGroups`), and the target groups left to the per-parameter path."""
+    rest: list[GroupTarget] = []
+    found: list[StockGroups] = []
+    by_prefix: dict[str, list[GroupTarget]] = {}
+    for g in groups:
+        by_prefix.setdefault(".".join(map(str, g.prefix)), []).append(g)
+    for prefix, members in by_prefix.items():
+        per_param = any(
+            saved.lookup(group_atom(resolver, g, p, hp))
+            for g in members
+            for p in g.params[:1]
+            for hp in g.hyperparams[:1]
+        )
+        stock = None if per_param else StockGroups.find(prefix, members, saved.by_atom, rules)
+        if stock is None:
+            rest.extend(members)
+        else:
+            found.append(stock)
+    return rest, found
+
+
+# -- tied target keys whose two saved copies are compared when read (a tied model saved by stock DCP) ----------------
+# Stock ``dcp.save`` writes a tied model's shared ``Parameter`` under each of its names, as copies, and
+# records no checksums that :func:`~ucp_dcp.planning.ties.saved_equal` could compare at plan time. A
+# tied target loading such a checkpoint reads every copy (the reads planned for each key, as for an
+# untied target) into scratch memory of the saved dtype instead of the target, one fragment of the
+# shared tensor at a time. When every read of a fragment has arrived the copies are compared bitwise:
+# equal, the first key's value is copied into the reads' destinations and they are committed (one
+# value, the tie kept); different, :class:`~ucp_dcp.errors.AmbiguousLayoutError` is raised with the
+# hint of the plan-time refusal (untie the target), and nothing of that tensor is written on this rank.
+#
+# :func:`~ucp_dcp.planning.load_steps.alias_problems` picks the keys, ``UCPLoadPlanner`` routes their
+# reads here (``resolve_tensor`` hands out the scratch, ``commit_tensor`` the comparison).
+
+
+@dataclass
+class _Fragment:
+    """One fragment of a tied tensor being read: every key's copy, the reads that arrived."""
+
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    arrived: dict[str, int] = field(default_factory=dict)
+    done: list[tuple[ReadItem, torch.Tensor]] = field(default_factory=list)
+
+
+class TieReads:
+    """The reads of tied keys compared when read, for one load (``compared``: compared key -> the key
+    whose value loads, the first of its tensor; ``reads``: this rank's final read items)."""
+
+    def __init__(
+        self, compared: Mapping[str, str], targets: Mapping[str, Any], reads: Sequence[ReadItem], md: Metadata
+    ):
+        self._loader = {**{a: a for a in compared.values()}, **compared}
+        self._atoms = {k: next(iter(targets[k].atoms)) for k in self._loader}
+        self._boxes = {k: [f.box for f in targets[k].fragments] for k in self._loader}
+        self._md = md
+        counts: dict[tuple[str, int], dict[str, int]] = {}
+        for it in reads:
+            key = it.dest_index.fqn
+            if key in self._loader:
+                need = counts.setdefault((self._loader[key], it.dest_index.index or 0), {})
+                need[key] = need.get(key, 0) + math.prod(it.lengths)
+        for (loader, _), need in counts.items():
+            keys = [loader] + sorted(k for k, a in compared.items() if a == loader)
+            if len({need.get(k, 0) for k in keys}) > 1:  # an override dropped some reads of the tensor
+                raise UCPError(
+                    f"create_local_plan: the reads of {keys} (one tensor, whose saved copies are compared when "
+                    f"read) were dropped for some keys but not all: {need}",
+                    atom=self._atoms[loader],
+                    hint="drop the reads of every key of a tied tensor, or of none",
+                )
+        self._need = counts
+        self._open: dict[tuple[str, int], _Fragment] = {}
+        self._dest: dict[int, torch.Tensor] = {}
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()
+
+    def holds(self, item: ReadItem) -> bool:
+        return item.dest_index.fqn in self._loader
+
+    def scratch(self, item: ReadItem, dest: torch.Tensor) -> torch.Tensor:
+        """Where the reader puts the bytes of ``item``: its box of the key's copy of the fragment (saved
+        dtype); ``dest`` (what the read would have filled) gets the value once the copies compare equal."""
+        key, i = item.dest_index.fqn, item.dest_index.index or 0
+        with self._lock:
+            frag = self._open.setdefault((self._loader[key], i), _Fragment())
+            copy = frag.scratch.get(key)
+            if copy is None:
+                smd = self._md.state_dict_metadata[item.storage_index.fqn]
+                assert isinstance(smd, TensorStorageMetadata)  # alias_problems compares saved tensors only
+                dtype = smd.properties.dtype
+                copy = frag.scratch[key] = torch.empty(self._boxes[key][i].sizes, dtype=dtype)
+            self._dest[id(item)] = dest
+        return narrow_tensor_by_index(copy, item.dest_offsets, item.lengths)
+
+    def arrive(self, item: ReadItem, tensor: torch.Tensor) -> list[tuple[ReadItem, torch.Tensor]]:
+        """``item`` was read into ``tensor``: nothing to commit yet ([]), or, its fragment complete and its
+        copies equal, every read of the fragment with its destination, which now holds the value."""
+        key, i = item.dest_index.fqn, item.dest_index.index or 0
+        loader = self._loader[key]
+        with self._lock:
+            frag = self._open.get((loader, i))
+            dest = self._dest.pop(id(item), None)
+            copy = frag.scratch.get(key) if frag is not None else None
+            if (
+                frag is None
+                or copy is None
+                or dest is None
+                or tensor.untyped_storage().data_ptr() != copy.untyped_storage().data_ptr()
+            ):
+                raise UCPError(
+                    f"'{key}' is one tensor with {sorted(k for k, a in self._loader.items() if a == loader)}, whose "
+                    "saved copies are compared when read into scratch memory; commit_tensor got another tensor "
+                    f"than resolve_tensor handed out for it ({type(tensor).__name__} {tuple(tensor.shape)})",
+                    atom=self._atoms[key],
+                    hint="let an override of resolve_tensor return super().resolve_tensor(read_item), and commit "
+                    "the tensor it returned",
+                )
+            frag.done.append((item, dest))
+            frag.arrived[key] = frag.arrived.get(key, 0) + math.prod(item.lengths)
+            if frag.arrived != self._need[(loader, i)]:
+                return []
+            del self._open[(loader, i)]
+        value = frag.scratch[loader]
+        for other in sorted(frag.scratch):
+            if other != loader:
+                self._compare(loader, other, i, value, frag.scratch[other])
+        with torch.no_grad():
+            for it, d in frag.done:
+                d.copy_(narrow_tensor_by_index(value, it.dest_offsets, it.lengths))
+        return frag.done
+
+    def _compare(self, a: str, b: str, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Raise unless the two copies hold the same bytes (also once another fragment of the tensor differed)."""
+        differ = (_bytes(x) != _bytes(y)).any(dim=1)
+        n = int(differ.sum())
+        if not n and a not in self._failed:
+            return
+        self._failed.add(a)
+        box = self._boxes[b][i]
+        if n:
+            at = torch.unravel_index(differ.nonzero()[0, 0], x.shape) if x.dim() else ()
+            where = tuple(o + int(j) for o, j in zip(box.offsets, at))
+            found = f"{n} of {x.numel()} values differ, the first at index {where}"
+        else:
+            found = "another piece of them differs"
+        why = f"the checkpoint holds different values for them (compared when read, no checksums showing it: {found})"
+        raise tie_error(a, b, self._atoms[a], self._atoms[b], why)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor, one row per element (NaN payloads and -0.0 count)."""
+    return t.reshape(-1).view(torch.uint8).view(t.numel(), t.element_size())

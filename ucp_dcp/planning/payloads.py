@@ -14,11 +14,13 @@ sends an empty item list and one :class:`LocalPlanPayload` in ``SavePlan.planner
 
 The coordinator answers each rank with a :class:`RankAnswer`: a bit mask over the rank's items
 (those it writes), plus the reduced values and averaging duties it has. Payloads pickle as the
-tuple of their fields (no field names on the wire), so they are no larger than dicts with short
-keys would be. A loading rank's read summary (:class:`ReadSummary`) is here too.
+tuple of their fields (no field names on the wire, :class:`Compact`), so they are no larger than dicts with
+short keys would be; integer arrays travel delta-encoded and compressed (:func:`pack_rows`). Those two encodings
+are shared: the storage reader's own wire types (its read-once summary and the coordinator's answer,
+:mod:`ucp_dcp.storage.transport`) are built on them.
 
-Kept in one module (just over 400 lines): every payload DCP's plan gather and scatter carry, and their wire
-forms, in one place.
+Kept in one module (about 450 lines): every payload the planners put in DCP's plan gather and scatter, and
+their wire forms, in one place.
 """
 
 from __future__ import annotations
@@ -46,11 +48,10 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "ReadOnceMode",
     "READ_ONCE_MODES",
-    "LoadPlanPayload",
-    "ReadSummary",
+    "Compact",
     "pack_rows",
     "unpack_rows",
-    "TransportPlan",
+    "LoadPlanPayload",
     "ItemKind",
     "Offsets",
     "PieceKey",
@@ -135,9 +136,10 @@ def dtype_of(code: int) -> torch.dtype:
     return _DTYPES[code]
 
 
-class _Compact:
+class Compact:
     """Pickles as its class and the tuple of its field values: no field names on the wire, and
-    no ``__init__`` call to unpickle (payloads arrive by the thousand on the coordinator)."""
+    no ``__init__`` call to unpickle (payloads arrive by the thousand on the coordinator). A base of frozen
+    dataclasses, the planners' payloads here and the storage reader's wire types."""
 
     __match_args__: tuple[str, ...]  # the dataclass's field names, in order
 
@@ -149,7 +151,7 @@ class _Compact:
 
 
 @dataclass(frozen=True)
-class PlanStructure(_Compact):
+class PlanStructure(Compact):
     """The part of a rank's plan that is the same on every rank of the same shape."""
 
     names: list[str]
@@ -201,7 +203,7 @@ class LocalItems:
 
 
 @dataclass(frozen=True)
-class PackedPlan(_Compact):
+class PackedPlan(Compact):
     """A rank's structure and items, compressed for the gather.
 
     The structure is most of a rank's plan (its names appear in the atom list, the flatten paths, the catalog
@@ -258,8 +260,25 @@ def _undelta(d: np.ndarray) -> np.ndarray:
     return np.cumsum(d, axis=0, dtype=d.dtype) if len(d) else d.copy()
 
 
+def pack_rows(a: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:
+    """An integer array (rows along its first axis) for the wire: each row minus the one before it (runs
+    of like rows become runs of equal ones), zlib-compressed; ``(dtype, shape, bytes)``. The storage reader's
+    read-once summary travels so (a rank's reads are runs of like rows: the same lengths, offsets a stride apart)."""
+    if a is None:
+        return None
+    return (a.dtype.str, a.shape, zlib.compress(_delta(a).tobytes(), 6))
+
+
+def unpack_rows(packed: tuple[str, tuple[int, ...], bytes] | None) -> np.ndarray | None:
+    """The array :func:`pack_rows` packed."""
+    if packed is None:
+        return None
+    dtype, shape, blob = packed
+    return _undelta(np.frombuffer(zlib.decompress(blob), dtype=dtype).reshape(shape))
+
+
 @dataclass(frozen=True)
-class RuleUsage(_Compact):
+class RuleUsage(Compact):
     """What one rank's plan tells the coordinator about pattern rules and index maps."""
 
     used: list[int] = field(default_factory=list)
@@ -271,7 +290,7 @@ class RuleUsage(_Compact):
 
 
 @dataclass(frozen=True)
-class LocalPlanPayload(_Compact):
+class LocalPlanPayload(Compact):
     """What a saving rank sends the coordinator (``SavePlan.planner_data``)."""
 
     packed: PackedPlan | None
@@ -320,7 +339,7 @@ class LocalPlanPayload(_Compact):
 
 
 @dataclass(frozen=True)
-class ReducedItem(_Compact):
+class ReducedItem(Compact):
     """A ``Reduce`` atom the coordinator writes: one whole tensor or one object."""
 
     atom: str
@@ -332,7 +351,7 @@ class ReducedItem(_Compact):
 
 
 @dataclass(frozen=True)
-class RankAnswer(_Compact):
+class RankAnswer(Compact):
     """What the coordinator answers one rank (``SavePlan.planner_data`` of its global plan)."""
 
     keep: bytes
@@ -362,9 +381,9 @@ class RankAnswer(_Compact):
 
 
 @dataclass(frozen=True)
-class LoadPlanPayload(_Compact):
+class LoadPlanPayload(Compact):
     """What a loading rank's planner tells the coordinator (``LoadPlan.planner_data``); its read
-    items stay on the rank (the storage layer sends a summary of them, :class:`ReadSummary`)."""
+    items stay on the rank (the storage reader sends its own summary of them in ``LoadPlan.storage_data``)."""
 
     usage: RuleUsage
     """Rules this rank's targets matched and the index-map entries they claim."""
@@ -381,7 +400,7 @@ class LoadPlanPayload(_Compact):
     """Saved atoms this rank reads whose names number an entry of an index map the checkpoint was saved
     with and this load lacks (``layers.<i>``); empty when no map is lacking. Ranks that read the same
     such names while the checkpoint's other entries go unread forgot the map
-    (:mod:`ucp_dcp.planning.forgotten_maps`): what meshes show for DTensors, for
+    (:mod:`ucp_dcp.planning.load_steps`): what meshes show for DTensors, for
     plain tensors."""
     cache_key: bytes | None = None
     """The key this plan is cached under (``UCPLoadPlanner(cache_plans=True)``, :mod:`ucp_dcp.planning.plan_cache`):
@@ -438,67 +457,3 @@ def _unwire_meshes(wire: Any) -> dict[tuple[Any, ...], bytes]:
 
 def _pack_ints(values: tuple[int, ...]) -> bytes:
     return zlib.compress(_delta(np.asarray(values, dtype="<i8")).tobytes(), 6)
-
-
-@dataclass(frozen=True)
-class ReadSummary(_Compact):
-    """What a loading rank's storage reader tells the coordinator (``LoadPlan.storage_data``).
-
-    On the wire its arrays travel delta-encoded along the items and zlib-compressed: a rank's reads are
-    runs of like rows (the same lengths, offsets a stride apart), a few hundred bytes where 128-bit hashes
-    of them took 16 bytes an item (:meth:`__reduce_ex__`)."""
-
-    rank: int
-    """The rank's global rank (read-once messages are addressed by it)."""
-    mode: ReadOnceMode
-    """``hosts`` | ``ranks`` | ``off``."""
-    keys: np.ndarray | None = None
-    """``(n, w)`` int64: per read item, the saved bytes it needs as a row of numbers
-    (:func:`ucp_dcp.storage.transport.read_rows`), equal across ranks needing the same bytes."""
-    sizes: np.ndarray | None = None
-    """Byte size of each read item."""
-    host: str | None = None
-    """Host name (``UCP_DCP_HOST`` or ``socket.gethostname()``)."""
-    names: bytes | None = None
-    """16-byte digest of the saved names the rows number (:func:`ucp_dcp.storage.transport.read_rows`): ranks
-    that number them alike have equal digests."""
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        state = (self.rank, self.mode, pack_rows(self.keys), pack_rows(self.sizes), self.host, self.names)
-        return (copyreg.__newobj__, (type(self),), state)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        rank, mode, keys, sizes, host, names = state
-        self.__dict__.update(
-            rank=rank, mode=mode, keys=unpack_rows(keys), sizes=unpack_rows(sizes), host=host, names=names
-        )
-
-
-def pack_rows(a: np.ndarray | None) -> tuple[str, tuple[int, ...], bytes] | None:
-    """An integer array (rows along its first axis) for the wire: each row minus the one before it (runs
-    of like rows become runs of equal ones), zlib-compressed; ``(dtype, shape, bytes)``."""
-    if a is None:
-        return None
-    return (a.dtype.str, a.shape, zlib.compress(_delta(a).tobytes(), 6))
-
-
-def unpack_rows(packed: tuple[str, tuple[int, ...], bytes] | None) -> np.ndarray | None:
-    """The array :func:`pack_rows` packed."""
-    if packed is None:
-        return None
-    dtype, shape, blob = packed
-    return _undelta(np.frombuffer(zlib.decompress(blob), dtype=dtype).reshape(shape))
-
-
-@dataclass(frozen=True)
-class TransportPlan(_Compact):
-    """The coordinator's read-once answer to one rank (``LoadPlan.storage_data``)."""
-
-    send: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    """Bundles this rank reads for others: ``(positions of its read items, consumer global ranks)``."""
-    recv: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    """``source global rank -> [positions of this rank's read items, per message]``, in order."""
-    ranks: list[int] | None = None
-    """The load's global ranks when anybody exchanges (a side group is created over them), else None."""
-    members: list[int] | None = None
-    """Every loading rank (global ranks): the ranks the exchange's gates wait for (:mod:`ucp_dcp.planning.watch`)."""

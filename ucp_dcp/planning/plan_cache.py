@@ -11,11 +11,12 @@ again. With ``UCPLoadPlanner(cache_plans=True)`` (``ucp_dcp.load``'s default):
   fragments, dtypes, devices, memory aliasing, DTensor meshes and placements), the planner's options and
   class, the rank's coordinator role and the staging settings; the reader adds its own (read-once mode,
   global rank, host). A rank that finds its key sends a marker of a few bytes in DCP's plan gather
-  (:class:`CachedLoadPlan`, :class:`KeyedSummary`) instead of its plan and summary;
+  (:class:`CachedLoadPlan`, and the reader's keyed summary: :mod:`ucp_dcp.storage.keyed_plans`) instead of
+  its plan and summary;
 * the coordinator keeps the payloads and summaries it received by those keys (content-addressed: a key
   stands for one plan whichever process group, checkpoint folder or load it came with), and its global
   results by the tuple of every rank's key: when every rank sent a marker of a tuple it planned before,
-  nothing is planned again and each rank is answered "your cached answer" (:class:`KeyedTransport`); when
+  nothing is planned again and each rank is answered "your cached answer" (a marker of the reader's); when
   some rank re-planned, the global step runs again on the cached plans of the others and the new ones;
 * what a rank's reads need at read time that depends on the target *objects* (sinks of non-tensor values,
   param-group collectors, fragments of fused tensors that fell back to their unsplit form, values to zero)
@@ -25,6 +26,11 @@ A rank only sends a marker for a plan a finished load of this process planned (c
 arrived); after a load that failed before that, it plans afresh once. A coordinator that lacks a key (a
 process that restarted, a coordinator elsewhere) raises :class:`PlanCacheMissError` on every rank; the load
 changed nothing, and ``ucp_dcp.load`` runs it again without the cache.
+
+This module holds the planner's side (its plans, the coordinator's payloads and checks) and what both sides
+share: the least-recently-used caches (:class:`ProcessCache`, all emptied by :func:`clear`), the markers of
+unfinished loads, the counters. The reader's side -- its read-once summaries and answers, storage's own wire
+types -- is :mod:`ucp_dcp.storage.keyed_plans` (storage imports planning, never the reverse).
 """
 
 from __future__ import annotations
@@ -35,35 +41,27 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import UCPError
-from .payloads import LoadPlanPayload, ReadOnceMode, ReadSummary, TransportPlan, _Compact
+from ..errors import PeerFailedError, UCPError, peer_class
+from .payloads import Compact, LoadPlanPayload, ReadOnceMode
 
 __all__ = [
     "ENTRIES",
     "PlanCacheMissError",
     "CachedLoadPlan",
-    "KeyedSummary",
-    "KeyedTransport",
     "LocalEntry",
-    "ReaderEntry",
+    "ProcessCache",
+    "coordinator_entries",
     "counters",
     "clear",
     "begin",
     "finish",
     "local_entry",
     "put_local",
-    "reader_entry",
-    "put_reader",
     "remember_payload",
     "cached_payload",
     "touch_payloads",
-    "touch_summaries",
-    "remember_summary",
-    "cached_summary",
     "checks_passed",
     "pass_checks",
-    "cached_transports",
-    "put_transports",
     "count",
 ]
 
@@ -77,12 +75,27 @@ class PlanCacheMissError(UCPError):
     than the one that planned it). Raised by the coordinator's global step, so every rank raises it and the
     load changed nothing: run it again with ``cache_plans=False`` (``ucp_dcp.load`` does)."""
 
+    @classmethod
+    def of_marker(cls, rank: int, what: str) -> PlanCacheMissError:
+        """The miss of rank ``rank``'s marker for its cached ``what`` (``plan``, ``read-once summary``)."""
+        return cls(
+            f"rank {rank} sent a marker for its cached load {what}, which the coordinator does not hold (a "
+            "process restarted, or another process coordinates than the one that planned it)",
+            hint="load again with cache_plans=False (ucp_dcp.load does so by itself), or call "
+            "ucp_dcp.planning.plan_cache.clear() on every rank",
+        )
+
+
+@peer_class  # beside its cause: ucp_dcp.errors, the lowest layer, cannot import this module
+class PeerPlanCacheMissError(PeerFailedError, PlanCacheMissError):
+    """Another rank's :class:`PlanCacheMissError` (the coordinator's: ``except PlanCacheMissError`` catches it)."""
+
 
 # -- wire types --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class CachedLoadPlan(_Compact):
+class CachedLoadPlan(Compact):
     """A loading rank's ``LoadPlan.planner_data`` when its local plan is the one cached under ``key``: the
     coordinator takes the rank's :class:`~ucp_dcp.planning.payloads.LoadPlanPayload` from its cache. Meets
     :class:`~ucp_dcp.planning.handshake.ReadOnceRequest` as the payload does."""
@@ -93,30 +106,7 @@ class CachedLoadPlan(_Compact):
     keeps_items: bool = True
 
 
-@dataclass(frozen=True)
-class KeyedSummary(_Compact):
-    """A loading rank's ``LoadPlan.storage_data`` when plans are cached: its read-once summary and the key
-    it is cached under, or only the key (the coordinator holds the summary)."""
-
-    key: bytes
-    """The reader's key: the plan key, the read-once mode, the global rank and the host."""
-    summary: ReadSummary | None = None
-    """The summary; None: the coordinator's cached one for ``key``."""
-    last: bytes | None = None
-    """The global key of the answer this rank holds for ``key`` (the coordinator then answers with a marker)."""
-
-
-@dataclass(frozen=True)
-class KeyedTransport(_Compact):
-    """The coordinator's read-once answer to a rank that sent a :class:`KeyedSummary`."""
-
-    key: bytes | None
-    """The global key (of every rank's reader key, in plan order); None when some rank's plan was not keyed."""
-    plan: TransportPlan | None = None
-    """The answer; None: the one the rank holds for ``key`` (its ``KeyedSummary.last``)."""
-
-
-# -- what each side keeps ----------------------------------------------------------------------------------------
+# -- what the planner's side keeps ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -141,22 +131,40 @@ class LocalEntry:
     """Tied keys whose saved copies are compared when read -> the key whose value loads (``tie_reads``)."""
 
 
-@dataclass
-class ReaderEntry:
-    """A rank's read-once side: the coordinator's last answer for this reader key."""
+# -- the caches (both sides') -------------------------------------------------------------------------------------
 
-    answer_key: bytes | None
-    """Its global key (None: the answer was not keyed)."""
-    transport: TransportPlan | None
-    """The answer."""
+T = TypeVar("T")
 
 
-_LOCAL: dict[bytes, LocalEntry] = {}
-_READER: dict[bytes, ReaderEntry] = {}
-_PAYLOADS: dict[bytes, LoadPlanPayload] = {}
-_SUMMARIES: dict[bytes, ReadSummary] = {}
-_CHECKED: dict[bytes, bool] = {}
-_TRANSPORTS: dict[bytes, list[TransportPlan]] = {}
+class ProcessCache(dict[bytes, T]):
+    """One cache of this process's load plans: a dict kept in least-recently-used order (dicts keep insertion
+    order; :meth:`use` moves a key to the end, :meth:`keep` drops the oldest past a limit). Every one is emptied
+    by :func:`clear`, the reader's (:mod:`ucp_dcp.storage.keyed_plans`) too: they register here when made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _CACHES.append(self)
+
+    def use(self, key: bytes) -> T | None:
+        """``self[key]`` (None: not held), now the most recently used."""
+        value = self.pop(key, None)
+        if value is not None:
+            self[key] = value
+        return value
+
+    def keep(self, key: bytes, value: T, limit: int) -> None:
+        """Hold ``value`` under ``key``, the most recently used; the oldest go past ``limit`` entries."""
+        self.pop(key, None)
+        self[key] = value
+        while len(self) > limit:
+            del self[next(iter(self))]
+
+
+_CACHES: list[ProcessCache[Any]] = []
+"""Every :class:`ProcessCache` of this process (:func:`clear` empties them)."""
+_LOCAL: ProcessCache[LocalEntry] = ProcessCache()
+_PAYLOADS: ProcessCache[LoadPlanPayload] = ProcessCache()
+_CHECKED: ProcessCache[bool] = ProcessCache()
 _UNFINISHED: dict[str, bool] = {}
 """``"planner"``/``"reader"`` -> a load of this process keyed a plan and did not get its answer (it failed)."""
 
@@ -171,30 +179,13 @@ def _count(event: str, n: int = 1) -> None:
 
 
 def clear() -> None:
-    """Forget every cached load plan of this process."""
-    for d in (_LOCAL, _READER, _PAYLOADS, _SUMMARIES, _CHECKED, _TRANSPORTS, _UNFINISHED):
+    """Forget every cached load plan of this process (the planner's and the reader's)."""
+    for d in _CACHES:
         d.clear()
-
-
-T = TypeVar("T")
+    _UNFINISHED.clear()
 
 
 # -- a rank's side -----------------------------------------------------------------------------------------------
-
-
-def _get(d: dict[bytes, T], key: bytes) -> T | None:
-    """``d[key]``, now the most recently used (dicts keep insertion order)."""
-    value = d.pop(key, None)
-    if value is not None:
-        d[key] = value
-    return value
-
-
-def _put(d: dict[bytes, T], key: bytes, value: T, limit: int) -> None:
-    d.pop(key, None)
-    d[key] = value
-    while len(d) > limit:
-        del d[next(iter(d))]
 
 
 def begin(side: str) -> bool:
@@ -211,45 +202,29 @@ def finish(side: str) -> None:
 
 
 def local_entry(key: bytes) -> LocalEntry | None:
-    return _get(_LOCAL, key)
+    return _LOCAL.use(key)
 
 
 def put_local(key: bytes, entry: LocalEntry) -> None:
-    _put(_LOCAL, key, entry, ENTRIES)
-
-
-def reader_entry(key: bytes) -> ReaderEntry | None:
-    return _get(_READER, key)
-
-
-def put_reader(key: bytes, entry: ReaderEntry) -> None:
-    _put(_READER, key, entry, ENTRIES)
+    _LOCAL.keep(key, entry, ENTRIES)
 
 
 # -- the coordinator's side --------------------------------------------------------------------------------------
 
 
-def _limit(world: int) -> int:
+def coordinator_entries(world: int) -> int:
+    """How many ranks' entries the coordinator keeps: ``ENTRIES`` loads of ``world`` ranks, at least 64."""
     return max(64, ENTRIES * world)
 
 
-def _miss(rank: int, what: str) -> PlanCacheMissError:
-    return PlanCacheMissError(
-        f"rank {rank} sent a marker for its cached load {what}, which the coordinator does not hold (a "
-        "process restarted, or another process coordinates than the one that planned it)",
-        hint="load again with cache_plans=False (ucp_dcp.load does so by itself), or call "
-        "ucp_dcp.planning.plan_cache.clear() on every rank",
-    )
-
-
 def remember_payload(key: bytes, payload: LoadPlanPayload, world: int) -> None:
-    _put(_PAYLOADS, key, payload, _limit(world))
+    _PAYLOADS.keep(key, payload, coordinator_entries(world))
 
 
 def cached_payload(key: bytes, rank: int) -> LoadPlanPayload:
-    found = _get(_PAYLOADS, key)
+    found = _PAYLOADS.use(key)
     if found is None:
-        raise _miss(rank, "plan")
+        raise PlanCacheMissError.of_marker(rank, "plan")
     _count("expanded")
     return found
 
@@ -258,47 +233,21 @@ def touch_payloads(keys: Iterable[bytes | None]) -> None:
     """Mark these ranks' payloads used (a global step that reused its checks did not need them)."""
     for k in keys:
         if k is not None:
-            _get(_PAYLOADS, k)
-
-
-def touch_summaries(keys: Iterable[bytes]) -> None:
-    """Mark these ranks' summaries used (a global step that reused its read-once answers did not need them)."""
-    for k in keys:
-        _get(_SUMMARIES, k)
-
-
-def remember_summary(key: bytes, summary: ReadSummary, world: int) -> None:
-    _put(_SUMMARIES, key, summary, _limit(world))
-
-
-def cached_summary(key: bytes, rank: int) -> ReadSummary:
-    found = _get(_SUMMARIES, key)
-    if found is None:
-        raise _miss(rank, "read-once summary")
-    return found
+            _PAYLOADS.use(k)
 
 
 def checks_passed(key: bytes) -> bool:
     """Whether the coordinator's checks passed for these plans (the key of every rank's plan key)."""
-    hit = _get(_CHECKED, key) is not None
+    hit = _CHECKED.use(key) is not None
     _count("checks_reused" if hit else "checks_run")
     return hit
 
 
 def pass_checks(key: bytes) -> None:
-    _put(_CHECKED, key, True, ENTRIES)
-
-
-def cached_transports(key: bytes) -> list[TransportPlan] | None:
-    found = _get(_TRANSPORTS, key)
-    _count("transport_reused" if found is not None else "transport_planned")
-    return found
-
-
-def put_transports(key: bytes, plans: list[TransportPlan]) -> None:
-    _put(_TRANSPORTS, key, plans, ENTRIES)
+    _CHECKED.keep(key, True, ENTRIES)
 
 
 def count(event: str) -> None:
-    """Count an event of a rank's side (``local_hit``, ``reader_miss``, ...)."""
+    """Count an event (``local_hit``, ``reader_miss``, ``transport_reused``, ...; the reader's side counts its
+    own here)."""
     _count(event)

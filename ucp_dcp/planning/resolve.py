@@ -21,16 +21,27 @@ from ..layout.fragments import (
     Fragment,
     LocalShards,
     boxes_fragments,
+    clip_padding,
+    fused_block_problem,
+    fused_segments,
     layout_fragments,
     shard_fragments,
+    split_fused,
     whole_fragment,
 )
 from ..layout.index_maps import IndexMap
 from ..layout.naming import AtomName, NameRules, Path
 from ..layout.patterns import Fused, Padded, Patterns, Reduce, Replicated, Tied, describe
-from ..layout.placements import Layout, dtensor_coordinate, dtype_name, mesh_info
-from ..layout.shards import checkpointable_shards, global_shape, sharded_tensor_record, sharded_tensor_shards
-from ..layout.transforms import clip_padding, fused_block_problem, fused_segments, split_fused
+from ..layout.placements import (
+    Layout,
+    checkpointable_shards,
+    dtensor_coordinate,
+    dtype_name,
+    global_shape,
+    mesh_info,
+    sharded_tensor_record,
+    sharded_tensor_shards,
+)
 from .entries import Entry, GroupTarget, collect_entries, local_tensor, shard_memory
 
 __all__ = ["Resolved", "Resolver"]

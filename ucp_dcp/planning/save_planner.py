@@ -19,17 +19,17 @@ from ..errors import InvalidArgumentError, UCPError
 from ..layout.patterns import Patterns
 from ..layout.structure import catalog_meshes, check_mesh_collisions, map_orders, tied_atoms
 from ..options import UCPOptions, options_first, protocol_error, require_flat, split_options
-from .averaging import exchange_averages
 from .catalog import merge_raw_optimizers
+from .checkpoint_group import mark
 from .consistency import check_replica_digests, check_rule_usage, reduce_all
 from .entries import raw_optimizers
 from .faults import fault_point
-from .hooks import check_state_dict, offered_items, plan_snapshot, snapshot, state_view
+from .hooks import SaveHooks, check_state_dict, offered_items, plan_snapshot, snapshot, state_view
 from .payloads import LocalPlanPayload, PlanStructure, RankAnswer, has_dtype_code
-from .planner_hooks import SaveHooks
 from .resolve import Resolver
 from .save_steps import (
     build_local,
+    exchange_averages,
     final_items,
     global_plan,
     live_entries,
@@ -38,7 +38,6 @@ from .save_steps import (
     structures_by_hash,
 )
 from .ties import fold_shared_storage
-from .watch import mark
 
 __all__ = ["UCPSavePlanner"]
 

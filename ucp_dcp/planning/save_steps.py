@@ -6,15 +6,18 @@ The split follows DCP's ``default_planner``: :func:`build_local` is ``create_loc
 DCP, plans travel as arrays (:mod:`ucp_dcp.planning.payloads`) and the coordinator works on all ranks' items at
 once: dedup of replicated pieces by row keys, volume and bounds checks per atom with ``bincount``.
 
-Kept in one module (over 400 lines), as DCP's ``default_planner.py`` keeps its three phases together:
-the local plan, the global plan and the final items share the row layout of the plan arrays.
+One module, as DCP's ``default_planner.py`` keeps its three phases together: the local plan, the global plan
+and the final items share the row layout of the plan arrays. The two helpers only the save's global plan uses
+follow, in the order it calls them: dedup of replicated pieces, and replicas saved as their mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import zlib
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,17 +36,15 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ..errors import AmbiguousLayoutError, UCPError
+from ..errors import AmbiguousLayoutError, PatternError, UCPError
 from ..layout.fragments import Fragment
 from ..layout.patterns import Patterns
-from ..layout.placements import Layout, dtype_name
-from ..layout.shards import global_shape
+from ..layout.placements import Layout, dtype_name, global_shape
 from ..options import UCPOptions
 from . import catalog as cat_mod
-from .averaging import average_writers, is_averaged
-from .catalog_record import Catalog
+from .catalog import Catalog
+from .collectives import p2p_group, send_device
 from .consistency import check_coverage, check_padding, replica_digests, tie_mismatches
-from .dedup import Rows, choose_writers, replica_copies_to_verify
 from .entries import is_sharded
 from .payloads import (
     ItemKind,
@@ -63,18 +64,24 @@ from .resolve import Resolved
 from .ties import catalog_aliases, check_aliases
 
 __all__ = [
-    "LocalPlan",
-    "live_entries",
-    "build_local",
-    "local_payload",
     "GlobalSave",
-    "structures_by_hash",
-    "plan_global",
-    "global_plan",
-    "merge_cached",
+    "LocalPlan",
+    "Rows",
+    "average_writers",
+    "build_local",
+    "choose_writers",
+    "exchange_averages",
     "final_items",
-    "write_rows",
+    "global_plan",
+    "is_averaged",
+    "live_entries",
+    "local_payload",
+    "merge_cached",
+    "plan_global",
+    "replica_copies_to_verify",
+    "structures_by_hash",
     "tensor_item",
+    "write_rows",
 ]
 
 # -- local plan ------------------------------------------------------------------------------------
@@ -508,3 +515,216 @@ def tensor_item(
             size=torch.Size(shape),
         ),
     )
+
+
+# -- dedup of replicated pieces: every rank's items in one table, and one writer per piece ---------------------------
+# DCP's ``dedup_save_plans`` walks ``WriteItem`` objects; here all ranks' items are rows of a few
+# arrays, a piece is a row key ``(atom, offsets)``, and pieces held by several ranks go to the least
+# loaded holder (or to the lowest rank), as in DCP.
+
+
+@dataclass
+class Rows:
+    """All ranks' items, concatenated in rank order (one row each)."""
+
+    rank: np.ndarray
+    """The rank that holds the row."""
+    atom: np.ndarray
+    """Global atom id."""
+    kind: np.ndarray
+    """:class:`~ucp_dcp.planning.payloads.ItemKind`."""
+    off: np.ndarray
+    """``(n, D)`` offsets, -1 padded."""
+    size: np.ndarray
+    """``(n, D)`` sizes, -1 padded."""
+
+    @classmethod
+    def concat(cls, items: list[LocalItems], remaps: list[np.ndarray]) -> Rows:
+        """``items`` per rank, with ``remaps`` per rank from its atom indices to global atom ids."""
+        width = max([it.off.shape[1] if it.off.ndim == 2 else 0 for it in items] + [1])
+        counts = [len(it.atom) for it in items]
+        rank = np.repeat(np.arange(len(items)), counts)
+        if sum(counts):
+            atom = np.concatenate([remap[it.atom] for remap, it in zip(remaps, items)])
+            kind = np.concatenate([it.kind for it in items])
+        else:
+            atom, kind = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+        off = np.full((len(atom), width), -1, dtype=np.int64)
+        size = np.full((len(atom), width), -1, dtype=np.int64)
+        pos = 0
+        for it in items:
+            n, d = it.off.shape if it.off.ndim == 2 else (len(it.atom), 0)
+            off[pos : pos + n, :d] = it.off
+            size[pos : pos + n, :d] = it.size
+            pos += n
+        return cls(rank, atom, kind, off, size)
+
+    @property
+    def volume(self) -> np.ndarray:
+        """Elements per row (objects: 1)."""
+        return np.where(self.size >= 0, self.size, 1).prod(axis=1)
+
+
+def choose_writers(rows: Rows, nbytes: np.ndarray, ranks: int, lowest_rank: bool) -> np.ndarray:
+    """A bool mask over ``rows``: one writer for every piece. A piece on several ranks goes to the
+    lowest one with ``lowest_rank``, else to the holder with the fewest bytes to write so far
+    (largest pieces first)."""
+    key = np.concatenate([rows.atom[:, None], rows.off], axis=1)
+    _, inverse, cnt = np.unique(
+        np.ascontiguousarray(key).view(np.dtype((np.void, key.dtype.itemsize * key.shape[1]))),
+        return_inverse=True,
+        return_counts=True,
+    )
+    inverse = inverse.reshape(-1)
+    keep = np.zeros(len(rows.atom), dtype=bool)
+    shared = cnt[inverse] > 1
+    keep[~shared] = True
+    if not shared.any():
+        return keep
+    rank = rows.rank
+    load = np.bincount(rank[~shared], weights=nbytes[~shared], minlength=ranks).astype(np.int64)
+    idx = np.nonzero(shared)[0]
+    order = idx[np.lexsort((rank[idx], inverse[idx]))]
+    groups = np.split(order, np.nonzero(np.diff(inverse[order]))[0] + 1)
+    if lowest_rank:
+        for g in groups:
+            keep[g[0]] = True
+        return keep
+    for g in sorted(groups, key=lambda g: -int(nbytes[g[0]])):
+        w = g[int(np.argmin(load[rank[g]]))]
+        keep[w] = True
+        load[rank[w]] += int(nbytes[w])
+    return keep
+
+
+def replica_copies_to_verify(
+    payloads: Sequence[LocalPlanPayload],
+    structures: Sequence[PlanStructure],
+    items: Sequence[LocalItems],
+    keep: Sequence[np.ndarray],
+) -> dict[int, list[PieceKey]]:
+    """Per rank, the deferred replicated pieces it holds but another rank writes: it hashes its
+    copy during the write and the storage writer compares it with the written one's checksums.
+    Refuses deferred pieces when some rank's storage writer does not compare them."""
+    deferred = {(a, tuple(o)) for p in payloads for a, o, _ in p.deferred}
+    if not deferred:
+        return {}
+    blind = [rank for rank, p in enumerate(payloads) if p.deferred and not p.writer_verifies]
+    if blind:
+        writers = sorted({_writer_name(payloads[r]) for r in blind})
+        raise UCPError(
+            f"UCPSavePlanner(replica_digests='writer') with {' / '.join(writers)}: rank(s) {blind[:8]} left their "
+            "replica comparison to the storage writer, which does not compare replicas; refused before any write",
+            wanted="UCPFileSystemWriter with checksums=True",
+            saved=writers,
+            hint="save with storage_writer=UCPFileSystemWriter(path) and checksums on (ucp_dcp.save does), or "
+            "leave replica_digests at 'plan' (any storage writer)",
+        )
+    writer: dict[PieceKey, int] = {}
+    for rank, (st, its, kept) in enumerate(zip(structures, items, keep)):
+        for i in np.nonzero(kept)[0].tolist():
+            a = int(its.atom[i])
+            if st.shapes[a] is None:
+                continue
+            key = (st.names[a], tuple(its.off[i, : len(st.shapes[a])].tolist()))
+            if key in deferred:
+                writer[key] = rank
+    out: dict[int, list[PieceKey]] = {}
+    for rank, p in enumerate(payloads):
+        mine = [(a, tuple(o)) for a, o, _ in p.deferred if writer.get((a, tuple(o)), rank) != rank]
+        if mine:
+            out[rank] = mine
+    return out
+
+
+def _writer_name(payload: LocalPlanPayload) -> str:
+    """The storage writer a payload came through, as a message names it."""
+    if payload.writer is None:
+        return "a storage writer that is not ucp_dcp's (e.g. DCP's FileSystemWriter)"
+    return f"{payload.writer} (checksums off)" if not payload.writer_verifies else payload.writer
+
+
+# -- replicas saved as their mean -------------------------------------------------------------------------------------
+# ``Replicated(check="average")``: every rank holding a copy of a replicated piece sends it to the
+# rank that writes the piece, which saves the mean.
+#
+# The coordinator picks the writers (:func:`average_writers`, after the dedup); at ``finish_plan``
+# every rank takes part in the exchange (:func:`exchange_averages`): point-to-point messages between
+# global ranks, so any save group works.
+
+
+Duties = dict[PieceKey, tuple[int, list[int]]]
+"""Averaged pieces a rank holds -> ``(global rank that writes the mean, global ranks holding a copy)``."""
+
+
+def is_averaged(r: Resolved) -> bool:
+    """The entry is a tensor under ``Replicated(check="average")``."""
+    return r.replicated is not None and r.replicated.check == "average" and isinstance(r.value, torch.Tensor)
+
+
+def average_writers(
+    payloads: Sequence[LocalPlanPayload],
+    items: Sequence[LocalItems],
+    keep: Sequence[np.ndarray],
+    structures: Sequence[PlanStructure],
+) -> dict[int, Duties]:
+    """Per rank (index into ``payloads``) with averaged pieces: who holds them and who writes them.
+    ``items``, ``keep`` (the writer masks) and ``structures`` are per rank."""
+    holders: dict[PieceKey, list[int]] = defaultdict(list)
+    for p in payloads:
+        for key in p.averaged:
+            holders[key].append(p.global_rank)
+    if not holders:
+        return {}
+    rank_of = [p.global_rank for p in payloads]
+    writer: dict[PieceKey, int] = {}
+    for r, (it, mask, st) in enumerate(zip(items, keep, structures)):
+        for i in np.nonzero(mask)[0].tolist():
+            a = int(it.atom[i])
+            key = (st.names[a], tuple(it.off[i, : len(st.shapes[a] or ())].tolist()))
+            if key in holders:
+                writer[key] = rank_of[r]
+    out: dict[int, Duties] = {}
+    for r, g in enumerate(rank_of):
+        mine = {k: (writer[k], sorted(h)) for k, h in holders.items() if g in h and k in writer}
+        if mine:
+            out[r] = mine
+    return out
+
+
+def exchange_averages(duties: Duties, resolved: Sequence[Resolved]) -> dict[PieceKey, torch.Tensor]:
+    """Send this rank's copies to their writers and average what it writes; returns the means it
+    writes. Called on every rank when any rank averages (pieces are visited in the same order
+    everywhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        atom = next((a for a, _ in duties), "a Replicated(check='average') atom")
+        raise PatternError(
+            "Replicated(check='average') needs collectives and cannot run inside async_save's "
+            f"background thread (atom '{atom}')",
+            atom=atom,
+            hint="use a synchronous dcp.save, or check='error'/'warn' with async_save",
+        )
+    p2p_group()  # every rank at once: a side group, if the default group cannot carry host tensors
+    if not duties:
+        return {}
+    me = dist.get_rank()
+    frags = {(f.atom, f.box.offsets): (r, f) for r in resolved if is_averaged(r) for f in r.fragments}
+    out = {}
+    for key in sorted(duties):
+        writer, holders = duties[key]
+        r, f = frags[key]
+        local = f.view(r.local).detach()
+        # device tensors over NCCL, host tensors over gloo (the default group or a side group)
+        device, group = send_device(local)
+        mine = local.to(device=device, dtype=torch.float64).contiguous()
+        if me != writer:
+            dist.isend(mine, writer, group=group).wait()
+            continue
+        parts = {me: mine}
+        bufs = {h: torch.empty_like(mine) for h in holders if h != me}
+        for w in [dist.irecv(buf, h, group=group) for h, buf in bufs.items()]:
+            w.wait()
+        parts.update(bufs)
+        total = sum(parts[h] for h in sorted(parts))
+        out[key] = (total / len(parts)).to(device=r.local.device, dtype=r.local.dtype)
+    return out

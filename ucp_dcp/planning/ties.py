@@ -11,7 +11,7 @@ Two atoms saved separately (a checkpoint written before ties were found, a model
 not one tensor, or a tied model saved by stock DCP, which writes each name) are one value only if
 their bytes are: the checkpoint's per-chunk digests (the block checksums ucp_dcp's writer records)
 tell, without reading the data; without them a tied target reads both copies and compares them
-(:mod:`ucp_dcp.planning.tie_reads`).
+(:mod:`ucp_dcp.planning.load_steps`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, is_checkpointable_tensor
 from ..errors import AmbiguousLayoutError
 from ..layout.naming import Path
-from .catalog import CATALOG_KEY, load_catalog
-from .catalog_record import Catalog
+from .catalog import CATALOG_KEY, Catalog, load_catalog
 from .entries import local_tensor
 from .resolve import Resolved
 

@@ -7,7 +7,7 @@ consumer raises the true cause, naming the sender. A consumer that fails while t
 (e.g. a dtype conversion that would overflow) keeps receiving the rest into scratch memory, so
 no sender is left blocked, and raises its own error afterwards.
 
-Waits: every rank of the load passes a gate of the call's watch (:mod:`ucp_dcp.planning.watch`) before it
+Waits: every rank of the load passes a gate of the call's watch (:mod:`ucp_dcp.planning.checkpoint_group`) before it
 posts anything, so every sender and consumer is known to be there, and another once its receives are over,
 before it waits for its sends: so each transfer's wait can be bounded by the peer timeout (gloo closes the
 pair on a timeout, so the other side fails at once too), and a rank that died or froze anywhere in its read
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from .._compat import default_group, group_timeout
 from ..errors import PeerFailedError, PeerLostError, UCPError, error_from_wire, peer_lost, wire_error
+from ..planning.checkpoint_group import Watch, current
 from ..planning.collectives import p2p_group
-from ..planning.watch import Watch, current
 from .transport import Incoming
 
 __all__ = ["Outcome", "Payload", "exchange", "exchange_link", "drain_only"]

@@ -5,22 +5,29 @@ reader sends the piece to the others after its own reads. Pieces travel in *bund
 at least ``SOLO`` bytes alone (sent from, and received into, tensor memory: no copy on either
 side), smaller pieces with the same holders packed up to ``BUNDLE`` bytes. Each bundle is one
 point-to-point message per consumer on the default group (global ranks): an int64 header
-``(status, nbytes)`` then the payload, tagged by its position among the pair's messages (:mod:`ucp_dcp.storage.exchange`: the
-exchange itself, failures included: a failed reader sends its error instead of the data). A consumer receives one bundle at a
-time, so its extra memory is one packed bundle at most.
+``(status, nbytes)`` then the payload, tagged by its position among the pair's messages
+(:mod:`ucp_dcp.storage.exchange`: the exchange itself, failures included: a failed reader sends its
+error instead of the data). A consumer receives one bundle at a time, so its extra memory is one
+packed bundle at most.
 
 Messages are host bytes, on the group :func:`ucp_dcp.planning.collectives.p2p_group` picks (the default
 group, or a gloo side group when the default group is NCCL only).
+
+What travels in DCP's plan gather and scatter for this is storage's own: each rank's :class:`ReadSummary`
+(:func:`local_summary`) in ``LoadPlan.storage_data``, and the coordinator's :class:`TransportPlan` per rank
+(:func:`plan_transport`) back. The planner's side only says which mode it wishes
+(:class:`~ucp_dcp.planning.handshake.ReadOnceRequest`).
 """
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
 import logging
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .. import settings
-from ..planning.payloads import READ_ONCE_MODES, ReadOnceMode, ReadSummary, TransportPlan
+from ..planning.payloads import READ_ONCE_MODES, Compact, ReadOnceMode, pack_rows, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,8 @@ __all__ = [
     "BUNDLE",
     "SOLO",
     "READ_ONCE_MODES",
+    "ReadSummary",
+    "TransportPlan",
     "Incoming",
     "assign_readers",
     "piece_ids",
@@ -329,6 +338,41 @@ def read_sizes(reads: list[ReadItem], md: Metadata) -> np.ndarray:
     return sizes
 
 
+@dataclass(frozen=True)
+class ReadSummary(Compact):
+    """What a loading rank's storage reader tells the coordinator (``LoadPlan.storage_data``).
+
+    On the wire its arrays travel delta-encoded along the items and zlib-compressed: a rank's reads are
+    runs of like rows (the same lengths, offsets a stride apart), a few hundred bytes where 128-bit hashes
+    of them took 16 bytes an item (:meth:`__reduce_ex__`)."""
+
+    rank: int
+    """The rank's global rank (read-once messages are addressed by it)."""
+    mode: ReadOnceMode
+    """``hosts`` | ``ranks`` | ``off``."""
+    keys: np.ndarray | None = None
+    """``(n, w)`` int64: per read item, the saved bytes it needs as a row of numbers
+    (:func:`read_rows`), equal across ranks needing the same bytes."""
+    sizes: np.ndarray | None = None
+    """Byte size of each read item."""
+    host: str | None = None
+    """Host name (``UCP_DCP_HOST`` or ``socket.gethostname()``)."""
+    names: bytes | None = None
+    """16-byte digest of the saved names the rows number (:func:`read_rows`): ranks
+    that number them alike have equal digests."""
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # as Compact pickles, but the arrays packed (pack_rows); typeshed does not declare copyreg.__newobj__
+        state = (self.rank, self.mode, pack_rows(self.keys), pack_rows(self.sizes), self.host, self.names)
+        return (copyreg.__newobj__, (type(self),), state)  # type: ignore[attr-defined]
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        rank, mode, keys, sizes, host, names = state
+        self.__dict__.update(
+            rank=rank, mode=mode, keys=unpack_rows(keys), sizes=unpack_rows(sizes), host=host, names=names
+        )
+
+
 def local_summary(
     reads: list[ReadItem], md: Metadata, mode: ReadOnceMode, rank: int | None = None, host: str | None = None
 ) -> ReadSummary:
@@ -342,6 +386,21 @@ def local_summary(
     keys, sizes, names = _rows(reads, md, sizes=True)
     host = host or settings.host()
     return ReadSummary(rank, mode, keys, sizes, host, names)
+
+
+@dataclass(frozen=True)
+class TransportPlan(Compact):
+    """The coordinator's read-once answer to one rank (``LoadPlan.storage_data``)."""
+
+    send: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    """Bundles this rank reads for others: ``(positions of its read items, consumer global ranks)``."""
+    recv: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    """``source global rank -> [positions of this rank's read items, per message]``, in order."""
+    ranks: list[int] | None = None
+    """The load's global ranks when anybody exchanges (a side group is created over them), else None."""
+    members: list[int] | None = None
+    """Every loading rank (global ranks): the ranks the exchange's gates wait for
+    (:mod:`ucp_dcp.planning.checkpoint_group`)."""
 
 
 def plan_transport(summaries: list[ReadSummary | None]) -> list[TransportPlan]:

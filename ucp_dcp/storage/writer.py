@@ -49,12 +49,12 @@ from torch.futures import Future
 
 from .._compat import _split_by_size_and_type, _StorageInfo, _StoragePrefix, fsspec_filesystem, metadata_path
 from ..errors import ReplicaMismatchError, StorageAccessError, UCPError
+from ..planning.checkpoint_group import mark
 from ..planning.device import staging_forced
 from ..planning.digests import tensor_bytes
 from ..planning.faults import fault_point
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
-from ..planning.watch import mark
 from ..progress import CallProgress
 from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token

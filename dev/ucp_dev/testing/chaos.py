@@ -9,7 +9,7 @@ at a step of a save (:data:`SAVE_STEPS`), saves again over it with other values.
 * ``missing``: the file holding the other replicated tensor removed;
 * ``dtype``: the last rank's targets for both replicated tensors are fp16, and the saved values overflow;
 * ``raise@STEP``, ``exit@STEP``, ``hang@STEP``: the last rank raises, dies (SIGKILL), or freezes
-  (SIGSTOP) at a step of ``read_data`` (:data:`ucp_dcp.storage.read_protocol.STEPS`) or outside it,
+  (SIGSTOP) at a step of ``read_data`` (:data:`ucp_dcp.storage.reader.READ_STEPS`) or outside it,
   inside DCP's own collectives (:data:`ucp_dcp.planning.faults.CALL_STEPS`: a save's planning, the
   start and end of its writes, a load's planning), through the fault hook (:func:`ucp_dev.testing.faults.inject`). After a save that
   failed, the folder must still load, bitwise, as the checkpoint saved before it (``previous``).
@@ -99,12 +99,12 @@ class Case:
 def cases(worlds: tuple[int, ...] = (2, 4), modes: tuple[str, ...] = ("hosts", "off")) -> list[Case]:
     """Every fault at every step it applies to, for each world size and read-once mode (faults
     outside ``read_data`` once per world size: the read-once mode does not reach them)."""
-    from ucp_dcp.storage.read_protocol import STEPS
+    from ucp_dcp.storage.reader import READ_STEPS
 
     out = []
     for world in worlds:
         for mode in modes:
-            faults = ["checksum", "missing", "dtype"] + [f"raise@{s}" for s in STEPS]
+            faults = ["checksum", "missing", "dtype"] + [f"raise@{s}" for s in READ_STEPS]
             faults += ["exit@read", "exit@deliver", "hang@read"]
             for f in faults:
                 if mode == "off" and f.split("@")[-1] in ("deliver", "group"):

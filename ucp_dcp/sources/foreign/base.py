@@ -34,10 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..._compat import _StorageInfo, narrow_tensor_by_index
 from ...errors import CorruptCheckpointError, UCPError, UnverifiedCheckpointWarning
-from ...layout.coverage import exact_cover_problem
-from ...layout.fragments import Box
+from ...layout.fragments import Box, Segment, exact_cover_problem, fused_block_problem, fused_segments
 from ...layout.patterns import Fused, Padded, Rule
-from ...layout.transforms import Segment, fused_block_problem, fused_segments
 from ...planning.device import StagingMode
 from ...planning.opened import raise_if_unopened
 from ...planning.payloads import ReadOnceMode

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import CorruptCheckpointError, UCPError
+from ...layout.fragments import Segment
 from ...layout.patterns import Rule
-from ...layout.transforms import Segment
 from .base import row_layout
 from .pieces import RowLayout
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...layout.transforms import Segment
+from ...layout.fragments import Segment
 
 __all__ = ["Piece", "RowLayout", "flat_boxes", "split_rows"]
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ...errors import UCPError
-from ...layout.arguments import integer, refuse, regexes, text
+from ...layout.patterns import integer, refuse, regexes, text
 
 __all__ = ["HFRule", "HFMapping", "hf_rows", "atom_rows", "zero_fill"]
 

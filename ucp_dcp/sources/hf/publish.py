@@ -24,8 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ...errors import UCPError
-from ...layout.coverage import exact_cover_problem
-from ...layout.fragments import Box
+from ...layout.fragments import Box, exact_cover_problem
 from ...storage.reader import UCPFileSystemReader
 from .files import HFTensor, create_files, plan_files, write_box, write_index
 from .mapping import HFMapping

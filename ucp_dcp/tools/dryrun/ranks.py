@@ -17,8 +17,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from ...errors import UCPError
 from ...planning.handshake import ReadOnceRequest
 from ...planning.load_planner import UCPLoadPlanner
-from ...planning.payloads import ReadSummary
-from ...storage.transport import local_summary
+from ...storage.transport import ReadSummary, local_summary
 from .read_cost import Piece, pieces
 from .targets import Target
 from .world import fake_rank, rebind, structure

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import UCPError
-from ...planning.checkpoint_group import EXCHANGE_GATES, GATES, call_requests
-from ...planning.watch import beat_s
+from ...planning.checkpoint_group import EXCHANGE_GATES, GATES, beat_s, call_requests
 from .simulate import PlanReport, RankPlan
 
 __all__ = ["Bandwidths", "parse_rate", "estimate", "format_report", "report_json", "rank_ranges"]
