@@ -16,6 +16,7 @@ import builtins
 import contextlib
 import functools
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
@@ -304,7 +305,12 @@ def user_frames(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorator of the public calls (``ucp_dcp.save``/``load``): a ``UCPError`` that came out of DCP's wrapper
     leaves with none of ucp_dcp's frames in its traceback but this one line. Those frames were only the path
     that re-raised it (``ucp_errors``, ``contextlib``, the call's own: 9 lines on every rank); where it was
-    raised is in DCP's wrapper, ``err.checkpoint_exception``. Other errors keep their traceback."""
+    raised is in DCP's wrapper, ``err.checkpoint_exception``. Other errors keep their traceback.
+
+    A :class:`PeerFailedError` that leaves this way is also marked *brief*: if nothing catches it, the process
+    prints it as its one line, without the traceback above it (:func:`_brief_excepthook`). The rank it names
+    prints the problem in full; the others' tracebacks would only repeat the user's call N-1 times (8 lines a
+    rank, 24 of a 4-rank job's 38 for one shape change)."""
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -313,11 +319,34 @@ def user_frames(fn: Callable[P, R]) -> Callable[P, R]:
         except UCPError as err:
             if err.checkpoint_exception is None:
                 raise
+            if isinstance(err, PeerFailedError):
+                _print_briefly(err)
             # a statement of its own: the printed line is the whole statement, so Python adds no ^^^ under it
             err = err.with_traceback(None)
             raise err from None
 
     return call
+
+
+def _print_briefly(err: PeerFailedError) -> None:
+    """Mark ``err`` to be printed as one line if it ends the process, and put :func:`_brief_excepthook` in
+    front of the process's hook (once). The mark is on this exception object only: an error the user raises
+    from it, or any other error, prints as Python prints it."""
+    err.brief = True
+    if getattr(sys.excepthook, "__wrapped_by_ucp_dcp__", False):
+        return
+    previous = sys.excepthook
+
+    def _brief_excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, PeerFailedError) and value.brief:
+            # Without a traceback Python prints the error's line alone (its class and message, its notes). The
+            # hooks behind this one still print it: torch's (init_process_group's) prefixes "[rankN]: ", a job's own
+            # may log it. (Python's own hook reads the error's __traceback__, not its argument: both go.)
+            value, tb = value.with_traceback(None), None
+        previous(tp, value, tb)
+
+    _brief_excepthook.__wrapped_by_ucp_dcp__ = True  # type: ignore[attr-defined]
+    sys.excepthook = _brief_excepthook
 
 
 def ucp_error_of(exc: BaseException) -> BaseException:
@@ -354,6 +383,8 @@ class PeerFailedError(UCPError):
     same: bool = False
     """This rank failed too, with the same problem as rank ``rank`` (:func:`same_problem`), which prints it in
     full: this error is one line (its ``atom``, ``saved``, ``wanted`` and ``hint`` are still this rank's own)."""
+    brief: bool = False
+    """Left a public call (:func:`user_frames`): uncaught, the process prints this error's line alone."""
 
     def __reduce__(self):  # the class by reference (module level); the fields, keyword-only, as arguments
         return (_build, (type(self), self.rank, self.message, self._fields(), self.same, self.cause_class))

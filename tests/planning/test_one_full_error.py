@@ -22,6 +22,7 @@ from ucp_dcp.errors import (
     ShapeMismatchError,
     peer_error,
     root_cause,
+    same_as,
     same_problem,
     ucp_errors,
     user_frames,
@@ -182,3 +183,58 @@ def test_many_problems_of_one_mistake_print_three_on_their_own_lines_and_name_th
     assert len(msg[6]) < 200, msg[6]
     few = combine_problems(problems[:3]).message.splitlines()
     assert few[2:] == ["2 more problem(s):"] + [f"  - {p.message.splitlines()[0]}" for p in problems[1:3]], few
+
+
+# -- what an uncaught peer error prints ------------------------------------------------------------------------
+
+_UNCAUGHT = """
+from torch.distributed.checkpoint.api import CheckpointException
+from ucp_dcp.errors import ShapeMismatchError, same_as, ucp_errors, user_frames
+
+own = ShapeMismatchError("Size mismatch for w\\natom 'w': saved (2, 4), wanted (2, 5).", atom="w", hint="rebuild")
+
+@user_frames
+def load():
+    with ucp_errors():
+        raise CheckpointException("load", {1: same_as(0, own)})
+
+load()
+"""
+
+
+def test_an_uncaught_peer_error_prints_its_one_line_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_UNCAUGHT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    # before: the traceback header, the job's frame, ucp_dcp's `raise err from None`, then this line (6 lines)
+    assert out.stderr.splitlines() == [
+        "ucp_dcp.errors.PeerShapeMismatchError: the same as rank 0, which prints it in full: "
+        "ShapeMismatchError: Size mismatch for w"
+    ], out.stderr
+
+
+def test_the_hook_drops_the_traceback_of_that_error_only_and_hands_every_error_to_the_hook_behind_it(monkeypatch):
+    import sys
+
+    seen = []  # the hook that was there before the call: torch's "[rankN]: " prefix, or a job's logger
+    monkeypatch.setattr(sys, "excepthook", lambda tp, value, tb: seen.append((tp.__name__, tb is not None)))
+    with pytest.raises(ShapeMismatchError) as peer:
+        user_frames(_raise_through_ucp_errors)(same_as(0, _shape()))
+    with pytest.raises(ShapeMismatchError) as own:  # a rank's own error, in full: not brief
+        user_frames(_raise_through_ucp_errors)(_shape())
+    try:
+        raise RuntimeError("the job's own error") from peer.value
+    except RuntimeError as e:
+        chained = e
+    for err in (peer.value, own.value, chained):  # as Python calls the hook for an uncaught error
+        sys.excepthook(type(err), err, err.__traceback__)
+    assert seen == [("PeerShapeMismatchError", False), ("ShapeMismatchError", True), ("RuntimeError", True)], seen
+    assert chained.__cause__ is peer.value and peer.value.__traceback__ is None  # the chain prints it, frames gone
+    first = sys.excepthook
+    with pytest.raises(ShapeMismatchError):  # a second brief error does not stack a second hook
+        user_frames(_raise_through_ucp_errors)(same_as(0, _shape()))
+    assert sys.excepthook is first and first.__wrapped_by_ucp_dcp__
