@@ -9,6 +9,11 @@ The copy keeps what a planner sees: the same keys and nesting, DTensors with the
 placements, global shape and stride, and aliasing (two entries that are views of the same memory,
 a tied embedding, stay one staged tensor). Values that are not tensors are deep-copied. Buffers of
 CUDA tensors are pinned (allocated once, so the pinning cost is paid once).
+
+Why not DCP's ``StateDictStager`` (``torch.distributed.checkpoint._state_dict_stager``, the same deep copy
+with buffers kept per source storage): it is private in every torch we support (2.11's ``DefaultStager``
+closes it after each stage, docs/compatibility.md), pins every buffer or none where this pins only CUDA
+sources', and does not count the bytes it keeps (:attr:`Stager.bytes`, which the tier reports).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ Both go through host memory here, with bounds and overlap:
 ``UCP_DCP_STAGING=always`` (or ``UCPFileSystemReader(staging="always")``) sends CPU targets through
 the same path, so a machine without a GPU exercises every branch a device load takes
 (:mod:`ucp_dcp.planning.device` decides which targets are staged and cuts their read items).
+
+Why not DCP's: its reader copies each read item into its target with one blocking ``copy_``
+(``FileSystemReader.read_data``): there is no load-side staging to reuse. Its save side,
+``filesystem._OverlappingCpuLoader``, is private to ``FileSystemWriter``'s write loop and waits on the
+whole stream at its byte bound; :class:`HostCopies` waits on each item's own event.
 """
 
 from __future__ import annotations
