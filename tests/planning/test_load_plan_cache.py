@@ -20,7 +20,7 @@ from ucp_dcp.layout.fragments import Box, Fragment
 from ucp_dcp.layout.patterns import Fused
 from ucp_dcp.planning import plan_cache
 from ucp_dcp.planning.entries import Entry, GroupTarget
-from ucp_dcp.planning.plan_keys import SIGNED_FIELDS
+from ucp_dcp.planning.plan_cache import SIGNED_FIELDS
 from ucp_dcp.planning.resolve import Resolved
 from ucp_dcp.storage import keyed_plans
 
@@ -215,6 +215,6 @@ def test_an_override_of_the_local_plan_turns_the_cache_off(tmp_path):
 
 
 def test_the_key_covers_every_field_of_the_resolved_target():
-    """A field added to what the local plan is made from must be added to the key (plan_keys.target_signature)."""
+    """A field added to what the local plan is made from must be added to the key (plan_cache.target_signature)."""
     for cls in (Resolved, Entry, Fragment, Box, GroupTarget):
         assert tuple(f.name for f in dataclasses.fields(cls)) == SIGNED_FIELDS[cls.__name__], cls

@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 import ucp_dcp
 from ucp_dcp.errors import ChecksumError, CorruptCheckpointError
-from ucp_dcp.storage.checksums import BlockChecker
 from ucp_dcp.storage.format import (
     BLOCK,
     BLOCKS_PER_RECORD,
     IO_KEY,
     MIN_BLOCK,
     TABLE_HASH,
+    BlockChecker,
     BlockSums,
     block_checksums,
     blocks_touching,

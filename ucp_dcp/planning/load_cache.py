@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ..errors import UCPError
 from . import device as _device
-from . import plan_cache, plan_keys
+from . import plan_cache
 from .device import staging_forced
 from .entries import set_value
 from .hooks import overrides
@@ -85,12 +85,12 @@ class CachedLoadPlans:
         """The key of this rank's local plan: None when it is not cached."""
         if not self.cache_plans or any(overrides(self, self._hook_base, h) for h in PLANNING_HOOKS):
             return None
-        md = plan_keys.metadata_digest(self.metadata)
-        layout = plan_keys.target_signature(self._targets.values(), self._raw, self._groups)
+        md = plan_cache.metadata_digest(self.metadata)
+        layout = plan_cache.target_signature(self._targets.values(), self._raw, self._groups)
         if md is None or layout is None:
             return None
         cls = type(self)
-        return plan_keys.digest(
+        return plan_cache.digest(
             b"ucp-load-plan-1",
             f"{cls.__module__}.{cls.__qualname__}",
             sorted(self._config.items()),
@@ -205,7 +205,7 @@ class CachedLoadPlans:
         keys = [plan_key_of(p.planner_data) for p in global_plan]
         if self._cache_key is None or any(k is None for k in keys):
             return None
-        return plan_keys.digest(b"ucp-load-checks-1", self._cache_key, *keys)
+        return plan_cache.digest(b"ucp-load-checks-1", self._cache_key, *keys)
 
     def _reused_checks(self, global_plan: list[LoadPlan]) -> bytes | None:
         """Whether every rank's plan is one the coordinator's checks passed for (``global_plan_cached``);

@@ -3,7 +3,8 @@
 DCP stores every item as a ``torch.save`` zip inside a ``.distcp`` file. ``torch.save`` writes tensor
 storage uncompressed and aligned, and the zip directory records where (``get_record_offset``), so a
 box of a row-major chunk is a set of equal-length byte runs that can be read without deserializing
-the chunk. Pure helpers plus a tiny zip/pickle parser for items written without ucp_dcp's writer.
+the chunk. Pure helpers plus a tiny zip/pickle parser for items written without ucp_dcp's writer, and
+the block checksums that cover a chunk's bytes: computed at save, verified at load (:class:`BlockChecker`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .._compat import dtype_of_storage_type, torch_file_reader
-from ..errors import CorruptCheckpointError, TruncatedFileError
+from ..errors import ChecksumError, CorruptCheckpointError, TruncatedFileError
 from ..planning.ties import IO_KEY, item_key  # defined with the planner, which compares saved digests
 
 __all__ = [
+    "BlockChecker",
     "IO_KEY",
     "IO_VERSION",
     "BLOCK",
@@ -401,6 +403,88 @@ def blocks_touching(intervals: Sequence[tuple[int, int]], nbytes: int, block: in
         return []
     arr = np.array(widened, dtype=np.int64)
     return merge_intervals(arr[:, 0], arr[:, 1])
+
+
+# verifying bytes against a record's sums, one block at a time (each record's own block)
+
+
+@dataclass(frozen=True)
+class BlockChecker:
+    """Checks bytes of a saved chunk against its block checksums (a :class:`BlockSums`
+    from the I/O table: each record carries the block its sums cover)."""
+
+    algo: str
+    """Hash name (a key of :data:`HASHES`)."""
+
+    def verify(self, buf: memoryview, start: int, crcs: BlockSums, rel: str, index: MetadataIndex) -> None:
+        """Verify block-aligned bytes ``buf`` starting at chunk offset ``start``."""
+        B = crcs.block
+        got = block_checksums(buf, B, self.algo) if len(buf) else []
+        for k, h in enumerate(got):
+            self.check(start // B + k, h, crcs, rel, index)
+
+    def verify_span(
+        self,
+        pread: Callable[[int, int], memoryview],
+        base: int,
+        start: int,
+        data: memoryview,
+        crcs: BlockSums,
+        nbytes: int,
+        rel: str,
+        index: MetadataIndex,
+    ) -> None:
+        """Verify the blocks touched by ``data`` (chunk bytes ``[start, start + len(data))``), reading
+        only the parts of the first and last block that lie outside it (``pread(offset, n)``)."""
+        B = crcs.block
+        end = start + len(data)
+        b0, b1 = start // B, (max(end, start + 1) - 1) // B
+
+        def edge(b: int) -> None:  # a block that may stick out of ``data``: its outside bytes are read
+            bs, be = crcs.span(b, nbytes)
+            a, c = max(bs, start), min(be, end)
+            h = HASHES[self.algo]()
+            if bs < a:
+                h.update(pread(base + bs, a - bs))
+            h.update(data[a - start : c - start])
+            if c < be:
+                h.update(pread(base + c, be - c))
+            self.check(b, int(h.intdigest()), crcs, rel, index)
+
+        edge(b0)
+        if b1 - b0 > 1:  # the blocks strictly inside ``data``: hashed straight from it, one call per block
+            inner = data[(b0 + 1) * B - start : b1 * B - start]
+            for k, got in enumerate(block_checksums(inner, B, self.algo)):
+                self.check(b0 + 1 + k, got, crcs, rel, index)
+        if b1 != b0:
+            edge(b1)
+
+    def check_tile(self, t: int, got: int, sums: list[int], rel: str, index: MetadataIndex) -> None:
+        """Check tile ``t``'s checksum (:mod:`ucp_dcp.storage.tiles`)."""
+        if t < len(sums) and got == sums[t]:
+            return
+        raise ChecksumError(
+            f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: tile {t} has "
+            f"{digest_name(self.algo)} {got:#x}, saved {f'{sums[t]:#x}' if t < len(sums) else 'none'}",
+            atom=index.fqn,
+            saved=sums[t] if t < len(sums) else None,
+            wanted=got,
+            hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
+        )
+
+    def check(self, b: int, got: int, crcs: BlockSums, rel: str, index: MetadataIndex) -> None:
+        sums = crcs.sums
+        if b < len(sums) and got == sums[b]:
+            return
+        raise ChecksumError(
+            f"checksum mismatch in {rel}, atom '{index.fqn}' chunk at {list(index.offset or ())}: block {b} "
+            f"(bytes {b * crcs.block}.. of the chunk) has {digest_name(self.algo)} {got:#x}, saved "
+            f"{f'{sums[b]:#x}' if b < len(sums) else 'none'}",
+            atom=index.fqn,
+            saved=sums[b] if b < len(sums) else None,
+            wanted=got,
+            hint="the checkpoint file is corrupt (disk, copy or transfer error); restore it from a good copy",
+        )
 
 
 def read_key(item: ReadItem) -> str:

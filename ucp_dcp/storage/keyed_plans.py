@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from ..errors import UCPError
-from ..planning import plan_cache, plan_keys
+from ..planning import plan_cache
 from ..planning.load_cache import plan_key_of
 from ..planning.payloads import Compact, ReadOnceMode
 from ..planning.plan_cache import ENTRIES, CachedLoadPlan, PlanCacheMissError, ProcessCache
@@ -114,7 +114,7 @@ def keyed_summary(
     plan_key = plan_key_of(plan.planner_data)
     if plan_key is None:  # another planner, or a plan not cached: the summary as DCP's gather carries it
         return local_summary(plan.items, md, mode), None
-    key = plan_keys.reader_key(plan_key, reader, mode)
+    key = plan_cache.reader_key(plan_key, reader, mode)
     # after a load of this process that failed before its answer, the coordinator may lack what it sent:
     # send the summary whole once (begin says so)
     entry = _READER.use(key) if plan_cache.begin("reader") else None
@@ -136,7 +136,7 @@ def keyed_answers(
     keyed = [p.storage_data if isinstance(p.storage_data, KeyedSummary) else None for p in plans]
     keys = [k.key for k in keyed if k is not None]
     # the answers depend on every rank's summary: keyed only when every rank's is
-    gkey = plan_keys.digest(b"ucp-load-transport-1", *keys) if len(keys) == len(plans) else None
+    gkey = plan_cache.digest(b"ucp-load-transport-1", *keys) if len(keys) == len(plans) else None
     transports = None
     if gkey is not None:
         transports = _TRANSPORTS.use(gkey)

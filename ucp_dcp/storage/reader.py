@@ -86,7 +86,6 @@ from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
 from ..planning.payloads import ReadOnceMode
 from ..progress import CallProgress
 from . import keyed_plans
-from .checksums import BlockChecker
 from .commit import Integrity, open_checkpoint
 from .exchange import Outcome, drain_only, exchange, exchange_link, size_error
 from .file_ranges import (
@@ -104,6 +103,7 @@ from .format import (
     HASHES,
     IO_KEY,
     NO_SUMS,
+    BlockChecker,
     BlockSums,
     BoxGrid,
     TensorRecord,

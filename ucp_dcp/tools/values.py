@@ -16,8 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import UCPError
-from ..storage.checksums import BlockChecker
-from ..storage.format import BLOCK, HASHES, IO_KEY, BlockSums, entry_sums, item_key
+from ..storage.format import BLOCK, HASHES, IO_KEY, BlockChecker, BlockSums, entry_sums, item_key
 from ..storage.opening import filesystem
 
 VALUE_BYTES = 4096
