@@ -22,7 +22,7 @@ from ucp_dcp.planning import plan_cache
 from ucp_dcp.planning.entries import Entry, GroupTarget
 from ucp_dcp.planning.plan_cache import SIGNED_FIELDS
 from ucp_dcp.planning.resolve import Resolved
-from ucp_dcp.storage import keyed_plans
+from ucp_dcp.storage import reader as keyed_plans  # the reader's side of the cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

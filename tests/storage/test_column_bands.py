@@ -1,4 +1,4 @@
-"""Column bands (``ucp_dcp/storage/column_bands.py``): the writer cuts 2-D+ chunks along dim 1 into band chunks on
+"""Column bands (``ucp_dcp/storage/tiles.py``, column bands): the writer cuts 2-D+ chunks along dim 1 into band chunks on
 object stores, so a column slice is whole, consecutive records. The choice and the cut as pure math; the layout
 as written (stock DCP still reads it; a local folder keeps whole chunks by default); the replica comparison
 band by band on 2 gloo ranks. The store loads (bytes and requests at the server) are in test_object_store_dist."""
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from ucp_dcp import UCPFileSystemReader, UCPFileSystemWriter, UCPLoadPlanner, UCPSavePlanner, first_ucp_error
 from ucp_dcp.errors import ReplicaMismatchError, UCPError
-from ucp_dcp.storage.column_bands import BAND_BYTES, MAX_BANDS, MIN_RUN, band_boxes, band_chunks, column_bands
+from ucp_dcp.storage.tiles import BAND_BYTES, MAX_BAND_CHUNKS, MIN_RUN, band_boxes, band_chunks, column_bands
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -30,11 +30,11 @@ _shapes = st.lists(st.integers(1, 4096), min_size=2, max_size=3)
 @given(_shapes, st.sampled_from([1, 2, 4]))
 def test_the_band_count_divides_dim_1_and_keeps_bands_worth_a_request(sizes, itemsize):
     b = column_bands(sizes, itemsize)
-    assert b in (1, 2, 4, 8) and b <= MAX_BANDS and sizes[1] % b == 0
+    assert b in (1, 2, 4, 8) and b <= MAX_BAND_CHUNKS and sizes[1] % b == 0
     if b > 1:
         assert math.prod(sizes) * itemsize // b >= BAND_BYTES
         assert sizes[1] // b * math.prod(sizes[2:]) * itemsize >= MIN_RUN
-    if b < MAX_BANDS:  # no larger power of two would do
+    if b < MAX_BAND_CHUNKS:  # no larger power of two would do
         more = 2 * b
         nbytes, inner = math.prod(sizes) * itemsize, math.prod(sizes[2:]) * itemsize
         assert sizes[1] % more or nbytes // more < BAND_BYTES or sizes[1] // more * inner < MIN_RUN

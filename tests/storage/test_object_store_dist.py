@@ -2,7 +2,7 @@
 bitwise, fetching exactly the bytes it needs from the store (counted at the server), where DCP's
 FsspecReader fetches several times that; a tensor-parallel dim change (column slices of the saved rows)
 loads bitwise with checksums verified, fetching the slices' bytes only in a few requests: the writer cut
-each saved chunk into column bands (``storage/column_bands.py``), so a slice is whole band chunks,
+each saved chunk into column bands (``storage/tiles.py``), so a slice is whole band chunks,
 consecutive in the object. The pool's usual world sizes (2 and 4)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading threads from the machine, and a rank's reads cut into work for them (ucp_dcp.storage.threads)."""
+"""Reading threads from the machine, and a rank's reads cut into work for them (ucp_dcp.storage.file_ranges)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import ucp_dcp
 from ucp_dcp import UCPFileSystemReader, UCPLoadPlanner
 from ucp_dcp.errors import ChecksumError
-from ucp_dcp.storage.threads import MAX_THREADS, MIN_THREADS, reading_threads, split_work
+from ucp_dcp.storage.file_ranges import MAX_THREADS, MIN_THREADS, reading_threads, split_work
 
 files_ = st.lists(st.lists(st.integers(0, 1000), max_size=12), max_size=5)
 

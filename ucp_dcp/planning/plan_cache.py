@@ -11,7 +11,7 @@ again. With ``UCPLoadPlanner(cache_plans=True)`` (``ucp_dcp.load``'s default):
   fragments, dtypes, devices, memory aliasing, DTensor meshes and placements), the planner's options and
   class, the rank's coordinator role and the staging settings; the reader adds its own (read-once mode,
   global rank, host). A rank that finds its key sends a marker of a few bytes in DCP's plan gather
-  (:class:`CachedLoadPlan`, and the reader's keyed summary: :mod:`ucp_dcp.storage.keyed_plans`) instead of
+  (:class:`CachedLoadPlan`, and the reader's keyed summary: :mod:`ucp_dcp.storage.reader`) instead of
   its plan and summary;
 * the coordinator keeps the payloads and summaries it received by those keys (content-addressed: a key
   stands for one plan whichever process group, checkpoint folder or load it came with), and its global
@@ -31,7 +31,7 @@ The module reads in the order a load uses it: the keys (what a plan depends on, 
 caches that hold plans by those keys. It holds the planner's side (its plans, the coordinator's payloads
 and checks) and what both sides share: the least-recently-used caches (:class:`ProcessCache`, all emptied
 by :func:`clear`), the markers of unfinished loads, the counters. The reader's side -- its read-once summaries and answers, storage's own wire
-types -- is :mod:`ucp_dcp.storage.keyed_plans` (storage imports planning, never the reverse).
+types -- is :mod:`ucp_dcp.storage.reader` (storage imports planning, never the reverse).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ __all__ = [
     "LocalEntry",
     "ProcessCache",
     "coordinator_entries",
+    "plan_key_of",
     "counters",
     "clear",
     "begin",
@@ -315,7 +316,7 @@ T = TypeVar("T")
 class ProcessCache(dict[bytes, T]):
     """One cache of this process's load plans: a dict kept in least-recently-used order (dicts keep insertion
     order; :meth:`use` moves a key to the end, :meth:`keep` drops the oldest past a limit). Every one is emptied
-    by :func:`clear`, the reader's (:mod:`ucp_dcp.storage.keyed_plans`) too: they register here when made."""
+    by :func:`clear`, the reader's (:mod:`ucp_dcp.storage.reader`) too: they register here when made."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -375,6 +376,15 @@ def begin(side: str) -> bool:
 def finish(side: str) -> None:
     """The coordinator's answer arrived: the side's keys are known to the coordinator."""
     _UNFINISHED[side] = False
+
+
+def plan_key_of(planner_data: Any) -> bytes | None:
+    """The plan key a rank's ``planner_data`` carries (a cached plan's marker, or a payload to cache)."""
+    if isinstance(planner_data, CachedLoadPlan):
+        return planner_data.key
+    if isinstance(planner_data, LoadPlanPayload):
+        return planner_data.cache_key
+    return None
 
 
 def local_entry(key: bytes) -> LocalEntry | None:

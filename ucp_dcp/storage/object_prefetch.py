@@ -21,7 +21,7 @@ __all__ = ["FRAME_GAP", "PREFETCH_ITEM_BYTES", "PREFETCH_BATCH_BYTES", "prefetch
 
 PREFETCH_ITEM_BYTES = 8 << 20
 """Items up to this size are prefetched (larger ones are a request's worth of bytes on their own): a column
-slice's band chunks (``storage/column_bands.py``), consecutive records of 1-8 MiB, become one GET per object."""
+slice's band chunks (``storage/tiles.py``), consecutive records of 1-8 MiB, become one GET per object."""
 PREFETCH_BATCH_BYTES = 32 << 20
 """Most bytes fetched ahead at once (host memory held until the task's reads pass them)."""
 FRAME_GAP = 8 << 10

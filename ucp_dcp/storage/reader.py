@@ -18,7 +18,8 @@ The class's sections follow DCP's calls, in their order:
   unpickler), its integrity known;
 * ``set_up_storage_reader``: the I/O table (checksum algorithm, blocks, records) read once per load;
 * ``prepare_local_plan`` / ``prepare_global_plan``: read-once, each rank's summary of its reads and the
-  coordinator's answer (keyed when plans are cached: :mod:`ucp_dcp.storage.keyed_plans`);
+  coordinator's answer (keyed when plans are cached: the last section, the reader's side of the load-plan
+  cache);
 * ``read_data``: every step inside one failure protocol. Whatever fails on a rank -- building the read job,
   its own reads, packing what it sends, working out where received bytes go, the side group -- the rank
   still takes part in the exchange (:mod:`ucp_dcp.storage.exchange`): it sends its error to every rank
@@ -36,7 +37,7 @@ The class's sections follow DCP's calls, in their order:
   checksum as stored, then decoded through their stream transforms (DCP's ``_extension_registry``) when
   delivered.
 
-Kept in one module (about 1,000 lines): one reader, whose steps hand a load's state to each other in DCP's
+Kept in one module (about 1,200 lines): one reader, whose steps hand a load's state to each other in DCP's
 order, and whose chunk reads (direct, union, mapped, tiled, fallback) share its verification state. Readers
 of other formats (:mod:`ucp_dcp.sources`, :mod:`ucp_dcp.memory.reader`) subclass it and override its
 opening (``_open``), records (``_record``) and reads (``_read_chunk``, ``_read_local``).
@@ -53,6 +54,7 @@ import threading
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -76,27 +78,30 @@ from ..errors import (
     UnverifiedCheckpointWarning,
 )
 from ..planning import device as _device
-from ..planning import faults
+from ..planning import faults, plan_cache
 from ..planning.checkpoint_group import mark
 from ..planning.collectives import peer_timeout
 from ..planning.device import StagingMode, needs_staging, split_reads, staging_forced
 from ..planning.faults import fault_point
 from ..planning.handshake import ReadOnceRequest
 from ..planning.opened import UnopenedMetadata, checked, raise_if_unopened
-from ..planning.payloads import ReadOnceMode
+from ..planning.payloads import Compact, ReadOnceMode
+from ..planning.plan_cache import ENTRIES, CachedLoadPlan, PlanCacheMissError, ProcessCache, plan_key_of
 from ..progress import CallProgress
-from . import keyed_plans
 from .commit import Integrity, open_checkpoint
 from .exchange import Outcome, drain_only, exchange, exchange_link, size_error
 from .file_ranges import (
     REMOTE_GAP,
+    STORE_REQUESTS_PER_THREAD,
     WINDOW,
     StoreRanges,
     coalesce_within,
     gather_runs,
     map_window,
+    reading_threads,
     readinto,
     regular_fd,
+    split_work,
 )
 from .format import (
     BLOCK,
@@ -119,18 +124,37 @@ from .format import (
     parse_tensor_record,
     split_grid,
 )
-from .keyed_plans import KeyedSummary, Pending
 from .object_prefetch import prefetch_batches
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .object_streams import ObjectSizes, RangedObjectFile
 from .read_job import ReadJob, ReadStats, items_nbytes
 from .staging import BUFFERS_PER_THREAD
-from .threads import STORE_REQUESTS_PER_THREAD, reading_threads, split_work
 from .tiled_read import plan_tiled, read_tiled, read_tiled_remote
 from .tiles import saved_tile_grid
-from .transport import READ_ONCE_MODES, Incoming, ReadSummary, TransportPlan, as_bytes_tensor, plan_transport
+from .transport import (
+    READ_ONCE_MODES,
+    Incoming,
+    ReadSummary,
+    TransportPlan,
+    as_bytes_tensor,
+    local_summary,
+    plan_transport,
+)
 
-__all__ = ["UCPFileSystemReader", "ReadStats", "READ_STEPS"]
+__all__ = [
+    "UCPFileSystemReader",
+    "ReadStats",
+    "READ_STEPS",
+    "KeyedSummary",
+    "KeyedTransport",
+    "ReaderEntry",
+    "Pending",
+    "keyed_summary",
+    "keyed_answers",
+    "summaries",
+    "cached_summary",
+    "resolved_answer",
+]
 
 READ_STEPS = ("job", "read", "pack", "incoming", "group", "deliver")
 """The steps of ``read_data`` a fault can be injected at (in order): the read job built, this rank's own reads,
@@ -170,7 +194,7 @@ class UCPFileSystemReader(FileSystemReader):
             checksum, when it has one, is checked over its bytes as stored, before decoding).
         thread_count: reading threads of this rank; None (the default): from the machine, the cores
             this process may use shared among its host's ranks, 2 to 16
-            (:func:`~ucp_dcp.storage.threads.reading_threads`). A rank's files, and runs of whole
+            (:func:`~ucp_dcp.storage.file_ranges.reading_threads`). A rank's files, and runs of whole
             chunks of a large file, are read concurrently.
         verify_checksums: verify the checksum of every block (1 KiB to 1 MiB, each record's own) and
             object read (when the checkpoint has them).
@@ -181,7 +205,7 @@ class UCPFileSystemReader(FileSystemReader):
         storage_options: for an URL, fsspec's options (endpoint, credentials); None: the client's own
             configuration (``AWS_*`` environment variables, ...). On an object store every read is a
             ranged GET of exactly the bytes needed, a large one cut into pieces fetched concurrently,
-            and the default ``thread_count`` is :data:`~ucp_dcp.storage.threads.STORE_REQUESTS_PER_THREAD`
+            and the default ``thread_count`` is :data:`~ucp_dcp.storage.file_ranges.STORE_REQUESTS_PER_THREAD`
             times the local one (a request waits on a round trip, not on a core).
         store_ranges: on an object store, how strided reads (a column slice of row-sharded chunks: a
             tensor-parallel dim change) become ranged GETs. ``"few"`` (the default): gaps under 1 MiB are
@@ -359,15 +383,15 @@ class UCPFileSystemReader(FileSystemReader):
 
     def _summary(self, plan: LoadPlan, mode: ReadOnceMode) -> ReadSummary | KeyedSummary:
         """This rank's read-once summary (:func:`~ucp_dcp.storage.transport.local_summary`); keyed when the
-        planner's plan is cached (:func:`~ucp_dcp.storage.keyed_plans.keyed_summary`), and the key kept until
+        planner's plan is cached (:func:`keyed_summary`), and the key kept until
         ``read_data`` gets the coordinator's answer. Readers whose answers are not cached override it."""
-        summary, self._keyed = keyed_plans.keyed_summary(plan, self._md, mode, type(self))
+        summary, self._keyed = keyed_summary(plan, self._md, mode, type(self))
         return summary
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Pick one reader for every piece several ranks need (see :mod:`ucp_dcp.storage.transport`); keyed
-        summaries (cached plans) get the cached answers (:func:`~ucp_dcp.storage.keyed_plans.keyed_answers`)."""
-        answers = keyed_plans.keyed_answers(plans, self._plan_transport)
+        summaries (cached plans) get the cached answers (:func:`keyed_answers`)."""
+        answers = keyed_answers(plans, self._plan_transport)
         if self.progress is not None:  # every rank's summary gives the sizes of its reads: the job's bytes
             self.progress.job(_job_bytes(plans), len(plans))
         return answers
@@ -398,7 +422,7 @@ class UCPFileSystemReader(FileSystemReader):
         self.stats = ReadStats()
         # a keyed answer (cached plans) resolved to the transport plan it stands for, and cached for next time
         pending, self._keyed = self._keyed, None
-        plan = keyed_plans.resolved_answer(plan, pending, self.stats, type(self).__name__)
+        plan = resolved_answer(plan, pending, self.stats, type(self).__name__)
         mark("load", "reading")
         stats = self.stats
         # under ucp_dcp.load the call's progress is entered by the call; a bare dcp.load shows this read alone
@@ -986,6 +1010,190 @@ class UCPFileSystemReader(FileSystemReader):
             self.stats.items.append(item_key(index))
 
 
+# -- the reader's side of the load-plan cache: keyed summaries and answers -----------------------------------------
+# The reader's side of the load-plan cache (``cache_plans=True``, :mod:`ucp_dcp.planning.plan_cache`): its wire
+# types, what this process keeps, and the steps :class:`~ucp_dcp.storage.reader.UCPFileSystemReader` takes.
+#
+# A load planner whose plan is cached (``UCPLoadPlanner(cache_plans=True)``) puts its plan key in
+# ``planner_data``; the reader then keys its read-once summary (:func:`keyed_summary`, :class:`KeyedSummary`):
+# the key alone when this process sent the summary to a coordinator in an earlier, finished load. The
+# coordinator keeps summaries and its read-once answers by key (:func:`keyed_answers`); it answers a rank that
+# holds the very answer with a marker (:class:`KeyedTransport` without a plan), which ``read_data`` resolves
+# from this process's cache (:func:`resolved_answer`).
+#
+# The caches are :class:`~ucp_dcp.planning.plan_cache.ProcessCache` s, so ``plan_cache.clear()`` empties them
+# with the planner's; the counters and the markers of unfinished loads are the plan cache's too.
+# Wire types.
+
+
+@dataclass(frozen=True)
+class KeyedSummary(Compact):
+    """A loading rank's ``LoadPlan.storage_data`` when plans are cached: its read-once summary and the key
+    it is cached under, or only the key (the coordinator holds the summary)."""
+
+    key: bytes
+    """The reader's key: the plan key, the read-once mode, the global rank and the host."""
+    summary: ReadSummary | None = None
+    """The summary; None: the coordinator's cached one for ``key``."""
+    last: bytes | None = None
+    """The global key of the answer this rank holds for ``key`` (the coordinator then answers with a marker)."""
+
+
+@dataclass(frozen=True)
+class KeyedTransport(Compact):
+    """The coordinator's read-once answer to a rank that sent a :class:`KeyedSummary`."""
+
+    key: bytes | None
+    """The global key (of every rank's reader key, in plan order); None when some rank's plan was not keyed."""
+    plan: TransportPlan | None = None
+    """The answer; None: the one the rank holds for ``key`` (its ``KeyedSummary.last``)."""
+
+
+# What each side keeps.
+
+
+@dataclass
+class ReaderEntry:
+    """A rank's read-once side: the coordinator's last answer for this reader key."""
+
+    answer_key: bytes | None
+    """Its global key (None: the answer was not keyed)."""
+    transport: TransportPlan | None
+    """The answer."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A load whose summary was keyed, from ``prepare_local_plan`` until the coordinator's answer arrives."""
+
+    key: bytes
+    """The reader key."""
+    entry: ReaderEntry | None
+    """What this process holds under it (None: nothing, the summary went whole)."""
+    plan_cached: bool
+    """The planner's plan was cached too (its ``planner_data`` is a marker)."""
+
+
+_READER: ProcessCache[ReaderEntry] = ProcessCache()
+"""A rank's side: reader key -> the coordinator's last answer."""
+_SUMMARIES: ProcessCache[ReadSummary] = ProcessCache()
+"""The coordinator's: reader key -> the summary a rank sent under it."""
+_TRANSPORTS: ProcessCache[list[TransportPlan]] = ProcessCache()
+"""The coordinator's: global key (every rank's reader key) -> its answers, in plan order."""
+
+
+# Prepare_local_plan: a rank's summary.
+
+
+def keyed_summary(
+    plan: LoadPlan, md: Metadata, mode: ReadOnceMode, reader: type
+) -> tuple[ReadSummary | KeyedSummary, Pending | None]:
+    """This rank's read-once summary, and what the load keeps for its answer; a planner's cached plan (its
+    key in ``planner_data``) gets a keyed one: only the key when this process sent its summary to a
+    coordinator before. ``reader``: the reader's class (part of the key)."""
+    plan_key = plan_key_of(plan.planner_data)
+    if plan_key is None:  # another planner, or a plan not cached: the summary as DCP's gather carries it
+        return local_summary(plan.items, md, mode), None
+    key = plan_cache.reader_key(plan_key, reader, mode)
+    # after a load of this process that failed before its answer, the coordinator may lack what it sent:
+    # send the summary whole once (begin says so)
+    entry = _READER.use(key) if plan_cache.begin("reader") else None
+    pending = Pending(key, entry, isinstance(plan.planner_data, CachedLoadPlan))
+    plan_cache.count("reader_hit" if entry is not None else "reader_miss")
+    if entry is not None:
+        return KeyedSummary(key, None, entry.answer_key), pending
+    return KeyedSummary(key, local_summary(plan.items, md, mode)), pending
+
+
+# Prepare_global_plan: the coordinator's answers.
+
+
+def keyed_answers(
+    plans: list[LoadPlan], plan_transport: Callable[[list[ReadSummary | None]], list[TransportPlan]]
+) -> list[LoadPlan]:
+    """The coordinator's read-once answers (``plan_transport`` of every rank's summary): for the same reader
+    keys on every rank the cached ones, and a marker for a rank that holds its own."""
+    keyed = [p.storage_data if isinstance(p.storage_data, KeyedSummary) else None for p in plans]
+    keys = [k.key for k in keyed if k is not None]
+    # the answers depend on every rank's summary: keyed only when every rank's is
+    gkey = plan_cache.digest(b"ucp-load-transport-1", *keys) if len(keys) == len(plans) else None
+    transports = None
+    if gkey is not None:
+        transports = _TRANSPORTS.use(gkey)
+        plan_cache.count("transport_reused" if transports is not None else "transport_planned")
+    if transports is None:
+        transports = plan_transport(summaries(plans))
+        if gkey is not None:
+            _TRANSPORTS.keep(gkey, transports, ENTRIES)
+    else:  # not read, but used: kept as recent as the answers they gave
+        for key in keys:
+            _SUMMARIES.use(key)
+    out = []
+    for p, k, t in zip(plans, keyed, transports):
+        answer: Any = t
+        if k is not None:  # a rank that holds this very answer gets a marker of it
+            answer = KeyedTransport(gkey, None if gkey is not None and k.last == gkey else t)
+        out.append(dataclasses.replace(p, storage_data=answer))
+    return out
+
+
+def summaries(plans: list[LoadPlan]) -> list[ReadSummary | None]:
+    """Every rank's summary: a keyed one's from the cache, where the coordinator keeps the others (None: a
+    rank whose reader sent none, another reader's plan)."""
+    out: list[ReadSummary | None] = []
+    for rank, p in enumerate(plans):
+        sd = p.storage_data
+        if isinstance(sd, KeyedSummary):
+            if sd.summary is None:
+                sd = cached_summary(sd.key, rank)
+            else:
+                _SUMMARIES.keep(sd.key, sd.summary, plan_cache.coordinator_entries(len(plans)))
+                sd = sd.summary
+        out.append(sd if isinstance(sd, ReadSummary) else None)
+    return out
+
+
+def cached_summary(key: bytes, rank: int) -> ReadSummary:
+    """The summary rank ``rank`` sent under ``key`` in an earlier load (:class:`PlanCacheMissError`: not held)."""
+    found = _SUMMARIES.use(key)
+    if found is None:
+        raise PlanCacheMissError.of_marker(rank, "read-once summary")
+    return found
+
+
+# Read_data: the answer resolved.
+
+
+def resolved_answer(plan: LoadPlan, pending: Pending | None, stats: ReadStats, reader: str) -> LoadPlan:
+    """The plan with the coordinator's read-once answer: a keyed one resolved (a marker: the answer this
+    rank holds) and cached for the next load; ``stats`` told whether the plans were cached. ``pending``: what
+    :func:`keyed_summary` kept for this load; ``reader``: the reader's class name (for the error)."""
+    answer = plan.storage_data
+    if not isinstance(answer, KeyedTransport):
+        return plan
+    if pending is None:
+        raise UCPError(
+            f"{reader}.read_data was given a keyed read-once answer for a plan this reader did "
+            "not key in prepare_local_plan",
+            hint="let dcp.load drive the reader: prepare_local_plan, the coordinator's prepare_global_plan, "
+            "then read_data with the plan it answered",
+        )
+    transport = answer.plan
+    if transport is None:
+        if pending.entry is None or pending.entry.answer_key != answer.key:
+            raise UCPError(
+                "the coordinator answered this rank with its cached read-once plan, which this process does not hold",
+                hint="load again with cache_plans=False, or call ucp_dcp.planning.plan_cache.clear() on every rank",
+            )
+        transport = pending.entry.transport
+    # the answer arrived: the coordinator holds this rank's summary under its key from now on
+    _READER.keep(pending.key, ReaderEntry(answer.key, transport), ENTRIES)
+    plan_cache.finish("reader")
+    stats.plan_cached = pending.plan_cached and pending.entry is not None
+    stats.global_plan_cached = answer.plan is None
+    return dataclasses.replace(plan, storage_data=transport)
+
+
 def _faulty(msg: Incoming) -> Incoming:
     """``msg`` with the ``deliver`` fault point before its delivery (only when a test's hook is installed)."""
 
@@ -1004,7 +1212,7 @@ def _job_bytes(plans: list[LoadPlan]) -> int | None:
         sd = p.storage_data
         if isinstance(sd, KeyedSummary):
             try:
-                sd = sd.summary if sd.summary is not None else keyed_plans.cached_summary(sd.key, rank)
+                sd = sd.summary if sd.summary is not None else cached_summary(sd.key, rank)
             except UCPError:
                 return None
         if not isinstance(sd, ReadSummary) or sd.sizes is None:

@@ -56,8 +56,8 @@ from ..planning.faults import fault_point
 from ..planning.handshake import ReplicaCopySource, WriterAcknowledgement
 from ..planning.ties import add_alias_keys
 from ..progress import CallProgress
-from .column_bands import ColumnBands, band_boxes, band_chunks, column_bands
 from .commit import METADATA, commit, new_token
+from .file_ranges import reading_threads
 from .format import (
     BLOCK,
     DEFAULT_HASH,
@@ -74,8 +74,7 @@ from .object_commit import commit_objects
 from .object_store import OBJECT_PROTOCOLS, ObjectStore, object_protocol
 from .sidecar import encode_sidecar
 from .staging import HostCopies
-from .threads import reading_threads
-from .tiles import tile_entry
+from .tiles import ColumnBands, band_boxes, band_chunks, column_bands, tile_entry
 
 __all__ = ["UCPFileSystemWriter"]
 
@@ -529,7 +528,7 @@ class UCPFileSystemWriter(FileSystemWriter):
     def _bands(
         self, index: MetadataIndex, t: torch.Tensor
     ) -> list[tuple[MetadataIndex, torch.Tensor, tuple[tuple[int, ...], tuple[int, ...], int] | None]]:
-        """The records a chunk is written as: itself, or its column bands (:mod:`~ucp_dcp.storage.column_bands`),
+        """The records a chunk is written as: itself, or its column bands (:mod:`~ucp_dcp.storage.tiles`),
         each with its index and, for bands, the chunk's offsets, sizes and band count (``finish`` cuts the
         metadata's chunk)."""
         on = self.column_bands == "always" or (self.column_bands == "store" and self.store is not None)

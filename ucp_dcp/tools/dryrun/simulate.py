@@ -22,11 +22,10 @@ from ...errors import MissingFileError, TruncatedFileError, UCPError
 from ...planning.device import STAGE_BYTES, staging_forced
 from ...planning.opened import checked
 from ...planning.payloads import ReadOnceMode
-from ...storage.file_ranges import REMOTE_GAP, StoreRanges
+from ...storage.file_ranges import REMOTE_GAP, StoreRanges, reading_threads
 from ...storage.format import check_tables
 from ...storage.opening import open_path
 from ...storage.staging import BUFFERS_PER_THREAD
-from ...storage.threads import reading_threads
 from ...storage.transport import plan_transport
 from .ranks import Problem, Ranks, problem_of
 from .read_cost import CostModel, Piece
