@@ -155,6 +155,7 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
+        # the step this rank is at, for the watch: a peer that loses this rank names where it stopped
         mark("save", "planning")
         fault_point("save-plan")
         for stale in (
@@ -166,6 +167,8 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
             self.__dict__.pop(stale, None)
         if not self.flatten_state_dict:
             require_flat(state_dict, "save")
+        # every entry becomes atoms (canonical names) and fragments (boxes of them) here, once: the local plan,
+        # the global checks and the lookups of the write step all read this one resolution
         self._patterns = Patterns(self.rules, strict=self.strict)
         self._resolver = Resolver(self.name_rules, self._patterns, self.maps)
         resolved, _ = self._resolver.resolve_state_dict(state_dict, for_load=False)
@@ -194,6 +197,8 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
     def _outer_create_local_plan(self, call: Any) -> SavePlan:
         """After the outermost ``create_local_plan`` (an override's included): plan the items it
         kept, packed for the gather (DCP's coordinator would get them as objects)."""
+        # DCP's contract first: an override of create_local_plan sees (and may edit) DCP-style items; only then
+        # is the plan replaced by our compact payload, which carries the layout the coordinator checks
         plan = call()
         pieces = self._item_edits(plan)  # what an override dropped or retyped (SaveHooks)
         self._local = build_local(
@@ -205,11 +210,13 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
             dropped=pieces,
             dtypes=self._dtypes,
         )
+        # packed (a structure hash and item rows, planning/payloads), not SavePlan items: the gather to the
+        # coordinator is the part of a save that grows with the ranks, so it carries the compact form
         payload = local_payload(
             self._local, self._resolved, self._ties, self._patterns, self.options, self.is_coordinator
         )
         self.plan = SavePlan([], planner_data=payload)
-        if plan_caching(self):
+        if plan_caching(self):  # DCP's enable_plan_caching: an unchanged local plan is sent as "unusable"
             sent = (payload.packed.structure_hash, payload.packed.items)
             if self._cache().local == sent:
                 logger.info("UCP: local plan and layout unchanged; reusing the cached global plan")
@@ -249,6 +256,8 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
         check_mesh_collisions(meshes, tied_atoms(self._patterns, structures.values()), "at save")
         check_replica_digests(payloads, structures, self.check_replicas, meshes)
         self._reduced = reduce_all(self._patterns, payloads)
+        # the checks above ran on every rank's payload, cached or not; only the global plan itself is reused,
+        # and only when no rank's local plan changed
         if plan_caching(self) and not any(p.usable for p in all_plans) and cache.global_plan is not None:
             return [SavePlan([], usable=False)] * len(all_plans), cache.global_plan[1]
         answers, metadata = global_plan(
@@ -282,7 +291,7 @@ class UCPSavePlanner(SaveHooks, DefaultSavePlanner):
                 "the plan create_local_plan returned)",
             )
         cache = self._cache()
-        if not new_plan.usable:
+        if not new_plan.usable:  # the coordinator reused its global plan: this rank's answer is the one it kept
             new_plan = cache.final
         elif plan_caching(self):
             cache.final = new_plan

@@ -59,6 +59,9 @@ def new_token() -> str:
 
 
 def _fsync_dir(path: str) -> None:
+    # A rename is durable only once its folder is synced (POSIX: the entry lives in the folder, not the file).
+    # Folders some file systems cannot open or sync (FUSE mounts, some network file systems) are left as they
+    # are: their rename is what they offer, and refusing to commit there would refuse every save.
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -83,10 +86,14 @@ def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: b
     """Make ``.metadata`` (pickle ``md_bytes``) and its ``sidecar`` the folder's checkpoint in one
     atomic step, then remove checkpoint files not in ``keep`` (data files of the new checkpoint).
     Returns the removed names."""
+    # Temporary names of this commit's own (a token): two saves racing into one folder, or a commit that died
+    # half-way, never write over each other's pieces; the scan below removes a dead one's leftovers.
     token = new_token()
     side = sidecar_name(metadata_hash(md_bytes))
     side_tmp = os.path.join(folder, f"{side}.{token}.tmp")
     md_tmp = os.path.join(folder, f"{METADATA}.{token}.tmp")
+    # The sidecar goes into place first: it is named by the hash of the .metadata it belongs to, so until that
+    # .metadata is renamed in, no reader opens it, and a crash here leaves the old checkpoint as it was.
     _write_file(side_tmp, sidecar, sync)
     os.replace(side_tmp, os.path.join(folder, side))
     _write_file(md_tmp, md_bytes, sync)
@@ -95,6 +102,8 @@ def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: b
     os.replace(md_tmp, os.path.join(folder, METADATA))  # the commit
     if sync:
         _fsync_dir(folder)
+    # Only now, with the new checkpoint durable, do the old one's files go: before the second folder sync a
+    # crash could bring back the old .metadata, which needs them.
     removed: list[str] = []
     refused: list[str] = []
     why: OSError | None = None
@@ -104,7 +113,7 @@ def commit(folder: str, md_bytes: bytes, sidecar: bytes, keep: set[str], sync: b
             try:
                 os.remove(os.path.join(folder, name))
                 removed.append(name)
-            except FileNotFoundError:
+            except FileNotFoundError:  # another process (a racing save's cleanup) removed it first
                 pass
             except OSError as e:  # committed already: failing now would make a job retry a save that succeeded
                 refused.append(name)
@@ -253,6 +262,8 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False, list_strays: boo
             f"no checkpoint at {path}: the folder holds no .metadata",
             hint="check the path (and that the save finished)",
         )
+    # The sidecar is found by the hash of the .metadata bytes, never by listing: a .metadata another writer
+    # saved over ours, or one damaged on disk, finds no sidecar of its own (and is judged below).
     h = metadata_hash(md_bytes)
     side = sidecar_name(h)
     side_bytes = _read_if_there(fs, fs.concat_path(path, side))
@@ -277,7 +288,7 @@ def open_checkpoint(fs: Any, path: Any, *, trust: bool = False, list_strays: boo
         return _unrecorded(fs, path, st, md_bytes, h, trust)
     md = safe_unpickle(md_bytes, trust=trust, where=f".metadata in {path}")
     io = (md.storage_data or {}).get(MetadataIndex(IO_KEY)) if isinstance(md.storage_data, dict) else None
-    if isinstance(io, dict) and io.get("version", 1) >= 2:
+    if isinstance(io, dict) and io.get("version", 1) >= 2:  # its own table says a sidecar was committed with it
         raise CorruptCheckpointError(
             f"the checkpoint in {path} was written with an integrity sidecar, which is missing",
             hint="copy the checkpoint's .ucp.*.json file along with it, or restore it from a good copy",

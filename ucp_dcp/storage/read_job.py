@@ -145,6 +145,8 @@ class ReadJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        # by identity: the coordinator's answer names pieces by their position in the plan, and ReadItems
+        # with equal fields (one chunk feeding one box twice) are distinct reads
         self.positions.update((id(it), i) for i, it in enumerate(self.plan.items))
 
     def sending(self, item: ReadItem) -> bool:
@@ -175,6 +177,8 @@ class ReadJob:
                 self.sending(item) or not target.numel() or nbytes > self.stage_bytes
             ):  # kept for the exchange: own memory
                 return None, memoryview(bytearray(nbytes))
+            # a staging buffer is reused once its copy's event completes, so reading the next item overlaps
+            # this one's host-to-device copy (storage/staging)
             buf = self.staging_pool(target).acquire()
             return _Staged(target, buf), memoryview(buf[:nbytes].numpy())
         # a conjugate/negative view's memory holds other bytes than its values (stock planners hand
@@ -187,6 +191,8 @@ class ReadJob:
     def finish(
         self, item: ReadItem, target: torch.Tensor | _Staged | None, mv: memoryview, record: TensorRecord
     ) -> None:
+        # kept before the commit: a piece other ranks need is sent from the bytes as read, whatever the
+        # planner's commit_tensor does to the target after
         self.keep_if_sent(item, mv)
         if isinstance(target, _Staged):
             assert self.pool is not None
@@ -212,6 +218,8 @@ class ReadJob:
             if len(data)
             else torch.empty(tuple(item.lengths), dtype=dtype)
         )
+        # DCP's order for each item, as its own reader keeps it: resolve_tensor, copy into it, commit_tensor (a
+        # planner may hand out scratch memory that only its commit compares or folds into the target)
         target = self.planner.resolve_tensor(item).detach()
         if target.size() != src.size():
             raise UCPError(
@@ -226,7 +234,7 @@ class ReadJob:
 
     def loaded(self, nbytes: int) -> None:
         """``nbytes`` of this rank's items reached their targets (file threads call it side by side)."""
-        with self.lock:
+        with self.lock:  # a += from several threads is a read-modify-write: without the lock, counts are lost
             self.stats.bytes_loaded += nbytes
 
     def decoded(self, item: ReadItem, data: bytes | memoryview) -> bytes:
